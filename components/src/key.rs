@@ -1,0 +1,239 @@
+//! [`StateKey`]: the one key type of every tier, the wire and the traces.
+//!
+//! Byte layout of [`StateKey::encode`] (integers little-endian):
+//!
+//! ```text
+//! key   := key_version:u8 (=1) ‖ namespace[32] ‖ hash
+//! hash  := hash_version:u8 (=1) ‖ group:u32 ‖ len:u16 ‖ native[len]
+//! ```
+//!
+//! `native` is the engine's own chained prefix hash for the page (vLLM's block
+//! hash bytes, SGLang's page hash), 1..=[`MAX_NATIVE_HASH_BYTES`] bytes. The
+//! group is always present, group 0 included, so a window page and a prefix
+//! page with the same native hash never collide. Engines stay in separate
+//! domains because the engine is part of the namespace's identity.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::encoding::{Digest32, Frame, put_str, put_u32, put_u64};
+use crate::namespace::Namespace;
+
+pub const KEY_VERSION: u8 = 1;
+pub const HASH_VERSION: u8 = 1;
+pub const MAX_NATIVE_HASH_BYTES: usize = 64;
+const HEADER_BYTES: usize = 1 + 32 + 1 + 4 + 2;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("native hash is empty")]
+    EmptyHash,
+    #[error("native hash is {0} bytes; at most {MAX_NATIVE_HASH_BYTES} are allowed")]
+    HashTooLong(usize),
+    #[error("state key is {0} bytes; too short")]
+    Truncated(usize),
+    #[error("unsupported state key version {0}")]
+    KeyVersion(u8),
+    #[error("unsupported hash version {0}")]
+    HashVersion(u8),
+    #[error("state key declares {declared} hash bytes but carries {actual}")]
+    LengthMismatch { declared: usize, actual: usize },
+    #[error("state key has an empty namespace")]
+    EmptyNamespace,
+}
+
+/// An engine-native chained prefix hash, stored inline so keys are `Copy`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NativeHash {
+    len: u8,
+    bytes: [u8; MAX_NATIVE_HASH_BYTES],
+}
+
+impl NativeHash {
+    pub fn new(bytes: &[u8]) -> Result<Self, KeyError> {
+        if bytes.is_empty() {
+            return Err(KeyError::EmptyHash);
+        }
+        if bytes.len() > MAX_NATIVE_HASH_BYTES {
+            return Err(KeyError::HashTooLong(bytes.len()));
+        }
+        let mut out = [0u8; MAX_NATIVE_HASH_BYTES];
+        out[..bytes.len()].copy_from_slice(bytes);
+        Ok(NativeHash {
+            len: bytes.len() as u8,
+            bytes: out,
+        })
+    }
+
+    /// An integer hash (vLLM's builtin hash, SGLang's int ids) as 8 LE bytes.
+    pub fn from_u64(v: u64) -> Self {
+        Self::new(&v.to_le_bytes()).expect("8 bytes fit")
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
+impl fmt::Debug for NativeHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NativeHash({})", hex::encode(self.as_bytes()))
+    }
+}
+
+/// A stored page's identity: the namespace it was computed under, the cache
+/// group, and the engine's chained prefix hash.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StateKey {
+    pub namespace: Namespace,
+    pub group: u32,
+    pub native: NativeHash,
+}
+
+impl StateKey {
+    pub fn new(namespace: Namespace, group: u32, native: &[u8]) -> Result<Self, KeyError> {
+        if namespace.is_empty() {
+            return Err(KeyError::EmptyNamespace);
+        }
+        Ok(StateKey {
+            namespace,
+            group,
+            native: NativeHash::new(native)?,
+        })
+    }
+
+    /// The versioned hash part: `hash_version ‖ group ‖ len ‖ native`.
+    pub fn hash_bytes(&self) -> Vec<u8> {
+        let native = self.native.as_bytes();
+        let mut out = Vec::with_capacity(7 + native.len());
+        out.push(HASH_VERSION);
+        out.extend_from_slice(&self.group.to_le_bytes());
+        out.extend_from_slice(&(native.len() as u16).to_le_bytes());
+        out.extend_from_slice(native);
+        out
+    }
+
+    pub fn encoded_len(&self) -> usize {
+        HEADER_BYTES + self.native.as_bytes().len()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        out.push(KEY_VERSION);
+        out.extend_from_slice(self.namespace.as_bytes());
+        out.extend_from_slice(&self.hash_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, KeyError> {
+        if bytes.len() < HEADER_BYTES {
+            return Err(KeyError::Truncated(bytes.len()));
+        }
+        if bytes[0] != KEY_VERSION {
+            return Err(KeyError::KeyVersion(bytes[0]));
+        }
+        let namespace = Namespace(bytes[1..33].try_into().expect("32 bytes"));
+        if bytes[33] != HASH_VERSION {
+            return Err(KeyError::HashVersion(bytes[33]));
+        }
+        let group = u32::from_le_bytes(bytes[34..38].try_into().expect("4 bytes"));
+        let declared = u16::from_le_bytes(bytes[38..40].try_into().expect("2 bytes")) as usize;
+        let native = &bytes[HEADER_BYTES..];
+        if native.len() != declared {
+            return Err(KeyError::LengthMismatch {
+                declared,
+                actual: native.len(),
+            });
+        }
+        StateKey::new(namespace, group, native)
+    }
+}
+
+impl fmt::Debug for StateKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "StateKey({:?}, g{}, {})",
+            self.namespace,
+            self.group,
+            hex::encode(self.native.as_bytes())
+        )
+    }
+}
+
+/// The full description of a page's bytes. A planning type: it is sealed into
+/// the namespace through the layout and digested into SSD record headers, not
+/// sent per page.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateFormat {
+    /// Element type, e.g. `bfloat16`, `fp8_e4m3`.
+    pub dtype: String,
+    /// Quantization scheme, `none` when unquantized.
+    pub quantization: String,
+    pub page_tokens: u32,
+    /// Dimension order, e.g. `NHD`.
+    pub layout: String,
+    pub strides: Vec<u64>,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub tp_rank: u32,
+    pub tp_size: u32,
+    pub pp_rank: u32,
+    pub pp_size: u32,
+    /// The kernel/implementation that wrote the bytes, e.g. `vllm-flash-attn`.
+    pub implementation: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid state format: {0}")]
+pub struct FormatError(pub &'static str);
+
+impl StateFormat {
+    pub fn validate(&self) -> Result<(), FormatError> {
+        let checks: [(bool, &'static str); 9] = [
+            (!self.dtype.is_empty(), "dtype is empty"),
+            (!self.quantization.is_empty(), "quantization is empty (use \"none\")"),
+            (self.page_tokens > 0, "page_tokens is 0"),
+            (!self.layout.is_empty(), "layout is empty"),
+            (self.num_kv_heads > 0 && self.head_dim > 0, "head shape has a zero"),
+            (self.tp_size > 0 && self.tp_rank < self.tp_size, "tp_rank is not below tp_size"),
+            (self.pp_size > 0 && self.pp_rank < self.pp_size, "pp_rank is not below pp_size"),
+            (!self.implementation.is_empty(), "implementation is empty"),
+            (!self.strides.is_empty(), "strides are empty"),
+        ];
+        match checks.iter().find(|(ok, _)| !ok) {
+            Some((_, why)) => Err(FormatError(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// SHA-256 of the canonical encoding.
+    pub fn digest(&self) -> Result<Digest32, FormatError> {
+        self.validate()?;
+        let mut body = Vec::new();
+        put_str(&mut body, &self.dtype);
+        put_str(&mut body, &self.quantization);
+        put_u32(&mut body, self.page_tokens);
+        put_str(&mut body, &self.layout);
+        put_u64(&mut body, self.strides.len() as u64);
+        for s in &self.strides {
+            put_u64(&mut body, *s);
+        }
+        for v in [
+            self.num_kv_heads,
+            self.head_dim,
+            self.tp_rank,
+            self.tp_size,
+            self.pp_rank,
+            self.pp_size,
+        ] {
+            put_u32(&mut body, v);
+        }
+        put_str(&mut body, &self.implementation);
+        let mut frame = Frame::new("orbitkv/state-format", 1);
+        frame.field(1, &body);
+        Ok(frame.sha256())
+    }
+}

@@ -1,0 +1,179 @@
+//! Storage layout and sealing: identity + layout = namespace.
+//!
+//! The layout is the set of storage slots a registration declares. Only what
+//! determines the stored bytes is sealed; where the bytes sit on the device
+//! (`device_addr`) and how many pages the pool holds (`pool_capacity_pages`)
+//! are carried for the runtime but never change the namespace.
+//!
+//! Byte layout:
+//!
+//! ```text
+//! namespace = SHA-256(frame("orbitkv/namespace", 1,
+//!   1: identity[32]
+//!   2: count:u64 ‖ slot*      sorted by (layer, group, tp_rank, pp_rank)))
+//! slot := layer:u32 ‖ group:u32 ‖ tp_rank:u32 ‖ pp_rank:u32
+//!       ‖ segment_bytes:u64 ‖ padded_page_bytes:u64 ‖ page_tokens:u32
+//!       ‖ dtype (len:u64 ‖ utf8) ‖ layout (len:u64 ‖ utf8)
+//!       ‖ stride_count:u64 ‖ stride:u64*
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::encoding::{Digest32, Frame, put_str, put_u32, put_u64};
+use crate::namespace::Namespace;
+
+/// One registered storage slot: one layer's pages of one group on one rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageSlot {
+    pub layer: u32,
+    pub group: u32,
+    pub tp_rank: u32,
+    pub pp_rank: u32,
+    /// Payload bytes of one page of this slot.
+    pub segment_bytes: u64,
+    /// Bytes one page occupies after alignment padding.
+    pub padded_page_bytes: u64,
+    pub page_tokens: u32,
+    pub dtype: String,
+    /// Dimension order, e.g. `NHD` or `HND`.
+    pub layout: String,
+    /// Element strides of one page.
+    pub strides: Vec<u64>,
+    /// Device address of the slot's base; not part of the namespace.
+    #[serde(default)]
+    pub device_addr: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageLayout {
+    pub slots: Vec<StorageSlot>,
+    /// Pool capacity in pages; not part of the namespace.
+    #[serde(default)]
+    pub pool_capacity_pages: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("storage layout has no slots")]
+    NoSlots,
+    #[error("slot (layer {layer}, group {group}, tp {tp_rank}, pp {pp_rank}) is declared twice")]
+    DuplicateSlot {
+        layer: u32,
+        group: u32,
+        tp_rank: u32,
+        pp_rank: u32,
+    },
+    #[error("slot (layer {layer}, group {group}): {reason}")]
+    BadSlot {
+        layer: u32,
+        group: u32,
+        reason: &'static str,
+    },
+}
+
+impl StorageSlot {
+    fn sort_key(&self) -> (u32, u32, u32, u32) {
+        (self.layer, self.group, self.tp_rank, self.pp_rank)
+    }
+
+    fn validate(&self) -> Result<(), LayoutError> {
+        let bad = |reason| LayoutError::BadSlot {
+            layer: self.layer,
+            group: self.group,
+            reason,
+        };
+        if self.page_tokens == 0 {
+            return Err(bad("page_tokens is 0"));
+        }
+        if self.segment_bytes == 0 {
+            return Err(bad("segment_bytes is 0"));
+        }
+        if self.padded_page_bytes < self.segment_bytes {
+            return Err(bad("padded_page_bytes is smaller than segment_bytes"));
+        }
+        if self.dtype.is_empty() {
+            return Err(bad("dtype is empty"));
+        }
+        if self.layout.is_empty() {
+            return Err(bad("layout is empty"));
+        }
+        Ok(())
+    }
+
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        put_u32(out, self.layer);
+        put_u32(out, self.group);
+        put_u32(out, self.tp_rank);
+        put_u32(out, self.pp_rank);
+        put_u64(out, self.segment_bytes);
+        put_u64(out, self.padded_page_bytes);
+        put_u32(out, self.page_tokens);
+        put_str(out, &self.dtype);
+        put_str(out, &self.layout);
+        put_u64(out, self.strides.len() as u64);
+        for s in &self.strides {
+            put_u64(out, *s);
+        }
+    }
+}
+
+impl StorageLayout {
+    /// The slots in canonical order, validated.
+    pub fn canonical_slots(&self) -> Result<Vec<&StorageSlot>, LayoutError> {
+        if self.slots.is_empty() {
+            return Err(LayoutError::NoSlots);
+        }
+        let mut slots: Vec<&StorageSlot> = self.slots.iter().collect();
+        slots.sort_by_key(|s| s.sort_key());
+        for pair in slots.windows(2) {
+            if pair[0].sort_key() == pair[1].sort_key() {
+                let s = pair[0];
+                return Err(LayoutError::DuplicateSlot {
+                    layer: s.layer,
+                    group: s.group,
+                    tp_rank: s.tp_rank,
+                    pp_rank: s.pp_rank,
+                });
+            }
+        }
+        for s in &slots {
+            s.validate()?;
+        }
+        Ok(slots)
+    }
+
+    /// Canonical bytes of the sealed part of the layout.
+    pub fn encode(&self) -> Result<Vec<u8>, LayoutError> {
+        let slots = self.canonical_slots()?;
+        let mut out = Vec::new();
+        put_u64(&mut out, slots.len() as u64);
+        for s in slots {
+            s.encode_into(&mut out);
+        }
+        Ok(out)
+    }
+
+    /// The layout restricted to one (tp_rank, pp_rank): what one worker holds.
+    pub fn for_rank(&self, tp_rank: u32, pp_rank: u32) -> StorageLayout {
+        StorageLayout {
+            slots: self
+                .slots
+                .iter()
+                .filter(|s| s.tp_rank == tp_rank && s.pp_rank == pp_rank)
+                .cloned()
+                .collect(),
+            pool_capacity_pages: self.pool_capacity_pages,
+        }
+    }
+}
+
+/// Binds a computation identity to a storage layout. The result names the
+/// stored representation: two registrations share a namespace exactly when
+/// they computed the same thing and store it in the same bytes.
+pub fn seal(identity: &Digest32, layout: &StorageLayout) -> Result<Namespace, LayoutError> {
+    let mut frame = Frame::new("orbitkv/namespace", 1);
+    frame.field(1, identity).field(2, &layout.encode()?);
+    Ok(Namespace(frame.sha256()))
+}

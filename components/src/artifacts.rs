@@ -126,7 +126,10 @@ fn list(dir: &Path) -> Result<Vec<Pending>, IdentityError> {
         if !entry.file_type().is_file() {
             continue;
         }
-        let rel = entry.path().strip_prefix(dir).expect("walkdir yields children of its root");
+        let rel = entry
+            .path()
+            .strip_prefix(dir)
+            .expect("walkdir yields children of its root");
         let Some(rel_str) = rel.to_str() else {
             return Err(IdentityError::NonUtf8Path(entry.path().to_path_buf()));
         };
@@ -263,7 +266,10 @@ mod tests {
     #[test]
     fn classification() {
         for (name, class) in [
-            ("model-00001-of-00002.safetensors", Some(ArtifactClass::Weights)),
+            (
+                "model-00001-of-00002.safetensors",
+                Some(ArtifactClass::Weights),
+            ),
             ("pytorch_model.bin", Some(ArtifactClass::Weights)),
             ("consolidated.pth", Some(ArtifactClass::Weights)),
             ("model.gguf", Some(ArtifactClass::Weights)),

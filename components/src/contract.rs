@@ -442,7 +442,11 @@ impl RecoveryContract {
     ) -> Result<Vec<RequiredRange>, ContractError> {
         self.check_namespace(namespace)?;
         self.check_span(start, end)?;
-        Ok(self.groups.iter().map(|g| self.demand(g, start, end)).collect())
+        Ok(self
+            .groups
+            .iter()
+            .map(|g| self.demand(g, start, end))
+            .collect())
     }
 
     /// Every legal boundary `b` in `(start, end]` for one rank's evidence,
@@ -483,7 +487,12 @@ impl RecoveryContract {
             .collect())
     }
 
-    fn check_page_ends(&self, ev: &GroupEvidence, start: u64, end: u64) -> Result<(), ContractError> {
+    fn check_page_ends(
+        &self,
+        ev: &GroupEvidence,
+        start: u64,
+        end: u64,
+    ) -> Result<(), ContractError> {
         let mut prev: Option<u64> = None;
         for &e in &ev.page_ends {
             if e % self.page_tokens != 0 {
@@ -519,7 +528,12 @@ impl RecoveryContract {
         for b in ranks {
             let first = &ranks[0];
             if (b.start, b.end) != (first.start, first.end) {
-                return Err(ContractError::RankSpanMismatch(first.start, first.end, b.start, b.end));
+                return Err(ContractError::RankSpanMismatch(
+                    first.start,
+                    first.end,
+                    b.start,
+                    b.end,
+                ));
             }
             sets.push(self.restorable_boundaries(b)?);
         }

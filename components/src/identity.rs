@@ -191,7 +191,10 @@ impl IdentityParts {
             ));
         }
         if !matches!(self.configuration, CanonicalValue::Object(_)) {
-            return Err(unestablished("configuration", "config.json is not a JSON object"));
+            return Err(unestablished(
+                "configuration",
+                "config.json is not a JSON object",
+            ));
         }
         // `null` inside config.json is a legitimate value (e.g. `rope_scaling`),
         // not a gap, so the configuration is not checked for nulls.
@@ -293,7 +296,9 @@ impl IdentityInputs {
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<ResolvedIdentity, IdentityError> {
         if !self.active_adapters.is_empty() {
-            return Err(IdentityError::AdaptersActive(self.active_adapters.join(", ")));
+            return Err(IdentityError::AdaptersActive(
+                self.active_adapters.join(", "),
+            ));
         }
         if self.model_dir.join("adapter_config.json").is_file() {
             return Err(IdentityError::AdaptersActive(format!(
@@ -340,7 +345,10 @@ fn read_config(dir: &Path) -> Result<CanonicalValue, IdentityError> {
             return Err(if dir.is_dir() {
                 IdentityError::NoConfig(dir.to_path_buf())
             } else {
-                IdentityError::Io { path: dir.to_path_buf(), source: e }
+                IdentityError::Io {
+                    path: dir.to_path_buf(),
+                    source: e,
+                }
             });
         }
         Err(source) => return Err(IdentityError::Io { path, source }),

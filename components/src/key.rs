@@ -194,12 +194,24 @@ impl StateFormat {
     pub fn validate(&self) -> Result<(), FormatError> {
         let checks: [(bool, &'static str); 9] = [
             (!self.dtype.is_empty(), "dtype is empty"),
-            (!self.quantization.is_empty(), "quantization is empty (use \"none\")"),
+            (
+                !self.quantization.is_empty(),
+                "quantization is empty (use \"none\")",
+            ),
             (self.page_tokens > 0, "page_tokens is 0"),
             (!self.layout.is_empty(), "layout is empty"),
-            (self.num_kv_heads > 0 && self.head_dim > 0, "head shape has a zero"),
-            (self.tp_size > 0 && self.tp_rank < self.tp_size, "tp_rank is not below tp_size"),
-            (self.pp_size > 0 && self.pp_rank < self.pp_size, "pp_rank is not below pp_size"),
+            (
+                self.num_kv_heads > 0 && self.head_dim > 0,
+                "head shape has a zero",
+            ),
+            (
+                self.tp_size > 0 && self.tp_rank < self.tp_size,
+                "tp_rank is not below tp_size",
+            ),
+            (
+                self.pp_size > 0 && self.pp_rank < self.pp_size,
+                "pp_rank is not below pp_size",
+            ),
             (!self.implementation.is_empty(), "implementation is empty"),
             (!self.strides.is_empty(), "strides are empty"),
         ];

@@ -9,7 +9,7 @@
 //! - [`artifacts`]: content fingerprint of a local model directory.
 //! - [`layout`]: storage layout and [`layout::seal`], which binds an identity
 //!   to a layout and yields the [`Namespace`].
-//! - [`key`]: [`StateKey`] (`namespace`, group, engine-native chained hash)
+//! - [`key`] holds [`StateKey`] (namespace, group, engine-native chained hash)
 //!   and [`StateFormat`].
 //! - [`contract`]: the compiled [`RecoveryContract`]: required ranges, legal
 //!   boundaries, cross-rank intersection, boundary selection, load validation.

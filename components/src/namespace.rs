@@ -52,7 +52,11 @@ impl fmt::Debug for Namespace {
 
 /// Parses exactly 64 lowercase hex digits into 32 bytes.
 pub fn parse_hex32(s: &str) -> Option<Digest32> {
-    if s.len() != 64 || !s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+    if s.len() != 64
+        || !s
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
         return None;
     }
     let mut out = [0u8; 32];
@@ -99,9 +103,21 @@ mod tests {
         let ns: Namespace = hex.parse().unwrap();
         assert_eq!(ns.to_string(), hex);
         assert_eq!("".parse::<Namespace>(), Err(NamespaceParseError::Empty));
-        assert_eq!("0".repeat(64).parse::<Namespace>(), Err(NamespaceParseError::Empty));
-        assert!(matches!("AB".repeat(32).parse::<Namespace>(), Err(NamespaceParseError::NotHex(_))));
-        assert!(matches!("ab".repeat(31).parse::<Namespace>(), Err(NamespaceParseError::NotHex(_))));
-        assert!(matches!("zz".repeat(32).parse::<Namespace>(), Err(NamespaceParseError::NotHex(_))));
+        assert_eq!(
+            "0".repeat(64).parse::<Namespace>(),
+            Err(NamespaceParseError::Empty)
+        );
+        assert!(matches!(
+            "AB".repeat(32).parse::<Namespace>(),
+            Err(NamespaceParseError::NotHex(_))
+        ));
+        assert!(matches!(
+            "ab".repeat(31).parse::<Namespace>(),
+            Err(NamespaceParseError::NotHex(_))
+        ));
+        assert!(matches!(
+            "zz".repeat(32).parse::<Namespace>(),
+            Err(NamespaceParseError::NotHex(_))
+        ));
     }
 }

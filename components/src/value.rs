@@ -80,9 +80,10 @@ impl CanonicalValue {
     pub fn find_null(&self) -> Option<String> {
         match self {
             CanonicalValue::Null => Some(String::new()),
-            CanonicalValue::Array(items) => items.iter().enumerate().find_map(|(i, v)| {
-                v.find_null().map(|p| format!("[{i}]{p}"))
-            }),
+            CanonicalValue::Array(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(i, v)| v.find_null().map(|p| format!("[{i}]{p}"))),
             CanonicalValue::Object(map) => find_null_in_map(map),
             _ => None,
         }
@@ -221,7 +222,10 @@ mod tests {
 
     #[test]
     fn key_order_does_not_matter() {
-        assert_eq!(enc(r#"{"a":1,"b":[true,null]}"#), enc(r#"{"b":[true,null],"a":1}"#));
+        assert_eq!(
+            enc(r#"{"a":1,"b":[true,null]}"#),
+            enc(r#"{"b":[true,null],"a":1}"#)
+        );
     }
 
     #[test]

@@ -1,0 +1,168 @@
+//! Golden vectors: the byte encodings and digests below are part of the
+//! on-disk and on-wire format. If one of these tests fails, a format changed:
+//! bump its version instead of updating the vector. The identity and
+//! namespace digests were cross-checked against an independent Python
+//! (hashlib + struct) implementation of the layouts documented in the crate.
+
+use std::collections::BTreeMap;
+
+use orbitkv_components::identity::ArtifactIdentity;
+use orbitkv_components::value::{CanonicalMap, CanonicalValue};
+use orbitkv_components::{
+    IdentityParts, KeyError, Namespace, StateFormat, StateKey, StorageLayout, StorageSlot, seal,
+};
+
+fn ns(byte: u8) -> Namespace {
+    Namespace([byte; 32])
+}
+
+#[test]
+fn state_key_golden_bytes() {
+    let key = StateKey::new(ns(0xab), 0, &[0xde, 0xad, 0xbe, 0xef]).unwrap();
+    let expected = concat!(
+        "01",                                                               // key version
+        "abababababababababababababababababababababababababababababababab", // namespace
+        "01",                                                               // hash version
+        "00000000",                                                         // group 0
+        "0400",                                                             // native length
+        "deadbeef"
+    );
+    assert_eq!(hex::encode(key.encode()), expected);
+    assert_eq!(
+        StateKey::decode(&hex::decode(expected).unwrap()).unwrap(),
+        key
+    );
+
+    let key = StateKey::new(ns(0x11), 7, &[0x42; 32]).unwrap();
+    let expected = format!("01{}01070000002000{}", "11".repeat(32), "42".repeat(32));
+    assert_eq!(hex::encode(key.encode()), expected);
+    assert_eq!(key.encoded_len(), expected.len() / 2);
+    assert_eq!(StateKey::decode(&key.encode()).unwrap(), key);
+}
+
+#[test]
+fn group_is_part_of_the_key() {
+    let a = StateKey::new(ns(1), 0, b"h").unwrap();
+    let b = StateKey::new(ns(1), 1, b"h").unwrap();
+    assert_ne!(a, b);
+    assert_ne!(a.encode(), b.encode());
+}
+
+#[test]
+fn state_key_decode_rejects_bad_bytes() {
+    let good = StateKey::new(ns(3), 2, b"abc").unwrap().encode();
+    assert_eq!(StateKey::decode(&good[..10]), Err(KeyError::Truncated(10)));
+    let mut v = good.clone();
+    v[0] = 2;
+    assert_eq!(StateKey::decode(&v), Err(KeyError::KeyVersion(2)));
+    let mut v = good.clone();
+    v[33] = 9;
+    assert_eq!(StateKey::decode(&v), Err(KeyError::HashVersion(9)));
+    let mut v = good.clone();
+    v.push(0);
+    assert_eq!(
+        StateKey::decode(&v),
+        Err(KeyError::LengthMismatch {
+            declared: 3,
+            actual: 4
+        })
+    );
+    let mut v = good.clone();
+    v[1..33].fill(0);
+    assert_eq!(StateKey::decode(&v), Err(KeyError::EmptyNamespace));
+    let mut v = good[..40].to_vec();
+    v[38] = 0;
+    assert_eq!(StateKey::decode(&v), Err(KeyError::EmptyHash));
+    assert_eq!(
+        StateKey::new(ns(1), 0, &[0; 65]),
+        Err(KeyError::HashTooLong(65))
+    );
+    assert_eq!(
+        StateKey::new(Namespace::EMPTY, 0, b"x"),
+        Err(KeyError::EmptyNamespace)
+    );
+}
+
+fn map(pairs: &[(&str, CanonicalValue)]) -> CanonicalMap {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
+}
+
+pub fn golden_parts() -> IdentityParts {
+    IdentityParts {
+        engine: "vllm".into(),
+        engine_release: "0.33.0".into(),
+        artifacts: ArtifactIdentity::HubRevision("0123456789abcdef0123456789abcdef01234567".into()),
+        configuration: CanonicalValue::Object(BTreeMap::from([(
+            "model_type".to_string(),
+            CanonicalValue::String("llama".into()),
+        )])),
+        config_overrides: CanonicalMap::new(),
+        settings: map(&[("dtype", CanonicalValue::String("bfloat16".into()))]),
+        representation: map(&[("block_size", CanonicalValue::UInt(16))]),
+        cache_scope: None,
+    }
+}
+
+pub fn golden_slot() -> StorageSlot {
+    StorageSlot {
+        layer: 0,
+        group: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+        segment_bytes: 4096,
+        padded_page_bytes: 4096,
+        page_tokens: 16,
+        dtype: "bfloat16".into(),
+        layout: "NHD".into(),
+        strides: vec![128, 1],
+        device_addr: 0,
+    }
+}
+
+#[test]
+fn identity_and_namespace_golden_digests() {
+    let id = golden_parts().digest().unwrap();
+    assert_eq!(
+        hex::encode(id),
+        "1224f2cc2db0d23f9a7984fd87c760a09d3bdfd196fae40f78f9e3ac7c9fb826"
+    );
+    let layout = StorageLayout {
+        slots: vec![golden_slot()],
+        pool_capacity_pages: 0,
+    };
+    assert_eq!(
+        seal(&id, &layout).unwrap().to_hex(),
+        "39b7c0da3e204749c3514627ad3041b08ba0e80b7d193eaae13c12aed8589c07"
+    );
+}
+
+#[test]
+fn state_format_golden_digest() {
+    let f = StateFormat {
+        dtype: "bfloat16".into(),
+        quantization: "none".into(),
+        page_tokens: 16,
+        layout: "NHD".into(),
+        strides: vec![1024, 128, 1],
+        num_kv_heads: 8,
+        head_dim: 128,
+        tp_rank: 0,
+        tp_size: 2,
+        pp_rank: 0,
+        pp_size: 1,
+        implementation: "flash-attn".into(),
+    };
+    assert_eq!(
+        hex::encode(f.digest().unwrap()),
+        "3429c1de4a3999b1ff722ab61b56fcd78d026d3315d6510412052ebede029f14"
+    );
+    let mut other_rank = f.clone();
+    other_rank.tp_rank = 1;
+    assert_ne!(other_rank.digest().unwrap(), f.digest().unwrap());
+    let mut bad = f.clone();
+    bad.tp_rank = 2;
+    assert!(bad.digest().is_err());
+}

@@ -76,6 +76,21 @@ impl NativeHash {
     }
 }
 
+/// Serialized as lowercase hex.
+impl Serialize for NativeHash {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(self.as_bytes()))
+    }
+}
+
+impl<'de> Deserialize<'de> for NativeHash {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let bytes = hex::decode(&s).map_err(serde::de::Error::custom)?;
+        NativeHash::new(&bytes).map_err(serde::de::Error::custom)
+    }
+}
+
 impl fmt::Debug for NativeHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "NativeHash({})", hex::encode(self.as_bytes()))

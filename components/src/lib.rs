@@ -35,8 +35,10 @@
 //! vectors in `tests/golden.rs`. Changing any of these is a version bump:
 //! old entries stop matching, which is the intended failure mode.
 
+pub mod api;
 pub mod artifacts;
 pub mod contract;
+pub mod ecs;
 pub mod encoding;
 pub mod identity;
 pub mod key;

@@ -1,1 +1,130 @@
-//! Filled by a later issue; see ARCHITECTURE.md.
+//! Device copy engines: move pages between the host pool and engine device
+//! memory, asynchronously.
+//!
+//! [`CopyEngine`] is the one interface. Backends:
+//! - [`host::HostCopyEngine`]: the "device" is host memory; copies run on
+//!   worker threads and complete through tokens. Used where no GPU exists.
+//! - [`sim::SimCopyEngine`]: deterministic; a copy completes after a set
+//!   number of simulated microseconds. Used by replays and runtime tests.
+//! - CUDA (cudarc) arrives in a later issue behind the same trait.
+//!
+//! The trait never assumes synchronous completion: `submit` returns a token,
+//! and only `poll` reports that the bytes landed.
+
+pub mod host;
+pub mod sim;
+
+/// A registered device region (one engine KV pool per rank and group).
+pub type RegionId = u32;
+
+/// Identifies one submitted batch until `poll` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CompletionToken(pub u64);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Restore: host pool → device.
+    HostToDevice,
+    /// Publish: device → host pool.
+    DeviceToHost,
+}
+
+/// One contiguous copy between the host pool and a device region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageCopy {
+    /// Byte offset into the registered host pool.
+    pub host_offset: u64,
+    pub region: RegionId,
+    /// Byte offset into the device region.
+    pub device_offset: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CopyError {
+    #[error("no host pool is registered")]
+    NoHostPool,
+    #[error("unknown device region {0}")]
+    UnknownRegion(RegionId),
+    #[error("copy [{offset}, +{len}) is outside the {what} ({size} bytes)")]
+    OutOfBounds {
+        what: &'static str,
+        offset: u64,
+        len: u64,
+        size: u64,
+    },
+    #[error("copy batch is empty")]
+    EmptyBatch,
+    #[error("{0} batches in flight; the limit is {1}")]
+    QueueFull(usize, usize),
+    #[error("device region of {0} bytes cannot be registered: {1}")]
+    RegionRejected(u64, String),
+    #[error("copy failed: {0}")]
+    Failed(String),
+}
+
+/// A finished batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub token: CompletionToken,
+    pub result: Result<(), CopyError>,
+}
+
+/// Asynchronous page copies between the host pool and device regions.
+pub trait CopyEngine: Send {
+    /// Short backend name for reports (`host`, `sim`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    /// Registers a device region of `bytes` bytes. The host and simulated
+    /// backends allocate it themselves.
+    fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError>;
+
+    /// Registers the host pool every `host_offset` is relative to.
+    ///
+    /// # Safety
+    /// `base..base+len` must stay valid, and must not be moved or unmapped,
+    /// until the engine is dropped. The caller must not touch a byte range
+    /// while a submitted copy covers it (the runtime's Transfer entities and
+    /// leases guarantee this).
+    unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), CopyError>;
+
+    /// Validates and submits one batch. Bounds are checked here, so a bad
+    /// copy is a typed error and nothing of the batch is started.
+    fn submit(
+        &mut self,
+        direction: Direction,
+        copies: &[PageCopy],
+        now_us: u64,
+    ) -> Result<CompletionToken, CopyError>;
+
+    /// Appends finished batches to `out`; never blocks.
+    fn poll(&mut self, now_us: u64, out: &mut Vec<Completion>);
+
+    /// Batches submitted and not yet reported by `poll`.
+    fn in_flight(&self) -> usize;
+}
+
+/// Checks one copy against the pool and region sizes.
+pub fn check_bounds(copy: &PageCopy, host_len: u64, region_len: u64) -> Result<(), CopyError> {
+    let oob = |what, offset: u64, size| CopyError::OutOfBounds {
+        what,
+        offset,
+        len: copy.len,
+        size,
+    };
+    if copy
+        .host_offset
+        .checked_add(copy.len)
+        .is_none_or(|end| end > host_len)
+    {
+        return Err(oob("host pool", copy.host_offset, host_len));
+    }
+    if copy
+        .device_offset
+        .checked_add(copy.len)
+        .is_none_or(|end| end > region_len)
+    {
+        return Err(oob("device region", copy.device_offset, region_len));
+    }
+    Ok(())
+}

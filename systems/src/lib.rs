@@ -1,1 +1,15 @@
-//! Filled by a later issue; see ARCHITECTURE.md.
+//! The runtime's stages, one module each, in the order `orbitkv-world`
+//! declares: ingest, discover, validate, read, restore, fence, evict.
+//!
+//! Each stage is a plain function over queries and resources; its signature
+//! says what it reads and writes. Structural changes go through `Commands`.
+
+pub mod discover;
+pub mod evict;
+pub mod fence;
+pub mod ingest;
+pub mod lifecycle;
+pub mod read;
+pub mod resources;
+pub mod restore;
+pub mod validate;

@@ -1,1 +1,12 @@
-//! Filled by a later issue; see ARCHITECTURE.md.
+//! The OrbitKV runtime: builds the ECS `World` and tick schedule from a
+//! [`Config`], and exposes the [`Runtime`] facade: `submit` commands, `tick`
+//! for events. There is no other way to change the runtime's state.
+
+pub mod config;
+pub mod invariants;
+pub mod runtime;
+pub mod schedule;
+
+pub use config::{Config, ConfigError};
+pub use orbitkv_components::api::{Command, CommandError, CommandId, Event, MissReason};
+pub use runtime::{Backends, Runtime, RuntimeError, Stats, SubmitError};

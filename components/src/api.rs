@@ -1,0 +1,357 @@
+//! The runtime's commands and events: everything an engine can ask and every
+//! answer it gets. Plain data, so the wire, the Python bridge and traces can
+//! carry them unchanged.
+//!
+//! Handles given to the engine are `Entity::to_bits()` values (index +
+//! generation), so a handle to a retired entity can never reach its
+//! successor. Sessions additionally carry their epoch and the manager
+//! incarnation.
+
+use serde::{Deserialize, Serialize};
+
+use crate::contract::{GroupSpec, RequiredRange};
+use crate::encoding::Digest32;
+use crate::key::NativeHash;
+use crate::layout::StorageLayout;
+use crate::namespace::Namespace;
+
+/// Sequence number of a submitted command; events answer it.
+pub type CommandId = u64;
+
+/// Why state was not handed back. One enum everywhere: events, reports,
+/// metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissReason {
+    NotFound,
+    Namespace,
+    IncompleteGroup,
+    NoLegalBoundary,
+    Budget,
+    Deadline,
+    StaleGeneration,
+    StaleSession,
+    IoError,
+    Checksum,
+    Cancelled,
+    EvictedDuringRead,
+}
+
+impl MissReason {
+    pub const ALL: [MissReason; 12] = [
+        MissReason::NotFound,
+        MissReason::Namespace,
+        MissReason::IncompleteGroup,
+        MissReason::NoLegalBoundary,
+        MissReason::Budget,
+        MissReason::Deadline,
+        MissReason::StaleGeneration,
+        MissReason::StaleSession,
+        MissReason::IoError,
+        MissReason::Checksum,
+        MissReason::Cancelled,
+        MissReason::EvictedDuringRead,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MissReason::NotFound => "not_found",
+            MissReason::Namespace => "namespace",
+            MissReason::IncompleteGroup => "incomplete_group",
+            MissReason::NoLegalBoundary => "no_legal_boundary",
+            MissReason::Budget => "budget",
+            MissReason::Deadline => "deadline",
+            MissReason::StaleGeneration => "stale_generation",
+            MissReason::StaleSession => "stale_session",
+            MissReason::IoError => "io_error",
+            MissReason::Checksum => "checksum",
+            MissReason::Cancelled => "cancelled",
+            MissReason::EvictedDuringRead => "evicted_during_read",
+        }
+    }
+}
+
+impl std::fmt::Display for MissReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A session handle: entity bits, the epoch it was opened with, and the
+/// manager incarnation that issued it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SessionHandle {
+    pub id: u64,
+    pub epoch: u64,
+    pub incarnation: u64,
+}
+
+/// One parallel rank: a (tensor, pipeline) position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Rank {
+    pub tp: u32,
+    pub pp: u32,
+}
+
+/// The engine's chained hashes for one group: `hashes[i]` names the page
+/// covering tokens `[i * page_tokens, (i + 1) * page_tokens)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupHashes {
+    pub group: u32,
+    pub hashes: Vec<NativeHash>,
+}
+
+/// A page position in a query: which rank and group, and its absolute token
+/// end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PagePos {
+    pub rank: u32,
+    pub group: u32,
+    pub page_end: u64,
+}
+
+/// A restore destination: the page at `pos` goes into device page `device_page`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreTarget {
+    pub pos: PagePos,
+    pub device_page: u64,
+}
+
+/// A page to publish from a device page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublishPage {
+    pub group: u32,
+    pub hash: NativeHash,
+    pub device_page: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "command", rename_all = "snake_case")]
+pub enum Command {
+    /// Register (or re-attach to) an engine instance. Each rank's slots in
+    /// `layout` are sealed with `identity` into that rank's namespace.
+    RegisterInstance {
+        instance: String,
+        #[serde(with = "hex32")]
+        identity: Digest32,
+        layout: StorageLayout,
+        page_tokens: u64,
+        groups: Vec<GroupSpec>,
+        ranks: Vec<Rank>,
+    },
+    OpenSession {
+        instance: String,
+    },
+    CloseSession {
+        session: SessionHandle,
+    },
+    /// A device KV pool for one (rank, group) with `slots` page slots.
+    RegisterDeviceRegion {
+        session: SessionHandle,
+        rank: u32,
+        group: u32,
+        slots: u32,
+    },
+    /// The engine put a page into `slot`; the reply is a fresh handle.
+    DevicePageAlloc {
+        session: SessionHandle,
+        region: u64,
+        slot: u32,
+    },
+    /// The engine is done with a device page; deferred while a copy targets it.
+    DevicePageFree {
+        session: SessionHandle,
+        device_page: u64,
+    },
+    /// Metadata-only discovery and boundary selection. With `prepare`, the
+    /// selected boundary goes straight on to read_recovery.
+    Query {
+        session: SessionHandle,
+        request: u64,
+        groups: Vec<GroupHashes>,
+        /// Valid HBM prefix origin (page-aligned).
+        origin: u64,
+        prompt_len: u64,
+        /// The namespaces the adapter computed, per rank; a mismatch is a
+        /// miss with reason `namespace`. Empty means "not checked".
+        #[serde(default)]
+        expect_namespaces: Vec<Namespace>,
+        #[serde(default)]
+        prepare: bool,
+        #[serde(default)]
+        speculative: bool,
+    },
+    /// read_recovery for the selected boundary of a query.
+    Prepare {
+        session: SessionHandle,
+        operation: u64,
+    },
+    Restore {
+        session: SessionHandle,
+        operation: u64,
+        targets: Vec<RestoreTarget>,
+        /// Pages of the required ranges the engine attests it still holds.
+        retained: Vec<PagePos>,
+    },
+    Publish {
+        session: SessionHandle,
+        request: u64,
+        rank: u32,
+        pages: Vec<PublishPage>,
+    },
+    Release {
+        session: SessionHandle,
+        operation: u64,
+    },
+    Cancel {
+        session: SessionHandle,
+        operation: u64,
+    },
+    /// Simulated clock only: move time forward.
+    AdvanceClock {
+        us: u64,
+    },
+}
+
+/// A typed refusal of a command. The command had no effect.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "error", content = "detail", rename_all = "snake_case")]
+pub enum CommandError {
+    #[error("stale session: it was closed, or issued by another manager incarnation")]
+    StaleSession,
+    #[error("stale generation: device page {0:#x} was freed or reused")]
+    StaleGeneration(u64),
+    #[error("unknown instance {0:?}")]
+    UnknownInstance(String),
+    #[error("instance {0:?} is registered with a different identity or layout")]
+    InstanceConflict(String),
+    #[error("unknown or finished operation {0:#x}")]
+    UnknownOperation(u64),
+    #[error("operation {operation:#x} is {state}, not {expected}")]
+    WrongState {
+        operation: u64,
+        state: String,
+        expected: String,
+    },
+    #[error("unknown device region {0:#x}")]
+    UnknownRegion(u64),
+    #[error("device slot {slot} of region {region:#x} is already allocated")]
+    SlotInUse { region: u64, slot: u32 },
+    #[error("invalid command: {0}")]
+    Invalid(String),
+    #[error("limit {name} ({limit}) exceeded")]
+    Limit { name: String, limit: u64 },
+    #[error("load does not cover the required range exactly: {0}")]
+    LoadInvalid(String),
+    #[error("copy engine: {0}")]
+    Copy(String),
+    #[error("the runtime's clock is not simulated")]
+    WallClock,
+}
+
+/// A leased page in a `Ready` reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseInfo {
+    pub lease: u64,
+    pub pos: PagePos,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Rejected {
+        command: CommandId,
+        error: CommandError,
+    },
+    InstanceRegistered {
+        command: CommandId,
+        instance: u64,
+        namespaces: Vec<Namespace>,
+        /// True when this registration re-attached to an existing instance.
+        existing: bool,
+    },
+    SessionOpened {
+        command: CommandId,
+        session: SessionHandle,
+    },
+    SessionClosed {
+        session: SessionHandle,
+    },
+    RegionRegistered {
+        command: CommandId,
+        region: u64,
+        /// The copy engine's id for the region (CUDA/host backends).
+        engine_region: u32,
+        page_bytes: u64,
+    },
+    DevicePageAllocated {
+        command: CommandId,
+        device_page: u64,
+    },
+    /// The device page is gone; `deferred` when a copy held it past the free.
+    DevicePageFreed {
+        device_page: u64,
+        deferred: bool,
+    },
+    QueryResult {
+        command: CommandId,
+        request: u64,
+        operation: u64,
+        /// Page ends found per (rank, group), from discovery (metadata only).
+        candidates: Vec<Candidates>,
+        common: Vec<u64>,
+        selected: Option<u64>,
+        miss: Option<MissReason>,
+    },
+    /// Some required pages are being read; `Ready` or `Miss` follows.
+    Loading {
+        operation: u64,
+    },
+    Ready {
+        operation: u64,
+        boundary: u64,
+        ranges: Vec<(u32, RequiredRange)>,
+        leases: Vec<LeaseInfo>,
+    },
+    Miss {
+        operation: u64,
+        reason: MissReason,
+    },
+    RestoreDone {
+        operation: u64,
+        pages: u64,
+        bytes: u64,
+    },
+    PublishDone {
+        command: CommandId,
+        request: u64,
+        inserted: u64,
+        duplicates: u64,
+        dropped: u64,
+    },
+    Released {
+        operation: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Candidates {
+    pub rank: u32,
+    pub group: u32,
+    pub page_ends: Vec<u64>,
+}
+
+mod hex32 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &[u8; 32], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 32], D::Error> {
+        let s = String::deserialize(d)?;
+        crate::namespace::parse_hex32(&s)
+            .ok_or_else(|| serde::de::Error::custom("expected 64 lowercase hex digits"))
+    }
+}

@@ -1,0 +1,376 @@
+//! Host-memory copy engine: lets the runtime run its real asynchronous copy
+//! path on machines without a GPU. Device regions are plain host
+//! allocations, and copies run on worker threads so completion is genuinely
+//! out of band, exactly as with a device queue.
+//!
+//! [`DeviceArena`] (the region store) is shared with [`crate::sim`], so both
+//! backends expose device bytes to tests the same way.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::thread::{self, JoinHandle};
+use std::{fmt, ptr};
+
+use crate::{
+    Completion, CompletionToken, CopyEngine, CopyError, Direction, PageCopy, RegionId, check_bounds,
+};
+
+/// Device regions held in host memory, shared by an engine and its callers.
+///
+/// Every region sits behind its own lock, so reading or writing device
+/// bytes through this handle is safe even while copies are in flight: it
+/// waits for the copy touching that region, never races it.
+#[derive(Clone, Default)]
+pub struct DeviceArena {
+    regions: Arc<RwLock<Vec<Arc<Region>>>>,
+}
+
+struct Region {
+    len: u64,
+    bytes: RwLock<Box<[u8]>>,
+}
+
+// Lock poisoning only means another thread panicked mid-copy; the bytes are
+// still plain bytes, so carrying on is sound.
+fn read_lock<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write_lock<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// `offset..offset+len` as an index range, if it lies within `size`.
+fn device_range(offset: u64, len: u64, size: u64) -> Result<std::ops::Range<usize>, CopyError> {
+    match offset.checked_add(len) {
+        // Both ends are <= size, which is a real allocation's length, so
+        // they fit in usize.
+        Some(end) if end <= size => Ok(offset as usize..end as usize),
+        _ => Err(CopyError::OutOfBounds {
+            what: "device region",
+            offset,
+            len,
+            size,
+        }),
+    }
+}
+
+impl DeviceArena {
+    /// Allocates a zeroed region. Allocation failure is a typed error, not
+    /// an abort, because region sizes come from configuration.
+    pub(crate) fn register(&self, bytes: u64) -> Result<RegionId, CopyError> {
+        let reject = |why: &str| CopyError::RegionRejected(bytes, why.to_string());
+        if bytes == 0 {
+            return Err(reject("a region must not be empty"));
+        }
+        let size = usize::try_from(bytes).map_err(|_| reject("larger than the address space"))?;
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(size)
+            .map_err(|e| reject(&e.to_string()))?;
+        buf.resize(size, 0);
+        let mut regions = write_lock(&self.regions);
+        let id = RegionId::try_from(regions.len()).map_err(|_| reject("too many regions"))?;
+        regions.push(Arc::new(Region {
+            len: bytes,
+            bytes: RwLock::new(buf.into_boxed_slice()),
+        }));
+        Ok(id)
+    }
+
+    fn region(&self, region: RegionId) -> Result<Arc<Region>, CopyError> {
+        read_lock(&self.regions)
+            .get(region as usize)
+            .cloned()
+            .ok_or(CopyError::UnknownRegion(region))
+    }
+
+    /// Size of `region` in bytes, if it exists.
+    pub fn region_len(&self, region: RegionId) -> Option<u64> {
+        self.region(region).ok().map(|r| r.len)
+    }
+
+    /// Writes device bytes directly, e.g. to seed a region in a test.
+    pub fn write(&self, region: RegionId, offset: u64, data: &[u8]) -> Result<(), CopyError> {
+        let region = self.region(region)?;
+        let range = device_range(offset, data.len() as u64, region.len)?;
+        write_lock(&region.bytes)[range].copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Reads device bytes directly, e.g. to check what a copy delivered.
+    pub fn read(&self, region: RegionId, offset: u64, len: u64) -> Result<Vec<u8>, CopyError> {
+        let region = self.region(region)?;
+        let range = device_range(offset, len, region.len)?;
+        Ok(read_lock(&region.bytes)[range].to_vec())
+    }
+
+    /// Checks a whole batch against the host pool and the regions, so a bad
+    /// batch is rejected before any of it starts.
+    pub(crate) fn validate(
+        &self,
+        host: Option<&HostPool>,
+        copies: &[PageCopy],
+    ) -> Result<(), CopyError> {
+        self.resolve(host, copies).map(drop)
+    }
+
+    fn resolve(
+        &self,
+        host: Option<&HostPool>,
+        copies: &[PageCopy],
+    ) -> Result<Vec<Arc<Region>>, CopyError> {
+        if copies.is_empty() {
+            return Err(CopyError::EmptyBatch);
+        }
+        let host = host.ok_or(CopyError::NoHostPool)?;
+        copies
+            .iter()
+            .map(|copy| {
+                let region = self.region(copy.region)?;
+                check_bounds(copy, host.len, region.len)?;
+                Ok(region)
+            })
+            .collect()
+    }
+
+    /// Moves the bytes of one batch. Validates again rather than trusting
+    /// the caller, so the raw-pointer copies below are only ever in bounds;
+    /// a batch that fails here was broken by a bug, hence `Failed`.
+    pub(crate) fn copy_batch(
+        &self,
+        host: &HostPool,
+        direction: Direction,
+        copies: &[PageCopy],
+    ) -> Result<(), CopyError> {
+        let regions = self
+            .resolve(Some(host), copies)
+            .map_err(|e| CopyError::Failed(format!("batch invalid at copy time: {e}")))?;
+        for (copy, region) in copies.iter().zip(&regions) {
+            let range = device_range(copy.device_offset, copy.len, region.len)?;
+            let len = range.len();
+            // SAFETY: `resolve` checked host_offset + len <= host.len, and
+            // `HostPool` guarantees base..base+len is valid memory.
+            let host_ptr = unsafe { host.base.add(copy.host_offset as usize) };
+            // SAFETY (both arms): the device side is a slice of a region we
+            // own, under its lock; the host side is in bounds (above) and,
+            // per the `register_host_pool` contract, nobody else touches it
+            // while this copy is in flight. The two cannot overlap: callers
+            // never get a pointer into a region, so the host pool cannot lie
+            // inside one.
+            match direction {
+                Direction::HostToDevice => {
+                    let mut bytes = write_lock(&region.bytes);
+                    unsafe { ptr::copy_nonoverlapping(host_ptr, bytes[range].as_mut_ptr(), len) };
+                }
+                Direction::DeviceToHost => {
+                    let bytes = read_lock(&region.bytes);
+                    unsafe { ptr::copy_nonoverlapping(bytes[range].as_ptr(), host_ptr, len) };
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DeviceArena {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sizes: Vec<u64> = read_lock(&self.regions).iter().map(|r| r.len).collect();
+        f.debug_struct("DeviceArena")
+            .field("region_bytes", &sizes)
+            .finish()
+    }
+}
+
+/// The registered host pool: a raw range that worker threads copy through.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostPool {
+    base: *mut u8,
+    len: u64,
+}
+
+// SAFETY: `CopyEngine::register_host_pool` makes the caller promise that
+// base..base+len stays valid until the engine is dropped and that nobody
+// else touches a range while a copy covering it is in flight. Under that
+// promise, using the pointer from another thread is sound.
+unsafe impl Send for HostPool {}
+// SAFETY: as for Send; shared access only ever copies bytes the contract
+// reserves for the in-flight batch.
+unsafe impl Sync for HostPool {}
+
+impl HostPool {
+    /// # Safety
+    /// The `register_host_pool` contract must hold for `base..base+len`.
+    pub(crate) unsafe fn new(base: *mut u8, len: u64) -> Result<Self, CopyError> {
+        if base.is_null() {
+            return Err(CopyError::Failed("host pool base pointer is null".into()));
+        }
+        if usize::try_from(len).is_err() {
+            return Err(CopyError::Failed(format!(
+                "host pool of {len} bytes exceeds the address space"
+            )));
+        }
+        Ok(Self { base, len })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostCopyConfig {
+    /// Copy threads; 0 is treated as 1.
+    pub workers: usize,
+    pub max_in_flight_batches: usize,
+}
+
+impl Default for HostCopyConfig {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            max_in_flight_batches: 64,
+        }
+    }
+}
+
+struct Job {
+    token: CompletionToken,
+    direction: Direction,
+    host: HostPool,
+    copies: Vec<PageCopy>,
+}
+
+/// Copies on worker threads; "device" regions live in host memory.
+pub struct HostCopyEngine {
+    config: HostCopyConfig,
+    arena: DeviceArena,
+    host: Option<HostPool>,
+    jobs: Sender<Job>,
+    done: Receiver<Completion>,
+    workers: Vec<JoinHandle<()>>,
+    next_token: u64,
+    in_flight: usize,
+}
+
+impl HostCopyEngine {
+    pub fn new(config: HostCopyConfig) -> Self {
+        let arena = DeviceArena::default();
+        let (job_tx, job_rx) = mpsc::channel::<Job>();
+        let (done_tx, done) = mpsc::channel();
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        // If no thread can be spawned, the job receiver is dropped with the
+        // last clone and `submit` reports that workers have stopped.
+        let workers = (0..config.workers.max(1))
+            .map_while(|i| {
+                let (jobs, done, arena) = (job_rx.clone(), done_tx.clone(), arena.clone());
+                thread::Builder::new()
+                    .name(format!("orbitkv-copy-{i}"))
+                    .spawn(move || worker(&jobs, &done, &arena))
+                    .ok()
+            })
+            .collect();
+        Self {
+            config,
+            arena,
+            host: None,
+            jobs: job_tx,
+            done,
+            workers,
+            next_token: 0,
+            in_flight: 0,
+        }
+    }
+
+    /// A handle to the device regions, usable while the engine runs.
+    pub fn arena(&self) -> DeviceArena {
+        self.arena.clone()
+    }
+}
+
+fn worker(jobs: &Mutex<Receiver<Job>>, done: &Sender<Completion>, arena: &DeviceArena) {
+    loop {
+        // The guard is a temporary, so the lock is released before copying.
+        let job = match jobs.lock().unwrap_or_else(PoisonError::into_inner).recv() {
+            Ok(job) => job,
+            Err(_) => return, // engine dropped and queue drained
+        };
+        // A panic must still produce a completion, or `in_flight` never
+        // drains and the caller waits forever.
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            arena.copy_batch(&job.host, job.direction, &job.copies)
+        }))
+        .unwrap_or_else(|_| Err(CopyError::Failed("copy worker panicked".into())));
+        // The engine may already be gone; then nobody wants the completion.
+        let _ = done.send(Completion {
+            token: job.token,
+            result,
+        });
+    }
+}
+
+impl CopyEngine for HostCopyEngine {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError> {
+        self.arena.register(bytes)
+    }
+
+    unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), CopyError> {
+        // SAFETY: the caller upholds this method's contract, which is
+        // exactly `HostPool::new`'s.
+        self.host = Some(unsafe { HostPool::new(base, len) }?);
+        Ok(())
+    }
+
+    fn submit(
+        &mut self,
+        direction: Direction,
+        copies: &[PageCopy],
+        _now_us: u64,
+    ) -> Result<CompletionToken, CopyError> {
+        self.arena.validate(self.host.as_ref(), copies)?;
+        let host = self.host.ok_or(CopyError::NoHostPool)?;
+        if self.in_flight >= self.config.max_in_flight_batches {
+            return Err(CopyError::QueueFull(
+                self.in_flight,
+                self.config.max_in_flight_batches,
+            ));
+        }
+        let token = CompletionToken(self.next_token);
+        let job = Job {
+            token,
+            direction,
+            host,
+            copies: copies.to_vec(),
+        };
+        self.jobs
+            .send(job)
+            .map_err(|_| CopyError::Failed("copy workers have stopped".into()))?;
+        self.next_token += 1;
+        self.in_flight += 1;
+        Ok(token)
+    }
+
+    fn poll(&mut self, _now_us: u64, out: &mut Vec<Completion>) {
+        while let Ok(completion) = self.done.try_recv() {
+            self.in_flight -= 1;
+            out.push(completion);
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+}
+
+impl Drop for HostCopyEngine {
+    /// Hangs up and waits: workers finish every submitted batch first, so
+    /// no copy outlives the buffers the caller promised to keep alive.
+    fn drop(&mut self) {
+        // Swapping in a dead sender drops the real one, which ends the
+        // workers' `recv` loop once the queue is empty.
+        self.jobs = mpsc::channel().0;
+        for handle in self.workers.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}

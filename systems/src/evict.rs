@@ -1,0 +1,35 @@
+//! Stage 7, evict: keep DRAM within capacity. When an allocation failed this
+//! tick, free least-recently-used unleased pages of that slot class. Leased
+//! pages are never in the LRU, so they are never candidates.
+
+use bevy_ecs::prelude::*;
+use orbitkv_components::ecs::Page;
+
+use crate::resources::{Dram, EvictReason, Limits, Metrics};
+
+pub fn evict(
+    mut commands: Commands,
+    pages: Query<&Page>,
+    mut dram: ResMut<Dram>,
+    mut metrics: ResMut<Metrics>,
+    limits: Res<Limits>,
+) {
+    let pressure = std::mem::take(&mut dram.pressure);
+    let mut budget = limits.max_evictions_per_tick;
+    for (class, wanted) in pressure {
+        let mut freed = 0;
+        while freed < wanted && budget > 0 {
+            let Some(victim) = dram.lru.get_mut(&class).and_then(|lru| lru.pop_oldest()) else {
+                break; // nothing evictable in this class
+            };
+            let page = pages.get(victim).expect("the LRU holds live pages");
+            debug_assert_eq!(page.leases, 0, "a leased page was evictable");
+            dram.index.remove(&page.key);
+            dram.free(page.residency.dram_slot);
+            commands.entity(victim).despawn();
+            *metrics.evictions.entry(EvictReason::Capacity).or_default() += 1;
+            freed += 1;
+            budget -= 1;
+        }
+    }
+}

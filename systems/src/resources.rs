@@ -1,0 +1,249 @@
+//! Resources the stages share: time, the command inbox and event outbox, the
+//! DRAM tier and its index, backing tiers, the copy engine, budgets, limits
+//! and metrics.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use bevy_ecs::prelude::*;
+use orbitkv_components::StateKey;
+use orbitkv_components::api::{Command, CommandId, Event, MissReason};
+use orbitkv_gpu::CopyEngine;
+use orbitkv_io::dram::{HostPool, SlotKey};
+use orbitkv_io::lru::LruOrder;
+use orbitkv_io::tier::BackingTier;
+use serde::{Deserialize, Serialize};
+
+/// Simulated or wall time, sampled once per tick by the runtime. Systems read
+/// this and nothing else.
+#[derive(Resource, Debug, Clone, Copy, Default)]
+pub struct Clock {
+    pub now_us: u64,
+}
+
+/// Every bound the stages enforce, by name.
+#[derive(Resource, Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Commands taken from the inbox per tick.
+    pub max_commands_per_tick: usize,
+    /// Commands waiting in the inbox; `submit` refuses beyond it.
+    pub max_inbox: usize,
+    /// Independent reads in flight per (operation, rank, group).
+    pub max_reads_per_group: usize,
+    /// Lower-tier reads in flight in total.
+    pub max_inflight_reads: usize,
+    /// Pages in one device copy batch.
+    pub max_copy_batch_pages: usize,
+    /// Device copy batches in flight.
+    pub max_inflight_copies: usize,
+    /// Pages per group in one query.
+    pub max_query_pages: usize,
+    /// Pages in one publish.
+    pub max_publish_pages: usize,
+    pub max_instances: usize,
+    pub max_sessions: usize,
+    pub max_ranks: usize,
+    pub max_groups: usize,
+    pub max_operations: usize,
+    /// Page slots in one device region.
+    pub max_region_slots: u32,
+    /// Preparation limit: from query to restore submission.
+    pub prepare_deadline_us: u64,
+    /// Time a publish may wait for DRAM space before its pages are dropped.
+    pub publish_deadline_us: u64,
+    pub max_evictions_per_tick: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_commands_per_tick: 4096,
+            max_inbox: 65536,
+            max_reads_per_group: 8,
+            max_inflight_reads: 256,
+            max_copy_batch_pages: 1024,
+            max_inflight_copies: 64,
+            max_query_pages: 1 << 16,
+            max_publish_pages: 4096,
+            max_instances: 64,
+            max_sessions: 1024,
+            max_ranks: 64,
+            max_groups: 16,
+            max_operations: 1 << 16,
+            max_region_slots: 1 << 22,
+            prepare_deadline_us: 5_000_000,
+            publish_deadline_us: 5_000_000,
+            max_evictions_per_tick: 4096,
+        }
+    }
+}
+
+/// Whether the clock is simulated (time moves only by `AdvanceClock`).
+#[derive(Resource, Debug, Clone, Copy, Default)]
+pub struct SimulatedClock(pub bool);
+
+#[derive(Resource, Default)]
+pub struct Inbox(pub VecDeque<(CommandId, Command)>);
+
+#[derive(Resource, Default)]
+pub struct Outbox(pub Vec<Event>);
+
+/// Makes a `Send` value `Sync` by only ever handing out `&mut` access, so no
+/// two threads can observe it at once.
+pub struct Exclusive<T>(T);
+
+// SAFETY: `Exclusive` exposes no `&T`, only `&mut T` through `&mut self`;
+// shared references to it are useless, so sharing them across threads is
+// sound for any `T: Send`.
+unsafe impl<T: Send> Sync for Exclusive<T> {}
+
+impl<T> Exclusive<T> {
+    pub fn new(value: T) -> Self {
+        Exclusive(value)
+    }
+
+    pub fn get_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+#[derive(Resource)]
+pub struct Copier(pub Exclusive<Box<dyn CopyEngine>>);
+
+#[derive(Resource)]
+pub struct Tiers(pub Exclusive<Vec<Box<dyn BackingTier>>>);
+
+/// The DRAM tier: the pool, the key index and per-class LRU of unleased
+/// pages.
+#[derive(Resource)]
+pub struct Dram {
+    pub pool: HostPool,
+    pub index: HashMap<StateKey, Entity>,
+    /// Keys with a lower-tier read in flight, so concurrent operations share
+    /// one read instead of issuing two.
+    pub reading: HashMap<StateKey, Entity>,
+    /// Unleased resident pages per slot class. Leased pages are not in it,
+    /// so eviction never has to skip one.
+    pub lru: BTreeMap<u64, LruOrder<Entity>>,
+    /// Slot classes an allocation failed for this tick, and how many slots.
+    pub pressure: BTreeMap<u64, u64>,
+}
+
+impl Dram {
+    pub fn new(pool: HostPool) -> Self {
+        Dram {
+            pool,
+            index: HashMap::new(),
+            reading: HashMap::new(),
+            lru: BTreeMap::new(),
+            pressure: BTreeMap::new(),
+        }
+    }
+
+    /// Allocates a slot; on failure records pressure for the evict stage.
+    pub fn alloc(&mut self, bytes: u64) -> Option<(u64, u64)> {
+        match self.pool.alloc(bytes) {
+            Ok(key) => {
+                let offset = self.pool.offset(key).expect("fresh slot has an offset");
+                Some((key.to_bits(), offset))
+            }
+            Err(_) => {
+                let class = bytes.next_multiple_of(self.pool.slot_align());
+                *self.pressure.entry(class).or_default() += 1;
+                None
+            }
+        }
+    }
+
+    pub fn free(&mut self, slot: u64) {
+        // A slot is freed exactly once by its owner; a failure here is a bug
+        // the invariant checks report.
+        let _ = self.pool.free(SlotKey::from_bits(slot));
+    }
+
+    pub fn class_of(&self, slot: u64) -> u64 {
+        self.pool.slot_len(SlotKey::from_bits(slot)).unwrap_or(0)
+    }
+
+    /// The page became unleased: it may be evicted, least recent first.
+    pub fn make_evictable(&mut self, page: Entity, slot: u64) {
+        let class = self.class_of(slot);
+        self.lru
+            .entry(class)
+            .or_default()
+            .touch(page);
+    }
+
+    pub fn pin(&mut self, page: Entity, slot: u64) {
+        let class = self.class_of(slot);
+        if let Some(lru) = self.lru.get_mut(&class) {
+            lru.remove(page);
+        }
+    }
+
+    pub fn slot_bytes(&self, slot: u64, len: u64) -> Option<&[u8]> {
+        self.pool.bytes(SlotKey::from_bits(slot), len)
+    }
+}
+
+/// Byte budget for recovery: reserved from admission until the fence.
+#[derive(Resource, Debug, Clone, Default)]
+pub struct Budget {
+    pub global_limit: u64,
+    pub instance_limit: u64,
+    /// Speculative work may hold at most this much.
+    pub speculative_limit: u64,
+    pub reserved: u64,
+    pub speculative_reserved: u64,
+}
+
+/// Instances by name, and the identity of this manager incarnation.
+#[derive(Resource, Debug, Default)]
+pub struct Registry {
+    pub instances: HashMap<String, Entity>,
+    pub incarnation: u64,
+    pub next_epoch: u64,
+    pub sessions: usize,
+    pub operations: usize,
+}
+
+/// In-flight transfers by completion token.
+#[derive(Resource, Debug, Default)]
+pub struct TransferIndex {
+    pub copies: HashMap<u64, Entity>,
+    pub reads: HashMap<(usize, u64), Entity>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictReason {
+    /// DRAM was full and an allocation needed the slot.
+    Capacity,
+}
+
+/// Counters for reports and `/metrics`.
+#[derive(Resource, Debug, Clone, Default, Serialize)]
+pub struct Metrics {
+    pub queries: u64,
+    pub hits: u64,
+    pub hit_tokens: u64,
+    pub misses: BTreeMap<MissReason, u64>,
+    pub restores: u64,
+    pub bytes_restored: u64,
+    pub publishes: u64,
+    pub pages_published: u64,
+    pub publish_duplicates: u64,
+    pub publish_dropped: u64,
+    pub bytes_published: u64,
+    pub tier_reads: u64,
+    pub bytes_read: u64,
+    pub checksum_failures: u64,
+    pub evictions: BTreeMap<EvictReason, u64>,
+    pub commands_rejected: u64,
+}
+
+impl Metrics {
+    pub fn miss(&mut self, reason: MissReason) {
+        *self.misses.entry(reason).or_default() += 1;
+    }
+}

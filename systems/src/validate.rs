@@ -1,0 +1,105 @@
+//! Stage 3, validate: candidates → legal boundaries per rank (the compiled
+//! contract) → intersection across ranks → the selected boundary, clamped so
+//! the engine still computes the final prompt token.
+
+use bevy_ecs::prelude::*;
+use orbitkv_components::api::{Candidates, Event, MissReason};
+use orbitkv_components::contract::{GroupEvidence, StateBundle};
+use orbitkv_components::ecs::{Instance, OpState, Operation, Outcome, Recovery};
+use orbitkv_components::{common_boundaries, prompt_limit, select_boundary};
+
+use crate::lifecycle::finish;
+use crate::resources::{Metrics, Outbox};
+
+pub fn validate(
+    mut ops: Query<(Entity, &mut Operation, &mut Recovery)>,
+    instances: Query<&Instance>,
+    mut outbox: ResMut<Outbox>,
+    mut metrics: ResMut<Metrics>,
+) {
+    for (entity, mut op, mut rec) in &mut ops {
+        if op.state != OpState::Validate {
+            continue;
+        }
+        let (selected, common, miss) = match (rec.miss, instances.get(op.instance)) {
+            (Some(reason), _) => (None, Vec::new(), Some(reason)),
+            (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),
+            (None, Ok(instance)) => select(instance, &mut rec),
+        };
+        outbox.0.push(Event::QueryResult {
+            command: op.command,
+            request: op.request,
+            operation: entity.to_bits(),
+            candidates: rec
+                .candidates
+                .iter()
+                .map(|(rank, group, ends)| Candidates {
+                    rank: *rank,
+                    group: *group,
+                    page_ends: ends.clone(),
+                })
+                .collect(),
+            common,
+            selected,
+            miss,
+        });
+        match miss {
+            Some(reason) => {
+                metrics.miss(reason);
+                op.reported = true;
+                finish(&mut op, Outcome::Miss(reason));
+            }
+            None if rec.prepare => op.state = OpState::Admit,
+            None => op.state = OpState::Selected,
+        }
+    }
+}
+
+/// Returns (selected, common boundaries, miss reason).
+fn select(instance: &Instance, rec: &mut Recovery) -> (Option<u64>, Vec<u64>, Option<MissReason>) {
+    if rec.candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
+        return (None, Vec::new(), Some(MissReason::NotFound));
+    }
+    let mut per_rank = Vec::with_capacity(instance.ranks.len());
+    for (index, rank) in instance.ranks.iter().enumerate() {
+        let bundle = StateBundle {
+            namespace: rank.namespace,
+            start: rec.origin,
+            end: rec.end,
+            groups: rec
+                .candidates
+                .iter()
+                .filter(|(r, _, _)| *r as usize == index)
+                .map(|(_, group, ends)| GroupEvidence {
+                    group: *group,
+                    page_ends: ends.clone(),
+                })
+                .collect(),
+        };
+        match rank.contract.restorable_boundaries(&bundle) {
+            Ok(b) if b.is_empty() => return (None, Vec::new(), Some(MissReason::IncompleteGroup)),
+            Ok(b) => per_rank.push(b),
+            // Discovery builds well-formed bundles; if one is not, the
+            // evidence cannot be trusted.
+            Err(_) => return (None, Vec::new(), Some(MissReason::IncompleteGroup)),
+        }
+    }
+    let common = common_boundaries(&per_rank);
+    let Some(selected) = select_boundary(&common, prompt_limit(rec.prompt_len)) else {
+        return (None, common, Some(MissReason::NoLegalBoundary));
+    };
+    rec.selected = Some(selected);
+    rec.ranges = instance
+        .ranks
+        .iter()
+        .enumerate()
+        .flat_map(|(index, rank)| {
+            rank.contract
+                .required_ranges(rank.namespace, rec.origin, selected)
+                .expect("selected boundary is aligned and within the span")
+                .into_iter()
+                .map(move |r| (index as u32, r))
+        })
+        .collect();
+    (Some(selected), common, None)
+}

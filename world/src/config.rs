@@ -1,0 +1,151 @@
+//! The runtime's configuration. Every bound has a name here; `Config` is
+//! serde-deserializable (TOML/JSON) and checked by [`Config::validate`].
+
+use orbitkv_systems::resources::Limits;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub dram: DramConfig,
+    pub budget: BudgetConfig,
+    pub copy: CopyConfig,
+    pub limits: Limits,
+    /// Manager incarnation; session handles from another incarnation are
+    /// stale. The manager sets a fresh one at every start.
+    pub incarnation: u64,
+    /// Check the invariants after every tick (on in debug builds).
+    pub check_invariants: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            dram: DramConfig::default(),
+            budget: BudgetConfig::default(),
+            copy: CopyConfig::default(),
+            limits: Limits::default(),
+            incarnation: 1,
+            check_invariants: cfg!(debug_assertions),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DramConfig {
+    /// Host pool size.
+    pub capacity_bytes: u64,
+    /// Slab extent: the largest page a slot class can hold.
+    pub extent_bytes: u64,
+    /// Touch every OS page at startup (in parallel) so the first requests do
+    /// not pay for page faults.
+    pub first_touch: bool,
+}
+
+impl Default for DramConfig {
+    fn default() -> Self {
+        DramConfig {
+            capacity_bytes: 1 << 30,
+            extent_bytes: 2 << 20,
+            first_touch: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BudgetConfig {
+    /// Bytes all recoveries may hold reserved together; default 75% of DRAM.
+    pub query_budget_bytes: Option<u64>,
+    /// Bytes one instance's recoveries may hold; default the query budget.
+    pub instance_budget_bytes: Option<u64>,
+    /// Share of the query budget speculative work may hold, in percent.
+    pub speculative_percent: u8,
+}
+
+impl Default for BudgetConfig {
+    fn default() -> Self {
+        BudgetConfig {
+            query_budget_bytes: None,
+            instance_budget_bytes: None,
+            speculative_percent: 25,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CopyConfig {
+    /// Worker threads of the host copy engine.
+    pub workers: usize,
+    /// Copy batches the engine accepts before `QueueFull`.
+    pub max_in_flight_batches: usize,
+}
+
+impl Default for CopyConfig {
+    fn default() -> Self {
+        CopyConfig {
+            workers: 2,
+            max_in_flight_batches: 64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config: {0}")]
+    Invalid(String),
+    #[error("DRAM pool: {0}")]
+    Pool(String),
+}
+
+impl Config {
+    pub fn query_budget(&self) -> u64 {
+        self.budget
+            .query_budget_bytes
+            .unwrap_or(self.dram.capacity_bytes / 4 * 3)
+    }
+
+    pub fn instance_budget(&self) -> u64 {
+        self.budget
+            .instance_budget_bytes
+            .unwrap_or(self.query_budget())
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(m.to_owned()));
+        let l = &self.limits;
+        if self.budget.speculative_percent > 100 {
+            return bad("budget.speculative_percent must be at most 100");
+        }
+        if self.query_budget() == 0 || self.instance_budget() == 0 {
+            return bad("budgets must be positive");
+        }
+        if self.query_budget() > self.dram.capacity_bytes {
+            return bad("budget.query_budget_bytes exceeds dram.capacity_bytes");
+        }
+        for (name, v) in [
+            ("limits.max_commands_per_tick", l.max_commands_per_tick),
+            ("limits.max_inbox", l.max_inbox),
+            ("limits.max_reads_per_group", l.max_reads_per_group),
+            ("limits.max_inflight_reads", l.max_inflight_reads),
+            ("limits.max_copy_batch_pages", l.max_copy_batch_pages),
+            ("limits.max_inflight_copies", l.max_inflight_copies),
+            ("limits.max_query_pages", l.max_query_pages),
+            ("limits.max_publish_pages", l.max_publish_pages),
+            ("limits.max_operations", l.max_operations),
+            ("limits.max_evictions_per_tick", l.max_evictions_per_tick),
+            ("copy.workers", self.copy.workers),
+            (
+                "copy.max_in_flight_batches",
+                self.copy.max_in_flight_batches,
+            ),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid(format!("{name} must be positive")));
+            }
+        }
+        Ok(())
+    }
+}

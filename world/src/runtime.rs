@@ -1,0 +1,243 @@
+//! [`Runtime`]: commands in, events out, one `tick` at a time.
+
+use std::time::Instant;
+
+use bevy_ecs::prelude::*;
+use orbitkv_components::api::{Command, CommandId, Event};
+use orbitkv_components::ecs::{DevicePage, Instance, Lease, Operation, Session, Transfer};
+use orbitkv_gpu::CopyEngine;
+use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
+use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
+use orbitkv_io::tier::BackingTier;
+use orbitkv_systems::resources::{
+    Budget, Clock, Copier, Dram, Exclusive, Inbox, Limits, Metrics, Outbox, Registry,
+    SimulatedClock, Tiers, TransferIndex,
+};
+use serde::Serialize;
+
+use crate::config::{Config, ConfigError};
+use crate::{invariants, schedule};
+
+/// What the runtime moves bytes with.
+pub struct Backends {
+    pub copy: Box<dyn CopyEngine>,
+    /// Lower tiers, consulted in order after DRAM.
+    pub tiers: Vec<Box<dyn BackingTier>>,
+    /// Time moves only by `Command::AdvanceClock` (replays, tests).
+    pub simulated_clock: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("registering the host pool with {backend}: {reason}")]
+    Register { backend: String, reason: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("inbox is full ({0} commands); tick to drain it")]
+    InboxFull(usize),
+}
+
+/// A snapshot for reports, tests and metrics.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub now_us: u64,
+    pub instances: usize,
+    pub sessions: usize,
+    pub operations: usize,
+    pub pages: usize,
+    pub leases: usize,
+    pub transfers: usize,
+    pub device_pages: usize,
+    pub bytes_reserved: u64,
+    pub pool_bytes_used: u64,
+    pub pool_capacity_bytes: u64,
+    pub metrics: Metrics,
+}
+
+pub struct Runtime {
+    world: World,
+    schedule: Schedule,
+    started: Instant,
+    simulated: bool,
+    check: bool,
+    next_command: CommandId,
+    max_inbox: usize,
+    first_touch: Option<FirstTouchReport>,
+}
+
+impl Runtime {
+    /// A runtime with the host copy engine, no lower tiers, and wall time.
+    pub fn new(config: Config) -> Result<Self, RuntimeError> {
+        let copy = HostCopyEngine::new(HostCopyConfig {
+            workers: config.copy.workers,
+            max_in_flight_batches: config.copy.max_in_flight_batches,
+        });
+        Self::with_backends(
+            config,
+            Backends {
+                copy: Box::new(copy),
+                tiers: Vec::new(),
+                simulated_clock: false,
+            },
+        )
+    }
+
+    pub fn with_backends(config: Config, mut backends: Backends) -> Result<Self, RuntimeError> {
+        config.validate()?;
+        let mut pool = HostPool::new(HostPoolConfig {
+            capacity_bytes: config.dram.capacity_bytes,
+            extent_bytes: config.dram.extent_bytes,
+            slot_align: orbitkv_io::dram::DEFAULT_SLOT_ALIGN,
+        })
+        .map_err(|e| ConfigError::Pool(e.to_string()))?;
+        let first_touch = config.dram.first_touch.then(|| pool.first_touch());
+        let base = pool.base_ptr();
+        let len = pool.capacity();
+        // SAFETY: the pool's mapping lives in the `Dram` resource and never
+        // moves; `Drop for Runtime` drops the engine and tiers (draining
+        // their I/O) before the world drops the pool. Slots under I/O are
+        // owned by Transfer entities, so nothing else touches them.
+        unsafe {
+            backends
+                .copy
+                .register_host_pool(base, len)
+                .map_err(|e| RuntimeError::Register {
+                    backend: backends.copy.name().to_owned(),
+                    reason: e.to_string(),
+                })?;
+            for tier in backends.tiers.iter_mut() {
+                tier.register_host_pool(base, len)
+                    .map_err(|e| RuntimeError::Register {
+                        backend: tier.name().to_owned(),
+                        reason: e.to_string(),
+                    })?;
+            }
+        }
+        let query_budget = config.query_budget();
+        let mut world = World::new();
+        world.insert_resource(Clock::default());
+        world.insert_resource(SimulatedClock(backends.simulated_clock));
+        world.insert_resource(config.limits.clone());
+        world.insert_resource(Inbox::default());
+        world.insert_resource(Outbox::default());
+        world.insert_resource(Dram::new(pool));
+        world.insert_resource(Copier(Exclusive::new(backends.copy)));
+        world.insert_resource(Tiers(Exclusive::new(backends.tiers)));
+        world.insert_resource(Budget {
+            global_limit: query_budget,
+            instance_limit: config.instance_budget(),
+            speculative_limit: query_budget / 100 * u64::from(config.budget.speculative_percent),
+            reserved: 0,
+            speculative_reserved: 0,
+        });
+        world.insert_resource(Registry {
+            incarnation: config.incarnation,
+            ..Default::default()
+        });
+        world.insert_resource(TransferIndex::default());
+        world.insert_resource(Metrics::default());
+        Ok(Runtime {
+            world,
+            schedule: schedule::build(),
+            started: Instant::now(),
+            simulated: backends.simulated_clock,
+            check: config.check_invariants,
+            next_command: 0,
+            max_inbox: config.limits.max_inbox,
+            first_touch,
+        })
+    }
+
+    /// Queues a command for the next tick. Its id is echoed in the events
+    /// that answer it.
+    pub fn submit(&mut self, command: Command) -> Result<CommandId, SubmitError> {
+        let mut inbox = self.world.resource_mut::<Inbox>();
+        if inbox.0.len() >= self.max_inbox {
+            return Err(SubmitError::InboxFull(self.max_inbox));
+        }
+        let id = self.next_command;
+        self.next_command += 1;
+        inbox.0.push_back((id, command));
+        Ok(id)
+    }
+
+    /// Runs every stage once and returns the events it produced.
+    pub fn tick(&mut self) -> Vec<Event> {
+        if !self.simulated {
+            let now = self.started.elapsed().as_micros() as u64;
+            let mut clock = self.world.resource_mut::<Clock>();
+            clock.now_us = clock.now_us.max(now);
+        }
+        self.schedule.run(&mut self.world);
+        if self.check
+            && let Err(violations) = self.check_invariants()
+        {
+            panic!("runtime invariants violated after a tick: {violations:#?}");
+        }
+        std::mem::take(&mut self.world.resource_mut::<Outbox>().0)
+    }
+
+    /// Checks every invariant of the runtime's state.
+    pub fn check_invariants(&mut self) -> Result<(), Vec<String>> {
+        let v = invariants::check(&mut self.world);
+        if v.is_empty() { Ok(()) } else { Err(v) }
+    }
+
+    pub fn now_us(&self) -> u64 {
+        self.world.resource::<Clock>().now_us
+    }
+
+    /// Whether nothing is queued, in flight or leased.
+    pub fn is_idle(&mut self) -> bool {
+        let s = self.stats();
+        self.world.resource::<Inbox>().0.is_empty()
+            && s.operations == 0
+            && s.transfers == 0
+            && s.leases == 0
+    }
+
+    pub fn first_touch(&self) -> Option<FirstTouchReport> {
+        self.first_touch
+    }
+
+    pub fn pool_stats(&self) -> PoolStats {
+        self.world.resource::<Dram>().pool.stats()
+    }
+
+    pub fn stats(&mut self) -> Stats {
+        let w = &mut self.world;
+        let count = |w: &mut World, f: fn(&mut World) -> usize| f(w);
+        Stats {
+            now_us: w.resource::<Clock>().now_us,
+            instances: count(w, |w| w.query::<&Instance>().iter(w).count()),
+            sessions: count(w, |w| w.query::<&Session>().iter(w).count()),
+            operations: count(w, |w| w.query::<&Operation>().iter(w).count()),
+            pages: w.resource::<Dram>().index.len(),
+            leases: count(w, |w| w.query::<&Lease>().iter(w).count()),
+            transfers: count(w, |w| w.query::<&Transfer>().iter(w).count()),
+            device_pages: count(w, |w| w.query::<&DevicePage>().iter(w).count()),
+            bytes_reserved: w.resource::<Budget>().reserved,
+            pool_bytes_used: w.resource::<Dram>().pool.stats().bytes_used,
+            pool_capacity_bytes: w.resource::<Dram>().pool.capacity(),
+            metrics: w.resource::<Metrics>().clone(),
+        }
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &Limits {
+        self.world.resource::<Limits>()
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // Backends go first: dropping them finishes submitted I/O, which
+        // writes into the pool the world still owns.
+        drop(self.world.remove_resource::<Copier>());
+        drop(self.world.remove_resource::<Tiers>());
+    }
+}

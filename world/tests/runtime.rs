@@ -1,0 +1,1155 @@
+//! The runtime end to end on the deterministic harness: exact bytes, typed
+//! errors, no leaked leases or reserved bytes.
+
+mod common;
+
+use common::*;
+use orbitkv_components::api::{Command, CommandError, Event, MissReason, PagePos};
+use orbitkv_world::Runtime;
+
+const ID_A: [u8; 32] = [0xaa; 32];
+const ID_B: [u8; 32] = [0xbb; 32];
+
+struct Dense {
+    h: Harness,
+    ns: orbitkv_components::Namespace,
+    s: orbitkv_components::api::SessionHandle,
+    region: u64,
+    engine_region: u32,
+}
+
+/// One dense instance, one rank, one 64-slot device region.
+fn dense_setup(dram: u64) -> Dense {
+    let mut h = Harness::new(config(dram));
+    let ns = h.register("llama", ID_A, dense(), 1)[0];
+    let s = h.open("llama");
+    let (region, engine_region) = h.region(s, 0, 0, 64);
+    Dense {
+        h,
+        ns,
+        s,
+        region,
+        engine_region,
+    }
+}
+
+impl Dense {
+    /// Writes pages `0..n` of prompt `seed` into device slots starting at
+    /// `first_slot` and publishes them; returns the device handles.
+    fn publish(&mut self, seed: u64, n: u64, first_slot: u32) -> Vec<u64> {
+        let mut pages = Vec::new();
+        let mut handles = Vec::new();
+        for i in 0..n {
+            let slot = first_slot + i as u32;
+            let dp = self.h.alloc(self.s, self.region, slot);
+            let native = hash(seed, 0, i);
+            self.h
+                .write_slot(self.engine_region, slot, &payload(&self.ns, 0, &native));
+            pages.push((0, native, dp));
+            handles.push(dp);
+        }
+        self.h.step(vec![publish_cmd(self.s, seed, 0, pages)]);
+        let done = self
+            .h
+            .until("publish", |e| matches!(e, Event::PublishDone { .. }));
+        assert_eq!(
+            done,
+            Event::PublishDone {
+                command: match done {
+                    Event::PublishDone { command, .. } => command,
+                    _ => 0,
+                },
+                request: seed,
+                inserted: n,
+                duplicates: 0,
+                dropped: 0
+            }
+        );
+        handles
+    }
+
+    fn free(&mut self, handles: &[u64]) {
+        for &dp in handles {
+            self.h.step(vec![Command::DevicePageFree {
+                session: self.s,
+                device_page: dp,
+            }]);
+        }
+    }
+
+    /// Query + prepare; returns (operation, Ready event).
+    fn prepare(&mut self, seed: u64, pages: u64, prompt_len: u64) -> (u64, Event) {
+        let ev = self.h.step(vec![query(
+            self.s,
+            seed,
+            seed,
+            &[0],
+            pages,
+            prompt_len,
+            true,
+        )]);
+        let op = match ev.iter().find(|e| matches!(e, Event::QueryResult { .. })) {
+            Some(Event::QueryResult {
+                operation,
+                miss: None,
+                ..
+            }) => *operation,
+            other => panic!("query: {other:?} in {ev:?}"),
+        };
+        let ready = match ev.iter().find(|e| matches!(e, Event::Ready { .. })) {
+            Some(e) => e.clone(),
+            None => self.h.until("ready", |e| {
+                matches!(e, Event::Ready { .. } | Event::Miss { .. })
+            }),
+        };
+        (op, ready)
+    }
+
+    /// Restores `n` pages into fresh slots from `first_slot`; returns the slots.
+    fn restore(&mut self, op: u64, n: u64, first_slot: u32) -> Vec<u32> {
+        let mut targets = Vec::new();
+        for i in 0..n {
+            let slot = first_slot + i as u32;
+            let dp = self.h.alloc(self.s, self.region, slot);
+            targets.push(target(0, 0, (i + 1) * PAGE, dp));
+        }
+        self.h.step(vec![Command::Restore {
+            session: self.s,
+            operation: op,
+            targets,
+            retained: vec![],
+        }]);
+        let done = self.h.until("restore", |e| {
+            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+        });
+        assert_eq!(
+            done,
+            Event::RestoreDone {
+                operation: op,
+                pages: n,
+                bytes: n * PAGE_BYTES
+            }
+        );
+        (first_slot..first_slot + n as u32).collect()
+    }
+
+    fn assert_restored(&self, seed: u64, slots: &[u32]) {
+        for (i, slot) in slots.iter().enumerate() {
+            let native = hash(seed, 0, i as u64);
+            assert_eq!(
+                self.h.read_slot(self.engine_region, *slot),
+                payload(&self.ns, 0, &native),
+                "page {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn publish_query_restore_round_trip_exact_bytes() {
+    let mut d = dense_setup(16 << 20);
+    let sources = d.publish(1, 4, 0);
+    d.free(&sources);
+    // A 5-page prompt: 4 pages are cached, and the 5th must be computed.
+    let (op, ready) = d.prepare(1, 5, 5 * PAGE);
+    match &ready {
+        Event::Ready {
+            boundary, leases, ..
+        } => {
+            assert_eq!(*boundary, 4 * PAGE);
+            assert_eq!(leases.len(), 4);
+        }
+        e => panic!("{e:?}"),
+    }
+    let slots = d.restore(op, 4, 10);
+    d.assert_restored(1, &slots);
+    d.h.assert_idle();
+    let m = d.h.rt.stats().metrics;
+    assert_eq!(
+        (m.hits, m.hit_tokens, m.bytes_restored),
+        (1, 4 * PAGE, 4 * PAGE_BYTES)
+    );
+}
+
+#[test]
+fn final_prompt_token_is_never_restored() {
+    let mut d = dense_setup(16 << 20);
+    d.publish(2, 4, 0);
+    // Prompt of exactly 4 pages: the last page would leave nothing to
+    // compute, so the boundary is 3 pages.
+    let (op, ready) = d.prepare(2, 4, 4 * PAGE);
+    assert!(
+        matches!(ready, Event::Ready { boundary, .. } if boundary == 3 * PAGE),
+        "{ready:?}"
+    );
+    d.h.step(vec![Command::Release {
+        session: d.s,
+        operation: op,
+    }]);
+    d.h.until("released", |e| matches!(e, Event::Released { .. }));
+    d.h.assert_idle();
+}
+
+#[test]
+fn lower_tier_pages_are_read_then_restored() {
+    let mut d = dense_setup(16 << 20);
+    for i in 0..6 {
+        let native = hash(3, 0, i);
+        d.h.tier
+            .insert(key(d.ns, 0, native), payload(&d.ns, 0, &native));
+    }
+    let ev = d.h.step(vec![query(d.s, 3, 3, &[0], 7, 7 * PAGE, true)]);
+    assert!(
+        ev.iter().any(|e| matches!(e, Event::Loading { .. })),
+        "{ev:?}"
+    );
+    assert_eq!(d.h.rt.stats().metrics.tier_reads, 6);
+    let op = match &ev[0] {
+        Event::QueryResult {
+            operation,
+            selected: Some(s),
+            ..
+        } if *s == 6 * PAGE => *operation,
+        e => panic!("{e:?}"),
+    };
+    let ready = d.h.until("ready", |e| {
+        matches!(e, Event::Ready { .. } | Event::Miss { .. })
+    });
+    assert!(matches!(ready, Event::Ready { .. }), "{ready:?}");
+    let slots = d.restore(op, 6, 20);
+    d.assert_restored(3, &slots);
+    assert_eq!(d.h.rt.stats().pages, 6, "read pages stay cached in DRAM");
+    d.h.assert_idle();
+}
+
+#[test]
+fn reads_per_group_are_bounded() {
+    let mut c = config(16 << 20);
+    c.limits.max_reads_per_group = 3;
+    let mut h = Harness::new(c);
+    let ns = h.register("llama", ID_A, dense(), 1)[0];
+    let s = h.open("llama");
+    for i in 0..10 {
+        let native = hash(4, 0, i);
+        h.tier.insert(key(ns, 0, native), payload(&ns, 0, &native));
+    }
+    h.step(vec![query(s, 4, 4, &[0], 11, 11 * PAGE, true)]);
+    assert_eq!(h.rt.stats().transfers, 3);
+    let ready = h.until("ready", |e| matches!(e, Event::Ready { .. }));
+    assert!(matches!(ready, Event::Ready { ref leases, .. } if leases.len() == 10));
+    assert_eq!(h.rt.stats().metrics.tier_reads, 10);
+}
+
+#[test]
+fn checksum_mismatch_is_a_miss_and_nothing_is_indexed() {
+    let mut d = dense_setup(16 << 20);
+    for i in 0..3 {
+        let native = hash(5, 0, i);
+        d.h.tier
+            .insert(key(d.ns, 0, native), payload(&d.ns, 0, &native));
+    }
+    d.h.tier.corrupt(&key(d.ns, 0, hash(5, 0, 1)));
+    d.h.step(vec![query(d.s, 5, 5, &[0], 4, 4 * PAGE, true)]);
+    let miss = d.h.until("miss", |e| {
+        matches!(e, Event::Miss { .. } | Event::Ready { .. })
+    });
+    assert!(
+        matches!(
+            miss,
+            Event::Miss {
+                reason: MissReason::Checksum,
+                ..
+            }
+        ),
+        "{miss:?}"
+    );
+    assert_eq!(d.h.rt.stats().metrics.checksum_failures, 1);
+    assert_eq!(d.h.rt.stats().pages, 2, "only verified pages are indexed");
+    d.h.assert_idle();
+}
+
+#[test]
+fn io_errors_and_pages_lost_mid_read_are_misses() {
+    let mut d = dense_setup(16 << 20);
+    for i in 0..2 {
+        let native = hash(6, 0, i);
+        d.h.tier
+            .insert(key(d.ns, 0, native), payload(&d.ns, 0, &native));
+    }
+    d.h.tier.fail_next(1);
+    d.h.step(vec![query(d.s, 6, 6, &[0], 3, 3 * PAGE, true)]);
+    let e = d.h.until("miss", |e| {
+        matches!(e, Event::Miss { .. } | Event::Ready { .. })
+    });
+    assert!(
+        matches!(
+            e,
+            Event::Miss {
+                reason: MissReason::IoError,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    d.h.assert_idle();
+
+    let native = hash(7, 0, 0);
+    d.h.tier
+        .insert(key(d.ns, 0, native), payload(&d.ns, 0, &native));
+    d.h.step(vec![query(d.s, 7, 7, &[0], 2, 2 * PAGE, true)]);
+    d.h.tier.remove(&key(d.ns, 0, native));
+    let e = d.h.until("miss", |e| {
+        matches!(e, Event::Miss { .. } | Event::Ready { .. })
+    });
+    assert!(
+        matches!(
+            e,
+            Event::Miss {
+                reason: MissReason::EvictedDuringRead,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    d.h.assert_idle();
+}
+
+#[test]
+fn hybrid_selection_uses_the_rank_common_boundary() {
+    let mut h = Harness::new(config(32 << 20));
+    let ns = h.register("hybrid", ID_A, hybrid(), 2);
+    let s = h.open("hybrid");
+    // Both ranks hold full attention and window pages for 8 pages; rank 0
+    // holds checkpoints at pages 4 and 6, rank 1 only at page 4.
+    for (rank, checkpoints) in [(0u32, vec![4u64, 6]), (1, vec![4])] {
+        let nsr = ns[rank as usize];
+        for i in 0..8 {
+            for g in [0u32, 1] {
+                let native = hash(9, g, i);
+                h.tier
+                    .insert(key(nsr, g, native), payload(&nsr, g, &native));
+            }
+        }
+        for c in checkpoints {
+            let native = hash(9, 2, c - 1);
+            h.tier
+                .insert(key(nsr, 2, native), payload(&nsr, 2, &native));
+        }
+    }
+    let ev = h.step(vec![query(s, 9, 9, &[0, 1, 2], 8, 8 * PAGE + 1, false)]);
+    match &ev[0] {
+        Event::QueryResult {
+            common,
+            selected,
+            miss: None,
+            candidates,
+            ..
+        } => {
+            assert_eq!(common, &vec![4 * PAGE]);
+            assert_eq!(*selected, Some(4 * PAGE));
+            let cp0 = candidates
+                .iter()
+                .find(|c| c.rank == 0 && c.group == 2)
+                .unwrap();
+            assert_eq!(cp0.page_ends, vec![4 * PAGE, 6 * PAGE]);
+        }
+        e => panic!("{e:?}"),
+    }
+    let op = match &ev[0] {
+        Event::QueryResult { operation, .. } => *operation,
+        _ => unreachable!(),
+    };
+    h.step(vec![Command::Prepare {
+        session: s,
+        operation: op,
+    }]);
+    let ready = h.until("ready", |e| {
+        matches!(e, Event::Ready { .. } | Event::Miss { .. })
+    });
+    let Event::Ready { leases, ranges, .. } = ready else {
+        panic!("{ready:?}")
+    };
+    // Per rank: 4 prefix pages + 2 window pages (100 past tokens) + 1 checkpoint.
+    assert_eq!(leases.len(), 2 * (4 + 2 + 1));
+    assert!(ranges.contains(&(
+        1,
+        orbitkv_components::RequiredRange {
+            group: 1,
+            start: 2 * PAGE,
+            end: 4 * PAGE
+        }
+    )));
+    assert!(ranges.contains(&(
+        0,
+        orbitkv_components::RequiredRange {
+            group: 2,
+            start: 3 * PAGE,
+            end: 4 * PAGE
+        }
+    )));
+    // Restore every leased page into its rank/group region, check bytes.
+    let mut regions = std::collections::HashMap::new();
+    let mut targets = Vec::new();
+    let mut expect = Vec::new();
+    for l in &leases {
+        let (region, engine) = *regions
+            .entry((l.pos.rank, l.pos.group))
+            .or_insert_with(|| h.region(s, l.pos.rank, l.pos.group, 16));
+        let slot = targets
+            .iter()
+            .filter(|(r, _, _): &&(u64, u32, u64)| r == &region)
+            .count() as u32;
+        let dp = h.alloc(s, region, slot);
+        targets.push((region, slot, dp));
+        let nsr = ns[l.pos.rank as usize];
+        let native = hash(9, l.pos.group, l.pos.page_end / PAGE - 1);
+        expect.push((engine, slot, payload(&nsr, l.pos.group, &native)));
+        let _ = l;
+    }
+    let restore_targets = leases
+        .iter()
+        .zip(&targets)
+        .map(|(l, (_, _, dp))| target(l.pos.rank, l.pos.group, l.pos.page_end, *dp))
+        .collect();
+    h.step(vec![Command::Restore {
+        session: s,
+        operation: op,
+        targets: restore_targets,
+        retained: vec![],
+    }]);
+    let done = h.until("restore", |e| {
+        matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+    });
+    assert!(
+        matches!(done, Event::RestoreDone { pages: 14, .. }),
+        "{done:?}"
+    );
+    for (engine, slot, bytes) in expect {
+        assert_eq!(h.read_slot(engine, slot), bytes);
+    }
+    h.assert_idle();
+}
+
+#[test]
+fn missing_checkpoint_on_one_rank_is_incomplete() {
+    let mut h = Harness::new(config(32 << 20));
+    let ns = h.register("hybrid", ID_A, hybrid(), 2);
+    let s = h.open("hybrid");
+    for rank in 0..2u32 {
+        let nsr = ns[rank as usize];
+        for i in 0..4 {
+            for g in [0u32, 1] {
+                let native = hash(10, g, i);
+                h.tier
+                    .insert(key(nsr, g, native), payload(&nsr, g, &native));
+            }
+        }
+    }
+    let native = hash(10, 2, 3);
+    h.tier
+        .insert(key(ns[0], 2, native), payload(&ns[0], 2, &native));
+    let ev = h.step(vec![query(s, 10, 10, &[0, 1, 2], 4, 4 * PAGE + 1, true)]);
+    assert!(
+        matches!(
+            &ev[0],
+            Event::QueryResult {
+                selected: None,
+                miss: Some(MissReason::IncompleteGroup),
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    h.assert_idle();
+}
+
+#[test]
+fn stale_generation_is_refused_and_nothing_is_copied() {
+    let mut d = dense_setup(16 << 20);
+    d.publish(11, 2, 0);
+    let (op, _) = d.prepare(11, 3, 3 * PAGE);
+    let old = d.h.alloc(d.s, d.region, 30);
+    let fresh_target = d.h.alloc(d.s, d.region, 31);
+    // The engine reuses slot 30: the old handle is freed, a new one issued.
+    d.h.step(vec![Command::DevicePageFree {
+        session: d.s,
+        device_page: old,
+    }]);
+    let reused = d.h.alloc(d.s, d.region, 30);
+    assert_ne!(reused, old, "a reused slot gets a new generation");
+    d.h.write_slot(d.engine_region, 30, &[0x77; PAGE_BYTES as usize]);
+    d.h.write_slot(d.engine_region, 31, &[0x77; PAGE_BYTES as usize]);
+    d.h.step(vec![Command::Restore {
+        session: d.s,
+        operation: op,
+        targets: vec![
+            target(0, 0, PAGE, fresh_target),
+            target(0, 0, 2 * PAGE, old),
+        ],
+        retained: vec![],
+    }]);
+    let e = d.h.until("miss", |e| {
+        matches!(e, Event::Miss { .. } | Event::RestoreDone { .. })
+    });
+    assert!(
+        matches!(
+            e,
+            Event::Miss {
+                reason: MissReason::StaleGeneration,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    for slot in [30, 31] {
+        assert_eq!(
+            d.h.read_slot(d.engine_region, slot),
+            vec![0x77; PAGE_BYTES as usize],
+            "slot {slot} was written"
+        );
+    }
+    d.h.assert_idle();
+    // Freeing a stale handle is a typed error too.
+    let e = d.h.one(Command::DevicePageFree {
+        session: d.s,
+        device_page: old,
+    });
+    assert!(
+        matches!(e, Event::Rejected { error: CommandError::StaleGeneration(h), .. } if h == old),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn free_while_a_copy_targets_the_page_is_deferred_to_the_fence() {
+    let mut h = Harness::with_latency(config(16 << 20), 50, 1000);
+    let ns = h.register("llama", ID_A, dense(), 1)[0];
+    let s = h.open("llama");
+    let (region, engine) = h.region(s, 0, 0, 8);
+    let src = h.alloc(s, region, 0);
+    let native = hash(12, 0, 0);
+    h.write_slot(engine, 0, &payload(&ns, 0, &native));
+    h.step(vec![publish_cmd(s, 1, 0, vec![(0, native, src)])]);
+    // The source is pinned while the publish copy is in flight.
+    let ev = h.step(vec![Command::DevicePageFree {
+        session: s,
+        device_page: src,
+    }]);
+    assert!(ev.is_empty(), "free must wait for the copy: {ev:?}");
+    h.rt.check_invariants().unwrap();
+    let mut order = Vec::new();
+    for _ in 0..1000 {
+        for e in h.advance() {
+            match e {
+                Event::PublishDone { inserted, .. } => order.push(format!("published {inserted}")),
+                Event::DevicePageFreed {
+                    device_page,
+                    deferred,
+                } => {
+                    assert_eq!((device_page, deferred), (src, true));
+                    order.push("freed".into());
+                }
+                _ => {}
+            }
+        }
+        if order.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(order, ["published 1", "freed"]);
+    // Restore targets are pinned the same way.
+    let ev = h.step(vec![query(s, 2, 12, &[0], 2, 2 * PAGE, true)]);
+    let op = match &ev[0] {
+        Event::QueryResult { operation, .. } => *operation,
+        e => panic!("{e:?}"),
+    };
+    let dst = h.alloc(s, region, 5);
+    h.step(vec![Command::Restore {
+        session: s,
+        operation: op,
+        targets: vec![target(0, 0, PAGE, dst)],
+        retained: vec![],
+    }]);
+    let ev = h.step(vec![Command::DevicePageFree {
+        session: s,
+        device_page: dst,
+    }]);
+    assert!(ev.is_empty(), "{ev:?}");
+    let done = h.until("restore", |e| matches!(e, Event::RestoreDone { .. }));
+    assert!(matches!(done, Event::RestoreDone { pages: 1, .. }));
+    assert!(h.events.contains(&Event::DevicePageFreed {
+        device_page: dst,
+        deferred: true
+    }));
+    assert_eq!(h.read_slot(engine, 5), payload(&ns, 0, &native));
+    h.assert_idle();
+    assert_eq!(h.rt.stats().device_pages, 0);
+}
+
+#[test]
+fn cancel_mid_read_drains_then_releases() {
+    let mut h = Harness::with_latency(config(16 << 20), 500, 20);
+    let ns = h.register("llama", ID_A, dense(), 1)[0];
+    let s = h.open("llama");
+    for i in 0..8 {
+        let native = hash(13, 0, i);
+        h.tier.insert(key(ns, 0, native), payload(&ns, 0, &native));
+    }
+    let ev = h.step(vec![query(s, 13, 13, &[0], 9, 9 * PAGE, true)]);
+    let op = match &ev[0] {
+        Event::QueryResult { operation, .. } => *operation,
+        e => panic!("{e:?}"),
+    };
+    assert_eq!(h.rt.stats().transfers, 8);
+    let reserved = h.rt.stats().bytes_reserved;
+    assert_eq!(reserved, 8 * PAGE_BYTES);
+    let ev = h.step(vec![Command::Cancel {
+        session: s,
+        operation: op,
+    }]);
+    assert!(ev.is_empty(), "submitted reads must drain first: {ev:?}");
+    assert_eq!(
+        h.rt.stats().bytes_reserved,
+        reserved,
+        "bytes stay reserved until the reads land"
+    );
+    let e = h.until("cancelled", |e| matches!(e, Event::Miss { .. }));
+    assert_eq!(
+        e,
+        Event::Miss {
+            operation: op,
+            reason: MissReason::Cancelled
+        }
+    );
+    h.assert_idle();
+    assert_eq!(
+        h.rt.stats().metrics.tier_reads,
+        8,
+        "no read was started after the cancel"
+    );
+}
+
+#[test]
+fn session_close_mid_read_retires_everything() {
+    let mut h = Harness::with_latency(config(16 << 20), 500, 20);
+    let ns = h.register("llama", ID_A, dense(), 1)[0];
+    let s = h.open("llama");
+    let (region, _) = h.region(s, 0, 0, 4);
+    h.alloc(s, region, 0);
+    for i in 0..4 {
+        let native = hash(14, 0, i);
+        h.tier.insert(key(ns, 0, native), payload(&ns, 0, &native));
+    }
+    h.step(vec![query(s, 14, 14, &[0], 5, 5 * PAGE, true)]);
+    h.step(vec![Command::CloseSession { session: s }]);
+    // Old handles are stale at once.
+    let e = h.one(query(s, 15, 14, &[0], 5, 5 * PAGE, true));
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::StaleSession,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    h.until("closed", |e| matches!(e, Event::SessionClosed { .. }));
+    h.assert_idle();
+    let st = h.rt.stats();
+    assert_eq!((st.sessions, st.device_pages), (0, 0));
+}
+
+#[test]
+fn budget_waits_and_oversized_queries_miss() {
+    let mut c = config(16 << 20);
+    c.budget.query_budget_bytes = Some(6 * PAGE_BYTES);
+    let mut d = {
+        let mut h = Harness::new(c);
+        let ns = h.register("llama", ID_A, dense(), 1)[0];
+        let s = h.open("llama");
+        let (region, engine_region) = h.region(s, 0, 0, 64);
+        Dense {
+            h,
+            ns,
+            s,
+            region,
+            engine_region,
+        }
+    };
+    d.publish(20, 4, 0);
+    d.publish(21, 4, 4);
+    d.publish(22, 8, 8);
+    // First recovery holds 4 pages of a 6-page budget.
+    let (op1, _) = d.prepare(20, 5, 5 * PAGE);
+    assert_eq!(d.h.rt.stats().bytes_reserved, 4 * PAGE_BYTES);
+    // The second needs 4 more: it waits (no Ready, no Miss).
+    let ev = d.h.step(vec![query(d.s, 21, 21, &[0], 5, 5 * PAGE, true)]);
+    let op2 = match &ev[0] {
+        Event::QueryResult { operation, .. } => *operation,
+        e => panic!("{e:?}"),
+    };
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    for _ in 0..5 {
+        assert!(d.h.advance().is_empty());
+    }
+    // A 7-page recovery can never fit: miss at once.
+    let ev = d.h.step(vec![query(d.s, 22, 22, &[0], 8, 8 * PAGE, true)]);
+    assert!(
+        ev.iter().any(|e| matches!(
+            e,
+            Event::Miss {
+                reason: MissReason::Budget,
+                ..
+            }
+        )),
+        "{ev:?}"
+    );
+    // Finishing the first admits the second.
+    d.restore(op1, 4, 40);
+    let ready =
+        d.h.until("second ready", |e| matches!(e, Event::Ready { .. }));
+    assert!(matches!(ready, Event::Ready { operation, .. } if operation == op2));
+    d.h.step(vec![Command::Release {
+        session: d.s,
+        operation: op2,
+    }]);
+    d.h.until("released", |e| matches!(e, Event::Released { .. }));
+    d.h.assert_idle();
+    assert_eq!(
+        d.h.rt.stats().metrics.misses.get(&MissReason::Budget),
+        Some(&1)
+    );
+}
+
+#[test]
+fn speculative_work_is_capped_at_a_quarter() {
+    let mut c = config(16 << 20);
+    c.budget.query_budget_bytes = Some(8 * PAGE_BYTES);
+    let mut h = Harness::new(c);
+    let ns = h.register("llama", ID_A, dense(), 1)[0];
+    let s = h.open("llama");
+    for i in 0..3 {
+        let native = hash(23, 0, i);
+        h.tier.insert(key(ns, 0, native), payload(&ns, 0, &native));
+    }
+    let mut q = query(s, 23, 23, &[0], 4, 4 * PAGE, true);
+    if let Command::Query { speculative, .. } = &mut q {
+        *speculative = true;
+    }
+    let ev = h.step(vec![q]);
+    // 3 pages > 8 / 4 = 2 pages of speculative share.
+    assert!(
+        ev.iter().any(|e| matches!(
+            e,
+            Event::Miss {
+                reason: MissReason::Budget,
+                ..
+            }
+        )),
+        "{ev:?}"
+    );
+    h.assert_idle();
+}
+
+#[test]
+fn preparation_deadline_retires_with_deadline() {
+    let mut d = dense_setup(16 << 20);
+    d.publish(24, 2, 0);
+    let ev = d.h.step(vec![query(d.s, 24, 24, &[0], 3, 3 * PAGE, false)]);
+    assert!(matches!(
+        &ev[0],
+        Event::QueryResult {
+            selected: Some(_),
+            ..
+        }
+    ));
+    assert_eq!(d.h.rt.stats().operations, 1);
+    d.h.step(vec![Command::AdvanceClock { us: 4_999_000 }]);
+    assert_eq!(d.h.rt.stats().operations, 1);
+    let e = d.h.until("deadline", |e| matches!(e, Event::Miss { .. }));
+    assert!(
+        matches!(
+            e,
+            Event::Miss {
+                reason: MissReason::Deadline,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    d.h.assert_idle();
+}
+
+#[test]
+fn eviction_skips_leased_pages() {
+    // 8 slots of DRAM in total: two 16 KiB extents of 4 KiB slots.
+    let mut c = config(32 << 10);
+    c.dram.extent_bytes = 16 << 10;
+    c.budget.query_budget_bytes = Some(24 << 10);
+    let mut d = {
+        let mut h = Harness::new(c);
+        let ns = h.register("llama", ID_A, dense(), 1)[0];
+        let s = h.open("llama");
+        let (region, engine_region) = h.region(s, 0, 0, 64);
+        Dense {
+            h,
+            ns,
+            s,
+            region,
+            engine_region,
+        }
+    };
+    d.publish(30, 4, 0);
+    let (op, _) = d.prepare(30, 5, 5 * PAGE); // leases all 4
+    d.publish(31, 4, 4); // fills DRAM
+    // 4 more pages need room: only seed 31's (unleased) pages may go.
+    d.publish(32, 4, 8);
+    let st = d.h.rt.stats();
+    assert_eq!(st.metrics.evictions.values().sum::<u64>(), 4);
+    let slots = d.restore(op, 4, 20);
+    d.assert_restored(30, &slots);
+    d.h.assert_idle();
+    // Seed 31 is gone, seed 32 is present.
+    let ev = d.h.step(vec![query(d.s, 31, 31, &[0], 2, 2 * PAGE, false)]);
+    assert!(
+        matches!(
+            &ev[0],
+            Event::QueryResult {
+                miss: Some(MissReason::NotFound),
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    let ev = d.h.step(vec![query(d.s, 32, 32, &[0], 2, 2 * PAGE, false)]);
+    assert!(
+        matches!(
+            &ev[0],
+            Event::QueryResult {
+                selected: Some(_),
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+}
+
+#[test]
+fn namespace_mismatch_is_never_a_hit() {
+    let mut h = Harness::new(config(16 << 20));
+    let ns_a = h.register("a", ID_A, dense(), 1)[0];
+    let ns_b = h.register("b", ID_B, dense(), 1)[0];
+    assert_ne!(ns_a, ns_b);
+    let sa = h.open("a");
+    let sb = h.open("b");
+    for i in 0..4 {
+        let native = hash(40, 0, i);
+        h.tier
+            .insert(key(ns_a, 0, native), payload(&ns_a, 0, &native));
+    }
+    // Same hashes under another identity: nothing.
+    let ev = h.step(vec![query(sb, 1, 40, &[0], 5, 5 * PAGE, true)]);
+    assert!(
+        matches!(
+            &ev[0],
+            Event::QueryResult {
+                selected: None,
+                miss: Some(MissReason::NotFound),
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    // The adapter's own namespace disagrees with the registration: miss.
+    let mut q = query(sa, 2, 40, &[0], 5, 5 * PAGE, true);
+    if let Command::Query {
+        expect_namespaces, ..
+    } = &mut q
+    {
+        *expect_namespaces = vec![ns_b];
+    }
+    let ev = h.step(vec![q]);
+    assert!(
+        matches!(
+            &ev[0],
+            Event::QueryResult {
+                selected: None,
+                miss: Some(MissReason::Namespace),
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    h.assert_idle();
+    let m = h.rt.stats().metrics;
+    assert_eq!(
+        (
+            m.hits,
+            m.misses.get(&MissReason::Namespace),
+            m.misses.get(&MissReason::NotFound)
+        ),
+        (0, Some(&1), Some(&1))
+    );
+}
+
+#[test]
+fn registration_is_idempotent_and_conflicts_are_typed() {
+    let mut h = Harness::new(config(16 << 20));
+    let first = h.one(register_cmd("x", ID_A, dense(), 1, &[0]));
+    let again = h.one(register_cmd("x", ID_A, dense(), 1, &[0]));
+    match (first, again) {
+        (
+            Event::InstanceRegistered {
+                instance: a,
+                namespaces: na,
+                existing: false,
+                ..
+            },
+            Event::InstanceRegistered {
+                instance: b,
+                namespaces: nb,
+                existing: true,
+                ..
+            },
+        ) => assert_eq!((a, na), (b, nb)),
+        other => panic!("{other:?}"),
+    }
+    let e = h.one(register_cmd("x", ID_B, dense(), 1, &[0]));
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::InstanceConflict(_),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = h.one(register_cmd("y", ID_A, hybrid(), 1, &[0]));
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::Invalid(_),
+                ..
+            }
+        ),
+        "slots missing for groups: {e:?}"
+    );
+    let e = h.one(Command::OpenSession {
+        instance: "nope".into(),
+    });
+    assert!(matches!(
+        e,
+        Event::Rejected {
+            error: CommandError::UnknownInstance(_),
+            ..
+        }
+    ));
+}
+
+#[test]
+fn bad_commands_are_typed_errors_without_effect() {
+    let mut d = dense_setup(16 << 20);
+    d.publish(50, 2, 0);
+    let s = d.s;
+    let stale = orbitkv_components::api::SessionHandle {
+        incarnation: 99,
+        ..s
+    };
+    type Check = fn(&CommandError) -> bool;
+    let cases: Vec<(Command, Check)> = vec![
+        (query(stale, 1, 50, &[0], 3, 3 * PAGE, true), |e| {
+            matches!(e, CommandError::StaleSession)
+        }),
+        (
+            orbitkv_components::api::Command::Query {
+                session: s,
+                request: 1,
+                groups: hashes(50, &[0], 3),
+                origin: 10,
+                prompt_len: 100,
+                expect_namespaces: vec![],
+                prepare: false,
+                speculative: false,
+            },
+            |e| matches!(e, CommandError::Invalid(_)),
+        ),
+        (query(s, 1, 50, &[0, 1], 3, 3 * PAGE, true), |e| {
+            matches!(e, CommandError::Invalid(_))
+        }),
+        (
+            Command::Prepare {
+                session: s,
+                operation: 12345,
+            },
+            |e| matches!(e, CommandError::UnknownOperation(_)),
+        ),
+        (
+            Command::DevicePageAlloc {
+                session: s,
+                region: d.region,
+                slot: 64,
+            },
+            |e| matches!(e, CommandError::Invalid(_)),
+        ),
+        (
+            Command::DevicePageAlloc {
+                session: s,
+                region: 999,
+                slot: 0,
+            },
+            |e| matches!(e, CommandError::UnknownRegion(_)),
+        ),
+        (
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 3,
+                group: 0,
+                slots: 4,
+            },
+            |e| matches!(e, CommandError::Invalid(_)),
+        ),
+        (publish_cmd(s, 1, 0, vec![(0, hash(1, 0, 0), 4242)]), |e| {
+            matches!(e, CommandError::StaleGeneration(_))
+        }),
+        (publish_cmd(s, 1, 0, vec![]), |e| {
+            matches!(e, CommandError::Invalid(_))
+        }),
+    ];
+    for (cmd, check) in cases {
+        let ev = d.h.step(vec![cmd.clone()]);
+        assert_eq!(ev.len(), 1, "{cmd:?} gave {ev:?}");
+        let e = ev.into_iter().next().unwrap();
+        match e {
+            Event::Rejected { error, .. } => assert!(check(&error), "{cmd:?} gave {error:?}"),
+            e => panic!("{cmd:?} gave {e:?}"),
+        }
+    }
+    // Slot reuse without a free is refused.
+    d.h.alloc(s, d.region, 40);
+    let e = d.h.one(Command::DevicePageAlloc {
+        session: s,
+        region: d.region,
+        slot: 40,
+    });
+    assert!(matches!(
+        e,
+        Event::Rejected {
+            error: CommandError::SlotInUse { slot: 40, .. },
+            ..
+        }
+    ));
+    // Restore that does not cover the range exactly is refused; the
+    // operation stays ready and can be restored properly.
+    let (op, _) = d.prepare(50, 3, 3 * PAGE);
+    let dp = d.h.alloc(s, d.region, 41);
+    let e = d.h.one(Command::Restore {
+        session: s,
+        operation: op,
+        targets: vec![target(0, 0, PAGE, dp)],
+        retained: vec![],
+    });
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::LoadInvalid(_),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = d.h.one(Command::Restore {
+        session: s,
+        operation: op,
+        targets: vec![target(0, 0, PAGE, dp)],
+        retained: vec![
+            PagePos {
+                rank: 0,
+                group: 0,
+                page_end: PAGE,
+            },
+            PagePos {
+                rank: 0,
+                group: 0,
+                page_end: 2 * PAGE,
+            },
+        ],
+    });
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::LoadInvalid(_),
+                ..
+            }
+        ),
+        "overlap: {e:?}"
+    );
+    // Retaining page 1 and transferring page 2 is an exact cover.
+    d.h.step(vec![Command::Restore {
+        session: s,
+        operation: op,
+        targets: vec![target(0, 0, 2 * PAGE, dp)],
+        retained: vec![PagePos {
+            rank: 0,
+            group: 0,
+            page_end: PAGE,
+        }],
+    }]);
+    let done = d.h.until("restore", |e| {
+        matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+    });
+    assert!(
+        matches!(done, Event::RestoreDone { pages: 1, .. }),
+        "{done:?}"
+    );
+    d.h.assert_idle();
+}
+
+#[test]
+fn manager_restart_makes_old_sessions_stale() {
+    let mut c = config(16 << 20);
+    c.incarnation = 1;
+    let mut h = Harness::new(c.clone());
+    h.register("llama", ID_A, dense(), 1);
+    let s = h.open("llama");
+    c.incarnation = 2;
+    let mut h2 = Harness::new(c);
+    h2.register("llama", ID_A, dense(), 1);
+    let e = h2.one(query(s, 1, 1, &[0], 2, 2 * PAGE, false));
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::StaleSession,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let s2 = h2.open("llama");
+    assert_eq!(s2.incarnation, 2);
+}
+
+#[test]
+fn wall_clock_runtime_runs_with_host_engine() {
+    let mut c = config(16 << 20);
+    c.dram.first_touch = true;
+    let mut rt = Runtime::new(c).unwrap();
+    assert!(rt.first_touch().is_some_and(|r| r.bytes == 16 << 20));
+    rt.submit(Command::AdvanceClock { us: 5 }).unwrap();
+    let ev = rt.tick();
+    assert!(
+        matches!(
+            &ev[0],
+            Event::Rejected {
+                error: CommandError::WallClock,
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+}

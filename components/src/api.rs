@@ -117,9 +117,10 @@ pub struct RestoreTarget {
     pub device_page: u64,
 }
 
-/// A page to publish from a device page.
+/// A page to publish from a device page of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PublishPage {
+    pub rank: u32,
     pub group: u32,
     pub hash: NativeHash,
     pub device_page: u64,
@@ -193,10 +194,11 @@ pub enum Command {
         /// Pages of the required ranges the engine attests it still holds.
         retained: Vec<PagePos>,
     },
+    /// Save pages of one or more ranks. The sources stay pinned, and the
+    /// reply waits, until every rank's copy completed.
     Publish {
         session: SessionHandle,
         request: u64,
-        rank: u32,
         pages: Vec<PublishPage>,
     },
     Release {

@@ -261,7 +261,6 @@ pub struct PublishItem {
 
 #[derive(Component, Debug, Clone)]
 pub struct PublishJob {
-    pub rank: u32,
     /// Source device pages are pinned from ingest until the operation
     /// retires, after every copy of the publish completed.
     pub items: Vec<PublishItem>,

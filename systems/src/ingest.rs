@@ -120,9 +120,8 @@ fn handle(world: &mut World, id: CommandId, command: Command) -> Result<()> {
         Command::Publish {
             session,
             request,
-            rank,
             pages,
-        } => publish(world, id, session, request, rank, pages),
+        } => publish(world, id, session, request, pages),
         Command::Release { session, operation } => release(world, session, operation),
         Command::Cancel { session, operation } => cancel(world, session, operation),
         Command::AdvanceClock { us } => {
@@ -727,7 +726,6 @@ fn publish(
     id: CommandId,
     handle: SessionHandle,
     request: u64,
-    rank: u32,
     pages: Vec<PublishPage>,
 ) -> Result<()> {
     let (session, inst) = session(world, handle)?;
@@ -741,17 +739,19 @@ fn publish(
     if world.resource::<Registry>().operations >= limits.max_operations {
         return Err(limit("max_operations", limits.max_operations));
     }
-    let instance = world
+    let ranks = world
         .get::<Instance>(inst)
-        .expect("sessions point at live instances");
-    let state = instance
-        .rank(rank)
-        .ok_or_else(|| invalid(format!("unknown rank index {rank}")))?
+        .expect("sessions point at live instances")
+        .ranks
         .clone();
     let mut items = Vec::with_capacity(pages.len());
     let mut keys = HashSet::new();
     let mut sources = HashSet::new();
     for p in &pages {
+        let rank = p.rank;
+        let state = ranks
+            .get(rank as usize)
+            .ok_or_else(|| invalid(format!("unknown rank index {rank}")))?;
         let bytes = state
             .page_bytes(p.group)
             .ok_or_else(|| invalid(format!("unknown group {}", p.group)))?;
@@ -804,7 +804,7 @@ fn publish(
             loading_sent: false,
             reported: false,
         },
-        PublishJob { rank, items },
+        PublishJob { items },
     ));
     Ok(())
 }

@@ -168,10 +168,7 @@ impl Dram {
     /// The page became unleased: it may be evicted, least recent first.
     pub fn make_evictable(&mut self, page: Entity, slot: u64) {
         let class = self.class_of(slot);
-        self.lru
-            .entry(class)
-            .or_default()
-            .touch(page);
+        self.lru.entry(class).or_default().touch(page);
     }
 
     pub fn pin(&mut self, page: Entity, slot: u64) {

@@ -38,6 +38,9 @@ pub struct DramConfig {
     pub capacity_bytes: u64,
     /// Slab extent: the largest page a slot class can hold.
     pub extent_bytes: u64,
+    /// Slot alignment: page sizes round up to it (4 KiB keeps slots
+    /// O_DIRECT-ready for the SSD tier).
+    pub slot_align_bytes: u64,
     /// Touch every OS page at startup (in parallel) so the first requests do
     /// not pay for page faults.
     pub first_touch: bool,
@@ -48,6 +51,7 @@ impl Default for DramConfig {
         DramConfig {
             capacity_bytes: 1 << 30,
             extent_bytes: 2 << 20,
+            slot_align_bytes: 4096,
             first_touch: true,
         }
     }

@@ -91,7 +91,7 @@ impl Runtime {
         let mut pool = HostPool::new(HostPoolConfig {
             capacity_bytes: config.dram.capacity_bytes,
             extent_bytes: config.dram.extent_bytes,
-            slot_align: orbitkv_io::dram::DEFAULT_SLOT_ALIGN,
+            slot_align: config.dram.slot_align_bytes,
         })
         .map_err(|e| ConfigError::Pool(e.to_string()))?;
         let first_touch = config.dram.first_touch.then(|| pool.first_touch());

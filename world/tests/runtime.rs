@@ -1153,3 +1153,62 @@ fn wall_clock_runtime_runs_with_host_engine() {
         "{ev:?}"
     );
 }
+
+#[test]
+fn multi_rank_publish_pins_every_source_until_one_reply() {
+    let mut c = config(16 << 20);
+    c.limits.max_copy_batch_pages = 1;
+    let mut h = Harness::new(c);
+    let ns = h.register("tp2", ID_A, dense(), 2);
+    let s = h.open("tp2");
+    let mut pages = Vec::new();
+    let mut sources = Vec::new();
+    for rank in 0..2u32 {
+        let (region, engine) = h.region(s, rank, 0, 4);
+        let dp = h.alloc(s, region, 0);
+        let native = hash(60, 0, 0);
+        h.write_slot(engine, 0, &payload(&ns[rank as usize], 0, &native));
+        pages.push(orbitkv_components::api::PublishPage {
+            rank,
+            group: 0,
+            hash: native,
+            device_page: dp,
+        });
+        sources.push(dp);
+    }
+    h.step(vec![Command::Publish {
+        session: s,
+        request: 7,
+        pages,
+    }]);
+    assert_eq!(h.rt.stats().transfers, 2, "one copy per rank");
+    // Rank 0's worker frees its block while rank 1's copy may still run.
+    let ev = h.step(vec![Command::DevicePageFree {
+        session: s,
+        device_page: sources[0],
+    }]);
+    assert!(ev.is_empty(), "{ev:?}");
+    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
+    assert!(
+        matches!(
+            done,
+            Event::PublishDone {
+                request: 7,
+                inserted: 2,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    let tail: Vec<&Event> = h.events.iter().rev().take(2).collect();
+    assert_eq!(
+        tail[0],
+        &Event::DevicePageFreed {
+            device_page: sources[0],
+            deferred: true
+        },
+        "freed after the reply"
+    );
+    h.assert_idle();
+    assert_eq!(h.rt.stats().pages, 2);
+}

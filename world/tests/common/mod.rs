@@ -325,10 +325,10 @@ pub fn publish_cmd(
     Command::Publish {
         session,
         request,
-        rank,
         pages: pages
             .into_iter()
             .map(|(group, hash, device_page)| PublishPage {
+                rank,
                 group,
                 hash,
                 device_page,

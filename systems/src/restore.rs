@@ -145,6 +145,24 @@ pub fn publish(
         if op.state != OpState::PublishPending {
             continue;
         }
+        // More than DRAM can ever hold: waiting would not help.
+        let wanted: u64 = job
+            .items
+            .iter()
+            .filter(|i| i.state == ItemState::Waiting)
+            .map(|i| i.bytes.next_multiple_of(dram.pool.slot_align()))
+            .sum();
+        if wanted > dram.pool.capacity() {
+            for item in job
+                .items
+                .iter_mut()
+                .filter(|i| i.state == ItemState::Waiting)
+            {
+                item.state = ItemState::Dropped;
+            }
+            finish(&mut op, Outcome::Published);
+            continue;
+        }
         let mut fresh = Vec::new();
         let mut short = false;
         for (index, item) in job.items.iter_mut().enumerate() {

@@ -48,6 +48,8 @@ pub struct Stats {
     pub instances: usize,
     pub sessions: usize,
     pub operations: usize,
+    /// Live operations per state.
+    pub operations_by_state: std::collections::BTreeMap<&'static str, usize>,
     pub pages: usize,
     pub leases: usize,
     pub transfers: usize,
@@ -216,6 +218,13 @@ impl Runtime {
             instances: count(w, |w| w.query::<&Instance>().iter(w).count()),
             sessions: count(w, |w| w.query::<&Session>().iter(w).count()),
             operations: count(w, |w| w.query::<&Operation>().iter(w).count()),
+            operations_by_state: w.query::<&Operation>().iter(w).fold(
+                Default::default(),
+                |mut m, op| {
+                    *m.entry(op.state.name()).or_default() += 1;
+                    m
+                },
+            ),
             pages: w.resource::<Dram>().index.len(),
             leases: count(w, |w| w.query::<&Lease>().iter(w).count()),
             transfers: count(w, |w| w.query::<&Transfer>().iter(w).count()),

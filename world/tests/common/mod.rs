@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 use orbitkv_components::api::{
-    Command, Event, GroupHashes, PagePos, PublishPage, Rank, RestoreTarget, SessionHandle,
+    Command, CommandError, Event, GroupHashes, PagePos, PublishPage, Rank, RestoreTarget,
+    SessionHandle,
 };
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey, StorageLayout, StorageSlot};
@@ -161,6 +162,38 @@ impl Harness {
             Event::DevicePageAllocated { device_page, .. } => device_page,
             e => panic!("alloc: {e:?}"),
         }
+    }
+
+    /// Like `alloc`, but a refusal is returned, and other events of the tick
+    /// are kept in `events` for the caller.
+    pub fn try_alloc(
+        &mut self,
+        session: SessionHandle,
+        region: u64,
+        slot: u32,
+    ) -> Result<u64, CommandError> {
+        let id = self
+            .rt
+            .submit(Command::DevicePageAlloc {
+                session,
+                region,
+                slot,
+            })
+            .unwrap();
+        let ev = self.rt.tick();
+        self.events.extend(ev.clone());
+        self.last = ev.clone();
+        for e in ev {
+            match e {
+                Event::DevicePageAllocated {
+                    command,
+                    device_page,
+                } if command == id => return Ok(device_page),
+                Event::Rejected { command, error } if command == id => return Err(error),
+                _ => {}
+            }
+        }
+        panic!("no reply to alloc command {id}");
     }
 
     pub fn write_slot(&self, engine_region: u32, slot: u32, bytes: &[u8]) {

@@ -23,7 +23,9 @@ use crate::{
 /// waits for the copy touching that region, never races it.
 #[derive(Clone, Default)]
 pub struct DeviceArena {
-    regions: Arc<RwLock<Vec<Arc<Region>>>>,
+    /// Indexed by `RegionId`; `None` once unregistered (ids are not reused,
+    /// so a stale id can never address a newer region).
+    regions: Arc<RwLock<Vec<Option<Arc<Region>>>>>,
 }
 
 struct Region {
@@ -71,17 +73,30 @@ impl DeviceArena {
         buf.resize(size, 0);
         let mut regions = write_lock(&self.regions);
         let id = RegionId::try_from(regions.len()).map_err(|_| reject("too many regions"))?;
-        regions.push(Arc::new(Region {
+        regions.push(Some(Arc::new(Region {
             len: bytes,
             bytes: RwLock::new(buf.into_boxed_slice()),
-        }));
+        })));
         Ok(id)
+    }
+
+    /// Forgets a region. Copies already submitted keep it alive until they
+    /// finish; new ones get `UnknownRegion`.
+    pub(crate) fn unregister(&self, region: RegionId) -> Result<(), CopyError> {
+        match write_lock(&self.regions).get_mut(region as usize) {
+            Some(slot @ Some(_)) => {
+                *slot = None;
+                Ok(())
+            }
+            _ => Err(CopyError::UnknownRegion(region)),
+        }
     }
 
     fn region(&self, region: RegionId) -> Result<Arc<Region>, CopyError> {
         read_lock(&self.regions)
             .get(region as usize)
             .cloned()
+            .flatten()
             .ok_or(CopyError::UnknownRegion(region))
     }
 
@@ -175,7 +190,10 @@ impl DeviceArena {
 
 impl fmt::Debug for DeviceArena {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let sizes: Vec<u64> = read_lock(&self.regions).iter().map(|r| r.len).collect();
+        let sizes: Vec<Option<u64>> = read_lock(&self.regions)
+            .iter()
+            .map(|r| r.as_ref().map(|r| r.len))
+            .collect();
         f.debug_struct("DeviceArena")
             .field("region_bytes", &sizes)
             .finish()
@@ -308,6 +326,10 @@ fn worker(jobs: &Mutex<Receiver<Job>>, done: &Sender<Completion>, arena: &Device
 impl CopyEngine for HostCopyEngine {
     fn name(&self) -> &'static str {
         "host"
+    }
+
+    fn unregister_device_region(&mut self, region: RegionId) -> Result<(), CopyError> {
+        self.arena.unregister(region)
     }
 
     fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError> {

@@ -79,6 +79,10 @@ pub trait CopyEngine: Send {
     /// backends allocate it themselves.
     fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError>;
 
+    /// Forgets a region (its session closed). Copies already submitted
+    /// finish; later ones get `UnknownRegion`.
+    fn unregister_device_region(&mut self, region: RegionId) -> Result<(), CopyError>;
+
     /// Registers the host pool every `host_offset` is relative to.
     ///
     /// # Safety

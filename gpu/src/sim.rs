@@ -103,6 +103,10 @@ impl CopyEngine for SimCopyEngine {
         self.arena.register(bytes)
     }
 
+    fn unregister_device_region(&mut self, region: RegionId) -> Result<(), CopyError> {
+        self.arena.unregister(region)
+    }
+
     unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), CopyError> {
         // SAFETY: the caller upholds this method's contract, which is
         // exactly `HostPool::new`'s.

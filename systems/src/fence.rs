@@ -94,7 +94,17 @@ pub fn fence(
         }
         metrics.bytes_read += bytes;
         if dram.index.contains_key(&key) {
-            dram.free(dram_slot); // published meanwhile; keep the indexed copy
+            // Published meanwhile: keep the indexed copy, and let the read
+            // stage lease that one.
+            dram.free(dram_slot);
+            if let Some((_, Some(rec), _)) = op.as_mut()
+                && let Some(need) = rec
+                    .needs
+                    .iter_mut()
+                    .find(|n| n.pos == pos && n.state == NeedState::Reading)
+            {
+                need.state = NeedState::Pending;
+            }
             continue;
         }
         let wanted = op.as_mut().and_then(|(op, rec, _)| {
@@ -369,6 +379,7 @@ pub fn close_sessions(
     sessions: Query<(Entity, &Session)>,
     ops: Query<&Operation>,
     regions: Query<(Entity, &DeviceRegion)>,
+    mut copier: ResMut<Copier>,
     mut registry: ResMut<Registry>,
     mut outbox: ResMut<Outbox>,
 ) {
@@ -380,6 +391,11 @@ pub fn close_sessions(
             for page in region.live.iter().flatten() {
                 commands.entity(*page).despawn();
             }
+            // Nothing targets it any more: no operation of the session is left.
+            let _ = copier
+                .0
+                .get_mut()
+                .unregister_device_region(region.engine_region);
             commands.entity(region_entity).despawn();
         }
         registry.sessions -= 1;

@@ -634,7 +634,7 @@ fn session_close_mid_read_retires_everything() {
     let mut h = Harness::with_latency(config(16 << 20), 500, 20);
     let ns = h.register("llama", ID_A, dense(), 1)[0];
     let s = h.open("llama");
-    let (region, _) = h.region(s, 0, 0, 4);
+    let (region, engine) = h.region(s, 0, 0, 4);
     h.alloc(s, region, 0);
     for i in 0..4 {
         let native = hash(14, 0, i);
@@ -658,6 +658,11 @@ fn session_close_mid_read_retires_everything() {
     h.assert_idle();
     let st = h.rt.stats();
     assert_eq!((st.sessions, st.device_pages), (0, 0));
+    // The copy engine forgot the session's device region.
+    assert!(matches!(
+        h.arena.read(engine, 0, 1),
+        Err(orbitkv_gpu::CopyError::UnknownRegion(_))
+    ));
 }
 
 #[test]

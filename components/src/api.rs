@@ -315,6 +315,16 @@ pub enum Event {
         boundary: u64,
         ranges: Vec<(u32, RequiredRange)>,
         leases: Vec<LeaseInfo>,
+        /// Of the leased pages: already in DRAM, and read from lower tiers.
+        pages_from_dram: u64,
+        pages_from_tiers: u64,
+    },
+    /// A transfer passed `transfer_timeout_us` without completing. Its
+    /// operation has failed, but the buffers, leases and device pages stay
+    /// held: a late completion could still write them.
+    TransferOverdue {
+        operation: u64,
+        kind: String,
     },
     Miss {
         operation: u64,

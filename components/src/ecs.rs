@@ -196,6 +196,8 @@ pub struct PageNeed {
     pub key: StateKey,
     pub bytes: u64,
     pub state: NeedState,
+    /// This operation read the page from a lower tier.
+    pub from_tier: bool,
 }
 
 /// The query/recovery part of an operation.
@@ -298,6 +300,20 @@ pub struct Transfer {
     pub operation: Entity,
     pub token: u64,
     pub kind: TransferKind,
+    pub submitted_us: u64,
+    /// Reported overdue once; it keeps its buffers regardless, because a
+    /// late completion could still write them.
+    pub overdue: bool,
+}
+
+impl TransferKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            TransferKind::TierRead { .. } => "tier_read",
+            TransferKind::Restore { .. } => "restore_copy",
+            TransferKind::Publish { .. } => "publish_copy",
+        }
+    }
 }
 
 #[derive(Component, Debug, Clone)]

@@ -15,7 +15,7 @@ use orbitkv_io::tier::{ReadDone, TierError};
 
 use crate::lifecycle::{finish, return_lease, take_lease, unpin_device_page};
 use crate::resources::{
-    Budget, Clock, Copier, Dram, Metrics, Outbox, Registry, Tiers, TransferIndex,
+    Budget, Clock, Copier, Dram, Limits, Metrics, Outbox, Registry, Tiers, TransferIndex,
 };
 
 /// Polls every backend and applies completions.
@@ -233,8 +233,33 @@ pub fn fence(
     }
 }
 
-/// Expires preparation deadlines and publish waits.
-pub fn expire(mut ops: Query<&mut Operation>, clock: Res<Clock>) {
+/// Expires preparation deadlines and publish waits, and reports transfers
+/// that are overdue. An overdue transfer fails its operation but keeps every
+/// buffer it owns: a logical timeout is not proof the hardware stopped.
+pub fn expire(
+    mut ops: Query<&mut Operation>,
+    mut transfers: Query<&mut Transfer>,
+    mut outbox: ResMut<Outbox>,
+    mut metrics: ResMut<Metrics>,
+    limits: Res<Limits>,
+    clock: Res<Clock>,
+) {
+    for mut t in &mut transfers {
+        if t.overdue || clock.now_us.saturating_sub(t.submitted_us) < limits.transfer_timeout_us {
+            continue;
+        }
+        t.overdue = true;
+        metrics.transfers_overdue += 1;
+        if let Ok(mut op) = ops.get_mut(t.operation)
+            && op.outcome.is_none()
+        {
+            op.outcome = Some(Outcome::Miss(MissReason::IoError));
+        }
+        outbox.0.push(Event::TransferOverdue {
+            operation: t.operation.to_bits(),
+            kind: t.kind.name().to_owned(),
+        });
+    }
     for mut op in &mut ops {
         if op.deadline_us > clock.now_us {
             continue;

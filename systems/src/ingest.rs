@@ -236,7 +236,37 @@ fn register_instance(
             && inst.groups == groups
             && inst.page_tokens == page_tokens;
         if !same {
-            return Err(CommandError::InstanceConflict(name));
+            // A new computation under the same name (new weights, new
+            // settings) replaces the old instance once nothing uses it. Its
+            // pages stay under the old namespace, where nothing can hit them.
+            let in_use = world
+                .query::<&Session>()
+                .iter(world)
+                .any(|s| s.instance == existing);
+            if in_use {
+                return Err(CommandError::InstanceConflict(name));
+            }
+            let groups_of_old: Vec<Entity> = world
+                .query::<(Entity, &Group)>()
+                .iter(world)
+                .filter(|(_, g)| g.instance == existing)
+                .map(|(e, _)| e)
+                .collect();
+            for g in groups_of_old {
+                world.despawn(g);
+            }
+            world.despawn(existing);
+            world.resource_mut::<Registry>().instances.remove(&name);
+            return register_instance(
+                world,
+                id,
+                name,
+                identity,
+                layout,
+                page_tokens,
+                groups,
+                ranks,
+            );
         }
         emit(
             world,

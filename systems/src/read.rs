@@ -109,6 +109,8 @@ pub fn read(
                         .spawn(Transfer {
                             operation: entity,
                             token: token.0,
+                            submitted_us: clock.now_us,
+                            overdue: false,
                             kind: TransferKind::TierRead {
                                 tier,
                                 key: need.key,
@@ -125,6 +127,7 @@ pub fn read(
                     metrics.tier_reads += 1;
                     op.in_flight += 1;
                     need.state = NeedState::Reading;
+                    need.from_tier = true;
                     bump(&mut group_reads, slot);
                     reads_in_flight += 1;
                 }
@@ -199,6 +202,7 @@ fn admit(op: &mut Operation, rec: &mut Recovery, instance: &mut Instance, budget
                 },
                 bytes,
                 state: NeedState::Pending,
+                from_tier: false,
             });
         }
     }
@@ -227,7 +231,10 @@ fn admit(op: &mut Operation, rec: &mut Recovery, instance: &mut Instance, budget
 }
 
 pub fn ready_event(entity: Entity, rec: &Recovery) -> Event {
+    let from_tiers = rec.needs.iter().filter(|n| n.from_tier).count() as u64;
     Event::Ready {
+        pages_from_dram: rec.needs.len() as u64 - from_tiers,
+        pages_from_tiers: from_tiers,
         operation: entity.to_bits(),
         boundary: rec.selected.expect("a ready operation has a boundary"),
         ranges: rec.ranges.clone(),

@@ -52,6 +52,8 @@ pub struct Limits {
     /// Time a publish may wait for DRAM space before its pages are dropped.
     pub publish_deadline_us: u64,
     pub max_evictions_per_tick: usize,
+    /// A transfer not complete after this long is reported overdue.
+    pub transfer_timeout_us: u64,
 }
 
 impl Default for Limits {
@@ -74,6 +76,7 @@ impl Default for Limits {
             prepare_deadline_us: 5_000_000,
             publish_deadline_us: 5_000_000,
             max_evictions_per_tick: 4096,
+            transfer_timeout_us: 10_000_000,
         }
     }
 }
@@ -237,6 +240,7 @@ pub struct Metrics {
     pub checksum_failures: u64,
     pub evictions: BTreeMap<EvictReason, u64>,
     pub commands_rejected: u64,
+    pub transfers_overdue: u64,
 }
 
 impl Metrics {

@@ -101,6 +101,8 @@ pub fn restore(
                         .spawn(Transfer {
                             operation: entity,
                             token: token.0,
+                            submitted_us: clock.now_us,
+                            overdue: false,
                             kind: TransferKind::Restore {
                                 device_pages: targets,
                             },
@@ -233,6 +235,8 @@ pub fn publish(
                         .spawn(Transfer {
                             operation: entity,
                             token: token.0,
+                            submitted_us: clock.now_us,
+                            overdue: false,
                             kind: TransferKind::Publish {
                                 items: batch.to_vec(),
                             },

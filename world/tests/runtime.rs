@@ -920,6 +920,8 @@ fn registration_is_idempotent_and_conflicts_are_typed() {
         ) => assert_eq!((a, na), (b, nb)),
         other => panic!("{other:?}"),
     }
+    // While a session uses it, another computation under the name conflicts.
+    let s = h.open("x");
     let e = h.one(register_cmd("x", ID_B, dense(), 1, &[0]));
     assert!(
         matches!(
@@ -931,6 +933,21 @@ fn registration_is_idempotent_and_conflicts_are_typed() {
         ),
         "{e:?}"
     );
+    // Once its engine is gone, a new identity replaces it (an engine restart
+    // with new weights); the old namespace can never hit again.
+    h.step(vec![Command::CloseSession { session: s }]);
+    let e = h.one(register_cmd("x", ID_B, dense(), 1, &[0]));
+    assert!(
+        matches!(
+            e,
+            Event::InstanceRegistered {
+                existing: false,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(h.rt.stats().instances, 1);
     let e = h.one(register_cmd("y", ID_A, hybrid(), 1, &[0]));
     assert!(
         matches!(

@@ -90,6 +90,8 @@ struct PendingRead {
 struct MemoryPages {
     pages: HashMap<StateKey, (Vec<u8>, u64)>,
     fail_next: usize,
+    lose_next: usize,
+    extra_latency_us: u64,
 }
 
 /// An in-memory tier with a deterministic latency model: the simulated
@@ -99,6 +101,8 @@ struct MemoryPages {
 /// corrupt or fail pages while the runtime owns the tier.
 pub struct MemoryTier {
     name: &'static str,
+    /// Reads whose completion was lost: never reported, still in flight.
+    lost: usize,
     shared: Arc<Mutex<MemoryPages>>,
     pool: Option<PoolPtr>,
     latency_us: u64,
@@ -144,6 +148,16 @@ impl MemoryTierHandle {
         self.pages().fail_next = n;
     }
 
+    /// The next `n` reads submitted never complete (a lost completion).
+    pub fn lose_next(&self, n: usize) {
+        self.pages().lose_next = n;
+    }
+
+    /// Reads submitted from now on take `extra_us` longer.
+    pub fn delay(&self, extra_us: u64) {
+        self.pages().extra_latency_us = extra_us;
+    }
+
     pub fn len(&self) -> usize {
         self.pages().pages.len()
     }
@@ -157,6 +171,7 @@ impl MemoryTier {
     pub fn new(name: &'static str, latency_us: u64, max_in_flight: usize) -> Self {
         MemoryTier {
             name,
+            lost: 0,
             shared: Arc::default(),
             pool: None,
             latency_us,
@@ -209,13 +224,23 @@ impl BackingTier for MemoryTier {
                 size: pool.1,
             });
         }
-        if self.pending.len() >= self.max_in_flight {
-            return Err(TierError::QueueFull(self.pending.len(), self.max_in_flight));
+        if self.in_flight() >= self.max_in_flight {
+            return Err(TierError::QueueFull(self.in_flight(), self.max_in_flight));
         }
         let token = ReadToken(self.next_token);
         self.next_token += 1;
+        let extra = {
+            let mut f = self.pages();
+            if f.lose_next > 0 {
+                f.lose_next -= 1;
+                drop(f);
+                self.lost += 1;
+                return Ok(token);
+            }
+            f.extra_latency_us
+        };
         self.pending.insert(
-            (now_us + self.latency_us, token),
+            (now_us + self.latency_us + extra, token),
             PendingRead {
                 key: *key,
                 offset: host_offset,
@@ -266,6 +291,6 @@ impl BackingTier for MemoryTier {
     }
 
     fn in_flight(&self) -> usize {
-        self.pending.len()
+        self.pending.len() + self.lost
     }
 }

@@ -1234,3 +1234,74 @@ fn multi_rank_publish_pins_every_source_until_one_reply() {
     h.assert_idle();
     assert_eq!(h.rt.stats().pages, 2);
 }
+
+#[test]
+fn a_lost_copy_completion_is_reported_but_ownership_stays_held() {
+    let mut c = config(16 << 20);
+    c.limits.transfer_timeout_us = 1_000;
+    let mut d = {
+        let mut h = Harness::new(c);
+        let ns = h.register("llama", ID_A, dense(), 1)[0];
+        let s = h.open("llama");
+        let (region, engine_region) = h.region(s, 0, 0, 64);
+        Dense {
+            h,
+            ns,
+            s,
+            region,
+            engine_region,
+        }
+    };
+    d.publish(70, 2, 0);
+    let (op, _) = d.prepare(70, 3, 3 * PAGE);
+    let a = d.h.alloc(d.s, d.region, 20);
+    let b = d.h.alloc(d.s, d.region, 21);
+    d.h.copies.lose_next(1);
+    d.h.step(vec![Command::Restore {
+        session: d.s,
+        operation: op,
+        targets: vec![target(0, 0, PAGE, a), target(0, 0, 2 * PAGE, b)],
+        retained: vec![],
+    }]);
+    let e =
+        d.h.until("overdue", |e| matches!(e, Event::TransferOverdue { .. }));
+    assert_eq!(
+        e,
+        Event::TransferOverdue {
+            operation: op,
+            kind: "restore_copy".into()
+        }
+    );
+    // The engine frees the destination; the free waits, the leases stay.
+    let ev = d.h.step(vec![Command::DevicePageFree {
+        session: d.s,
+        device_page: a,
+    }]);
+    assert!(ev.is_empty(), "{ev:?}");
+    for _ in 0..100 {
+        d.h.advance();
+    }
+    let st = d.h.rt.stats();
+    assert_eq!(
+        (st.leases, st.transfers, st.bytes_reserved),
+        (2, 1, 2 * PAGE_BYTES)
+    );
+    assert_eq!(st.metrics.transfers_overdue, 1);
+    // The slot cannot be reused while the lost copy might still write it.
+    let e = d.h.one(Command::DevicePageAlloc {
+        session: d.s,
+        region: d.region,
+        slot: 20,
+    });
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::SlotInUse { slot: 20, .. },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    d.h.rt.check_invariants().unwrap();
+}

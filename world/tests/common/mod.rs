@@ -21,6 +21,7 @@ pub struct Harness {
     pub rt: Runtime,
     pub arena: DeviceArena,
     pub tier: MemoryTierHandle,
+    pub copies: orbitkv_gpu::sim::SimCopyControl,
     pub events: Vec<Event>,
     /// Events of the latest tick, searched first by `until`.
     last: Vec<Event>,
@@ -48,6 +49,7 @@ impl Harness {
             max_in_flight_batches: 64,
         });
         let arena = copy.arena();
+        let copies = copy.control();
         let tier = MemoryTier::new("sim", tier_latency_us, 1024);
         let handle = tier.handle();
         let rt = Runtime::with_backends(
@@ -63,6 +65,7 @@ impl Harness {
             rt,
             arena,
             tier: handle,
+            copies,
             events: Vec::new(),
             last: Vec::new(),
         }

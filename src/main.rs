@@ -4,6 +4,7 @@
 mod contract_cmd;
 mod demo;
 mod identity_cmd;
+mod replay_cmd;
 
 use std::process::ExitCode;
 
@@ -30,6 +31,8 @@ enum Command {
     /// Walk through identity, sealing and hybrid boundary selection on an
     /// embedded example.
     Demo,
+    /// Replay a trace on simulated backends and print the report.
+    Replay(replay_cmd::Args),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +41,7 @@ fn main() -> ExitCode {
         Command::Identity(args) => identity_cmd::run(args),
         Command::Contract(cmd) => contract_cmd::run(cmd),
         Command::Demo => demo::run(),
+        Command::Replay(args) => replay_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

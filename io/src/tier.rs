@@ -37,6 +37,11 @@ pub enum TierError {
     QueueFull(usize, usize),
     #[error("I/O error: {0}")]
     Io(String),
+    /// The stored record failed verification (header, key, length or
+    /// payload checksum); the tier has dropped it. The runtime reports the
+    /// miss as `checksum`.
+    #[error("stored page failed verification")]
+    Corrupt,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +153,11 @@ impl MemoryTierHandle {
         self.pages().fail_next = n;
     }
 
+    /// Whether the tier holds `key`.
+    pub fn contains(&self, key: &StateKey) -> bool {
+        self.pages().pages.contains_key(key)
+    }
+
     /// The next `n` reads submitted never complete (a lost completion).
     pub fn lose_next(&self, n: usize) {
         self.pages().lose_next = n;
@@ -178,6 +188,15 @@ impl MemoryTier {
             max_in_flight,
             next_token: 0,
             pending: BTreeMap::new(),
+        }
+    }
+
+    /// A tier over existing pages (a restarted manager finds its lower
+    /// tiers as they were).
+    pub fn from_handle(name: &'static str, handle: &MemoryTierHandle, latency_us: u64, max_in_flight: usize) -> Self {
+        MemoryTier {
+            shared: handle.0.clone(),
+            ..MemoryTier::new(name, latency_us, max_in_flight)
         }
     }
 

@@ -93,6 +93,9 @@ pub fn fence(
             continue;
         }
         metrics.bytes_read += bytes;
+        if let Some(t) = tiers.0.get_mut().get(tier) {
+            *metrics.bytes_read_by_tier.entry(t.name().to_owned()).or_default() += bytes;
+        }
         if dram.index.contains_key(&key) {
             // Published meanwhile: keep the indexed copy, and let the read
             // stage lease that one.

@@ -237,6 +237,8 @@ pub struct Metrics {
     pub bytes_published: u64,
     pub tier_reads: u64,
     pub bytes_read: u64,
+    /// Bytes read into DRAM, per lower tier.
+    pub bytes_read_by_tier: BTreeMap<String, u64>,
     pub checksum_failures: u64,
     pub evictions: BTreeMap<EvictReason, u64>,
     pub commands_rejected: u64,

@@ -23,8 +23,8 @@ use serde_json::Value;
 use crate::payload::payload;
 use crate::report::{Occupancy, Percentiles, Report, RequestReport, Sample};
 use crate::trace::{
-    Body, Fault, Header, Line, Model, Open, Publish, Register, Request, Then, TierPut, Trace,
-    chained_hashes,
+    Body, Fault, Header, Line, Model, Open, Publish, Register, Request, Then, Ticks, TierPut,
+    Trace, chained_hashes,
 };
 
 /// Bounds of the driver itself.
@@ -196,6 +196,10 @@ pub struct Replay<'o> {
     samples: Vec<Sample>,
     sample_stride: u64,
     ticks: u64,
+    /// Explicit ticking: the time of the next `tick` line.
+    pending_time: u64,
+    /// Every runtime event, when asked for (tests compare replays).
+    event_log: Option<Vec<Event>>,
 }
 
 fn line_err(line: usize, message: impl Into<String>) -> ReplayError {
@@ -322,7 +326,27 @@ impl<'o> Replay<'o> {
             samples: Vec::new(),
             sample_stride: 1,
             ticks: 0,
+            pending_time: 0,
+            event_log: None,
         })
+    }
+
+    /// Keeps every runtime event; `run_logged` returns them.
+    pub fn log_events(mut self) -> Self {
+        self.event_log = Some(Vec::new());
+        self
+    }
+
+    /// Like `run`, also returning the runtime's events in order.
+    pub fn run_logged(mut self, trace: &Trace) -> Result<(Report, Vec<Event>), ReplayError> {
+        self.event_log.get_or_insert_with(Vec::new);
+        for line in &trace.lines {
+            self.advance_to(line.t);
+            self.apply(line)?;
+        }
+        let log = self.event_log.take().unwrap_or_default();
+        let (report, _) = self.finish();
+        Ok((report, log))
     }
 
     /// Replays a whole trace; `progress(done, total)` is called per line.
@@ -345,8 +369,13 @@ impl<'o> Replay<'o> {
         self.rt.now_us()
     }
 
-    /// Ticks at the idle interval until simulated time reaches `t`.
+    /// Ticks at the idle interval until simulated time reaches `t` (in
+    /// explicit mode, time moves only at `tick` lines).
     fn advance_to(&mut self, t: u64) {
+        if self.header.ticks == Ticks::Explicit {
+            self.pending_time = t;
+            return;
+        }
         while self.now() < t {
             let step = self.header.tick_interval_us.min(t - self.now());
             self.tick_with(vec![Command::AdvanceClock { us: step }]);
@@ -387,7 +416,14 @@ impl<'o> Replay<'o> {
 
     fn tick(&mut self) -> Vec<(CommandId, Event)> {
         let events = self.rt.tick();
+        self.after_tick(events)
+    }
+
+    fn after_tick(&mut self, events: Vec<Event>) -> Vec<(CommandId, Event)> {
         self.ticks += 1;
+        if let Some(log) = &mut self.event_log {
+            log.extend(events.iter().cloned());
+        }
         if let Err(v) = self.rt.check_invariants() {
             self.report.invariant_violations += v.len() as u64;
             for s in v {
@@ -469,7 +505,13 @@ impl<'o> Replay<'o> {
     fn apply(&mut self, line: &Line) -> Result<(), ReplayError> {
         match &line.body {
             Body::Tick => {
-                self.tick_with(Vec::new());
+                if self.header.ticks == Ticks::Explicit {
+                    let events = self.rt.tick_at(self.pending_time);
+                    self.after_tick(events);
+                    self.run_todo();
+                } else {
+                    self.tick_with(Vec::new());
+                }
             }
             Body::Cmd { cmd, bind } => self.raw_command(line.number, cmd, bind.as_deref())?,
             Body::Fault(f) => self.fault(line.number, f)?,

@@ -27,12 +27,25 @@ pub struct Header {
     pub config: Option<Value>,
     #[serde(default)]
     pub latency: Latency,
+    /// `interval`: the simulated manager ticks every `tick_interval_us`,
+    /// and `tick` lines add ticks. `explicit` (recorded traces): the runtime
+    /// ticks only at `tick` lines, at their `t`, as it did when recorded.
+    #[serde(default)]
+    pub ticks: Ticks,
     /// Idle tick interval of the simulated manager.
     #[serde(default = "default_tick_interval")]
     pub tick_interval_us: u64,
     /// After the last line, keep ticking up to this long for work to drain.
     #[serde(default = "default_drain")]
     pub drain_us: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ticks {
+    #[default]
+    Interval,
+    Explicit,
 }
 
 fn default_tick_interval() -> u64 {

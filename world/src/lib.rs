@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod invariants;
+pub mod record;
 pub mod runtime;
 pub mod schedule;
 

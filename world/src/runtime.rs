@@ -16,6 +16,7 @@ use orbitkv_systems::resources::{
 use serde::Serialize;
 
 use crate::config::{Config, ConfigError};
+use crate::record::Recorder;
 use crate::{invariants, schedule};
 
 /// What the runtime moves bytes with.
@@ -69,6 +70,8 @@ pub struct Runtime {
     next_command: CommandId,
     max_inbox: usize,
     first_touch: Option<FirstTouchReport>,
+    config: Config,
+    recorder: Option<Recorder>,
 }
 
 impl Runtime {
@@ -151,20 +154,61 @@ impl Runtime {
             next_command: 0,
             max_inbox: config.limits.max_inbox,
             first_touch,
+            config,
+            recorder: None,
         })
     }
 
     /// Queues a command for the next tick. Its id is echoed in the events
     /// that answer it.
     pub fn submit(&mut self, command: Command) -> Result<CommandId, SubmitError> {
-        let mut inbox = self.world.resource_mut::<Inbox>();
-        if inbox.0.len() >= self.max_inbox {
+        if self.world.resource::<Inbox>().0.len() >= self.max_inbox {
             return Err(SubmitError::InboxFull(self.max_inbox));
         }
         let id = self.next_command;
         self.next_command += 1;
-        inbox.0.push_back((id, command));
+        if let Some(r) = &mut self.recorder {
+            let now = self.world.resource::<Clock>().now_us;
+            r.command(now, id, &command);
+        }
+        self.world
+            .resource_mut::<Inbox>()
+            .0
+            .push_back((id, command));
         Ok(id)
+    }
+
+    /// Starts writing every command and tick to `out` as a trace that
+    /// `orbitkv replay` runs. `tick_interval_us` is the caller's idle tick
+    /// interval, recorded for the replay's drain.
+    pub fn record(
+        &mut self,
+        out: Box<dyn std::io::Write + Send>,
+        tick_interval_us: u64,
+    ) -> std::io::Result<()> {
+        self.recorder = Some(Recorder::start(out, &self.config, tick_interval_us)?);
+        Ok(())
+    }
+
+    /// Stops recording; returns the first write error, if any.
+    pub fn stop_recording(&mut self) -> std::io::Result<()> {
+        match self.recorder.take() {
+            Some(mut r) => {
+                r.flush();
+                r.error.map_or(Ok(()), Err)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Simulated clock only: moves time to `now_us` (never backwards) and
+    /// ticks. The simulator owns time; on a wall clock this is `tick`.
+    pub fn tick_at(&mut self, now_us: u64) -> Vec<Event> {
+        if self.simulated {
+            let mut clock = self.world.resource_mut::<Clock>();
+            clock.now_us = clock.now_us.max(now_us);
+        }
+        self.tick()
     }
 
     /// Runs every stage once and returns the events it produced.
@@ -174,13 +218,18 @@ impl Runtime {
             let mut clock = self.world.resource_mut::<Clock>();
             clock.now_us = clock.now_us.max(now);
         }
+        let started_at = self.world.resource::<Clock>().now_us;
         self.schedule.run(&mut self.world);
         if self.check
             && let Err(violations) = self.check_invariants()
         {
             panic!("runtime invariants violated after a tick: {violations:#?}");
         }
-        std::mem::take(&mut self.world.resource_mut::<Outbox>().0)
+        let events = std::mem::take(&mut self.world.resource_mut::<Outbox>().0);
+        if let Some(r) = &mut self.recorder {
+            r.tick(started_at, &events);
+        }
+        events
     }
 
     /// Checks every invariant of the runtime's state.
@@ -244,6 +293,9 @@ impl Runtime {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
+        if let Some(r) = &mut self.recorder {
+            r.flush();
+        }
         // Backends go first: dropping them finishes submitted I/O, which
         // writes into the pool the world still owns.
         drop(self.world.remove_resource::<Copier>());

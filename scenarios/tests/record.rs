@@ -1,0 +1,252 @@
+//! A recorded trace replays to the same events.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use orbitkv_components::api::{Command, Event, GroupHashes, PublishPage, Rank, RestoreTarget};
+use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
+use orbitkv_components::{NativeHash, StateKey, StorageLayout, StorageSlot};
+use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
+use orbitkv_io::tier::MemoryTier;
+use orbitkv_scenarios::payload::payload;
+use orbitkv_scenarios::replay::Replay;
+use orbitkv_world::{Backends, Config, Runtime};
+
+#[derive(Clone, Default)]
+struct Shared(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Shared {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+const PAGE: u64 = 16;
+const BYTES: u64 = 4096;
+
+fn reply<T>(
+    rt: &mut Runtime,
+    cmd: Command,
+    pick: impl Fn(&Event) -> Option<T>,
+    log: &mut Vec<Event>,
+) -> T {
+    rt.submit(cmd).unwrap();
+    let ev = rt.tick();
+    log.extend(ev.clone());
+    ev.iter().find_map(pick).expect("reply")
+}
+
+#[test]
+fn recorded_trace_replays_to_the_same_events() {
+    let mut config = Config::default();
+    config.dram.capacity_bytes = 4 << 20;
+    config.dram.extent_bytes = 64 << 10;
+    config.dram.first_touch = false;
+    // The replay's default latency models, so both sides simulate alike.
+    let copy = SimCopyEngine::new(SimCopyConfig {
+        latency_us: 20,
+        bytes_per_us: 20_000,
+        max_in_flight_batches: 64,
+    });
+    let arena = copy.arena();
+    let mut rt = Runtime::with_backends(
+        config,
+        Backends {
+            copy: Box::new(copy),
+            tiers: vec![
+                Box::new(MemoryTier::new("ssd", 100, 4096)),
+                Box::new(MemoryTier::new("remote", 800, 4096)),
+            ],
+            simulated_clock: true,
+        },
+    )
+    .unwrap();
+    let buf = Shared::default();
+    rt.record(Box::new(buf.clone()), 10).unwrap();
+    let mut log = Vec::new();
+
+    let groups = vec![GroupSpec {
+        id: 0,
+        rule: Rule::Prefix,
+        components: vec![ComponentKind::AttentionKv],
+    }];
+    let slot = StorageSlot {
+        layer: 0,
+        group: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+        segment_bytes: BYTES,
+        padded_page_bytes: BYTES,
+        page_tokens: PAGE as u32,
+        dtype: "bf16".into(),
+        layout: "NHD".into(),
+        strides: vec![1],
+        device_addr: 0,
+    };
+    let ns = reply(
+        &mut rt,
+        Command::RegisterInstance {
+            instance: "m".into(),
+            identity: [3; 32],
+            layout: StorageLayout {
+                slots: vec![slot],
+                pool_capacity_pages: 0,
+            },
+            page_tokens: PAGE,
+            groups,
+            ranks: vec![Rank { tp: 0, pp: 0 }],
+        },
+        |e| match e {
+            Event::InstanceRegistered { namespaces, .. } => Some(namespaces[0]),
+            _ => None,
+        },
+        &mut log,
+    );
+    let s = reply(
+        &mut rt,
+        Command::OpenSession {
+            instance: "m".into(),
+        },
+        |e| match e {
+            Event::SessionOpened { session, .. } => Some(*session),
+            _ => None,
+        },
+        &mut log,
+    );
+    let (region, engine) = reply(
+        &mut rt,
+        Command::RegisterDeviceRegion {
+            session: s,
+            rank: 0,
+            group: 0,
+            slots: 16,
+        },
+        |e| match e {
+            Event::RegionRegistered {
+                region,
+                engine_region,
+                ..
+            } => Some((*region, *engine_region)),
+            _ => None,
+        },
+        &mut log,
+    );
+    let mut pages = Vec::new();
+    for i in 0..3u32 {
+        let dp = reply(
+            &mut rt,
+            Command::DevicePageAlloc {
+                session: s,
+                region,
+                slot: i,
+            },
+            |e| match e {
+                Event::DevicePageAllocated { device_page, .. } => Some(*device_page),
+                _ => None,
+            },
+            &mut log,
+        );
+        let hash = NativeHash::from_u64(100 + i as u64);
+        let key = StateKey {
+            namespace: ns,
+            group: 0,
+            native: hash,
+        };
+        arena
+            .write(engine, i as u64 * BYTES, &payload(&key, BYTES))
+            .unwrap();
+        pages.push(PublishPage {
+            rank: 0,
+            group: 0,
+            hash,
+            device_page: dp,
+        });
+    }
+    rt.submit(Command::Publish {
+        session: s,
+        request: 1,
+        pages,
+    })
+    .unwrap();
+    for _ in 0..5 {
+        rt.submit(Command::AdvanceClock { us: 10 }).unwrap();
+        log.extend(rt.tick());
+    }
+    let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(100 + i)).collect();
+    let op = reply(
+        &mut rt,
+        Command::Query {
+            session: s,
+            request: 2,
+            groups: vec![GroupHashes { group: 0, hashes }],
+            origin: 0,
+            prompt_len: 4 * PAGE,
+            expect_namespaces: vec![],
+            prepare: true,
+            speculative: false,
+        },
+        |e| match e {
+            Event::QueryResult { operation, .. } => Some(*operation),
+            _ => None,
+        },
+        &mut log,
+    );
+    let mut targets = Vec::new();
+    for i in 0..3u32 {
+        let dp = reply(
+            &mut rt,
+            Command::DevicePageAlloc {
+                session: s,
+                region,
+                slot: 8 + i,
+            },
+            |e| match e {
+                Event::DevicePageAllocated { device_page, .. } => Some(*device_page),
+                _ => None,
+            },
+            &mut log,
+        );
+        targets.push(RestoreTarget {
+            pos: orbitkv_components::api::PagePos {
+                rank: 0,
+                group: 0,
+                page_end: (i as u64 + 1) * PAGE,
+            },
+            device_page: dp,
+        });
+    }
+    rt.submit(Command::Restore {
+        session: s,
+        operation: op,
+        targets,
+        retained: vec![],
+    })
+    .unwrap();
+    for _ in 0..10 {
+        rt.submit(Command::AdvanceClock { us: 10 }).unwrap();
+        log.extend(rt.tick());
+    }
+    assert!(
+        log.iter()
+            .any(|e| matches!(e, Event::RestoreDone { pages: 3, .. })),
+        "{log:?}"
+    );
+    rt.stop_recording().unwrap();
+    let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        text.contains("\"bind\":\"$c"),
+        "handles are recorded by name"
+    );
+
+    let trace = orbitkv_scenarios::trace::parse(&text, 5).unwrap();
+    let (report, replayed) = Replay::new(&trace.header)
+        .unwrap()
+        .run_logged(&trace)
+        .unwrap();
+    assert_eq!(replayed, log, "replay diverged");
+    assert_eq!(report.invariant_violations, 0);
+}

@@ -3,6 +3,7 @@
 
 mod contract_cmd;
 mod demo;
+mod fuzz_cmd;
 mod identity_cmd;
 mod replay_cmd;
 
@@ -33,6 +34,8 @@ enum Command {
     Demo,
     /// Replay a trace on simulated backends and print the report.
     Replay(replay_cmd::Args),
+    /// Fuzz the runtime with random faulty scenarios and a false-hit oracle.
+    Fuzz(fuzz_cmd::Args),
 }
 
 fn main() -> ExitCode {
@@ -42,6 +45,7 @@ fn main() -> ExitCode {
         Command::Contract(cmd) => contract_cmd::run(cmd),
         Command::Demo => demo::run(),
         Command::Replay(args) => replay_cmd::run(args),
+        Command::Fuzz(args) => fuzz_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -49,10 +53,24 @@ fn main() -> ExitCode {
             // One line: scripts and tests read it.
             let msg = format!("{e:#}").replace('\n', " ");
             eprintln!("error: {msg}");
-            ExitCode::from(2)
+            // 1: the run worked and found problems; 2: bad input.
+            ExitCode::from(if e.is::<Findings>() { 1 } else { 2 })
         }
     }
 }
+
+/// A run that completed and found something wrong (violations, failing
+/// seeds), as opposed to bad input.
+#[derive(Debug)]
+pub struct Findings(pub String);
+
+impl std::fmt::Display for Findings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Findings {}
 
 /// Reads and parses a JSON file, naming the file in the error.
 fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> anyhow::Result<T> {

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// The main job's embedded default.
@@ -50,11 +50,11 @@ pub fn run(args: Args) -> Result<()> {
         print!("{}", report.render_text());
     }
     if report.invariant_violations > 0 || report.byte_mismatches > 0 {
-        bail!(
+        return Err(crate::Findings(format!(
             "{} invariant violation(s), {} byte mismatch(es)",
-            report.invariant_violations,
-            report.byte_mismatches
-        );
+            report.invariant_violations, report.byte_mismatches
+        ))
+        .into());
     }
     Ok(())
 }

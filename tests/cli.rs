@@ -501,3 +501,67 @@ fn demo_runs() {
     ));
     assert!(out.contains("common (intersection)   [256]"));
 }
+
+#[test]
+fn replay_runs_the_embedded_default_and_reports() {
+    let out = stdout(orbitkv(&["replay"], &[]));
+    assert!(out.contains("OrbitKV replay: multi_turn_chat"), "{out}");
+    assert!(out.contains("invariant violations: 0"), "{out}");
+    assert!(out.contains("byte mismatches (false hits): 0"), "{out}");
+    let d = tempfile::tempdir().unwrap();
+    let svg = d.path().join("plot.svg");
+    let json = ok_json(orbitkv(
+        &["replay", "--json", "--plot", svg.to_str().unwrap()],
+        &[],
+    ));
+    assert_eq!(json["report_version"], 1);
+    assert_eq!(json["totals"]["hits"], 5);
+    let svg = fs::read_to_string(svg).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("hit rate"),
+        "not an SVG plot"
+    );
+    // Same trace, same flags: the same bytes.
+    assert_eq!(
+        stdout(orbitkv(&["replay", "--json"], &[])),
+        stdout(orbitkv(&["replay", "--json"], &[]))
+    );
+}
+
+#[test]
+fn replay_reports_bad_trace_lines_and_exits_2() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("bad.jsonl");
+    fs::write(
+        &p,
+        "{\"orbitkv_trace\":1}\n{\"t\":0,\"tick\":{}}\n{\"t\":1,\"nonsense\":3}\n",
+    )
+    .unwrap();
+    assert_bad_input(orbitkv(&["replay", p.to_str().unwrap()], &[]), "line 3:");
+}
+
+#[test]
+fn fuzz_runs_seeds_clean() {
+    let d = tempfile::tempdir().unwrap();
+    let out = orbitkv(
+        &[
+            "fuzz",
+            "--seed",
+            "7",
+            "--seeds",
+            "2",
+            "--ticks",
+            "300",
+            "--out",
+            d.path().to_str().unwrap(),
+        ],
+        &[],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("2 clean, 0 failed"), "{text}");
+}

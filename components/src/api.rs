@@ -127,7 +127,7 @@ pub struct PublishPage {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "command", rename_all = "snake_case")]
+#[serde(tag = "command", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Command {
     /// Register (or re-attach to) an engine instance. Each rank's slots in
     /// `layout` are sealed with `identity` into that rank's namespace.

@@ -45,6 +45,9 @@ pub struct Instance {
     pub ranks: Vec<RankState>,
     pub groups: Vec<crate::contract::GroupSpec>,
     pub bytes_reserved: u64,
+    /// Replaced by a new registration under the same name while sessions
+    /// were still closing; despawned with the last of them.
+    pub retired: bool,
 }
 
 impl Instance {

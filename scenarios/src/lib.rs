@@ -3,6 +3,7 @@
 //! The simulator owns time and I/O: the same trace always gives the same
 //! report.
 
+pub mod fuzz;
 pub mod payload;
 pub mod plot;
 pub mod replay;

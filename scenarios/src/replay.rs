@@ -32,6 +32,8 @@ const MAX_TIERS: usize = 8;
 const MAX_SAMPLES: usize = 4096;
 const MAX_VIOLATIONS_KEPT: usize = 20;
 const TIER_MAX_IN_FLIGHT: usize = 4096;
+/// Drain step when nothing is in flight.
+const DRAIN_QUIET_STEP_US: u64 = 1_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -49,6 +51,15 @@ pub trait Observer {
     }
     /// Keys the trace made available (published or put in a tier).
     fn available(&mut self, _key: StateKey) {}
+    /// An instance registered under `identity` with these namespaces.
+    fn registered(
+        &mut self,
+        _instance: &str,
+        _identity: &str,
+        _namespaces: &[Namespace],
+    ) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// What an observer sees of a `Ready` reply.
@@ -386,11 +397,26 @@ impl<'o> Replay<'o> {
     fn drain(&mut self) {
         let limit = self.now().saturating_add(self.header.drain_us);
         self.tick_with(Vec::new());
+        let mut step = self.header.tick_interval_us;
         while self.now() < limit
             && !(self.rt.is_idle() && self.timers.is_empty() && self.todo.is_empty())
         {
-            let step = self.header.tick_interval_us;
-            self.tick_with(vec![Command::AdvanceClock { us: step }]);
+            // What is left waits on deadlines, timers or I/O that may never
+            // complete (a lost completion): while ticks bring nothing, step
+            // ever more coarsely (up to 1 ms), never past the next timer.
+            let now = self.now();
+            let mut this = step;
+            if let Some(((at, _), _)) = self.timers.first_key_value() {
+                this = this.min(at.saturating_sub(now).max(1));
+            }
+            let events = self.tick_with(vec![Command::AdvanceClock {
+                us: this.min(limit - now),
+            }]);
+            step = if events.is_empty() {
+                (step * 2).min(DRAIN_QUIET_STEP_US.max(self.header.tick_interval_us))
+            } else {
+                self.header.tick_interval_us
+            };
         }
     }
 
@@ -482,7 +508,10 @@ impl<'o> Replay<'o> {
             }
             match entry.remove() {
                 Timer::Cancel { session, operation } => {
-                    if let Some(s) = self.sessions.get(&session) {
+                    // Only if the request is still unfinished.
+                    if self.op_requests.contains_key(&operation)
+                        && let Some(s) = self.sessions.get(&session)
+                    {
                         let handle = s.handle;
                         self.submit(Command::Cancel {
                             session: handle,
@@ -776,11 +805,28 @@ impl<'o> Replay<'o> {
             Fault::CopyDelay { us } => self.copies.delay_all(*us),
             Fault::CopyReorder { max_us, seed } => self.copies.jitter(*max_us, *seed),
             Fault::SessionCrash { session } => {
-                if let Some(&id) = self.session_names.get(session)
-                    && let Some(s) = self.sessions.get(&id)
+                // The manager sees the connection drop and closes the
+                // session; the dead engine sends nothing more.
+                if let Some(id) = self.session_names.remove(session)
+                    && let Some(s) = self.sessions.remove(&id)
                 {
-                    let handle = s.handle;
-                    self.submit(Command::CloseSession { session: handle });
+                    self.submit(Command::CloseSession { session: s.handle });
+                    self.device_pages.retain(|_, d| d.session != id);
+                    self.restores.retain(|_, r| r.session != id);
+                    let orphaned: Vec<CommandId> = self
+                        .requests
+                        .iter()
+                        .filter(|(_, r)| r.session == id)
+                        .map(|(c, _)| *c)
+                        .collect();
+                    for c in orphaned {
+                        if let Some(r) = self.requests.remove(&c) {
+                            self.report.requests[r.report].outcome = "engine_crashed".into();
+                            if let Some(op) = r.operation {
+                                self.op_requests.remove(&op);
+                            }
+                        }
+                    }
                 }
             }
             Fault::ManagerRestart => self.restart()?,
@@ -923,6 +969,12 @@ impl<'o> Replay<'o> {
         let events = self.tick_with(Vec::new());
         match events.iter().find(|(c, _)| *c == id) {
             Some((_, Event::InstanceRegistered { namespaces, .. })) => {
+                if let Err(why) = self
+                    .observer
+                    .registered(&r.instance, &r.identity, namespaces)
+                {
+                    self.violation(format!("oracle: {why}"));
+                }
                 let page_bytes = groups.iter().map(|g| (g.id, r.page_bytes)).collect();
                 self.instances.insert(
                     r.instance.clone(),
@@ -1234,7 +1286,6 @@ impl<'o> Replay<'o> {
             outcome: "pending".into(),
             ..Default::default()
         });
-        self.report.totals.queried_tokens += tokens.saturating_sub(r.origin);
         if let Some(name) = &r.name {
             self.binds.insert(id, (name.clone(), line));
         }
@@ -1278,7 +1329,13 @@ impl<'o> Replay<'o> {
                 if let Some(r) = self.requests.remove(command) {
                     self.report.requests[r.report].outcome = "rejected".into();
                 }
-                self.publishes.remove(command);
+                // A refused publish leaves its source pages to the engine.
+                if let Some((session, _, sources)) = self.publishes.remove(command) {
+                    self.todo.push(Todo::Free {
+                        session,
+                        pages: sources,
+                    });
+                }
             }
             Event::InstanceRegistered { .. }
             | Event::SessionOpened { .. }
@@ -1453,6 +1510,15 @@ impl<'o> Replay<'o> {
         }
     }
 
+    fn violation(&mut self, what: String) {
+        self.report.invariant_violations += 1;
+        if self.report.violations.len() < MAX_VIOLATIONS_KEPT {
+            self.report
+                .violations
+                .push(format!("t={}: {what}", self.now()));
+        }
+    }
+
     /// Restored bytes must be exactly what each key holds.
     fn verify(&mut self, st: &RestoreState) {
         for t in &st.targets {
@@ -1617,6 +1683,7 @@ impl<'o> Replay<'o> {
         t.queries += m.queries;
         t.hits += m.hits;
         t.hit_tokens += m.hit_tokens;
+        t.queried_tokens += m.queried_tokens;
         for (k, v) in &m.misses {
             *t.misses.entry(*k).or_default() += v;
         }

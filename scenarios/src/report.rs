@@ -41,7 +41,9 @@ pub struct RequestReport {
     pub hit_tokens: u64,
     pub pages_from_dram: u64,
     pub pages_from_tiers: u64,
-    /// `restored`, `released`, `miss`, `rejected` or `pending`.
+    /// `restored`, `released`, `miss`, `rejected`, `engine_crashed` (its
+    /// session crashed first), `lost_in_restart` (the manager restarted
+    /// first) or `pending` (never finished, e.g. a lost completion).
     pub outcome: String,
     pub miss_reason: Option<MissReason>,
 }

@@ -52,8 +52,10 @@ fn default_tick_interval() -> u64 {
     10
 }
 
+/// Longer than the default `transfer_timeout_us`, so a transfer lost near
+/// the end of a trace is still reported overdue.
 fn default_drain() -> u64 {
-    10_000_000
+    12_000_000
 }
 
 /// Latency models of the simulated backends.
@@ -177,8 +179,9 @@ pub struct Publish {
     pub from_page: u64,
     #[serde(default)]
     pub to_page: Option<u64>,
-    /// Publish only every page whose index is a multiple of this, for
-    /// checkpoint groups (recurrent state is saved at intervals).
+    /// Checkpoint groups publish only pages whose end is a multiple of this
+    /// many pages (`(index + 1) % every == 0`): recurrent state is saved at
+    /// intervals. Other groups publish every page.
     #[serde(default)]
     pub checkpoint_every: Option<u64>,
 }

@@ -94,7 +94,10 @@ pub fn fence(
         }
         metrics.bytes_read += bytes;
         if let Some(t) = tiers.0.get_mut().get(tier) {
-            *metrics.bytes_read_by_tier.entry(t.name().to_owned()).or_default() += bytes;
+            *metrics
+                .bytes_read_by_tier
+                .entry(t.name().to_owned())
+                .or_default() += bytes;
         }
         if dram.index.contains_key(&key) {
             // Published meanwhile: keep the indexed copy, and let the read
@@ -402,18 +405,35 @@ pub fn retire(
 /// Despawns closing sessions once they own no operations, with their device
 /// regions and pages. (No page can be pinned then: pins belong to
 /// operations.)
+#[allow(clippy::too_many_arguments)]
 pub fn close_sessions(
     mut commands: Commands,
     sessions: Query<(Entity, &Session)>,
     ops: Query<&Operation>,
     regions: Query<(Entity, &DeviceRegion)>,
+    instances: Query<&Instance>,
+    groups: Query<(Entity, &orbitkv_components::ecs::Group)>,
     mut copier: ResMut<Copier>,
     mut registry: ResMut<Registry>,
     mut outbox: ResMut<Outbox>,
 ) {
+    let mut gone = Vec::new();
     for (entity, session) in &sessions {
         if !session.closing || ops.iter().any(|op| op.session == entity) {
             continue;
+        }
+        gone.push(entity);
+        // A retired instance goes with its last session.
+        let others = sessions
+            .iter()
+            .any(|(e, s)| s.instance == session.instance && !gone.contains(&e));
+        if !others && instances.get(session.instance).is_ok_and(|i| i.retired) {
+            for (g, group) in &groups {
+                if group.instance == session.instance {
+                    commands.entity(g).despawn();
+                }
+            }
+            commands.entity(session.instance).despawn();
         }
         for (region_entity, region) in regions.iter().filter(|(_, r)| r.session == entity) {
             for page in region.live.iter().flatten() {

@@ -239,23 +239,26 @@ fn register_instance(
             // A new computation under the same name (new weights, new
             // settings) replaces the old instance once nothing uses it. Its
             // pages stay under the old namespace, where nothing can hit them.
-            let in_use = world
+            let (open, closing) = world
                 .query::<&Session>()
                 .iter(world)
-                .any(|s| s.instance == existing);
-            if in_use {
+                .filter(|s| s.instance == existing)
+                .fold((false, false), |(o, c), s| {
+                    (o || !s.closing, c || s.closing)
+                });
+            if open {
                 return Err(CommandError::InstanceConflict(name));
             }
-            let groups_of_old: Vec<Entity> = world
-                .query::<(Entity, &Group)>()
-                .iter(world)
-                .filter(|(_, g)| g.instance == existing)
-                .map(|(e, _)| e)
-                .collect();
-            for g in groups_of_old {
-                world.despawn(g);
+            if closing {
+                // Sessions still drain their I/O against it: it retires with
+                // the last of them.
+                world
+                    .get_mut::<Instance>(existing)
+                    .expect("registry points at live instances")
+                    .retired = true;
+            } else {
+                despawn_instance(world, existing);
             }
-            world.despawn(existing);
             world.resource_mut::<Registry>().instances.remove(&name);
             return register_instance(
                 world,
@@ -292,6 +295,7 @@ fn register_instance(
             ranks: states,
             groups,
             bytes_reserved: 0,
+            retired: false,
         })
         .id();
     for (g, bytes) in group_bytes {
@@ -315,6 +319,20 @@ fn register_instance(
         },
     );
     Ok(())
+}
+
+/// Despawns an instance and its groups.
+pub fn despawn_instance(world: &mut World, instance: Entity) {
+    let groups: Vec<Entity> = world
+        .query::<(Entity, &Group)>()
+        .iter(world)
+        .filter(|(_, g)| g.instance == instance)
+        .map(|(e, _)| e)
+        .collect();
+    for g in groups {
+        world.despawn(g);
+    }
+    world.despawn(instance);
 }
 
 fn open_session(world: &mut World, id: CommandId, instance: &str) -> Result<()> {

@@ -225,6 +225,8 @@ pub enum EvictReason {
 #[derive(Resource, Debug, Clone, Default, Serialize)]
 pub struct Metrics {
     pub queries: u64,
+    /// Tokens past the origin that queries asked about.
+    pub queried_tokens: u64,
     pub hits: u64,
     pub hit_tokens: u64,
     pub misses: BTreeMap<MissReason, u64>,

@@ -188,6 +188,17 @@ pub fn publish(
             }
         }
         if short {
+            // Ask the evict stage for everything still missing at once, not
+            // one slot per tick.
+            let missing: Vec<u64> = job
+                .items
+                .iter()
+                .filter(|i| i.state == ItemState::Waiting && i.dram_slot.is_none())
+                .map(|i| i.bytes.next_multiple_of(dram.pool.slot_align()))
+                .collect();
+            for class in missing.into_iter().skip(1) {
+                *dram.pressure.entry(class).or_default() += 1;
+            }
             // All or none, so two publishes cannot each hold half of the
             // space the other needs; the evict stage makes room meanwhile.
             for index in fresh {

@@ -21,6 +21,7 @@ pub fn validate(
         if op.state != OpState::Validate {
             continue;
         }
+        metrics.queried_tokens += rec.end - rec.origin;
         let (selected, common, miss) = match (rec.miss, instances.get(op.instance)) {
             (Some(reason), _) => (None, Vec::new(), Some(reason)),
             (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),

@@ -1,0 +1,508 @@
+//! Simulation fuzzing: random scenarios with every fault kind, replayed with
+//! invariants checked every tick and a false-hit oracle; a failing seed is
+//! minimized into a trace `orbitkv replay` reproduces.
+//!
+//! The oracle is independent of the runtime's code paths: it recomputes the
+//! pages a boundary requires from the rule definitions with plain
+//! arithmetic, knows which keys the scenario made available (their bytes are
+//! a function of the key), and that a new identity never reuses a
+//! namespace. The replay driver checks every restored byte.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use orbitkv_components::api::PagePos;
+use orbitkv_components::contract::Rule;
+use orbitkv_components::{Namespace, NativeHash, StateKey};
+use serde_json::json;
+
+use crate::replay::{Observer, ReadyContext, Replay};
+use crate::trace::{
+    Body, Fault, Header, Latency, Line, Model, Open, Publish, Register, Request, Then, Ticks,
+    TierPut,
+};
+
+/// Bounds of one fuzz run.
+const MAX_MINIMIZE_REPLAYS: usize = 400;
+
+/// The false-hit oracle.
+#[derive(Default)]
+pub struct Oracle {
+    available: HashSet<StateKey>,
+    /// identity string → namespaces it sealed to.
+    identities: BTreeMap<String, Vec<Namespace>>,
+}
+
+impl Observer for Oracle {
+    fn available(&mut self, key: StateKey) {
+        self.available.insert(key);
+    }
+
+    fn registered(
+        &mut self,
+        instance: &str,
+        identity: &str,
+        namespaces: &[Namespace],
+    ) -> Result<(), String> {
+        let tag = format!("{instance}/{identity}");
+        for (other, seen) in &self.identities {
+            if *other != tag && seen.iter().any(|n| namespaces.contains(n)) {
+                return Err(format!("identities {other} and {tag} share a namespace"));
+            }
+        }
+        self.identities.insert(tag, namespaces.to_vec());
+        Ok(())
+    }
+
+    fn ready(&mut self, c: &ReadyContext<'_>) -> Result<(), String> {
+        let page = c.page_tokens;
+        let b = c.boundary;
+        let hashed = c.hashes.len() as u64 * page;
+        if b % page != 0 || b <= c.origin || b > hashed || b + 1 > c.prompt_len {
+            return Err(format!(
+                "boundary {b} is not allowed (origin {}, {hashed} hashed tokens, prompt_len {})",
+                c.origin, c.prompt_len
+            ));
+        }
+        // The exact pages each rule requires at b, from the rules alone.
+        let mut want: BTreeSet<PagePos> = BTreeSet::new();
+        for rank in 0..c.namespaces.len() as u32 {
+            for g in c.groups {
+                let from = match g.rule {
+                    Rule::Prefix => c.origin,
+                    Rule::Window { past_tokens } => {
+                        let pages = past_tokens.div_ceil(page);
+                        b.saturating_sub(pages * page).max(c.origin)
+                    }
+                    Rule::Checkpoint => b - page,
+                };
+                let mut end = from + page;
+                while end <= b {
+                    want.insert(PagePos {
+                        rank,
+                        group: g.id,
+                        page_end: end,
+                    });
+                    end += page;
+                }
+            }
+        }
+        let got: BTreeSet<PagePos> = c.leased.iter().copied().collect();
+        if got != want || got.len() != c.leased.len() {
+            let extra: Vec<_> = got.difference(&want).take(3).collect();
+            let missing: Vec<_> = want.difference(&got).take(3).collect();
+            return Err(format!(
+                "boundary {b}: leased pages differ from the contract (extra {extra:?}, missing {missing:?})"
+            ));
+        }
+        for p in c.leased {
+            let native = NativeHash::from_u64(c.hashes[(p.page_end / page - 1) as usize]);
+            let key = StateKey {
+                namespace: c.namespaces[p.rank as usize],
+                group: p.group,
+                native,
+            };
+            if !self.available.contains(&key) {
+                return Err(format!("leased {key:?}, which the scenario never produced"));
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*: small, fast, and the same everywhere.
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, per_mille: u64) -> bool {
+        self.below(1000) < per_mille
+    }
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+}
+
+struct Inst {
+    name: String,
+    model: Model,
+    ranks: u32,
+    identity: u32,
+    session: u32,
+}
+
+fn session_name(i: &Inst) -> String {
+    format!("${}-s{}", i.name, i.session)
+}
+
+/// A random scenario of about `ticks` manager ticks.
+pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let interval = 10;
+    let header = Header {
+        orbitkv_trace: crate::trace::TRACE_VERSION,
+        name: format!("fuzz-{seed}"),
+        description: "generated by orbitkv fuzz".into(),
+        config: Some(json!({
+            "dram": {"capacity_bytes": (48 + rng.below(64)) * 4096, "extent_bytes": 32768},
+            "budget": {"query_budget_bytes": (24 + rng.below(24)) * 4096},
+            "limits": {
+                "prepare_deadline_us": 500 + rng.below(4000),
+                "publish_deadline_us": 500 + rng.below(4000),
+                "transfer_timeout_us": 3000,
+                "max_reads_per_group": 1 + rng.below(8)
+            }
+        })),
+        latency: Latency::default(),
+        ticks: Ticks::Interval,
+        tick_interval_us: interval,
+        drain_us: 200_000,
+    };
+    let mut lines = Vec::new();
+    let mut t = 0;
+    let push = |lines: &mut Vec<Line>, t: u64, body: Body| {
+        lines.push(Line {
+            number: lines.len() + 2,
+            t,
+            body,
+        });
+    };
+    let models = [Model::Dense, Model::Swa, Model::Hybrid, Model::HybridSwa];
+    let mut insts: Vec<Inst> = (0..1 + rng.below(2))
+        .map(|i| Inst {
+            name: format!("m{i}"),
+            model: *rng.pick(&models),
+            ranks: 1 + rng.below(2) as u32,
+            identity: 0,
+            session: 0,
+        })
+        .collect();
+    let register = |i: &Inst, window: u64| {
+        Body::Register(Register {
+            instance: i.name.clone(),
+            identity: format!("{}-weights-v{}", i.name, i.identity),
+            model: i.model,
+            ranks: i.ranks,
+            page_tokens: 16,
+            page_bytes: 4096,
+            window,
+        })
+    };
+    let window = 8 + rng.below(40);
+    for i in &insts {
+        push(&mut lines, t, register(i, window));
+        push(
+            &mut lines,
+            t,
+            Body::Open(Open {
+                instance: i.name.clone(),
+                name: session_name(i),
+                region_slots: 96,
+            }),
+        );
+    }
+    let segments = [
+        "system:3", "system:2", "doc-a:2", "doc-b:3", "doc-c:1", "tools:1",
+    ];
+    let mut request = 0u64;
+    let end = ticks * interval;
+    while t < end {
+        t += rng.below(120);
+        let i = rng.below(insts.len() as u64) as usize;
+        let session = session_name(&insts[i]);
+        let mut prompt: Vec<String> = vec![rng.pick(&segments).to_string()];
+        for _ in 0..rng.below(3) {
+            prompt.push(rng.pick(&segments[2..]).to_string());
+        }
+        if rng.chance(500) {
+            prompt.push(format!("user-{}:{}", rng.below(6), 1 + rng.below(3)));
+        }
+        request += 1;
+        let roll = rng.below(1000);
+        let body = match roll {
+            0..=299 => Body::Request(Request {
+                session,
+                request,
+                prompt,
+                origin: if rng.chance(200) { 16 } else { 0 },
+                prompt_len: rng.chance(150).then(|| 16 * (1 + rng.below(8))),
+                then: *rng.pick(&[
+                    Then::Restore,
+                    Then::Restore,
+                    Then::Restore,
+                    Then::Release,
+                    Then::Nothing,
+                ]),
+                cancel_after_us: rng.chance(100).then(|| rng.below(200)),
+                speculative: rng.chance(50),
+                name: None,
+                free_targets_after_us: rng.chance(80).then(|| rng.below(40)),
+            }),
+            300..=549 => Body::Publish(Publish {
+                session,
+                request,
+                prompt,
+                ranks: rng.chance(150).then(|| vec![0]),
+                groups: None,
+                from_page: 0,
+                to_page: rng.chance(200).then(|| 1 + rng.below(4)),
+                checkpoint_every: rng.chance(500).then(|| 1 + rng.below(3)),
+            }),
+            550..=649 => Body::TierPut(TierPut {
+                tier: rng.pick(&["ssd", "remote"]).to_string(),
+                instance: insts[i].name.clone(),
+                prompt,
+                ranks: None,
+                groups: None,
+                from_page: 0,
+                to_page: None,
+            }),
+            650..=999 => {
+                let tier = rng.pick(&["ssd", "remote"]).to_string();
+                let instance = insts[i].name.clone();
+                let pages = crate::trace::chained_hashes(&prompt).map_or(1, |h| h.len() as u64);
+                let page = rng.below(pages);
+                let fault = match rng.below(13) {
+                    0 => Fault::TierReadError {
+                        tier,
+                        count: 1 + rng.below(2) as usize,
+                    },
+                    1 => Fault::TierLoseReads { tier, count: 1 },
+                    2 => Fault::TierDelay {
+                        tier,
+                        us: rng.below(500),
+                    },
+                    3 => Fault::CorruptPage {
+                        tier,
+                        instance,
+                        prompt,
+                        page,
+                        rank: 0,
+                        group: 0,
+                    },
+                    4 => Fault::DropPage {
+                        tier,
+                        instance,
+                        prompt,
+                        page,
+                        rank: 0,
+                        group: 0,
+                    },
+                    5 => Fault::CopyError { count: 1 },
+                    6 => Fault::CopyLose { count: 1 },
+                    7 => Fault::CopyDelay { us: rng.below(300) },
+                    8 => Fault::CopyReorder {
+                        max_us: rng.below(200),
+                        seed: rng.next(),
+                    },
+                    9 | 10 => {
+                        // The engine process dies and restarts; sometimes with
+                        // new weights, which must never hit the old cache.
+                        push(
+                            &mut lines,
+                            t,
+                            Body::Fault(Fault::SessionCrash {
+                                session: session.clone(),
+                            }),
+                        );
+                        t += 50;
+                        let inst = &mut insts[i];
+                        inst.session += 1;
+                        if rng.chance(500) {
+                            inst.identity += 1;
+                            push(&mut lines, t, register(inst, window));
+                        }
+                        let reopen = Body::Open(Open {
+                            instance: inst.name.clone(),
+                            name: session_name(inst),
+                            region_slots: 96,
+                        });
+                        push(&mut lines, t, reopen);
+                        continue;
+                    }
+                    11 if rng.chance(300) => {
+                        push(&mut lines, t, Body::Fault(Fault::ManagerRestart));
+                        for inst in insts.iter_mut() {
+                            inst.session += 1;
+                            push(&mut lines, t, register(inst, window));
+                            let reopen = Body::Open(Open {
+                                instance: inst.name.clone(),
+                                name: session_name(inst),
+                                region_slots: 96,
+                            });
+                            push(&mut lines, t, reopen);
+                        }
+                        continue;
+                    }
+                    _ => Fault::CopyDelay { us: 0 },
+                };
+                Body::Fault(fault)
+            }
+            _ => unreachable!("roll is below 1000"),
+        };
+        push(&mut lines, t, body);
+    }
+    (header, lines)
+}
+
+/// How one replay ended, for the fuzzer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Clean { ticks: u64 },
+    Failed { why: String, ticks: u64 },
+}
+
+/// Replays lines with the oracle; panics in the runtime count as failures.
+pub fn check(header: &Header, lines: &[Line]) -> Verdict {
+    let trace = crate::trace::Trace {
+        header: header.clone(),
+        lines: lines.to_vec(),
+    };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let replay = Replay::with_observer(header, Box::new(Oracle::default()))?;
+        replay.run(&trace, &mut |_, _| {})
+    }));
+    match outcome {
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panic".into());
+            Verdict::Failed {
+                why: format!("panic: {why}"),
+                ticks: 0,
+            }
+        }
+        Ok(Err(e)) => Verdict::Failed {
+            why: format!("replay error: {e}"),
+            ticks: 0,
+        },
+        Ok(Ok((report, _))) => {
+            if report.invariant_violations > 0 || report.byte_mismatches > 0 {
+                let first = report.violations.first().cloned().unwrap_or_default();
+                Verdict::Failed {
+                    why: format!(
+                        "{} invariant violation(s), {} byte mismatch(es); first: {first}",
+                        report.invariant_violations, report.byte_mismatches
+                    ),
+                    ticks: report.ticks,
+                }
+            } else {
+                Verdict::Clean {
+                    ticks: report.ticks,
+                }
+            }
+        }
+    }
+}
+
+/// Removes lines while `fails` still holds (delta debugging, bounded).
+pub fn minimize(lines: Vec<Line>, fails: &mut dyn FnMut(&[Line]) -> bool) -> Vec<Line> {
+    let mut current = lines;
+    let mut chunk = current.len().div_ceil(2).max(1);
+    let mut replays = 0;
+    while chunk >= 1 && replays < MAX_MINIMIZE_REPLAYS {
+        let mut start = 0;
+        let mut removed = false;
+        while start < current.len() && replays < MAX_MINIMIZE_REPLAYS {
+            let candidate: Vec<Line> = current[..start]
+                .iter()
+                .chain(&current[(start + chunk).min(current.len())..])
+                .cloned()
+                .collect();
+            replays += 1;
+            if !candidate.is_empty() && fails(&candidate) {
+                current = candidate;
+                removed = true;
+            } else {
+                start += chunk;
+            }
+        }
+        if !removed {
+            if chunk == 1 {
+                break;
+            }
+            chunk = chunk.div_ceil(2);
+        }
+    }
+    renumber(&mut current);
+    current
+}
+
+fn renumber(lines: &mut [Line]) {
+    for (i, l) in lines.iter_mut().enumerate() {
+        l.number = i + 2;
+    }
+}
+
+/// The class of a failure, for minimization: the first violation's text
+/// without its time and handle values.
+fn failure_kind(why: &str) -> String {
+    let first = why.split("first: ").nth(1).unwrap_or(why);
+    let first = first.split_once(": ").map_or(first, |(_, rest)| rest);
+    first.chars().filter(|c| !c.is_ascii_digit()).collect()
+}
+
+/// One seed's result.
+pub struct SeedResult {
+    pub seed: u64,
+    pub verdict: Verdict,
+    /// The minimized failing trace, when the seed failed.
+    pub minimized: Option<String>,
+}
+
+pub fn run_seed(seed: u64, ticks: u64) -> SeedResult {
+    let (header, lines) = generate(seed, ticks);
+    let verdict = check(&header, &lines);
+    let minimized = match &verdict {
+        Verdict::Clean { .. } => None,
+        Verdict::Failed { why, .. } => {
+            // Keep the same failure: a candidate that breaks differently (say,
+            // by losing the line that registered an instance) is not smaller
+            // evidence of this bug.
+            let kind = failure_kind(why);
+            let small = minimize(lines, &mut |candidate| match check(&header, candidate) {
+                Verdict::Failed { why, .. } => failure_kind(&why) == kind,
+                Verdict::Clean { .. } => false,
+            });
+            Some(crate::trace::render(&header, &small))
+        }
+    };
+    SeedResult {
+        seed,
+        verdict,
+        minimized,
+    }
+}
+
+/// For tests: the body kinds a generated scenario contains.
+pub fn kinds(lines: &[Line]) -> BTreeSet<String> {
+    lines
+        .iter()
+        .map(|l| match &l.body {
+            Body::Fault(f) => format!(
+                "fault:{}",
+                serde_json::to_value(f)
+                    .ok()
+                    .and_then(|v| v["kind"].as_str().map(String::from))
+                    .unwrap_or_default()
+            ),
+            Body::Cmd { .. } => "cmd".into(),
+            Body::Tick => "tick".into(),
+            Body::TierPut(_) => "tier_put".into(),
+            Body::Register(_) => "register".into(),
+            Body::Open(_) => "open".into(),
+            Body::Publish(_) => "publish".into(),
+            Body::Request(_) => "request".into(),
+        })
+        .collect()
+}

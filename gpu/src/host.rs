@@ -8,6 +8,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::{self, JoinHandle};
 use std::{fmt, ptr};
@@ -248,12 +249,24 @@ impl Default for HostCopyConfig {
     }
 }
 
-struct Job {
+/// A large batch is split across the workers; the part that finishes last
+/// reports the batch.
+struct Batch {
     token: CompletionToken,
+    parts_left: AtomicUsize,
+    error: Mutex<Option<CopyError>>,
+}
+
+struct Job {
+    batch: Arc<Batch>,
     direction: Direction,
     host: HostPool,
     copies: Vec<PageCopy>,
 }
+
+/// Batches smaller than this stay on one worker: splitting costs more than
+/// it saves.
+const SPLIT_MIN_BYTES: u64 = 1 << 20;
 
 /// Copies on worker threads; "device" regions live in host memory.
 pub struct HostCopyEngine {
@@ -315,9 +328,20 @@ fn worker(jobs: &Mutex<Receiver<Job>>, done: &Sender<Completion>, arena: &Device
             arena.copy_batch(&job.host, job.direction, &job.copies)
         }))
         .unwrap_or_else(|_| Err(CopyError::Failed("copy worker panicked".into())));
+        let batch = &job.batch;
+        if let Err(e) = result {
+            batch.error.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
+        }
+        if batch.parts_left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            continue; // another part finishes the batch
+        }
+        let result = match batch.error.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
         // The engine may already be gone; then nobody wants the completion.
         let _ = done.send(Completion {
-            token: job.token,
+            token: batch.token,
             result,
         });
     }
@@ -358,15 +382,30 @@ impl CopyEngine for HostCopyEngine {
             ));
         }
         let token = CompletionToken(self.next_token);
-        let job = Job {
-            token,
-            direction,
-            host,
-            copies: copies.to_vec(),
+        let bytes: u64 = copies.iter().map(|c| c.len).sum();
+        let parts = if bytes >= SPLIT_MIN_BYTES {
+            self.workers.len().min(copies.len()).max(1)
+        } else {
+            1
         };
-        self.jobs
-            .send(job)
-            .map_err(|_| CopyError::Failed("copy workers have stopped".into()))?;
+        let batch = Arc::new(Batch {
+            token,
+            parts_left: AtomicUsize::new(parts),
+            error: Mutex::new(None),
+        });
+        for chunk in copies.chunks(copies.len().div_ceil(parts)) {
+            let job = Job {
+                batch: batch.clone(),
+                direction,
+                host,
+                copies: chunk.to_vec(),
+            };
+            // Workers only stop when the engine is dropped, so either every
+            // part is queued or the first send already failed.
+            self.jobs
+                .send(job)
+                .map_err(|_| CopyError::Failed("copy workers have stopped".into()))?;
+        }
         self.next_token += 1;
         self.in_flight += 1;
         Ok(token)

@@ -193,7 +193,12 @@ impl MemoryTier {
 
     /// A tier over existing pages (a restarted manager finds its lower
     /// tiers as they were).
-    pub fn from_handle(name: &'static str, handle: &MemoryTierHandle, latency_us: u64, max_in_flight: usize) -> Self {
+    pub fn from_handle(
+        name: &'static str,
+        handle: &MemoryTierHandle,
+        latency_us: u64,
+        max_in_flight: usize,
+    ) -> Self {
         MemoryTier {
             shared: handle.0.clone(),
             ..MemoryTier::new(name, latency_us, max_in_flight)

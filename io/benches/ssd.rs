@@ -1,0 +1,475 @@
+//! SSD store throughput against raw io_uring O_DIRECT I/O on the same
+//! filesystem, same block size and queue depth, measured in the same run.
+//!
+//! - read: the store reads 1024 pages of 64 KiB (each one readv of the 4 KiB
+//!   header block + the payload straight into a pool slot, then header and
+//!   XXH3 verification) vs raw 64 KiB O_DIRECT reads of the same payload
+//!   offsets of the same segment files, into the same pool; QD 32 both.
+//! - write: the store writes 256 new 64 KiB pages (record = 68 KiB) under
+//!   each sync policy vs raw 64 KiB O_DIRECT writes into a freshly
+//!   fallocate'd file: no sync / fdatasync after every 32 / O_DSYNC; QD 32.
+//!
+//! Criterion reports each; a final pass prints the store/raw ratios
+//! (median of 5). The directory is $ORBITKV_BENCH_DIR or the system temp
+//! dir; its `df -T` line is printed because O_DIRECT behaviour depends on
+//! the filesystem.
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use io_uring::{IoUring, opcode, types};
+use orbitkv_components::{Namespace, StateKey};
+use orbitkv_io::dram::{HostPool, HostPoolConfig};
+use orbitkv_io::ssd::format::HEADER_BLOCK;
+use orbitkv_io::ssd::{IoBackend, SsdConfig, SsdStore, SyncPolicy, WriteRefused};
+use orbitkv_io::tier::BackingTier;
+
+const PAGE: usize = 64 << 10;
+const READ_PAGES: usize = 1024;
+const WRITE_PAGES: usize = 256;
+const QD: usize = 32;
+
+fn key(i: u64) -> StateKey {
+    StateKey::new(Namespace([9; 32]), 0, &i.to_le_bytes()).unwrap()
+}
+
+fn bench_root() -> PathBuf {
+    std::env::var_os("ORBITKV_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+fn cfg(dir: &Path, backend: IoBackend, sync: SyncPolicy) -> SsdConfig {
+    SsdConfig {
+        backend,
+        sync,
+        capacity_bytes: 512 << 20,
+        segment_bytes: 64 << 20,
+        max_inflight_reads: QD,
+        max_inflight_io: 2 * QD,
+        write_queue_depth: 4 * QD,
+        ..SsdConfig::new(dir)
+    }
+}
+
+/// A store holding READ_PAGES pages, a pool with one slot per page, and
+/// what the raw baseline needs: (segment path, payload offset) per page.
+struct ReadSetup {
+    store: SsdStore,
+    pool: HostPool,
+    slots: Vec<u64>,
+    keys: Vec<StateKey>,
+    raw: Vec<(PathBuf, u64)>,
+}
+
+fn read_setup(dir: &Path, backend: IoBackend) -> ReadSetup {
+    let mut store = SsdStore::open(cfg(dir, backend, SyncPolicy::BatchFdatasync)).unwrap();
+    let keys: Vec<_> = (0..READ_PAGES as u64).map(key).collect();
+    let page = vec![0x5au8; PAGE];
+    let mut now = 0;
+    for k in &keys {
+        loop {
+            now += 1;
+            match store.submit_write(k, [0; 32], &page, now) {
+                Ok(_) => break,
+                Err(WriteRefused::QueueFull) => {
+                    store.poll_writes(now, &mut Vec::new());
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    assert!(store.wait_writes(now).iter().all(|d| d.result.is_ok()));
+    let mut pool = HostPool::new(HostPoolConfig::new(80 << 20)).unwrap();
+    pool.first_touch();
+    let slots: Vec<u64> = keys
+        .iter()
+        .map(|_| {
+            let slot = pool.alloc(PAGE as u64).unwrap();
+            pool.offset(slot).unwrap()
+        })
+        .collect();
+    // SAFETY: the pool outlives the store (dropped after it in ReadSetup's
+    // field order) and no slot is touched while a read into it is pending.
+    unsafe { store.register_host_pool(pool.base_ptr(), pool.capacity()) }.unwrap();
+    let raw = keys
+        .iter()
+        .map(|k| {
+            let info = store.record_info(k).unwrap();
+            (
+                store.segment_path(info.segment_id),
+                info.offset + HEADER_BLOCK,
+            )
+        })
+        .collect();
+    ReadSetup {
+        store,
+        pool,
+        slots,
+        keys,
+        raw,
+    }
+}
+
+fn store_read_all(s: &mut ReadSetup) -> Duration {
+    let start = Instant::now();
+    let (mut next, mut inflight, mut done) = (0, 0, Vec::new());
+    while next < s.keys.len() || inflight > 0 {
+        while inflight < QD && next < s.keys.len() {
+            s.store
+                .submit_read(&s.keys[next], s.slots[next], PAGE as u64, 0)
+                .unwrap();
+            next += 1;
+            inflight += 1;
+        }
+        s.store.poll(0, &mut done);
+        if done.is_empty() {
+            // The store never blocks; give the CPU away like the raw
+            // baseline's submit_and_wait does (2-core machine).
+            std::thread::yield_now();
+        }
+        for d in done.drain(..) {
+            d.result.unwrap();
+            inflight -= 1;
+        }
+    }
+    start.elapsed()
+}
+
+/// Raw O_DIRECT reads of the payloads; with `headers`, each is one readv of
+/// the record's 4 KiB header block (into `hdr`) plus the payload, i.e. the
+/// store's exact I/O pattern without its bookkeeping and verification.
+fn raw_read_all(s: &mut ReadSetup, ring: &mut IoUring, hdr: Option<&mut HostPool>) -> Duration {
+    let mut files = std::collections::HashMap::new();
+    for (p, _) in &s.raw {
+        files.entry(p.clone()).or_insert_with(|| {
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(p)
+                .unwrap()
+        });
+    }
+    let base = s.pool.base_ptr();
+    let hdr_base = hdr.map(|h| h.base_ptr());
+    let iovs: Vec<[libc::iovec; 2]> = (0..s.raw.len())
+        .map(|i| {
+            [
+                libc::iovec {
+                    // SAFETY: QD header blocks of 4 KiB inside `hdr`.
+                    iov_base: hdr_base
+                        .map_or(std::ptr::null_mut(), |b| unsafe { b.add((i % QD) * 4096) })
+                        .cast(),
+                    iov_len: 4096,
+                },
+                libc::iovec {
+                    // SAFETY: slot offsets are inside the pool.
+                    iov_base: unsafe { base.add(s.slots[i] as usize) }.cast(),
+                    iov_len: PAGE,
+                },
+            ]
+        })
+        .collect();
+    let start = Instant::now();
+    let (mut next, mut inflight) = (0, 0);
+    while next < s.raw.len() || inflight > 0 {
+        while inflight < QD && next < s.raw.len() {
+            let (path, off) = &s.raw[next];
+            let fd = types::Fd(files[path].as_raw_fd());
+            let e = if hdr_base.is_some() {
+                opcode::Readv::new(fd, iovs[next].as_ptr(), 2)
+                    .offset(*off - HEADER_BLOCK)
+                    .build()
+            } else {
+                opcode::Read::new(fd, iovs[next][1].iov_base.cast(), PAGE as u32)
+                    .offset(*off)
+                    .build()
+            }
+            .user_data(next as u64);
+            // SAFETY: buffer and fd outlive the operation (we reap all).
+            unsafe { ring.submission().push(&e).unwrap() };
+            next += 1;
+            inflight += 1;
+        }
+        ring.submit_and_wait(1).unwrap();
+        for cqe in ring.completion() {
+            assert!(cqe.result() >= PAGE as i32, "raw read: {}", cqe.result());
+            inflight -= 1;
+        }
+    }
+    start.elapsed()
+}
+
+fn store_write_batch(store: &mut SsdStore, next_key: &mut u64, page: &[u8]) -> Duration {
+    let start = Instant::now();
+    let mut now = 0;
+    let mut done = Vec::new();
+    let mut ok = 0;
+    for _ in 0..WRITE_PAGES {
+        let k = key(*next_key);
+        *next_key += 1;
+        loop {
+            now += 1;
+            match store.submit_write(&k, [0; 32], page, now) {
+                Ok(_) => break,
+                Err(WriteRefused::QueueFull) => store.poll_writes(now, &mut done),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    done.extend(store.wait_writes(now));
+    for d in &done {
+        if d.result.is_ok() {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, WRITE_PAGES);
+    start.elapsed()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RawSync {
+    None,
+    Every32,
+    Dsync,
+}
+
+/// Raw O_DIRECT writes of WRITE_PAGES x 64 KiB at QD into a fresh,
+/// fallocate'd file (created outside the timed part).
+fn raw_write_batch(dir: &Path, ring: &mut IoUring, buf: *const u8, sync: RawSync) -> Duration {
+    let path = dir.join("raw-write.bin");
+    let _ = std::fs::remove_file(&path);
+    let flags = libc::O_DIRECT
+        | if sync == RawSync::Dsync {
+            libc::O_DSYNC
+        } else {
+            0
+        };
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(flags)
+        .open(&path)
+        .unwrap();
+    let size = (WRITE_PAGES * PAGE) as i64;
+    // SAFETY: plain syscall.
+    unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, size) };
+    let fd = types::Fd(f.as_raw_fd());
+    let start = Instant::now();
+    let (mut next, mut inflight, mut since_sync) = (0usize, 0, 0);
+    while next < WRITE_PAGES || inflight > 0 {
+        while inflight < QD && next < WRITE_PAGES {
+            let e = opcode::Write::new(fd, buf, PAGE as u32)
+                .offset((next * PAGE) as u64)
+                .build()
+                .user_data(0);
+            // SAFETY: `buf` outlives the batch.
+            unsafe { ring.submission().push(&e).unwrap() };
+            next += 1;
+            inflight += 1;
+        }
+        ring.submit_and_wait(1).unwrap();
+        for cqe in ring.completion() {
+            assert!(cqe.result() >= 0, "raw write: {}", cqe.result());
+            inflight -= 1;
+            if cqe.user_data() == 0 {
+                since_sync += 1;
+            }
+        }
+        if sync == RawSync::Every32 && (since_sync >= 32 || (next == WRITE_PAGES && inflight == 0))
+        {
+            since_sync = 0;
+            f.sync_data().unwrap();
+        }
+    }
+    start.elapsed()
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn gbps(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn df(dir: &Path) -> String {
+    std::process::Command::new("df")
+        .arg("-T")
+        .arg(dir)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|e| format!("df failed: {e}"))
+}
+
+fn ssd(c: &mut Criterion) {
+    let root = tempfile::tempdir_in(bench_root()).unwrap();
+    println!(
+        "bench directory: {}\n{}",
+        root.path().display(),
+        df(root.path())
+    );
+    let mut ring = IoUring::new(QD as u32 * 2).unwrap();
+
+    // Reads.
+    let read_dir = root.path().join("read");
+    let mut setups: Vec<(IoBackend, ReadSetup)> = [IoBackend::IoUring, IoBackend::Blocking]
+        .into_iter()
+        .map(|b| (b, read_setup(&read_dir.join(format!("{b:?}")), b)))
+        .collect();
+    let direct = setups[0].1.store.direct_io();
+    println!("O_DIRECT in use: {direct}");
+    let mut g = c.benchmark_group("ssd_read_64k_qd32");
+    g.throughput(Throughput::Bytes((READ_PAGES * PAGE) as u64));
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let mut hdr = HostPool::new(HostPoolConfig::new(2 << 20)).unwrap();
+    hdr.first_touch();
+    g.bench_function("raw_io_uring_odirect", |b| {
+        let s = &mut setups[0].1;
+        b.iter_custom(|n| (0..n).map(|_| raw_read_all(s, &mut ring, None)).sum())
+    });
+    g.bench_function("raw_io_uring_odirect_readv_header", |b| {
+        let s = &mut setups[0].1;
+        b.iter_custom(|n| {
+            (0..n)
+                .map(|_| raw_read_all(s, &mut ring, Some(&mut hdr)))
+                .sum()
+        })
+    });
+    for (backend, s) in &mut setups {
+        g.bench_function(format!("store_{backend:?}"), |b| {
+            b.iter_custom(|n| (0..n).map(|_| store_read_all(s)).sum())
+        });
+    }
+    g.finish();
+
+    // Writes.
+    let page = vec![0xa5u8; PAGE];
+    // An aligned copy for the raw writer.
+    let mut raw_pool = HostPool::new(HostPoolConfig::new(2 << 20)).unwrap();
+    let raw_slot = raw_pool.alloc(PAGE as u64).unwrap();
+    raw_pool
+        .bytes_mut(raw_slot, PAGE as u64)
+        .unwrap()
+        .fill(0xa5);
+    let raw_buf = raw_pool.bytes(raw_slot, PAGE as u64).unwrap().as_ptr();
+    let write_dir = root.path().join("write");
+    std::fs::create_dir_all(&write_dir).unwrap();
+    let policies = [
+        (SyncPolicy::BatchFdatasync, RawSync::Every32),
+        (SyncPolicy::Dsync, RawSync::Dsync),
+        (SyncPolicy::None, RawSync::None),
+    ];
+    let mut stores: Vec<(SyncPolicy, RawSync, SsdStore)> = policies
+        .iter()
+        .map(|&(p, r)| {
+            let d = write_dir.join(format!("{p:?}"));
+            (
+                p,
+                r,
+                SsdStore::open(cfg(&d, IoBackend::IoUring, p)).unwrap(),
+            )
+        })
+        .collect();
+    let mut next_key = 0u64;
+    let mut g = c.benchmark_group("ssd_write_64k_qd32");
+    g.throughput(Throughput::Bytes((WRITE_PAGES * PAGE) as u64));
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    for (policy, raw, store) in &mut stores {
+        g.bench_function(format!("raw_odirect_{raw:?}"), |b| {
+            b.iter_custom(|n| {
+                (0..n)
+                    .map(|_| raw_write_batch(&write_dir, &mut ring, raw_buf, *raw))
+                    .sum()
+            })
+        });
+        g.bench_function(format!("store_{policy:?}"), |b| {
+            b.iter_custom(|n| {
+                (0..n)
+                    .map(|_| store_write_batch(store, &mut next_key, &page))
+                    .sum()
+            })
+        });
+    }
+    g.finish();
+
+    // Ratios, same run: median of 5 each, interleaved.
+    println!(
+        "\n== ratios (store / raw, median of 5, {} KiB pages, QD {QD}) ==",
+        PAGE >> 10
+    );
+    let mut raw_t = Vec::new();
+    let mut rawv_t = Vec::new();
+    let mut st: Vec<Vec<Duration>> = vec![Vec::new(); setups.len()];
+    for _ in 0..5 {
+        raw_t.push(raw_read_all(&mut setups[0].1, &mut ring, None));
+        rawv_t.push(raw_read_all(&mut setups[0].1, &mut ring, Some(&mut hdr)));
+        for (i, (_, s)) in setups.iter_mut().enumerate() {
+            st[i].push(store_read_all(s));
+        }
+    }
+    let raw = median(raw_t);
+    let rawv = median(rawv_t);
+    let bytes = READ_PAGES * PAGE;
+    println!(
+        "read  raw 64K read                  {:6.2} GB/s",
+        gbps(bytes, raw)
+    );
+    println!(
+        "read  raw readv 4K header + 64K     {:6.2} GB/s",
+        gbps(bytes, rawv)
+    );
+    for (i, (b, _)) in setups.iter().enumerate() {
+        let t = median(std::mem::take(&mut st[i]));
+        println!(
+            "read  store {:<23} {:6.2} GB/s  ratio {:.2} (vs raw readv {:.2})",
+            format!("{b:?}"),
+            gbps(bytes, t),
+            raw.as_secs_f64() / t.as_secs_f64(),
+            rawv.as_secs_f64() / t.as_secs_f64()
+        );
+    }
+    let bytes = WRITE_PAGES * PAGE;
+    for (policy, rawp, store) in &mut stores {
+        let (mut r, mut s) = (Vec::new(), Vec::new());
+        for _ in 0..5 {
+            r.push(raw_write_batch(&write_dir, &mut ring, raw_buf, *rawp));
+            s.push(store_write_batch(store, &mut next_key, &page));
+        }
+        let (r, s) = (median(r), median(s));
+        println!(
+            "write raw {:<8} {:6.2} GB/s | store {:<15} {:6.2} GB/s  ratio {:.2}",
+            format!("{rawp:?}"),
+            gbps(bytes, r),
+            format!("{policy:?}"),
+            gbps(bytes, s),
+            r.as_secs_f64() / s.as_secs_f64()
+        );
+    }
+    for (p, _, s) in &stores {
+        let st = s.stats();
+        println!(
+            "store {p:?}: {} writes, {} fdatasyncs ({:.1} writes per sync), {} evicted",
+            st.writes_completed,
+            st.syncs,
+            st.writes_completed as f64 / st.syncs.max(1) as f64,
+            st.evictions.capacity
+        );
+    }
+    drop(stores);
+    drop(setups);
+}
+
+criterion_group!(benches, ssd);
+criterion_main!(benches);

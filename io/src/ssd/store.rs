@@ -1,0 +1,1467 @@
+//! [`SsdStore`]: index, segments, the write queue and completion handling.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use orbitkv_components::StateKey;
+
+use super::blocking::BlockingEngine;
+use super::buf::{AlignedBuf, BufPool};
+use super::engine::{Completion, Engine, Request};
+use super::format::{BLOCK, HEADER_BLOCK, RecordHeader, record_bytes, round_up};
+use super::meta::{self, Meta, MetaDone, MetaReq, parse_segment_name, segment_name};
+use super::scan::scan_segment;
+use super::types::*;
+use super::uring::UringEngine;
+use crate::checksum::page_checksum;
+use crate::tier::{BackingTier, ReadDone, ReadToken, TierEntry, TierError};
+
+/// Fdatasync operations in flight at once (one per segment at most).
+const MAX_SYNCS: usize = 4;
+/// After a segment could not be created, new writes are refused for this
+/// long (by the caller's clock) before creation is tried again.
+const CREATE_BACKOFF_US: u64 = 1_000_000;
+/// `submit_*` hand queued io_uring operations to the kernel once this many
+/// have gathered; `poll` hands over the rest (one io_uring_enter per poll).
+const FLUSH_BATCH: usize = 16;
+/// Idle aligned buffers kept for reuse.
+const BUF_POOL_BYTES: usize = 64 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct IndexEntry {
+    segment: u64,
+    offset: u64,
+    payload_len: u64,
+    checksum: u64,
+    sequence: u64,
+    digest: [u8; 32],
+    written_us: u64,
+}
+
+impl IndexEntry {
+    fn from_header(h: &RecordHeader) -> IndexEntry {
+        IndexEntry {
+            segment: h.segment_id,
+            offset: h.record_offset,
+            payload_len: h.payload_len,
+            checksum: h.payload_checksum,
+            sequence: h.sequence,
+            digest: h.format_digest,
+            written_us: h.written_us,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SegState {
+    /// Created ahead of need, not written yet.
+    Spare,
+    /// Receiving writes.
+    Active,
+    /// Never written again.
+    Sealed,
+}
+
+struct Segment {
+    file: File,
+    size: u64,
+    write_pos: u64,
+    state: SegState,
+    /// Keys indexed into this segment (entries may since point elsewhere).
+    keys: Vec<StateKey>,
+    /// Reads, writes and syncs in flight against this file: it is neither
+    /// closed nor evicted while non-zero (reads pin segments).
+    ops: u32,
+    /// Writes completed and waiting for the next fdatasync.
+    unsynced: Vec<Written>,
+    syncing: bool,
+}
+
+/// A write that reached the device and waits to be published.
+struct Written {
+    token: WriteToken,
+    key: StateKey,
+    entry: IndexEntry,
+}
+
+struct QueuedWrite {
+    token: WriteToken,
+    key: StateKey,
+    digest: [u8; 32],
+    payload_len: u64,
+    checksum: u64,
+    written_us: u64,
+    /// Header block (filled at dispatch) + zero-padded payload.
+    buf: AlignedBuf,
+}
+
+enum ReadDest {
+    /// Header into `header`, payload straight into the pool slot.
+    Direct { header: AlignedBuf },
+    /// The whole record into a store buffer, payload copied on success
+    /// (pool range not 4 KiB aligned, or too short for the padded tail).
+    Bounce { buf: AlignedBuf },
+}
+
+struct ReadOp {
+    token: ReadToken,
+    key: StateKey,
+    entry: IndexEntry,
+    host_offset: u64,
+    dest: ReadDest,
+    iov: Iovecs,
+    iovcnt: u32,
+    expect: usize,
+}
+
+/// The iovecs of one read; boxed so their address is stable while the
+/// kernel or a worker uses them.
+struct Iovecs(Box<[libc::iovec; 2]>);
+// SAFETY: plain addresses of buffers owned by the same `ReadOp` (or of the
+// registered pool); only the engine dereferences them, under its contract.
+unsafe impl Send for Iovecs {}
+
+enum Op {
+    Read(ReadOp),
+    Write {
+        w: QueuedWrite,
+        segment: u64,
+        entry: IndexEntry,
+    },
+    Sync {
+        segment: u64,
+        batch: Vec<Written>,
+    },
+}
+
+struct PoolPtr(*mut u8, u64);
+// SAFETY: only dereferenced under `register_host_pool`'s contract, by the
+// owner of the store.
+unsafe impl Send for PoolPtr {}
+
+/// Bounded "seen once" set of [`WriteAdmission::OnReuse`].
+struct SeenOnce {
+    map: HashMap<StateKey, u64>,
+    order: VecDeque<(StateKey, u64)>,
+    next: u64,
+    cap: usize,
+}
+
+impl SeenOnce {
+    fn new(cap: usize) -> SeenOnce {
+        SeenOnce {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            next: 0,
+            cap,
+        }
+    }
+
+    /// `true` if `key` was offered before (and forgets it); otherwise
+    /// remembers it, forgetting the oldest beyond `cap`.
+    fn offer(&mut self, key: &StateKey) -> bool {
+        if self.map.remove(key).is_some() {
+            return true;
+        }
+        let g = self.next;
+        self.next += 1;
+        self.map.insert(*key, g);
+        self.order.push_back((*key, g));
+        while self.order.len() > self.cap {
+            if let Some((k, g)) = self.order.pop_front()
+                && self.map.get(&k) == Some(&g)
+            {
+                self.map.remove(&k);
+            }
+        }
+        false
+    }
+}
+
+fn strerror(errno: i32) -> String {
+    std::io::Error::from_raw_os_error(errno).to_string()
+}
+
+/// The SSD tier. See the [module docs](super) for layout and policies.
+pub struct SsdStore {
+    cfg: SsdConfig,
+    _lock: File,
+    engine: Box<dyn Engine>,
+    meta: Meta,
+    direct: bool,
+    /// Open flags of new segment files (O_DIRECT, O_DSYNC).
+    create_flags: i32,
+    index: HashMap<StateKey, IndexEntry>,
+    indexed_bytes: u64,
+    segments: BTreeMap<u64, Segment>,
+    active: Option<u64>,
+    spare: Option<u64>,
+    creating: bool,
+    max_segments: usize,
+    next_segment: u64,
+    next_seq: u64,
+    next_user: u64,
+    next_read: u64,
+    next_write: u64,
+    ops: HashMap<u64, Op>,
+    read_queue: VecDeque<u64>,
+    reads_in_flight: usize,
+    write_queue: VecDeque<QueuedWrite>,
+    write_io_limit: usize,
+    writes_in_io: usize,
+    syncs_in_io: usize,
+    dirty: BTreeSet<u64>,
+    accepted_writes: usize,
+    pending_keys: HashSet<StateKey>,
+    seen: SeenOnce,
+    pool: Option<PoolPtr>,
+    bufs: BufPool,
+    done_reads: Vec<ReadDone>,
+    done_writes: Vec<WriteDone>,
+    scratch: Vec<Completion>,
+    /// New writes are refused with this reason until this time.
+    backoff: Option<(u64, WriteRefused)>,
+    now_us: u64,
+    stats: SsdStats,
+}
+
+impl std::fmt::Debug for SsdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SsdStore")
+            .field("dir", &self.cfg.dir)
+            .field("backend", &self.engine.kind())
+            .field("direct_io", &self.direct)
+            .field("records", &self.index.len())
+            .field("segments", &self.segments.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SsdStore {
+    /// Opens (creating if needed) the store in `cfg.dir`: takes the
+    /// directory lock, creates the first new segment (which proves the
+    /// directory writable and probes O_DIRECT), scans every existing
+    /// segment into the index and evicts beyond capacity. Blocks (it is not
+    /// called inside a tick).
+    pub fn open(cfg: SsdConfig) -> Result<SsdStore, SsdError> {
+        cfg.validate()?;
+        let dir = cfg.dir.clone();
+        match std::fs::metadata(&dir) {
+            Ok(m) if !m.is_dir() => return Err(SsdError::NotADirectory { path: dir }),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir_all(&dir).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::AlreadyExists {
+                        SsdError::NotADirectory { path: dir.clone() }
+                    } else {
+                        SsdError::from_io("create directory", &dir, e)
+                    }
+                })?;
+                // The new entry (and its parents') must survive a crash too.
+                if let Some(parent) = dir.parent() {
+                    let _ = meta::sync_dir(parent);
+                }
+            }
+            Err(e) => return Err(SsdError::from_io("stat", &dir, e)),
+        }
+        let lock = lock_dir(&dir)?;
+
+        let mut ids = Vec::new();
+        let entries = std::fs::read_dir(&dir).map_err(|e| SsdError::from_io("list", &dir, e))?;
+        for ent in entries {
+            let ent = ent.map_err(|e| SsdError::from_io("list", &dir, e))?;
+            if let Some(id) = ent.file_name().to_str().and_then(parse_segment_name) {
+                ids.push(id);
+            }
+        }
+        ids.sort_unstable();
+
+        let engine_cap = cfg.max_inflight_io + MAX_SYNCS;
+        let engine: Box<dyn Engine> = match cfg.backend {
+            IoBackend::Blocking => Box::new(blocking(&cfg, engine_cap)?),
+            IoBackend::IoUring => Box::new(
+                UringEngine::new(engine_cap).map_err(|e| SsdError::RingSetup(e.to_string()))?,
+            ),
+            IoBackend::Auto => match UringEngine::new(engine_cap) {
+                Ok(u) => Box::new(u),
+                Err(_) => Box::new(blocking(&cfg, engine_cap)?),
+            },
+        };
+
+        let dsync = if cfg.sync == SyncPolicy::Dsync {
+            libc::O_DSYNC
+        } else {
+            0
+        };
+        let first = ids.last().map_or(0, |m| m + 1);
+        let mut direct = cfg.direct_io != DirectIo::Off;
+        let mut first_seg = None;
+        let mut backoff = None;
+        let first_file = loop {
+            let flags = dsync | if direct { libc::O_DIRECT } else { 0 };
+            match meta::create_segment(&dir, first, cfg.segment_bytes, flags) {
+                Ok(f) => break Some(f),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) && direct => {
+                    if cfg.direct_io == DirectIo::Require {
+                        return Err(SsdError::DirectIoUnsupported { path: dir });
+                    }
+                    direct = false;
+                }
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+                    // Existing pages stay readable; writes are refused until
+                    // a segment can be created.
+                    backoff = Some((CREATE_BACKOFF_US, WriteRefused::NoSpace));
+                    break None;
+                }
+                Err(e) => return Err(SsdError::from_io("create segment", &dir, e)),
+            }
+        };
+        let create_flags = dsync | if direct { libc::O_DIRECT } else { 0 };
+        if let Some(file) = first_file {
+            first_seg = Some((
+                first,
+                Segment {
+                    file,
+                    size: cfg.segment_bytes,
+                    write_pos: 0,
+                    state: SegState::Active,
+                    keys: Vec::new(),
+                    ops: 0,
+                    unsynced: Vec::new(),
+                    syncing: false,
+                },
+            ));
+        }
+
+        let meta = Meta::spawn(dir.clone()).map_err(|e| SsdError::from_io("spawn", &dir, e))?;
+        let max_segments = (cfg.capacity_bytes / cfg.segment_bytes) as usize;
+        let write_io_limit = cfg
+            .max_inflight_io
+            .saturating_sub(cfg.max_inflight_reads.min(cfg.max_inflight_io / 2))
+            .max(1);
+        let stats = SsdStats {
+            backend: engine.kind(),
+            direct_io: direct,
+            sync: cfg.sync,
+            records: 0,
+            bytes: 0,
+            segments: 0,
+            disk_bytes: 0,
+            capacity_bytes: cfg.capacity_bytes,
+            reads_submitted: 0,
+            reads_completed: 0,
+            reads_failed: 0,
+            reads_corrupt: 0,
+            reads_in_flight: 0,
+            writes_accepted: 0,
+            writes_completed: 0,
+            write_failures: WriteFailures::default(),
+            writes_pending: 0,
+            syncs: 0,
+            refusals: Refusals::default(),
+            open_scan: OpenScan::default(),
+            evictions: Evictions::default(),
+            segments_evicted: 0,
+            segment_delete_failures: 0,
+            seen_once: 0,
+            last_corruption: None,
+        };
+        let mut store = SsdStore {
+            seen: SeenOnce::new(cfg.seen_once_capacity),
+            cfg,
+            _lock: lock,
+            engine,
+            meta,
+            direct,
+            create_flags,
+            index: HashMap::new(),
+            indexed_bytes: 0,
+            segments: BTreeMap::new(),
+            active: None,
+            spare: None,
+            creating: false,
+            max_segments,
+            next_segment: first + 1,
+            next_seq: 0,
+            next_user: 0,
+            next_read: 0,
+            next_write: 0,
+            ops: HashMap::new(),
+            read_queue: VecDeque::new(),
+            reads_in_flight: 0,
+            write_queue: VecDeque::new(),
+            write_io_limit,
+            writes_in_io: 0,
+            syncs_in_io: 0,
+            dirty: BTreeSet::new(),
+            accepted_writes: 0,
+            pending_keys: HashSet::new(),
+            pool: None,
+            bufs: BufPool::new(BUF_POOL_BYTES),
+            done_reads: Vec::new(),
+            done_writes: Vec::new(),
+            scratch: Vec::new(),
+            backoff,
+            now_us: 0,
+            stats,
+        };
+        for id in ids {
+            store.load_segment(id);
+        }
+        if let Some((id, seg)) = first_seg {
+            store.segments.insert(id, seg);
+            store.active = Some(id);
+        }
+        // Over capacity (a smaller capacity than last time): oldest first.
+        while store.segments.len() > store.max_segments {
+            if !store.evict_oldest(EvictReason::Capacity) {
+                break;
+            }
+            store.stats.open_scan.evicted_segments += 1;
+        }
+        Ok(store)
+    }
+
+    /// Scans segment `id` and indexes its valid records.
+    fn load_segment(&mut self, id: u64) {
+        let path = self.segment_path(id);
+        let scan = match scan_segment(&path, id) {
+            Ok(s) => s,
+            Err(_) => {
+                self.stats.open_scan.unreadable_segments += 1;
+                return;
+            }
+        };
+        let os = &mut self.stats.open_scan;
+        os.segments += 1;
+        os.corrupt_skipped += scan.corrupt;
+        os.bytes_read += scan.bytes_read;
+        if scan.records.is_empty() {
+            if std::fs::remove_file(&path).is_ok() {
+                os.empty_segments_removed += 1;
+            } else {
+                os.unreadable_segments += 1;
+            }
+            return;
+        }
+        let flags = if self.direct { libc::O_DIRECT } else { 0 };
+        let file = match OpenOptions::new()
+            .read(true)
+            .custom_flags(flags | libc::O_CLOEXEC)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(_) => {
+                self.stats.open_scan.unreadable_segments += 1;
+                return;
+            }
+        };
+        let mut keys = Vec::with_capacity(scan.records.len());
+        for h in &scan.records {
+            self.next_seq = self.next_seq.max(h.sequence + 1);
+            let entry = IndexEntry::from_header(h);
+            match self.index.get(&h.key) {
+                Some(old) if old.sequence >= entry.sequence => {
+                    self.stats.open_scan.duplicates += 1;
+                    continue;
+                }
+                Some(_) => {
+                    self.stats.open_scan.duplicates += 1;
+                    self.index_remove(&h.key);
+                }
+                None => {}
+            }
+            self.index_insert(h.key, entry);
+            self.stats.open_scan.records += 1;
+            keys.push(h.key);
+        }
+        self.segments.insert(
+            id,
+            Segment {
+                file,
+                size: scan.file_len,
+                write_pos: scan.file_len,
+                state: SegState::Sealed,
+                keys,
+                ops: 0,
+                unsynced: Vec::new(),
+                syncing: false,
+            },
+        );
+    }
+
+    /// Path of segment file `id`.
+    pub fn segment_path(&self, id: u64) -> PathBuf {
+        self.cfg.dir.join(segment_name(id))
+    }
+
+    pub fn config(&self) -> &SsdConfig {
+        &self.cfg
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.cfg.dir
+    }
+
+    pub fn backend(&self) -> BackendKind {
+        self.engine.kind()
+    }
+
+    /// Whether segment files are open `O_DIRECT`.
+    pub fn direct_io(&self) -> bool {
+        self.direct
+    }
+
+    /// Every visible key (unordered).
+    pub fn keys(&self) -> Vec<StateKey> {
+        self.index.keys().copied().collect()
+    }
+
+    /// Where a visible record is, and its header fields.
+    pub fn record_info(&self, key: &StateKey) -> Option<RecordInfo> {
+        self.index.get(key).map(|e| RecordInfo {
+            segment_id: e.segment,
+            offset: e.offset,
+            payload_len: e.payload_len,
+            checksum: e.checksum,
+            sequence: e.sequence,
+            format_digest: e.digest,
+            written_us: e.written_us,
+        })
+    }
+
+    /// Accepted writes not yet reported.
+    pub fn writes_pending(&self) -> usize {
+        self.accepted_writes
+    }
+
+    pub fn stats(&self) -> SsdStats {
+        let mut s = self.stats.clone();
+        s.records = self.index.len() as u64;
+        s.bytes = self.indexed_bytes;
+        s.segments = self.segments.len() as u64;
+        s.disk_bytes = self.segments.values().map(|g| g.size).sum();
+        s.reads_in_flight = self.reads_in_flight as u64;
+        s.writes_pending = self.accepted_writes as u64;
+        s.seen_once = self.seen.map.len() as u64;
+        s
+    }
+
+    fn index_insert(&mut self, key: StateKey, e: IndexEntry) {
+        self.indexed_bytes += e.payload_len;
+        if let Some(old) = self.index.insert(key, e) {
+            self.indexed_bytes -= old.payload_len;
+        }
+    }
+
+    fn index_remove(&mut self, key: &StateKey) -> Option<IndexEntry> {
+        let old = self.index.remove(key)?;
+        self.indexed_bytes -= old.payload_len;
+        Some(old)
+    }
+
+    /// Copies `payload` into a store-owned aligned buffer and queues it;
+    /// the caller may reuse its memory at once. Never blocks. The page
+    /// becomes visible to `lookup` when its [`WriteDone`] is reported by
+    /// [`poll_writes`](Self::poll_writes).
+    pub fn submit_write(
+        &mut self,
+        key: &StateKey,
+        format_digest: [u8; 32],
+        payload: &[u8],
+        now_us: u64,
+    ) -> Result<WriteToken, WriteRefused> {
+        self.now_us = self.now_us.max(now_us);
+        let r = self.admit(key, payload);
+        if let Err(reason) = r {
+            self.stats.refusals.bump(reason);
+            return Err(reason);
+        }
+        let len = payload.len();
+        let Some(mut buf) = self.bufs.get(record_bytes(len as u64) as usize) else {
+            // The allocator refused: treat as a full queue (back-pressure).
+            self.stats.refusals.bump(WriteRefused::QueueFull);
+            return Err(WriteRefused::QueueFull);
+        };
+        let h = HEADER_BLOCK as usize;
+        let body = buf.as_mut_slice();
+        body[..h].fill(0);
+        body[h..h + len].copy_from_slice(payload);
+        body[h + len..].fill(0);
+        let token = WriteToken(self.next_write);
+        self.next_write += 1;
+        self.write_queue.push_back(QueuedWrite {
+            token,
+            key: *key,
+            digest: format_digest,
+            payload_len: len as u64,
+            checksum: page_checksum(payload),
+            written_us: now_us,
+            buf,
+        });
+        self.pending_keys.insert(*key);
+        self.accepted_writes += 1;
+        self.stats.writes_accepted += 1;
+        self.dispatch_writes();
+        self.flush_if_batched();
+        Ok(token)
+    }
+
+    fn admit(&mut self, key: &StateKey, payload: &[u8]) -> Result<(), WriteRefused> {
+        if payload.is_empty() {
+            return Err(WriteRefused::Empty);
+        }
+        if record_bytes(payload.len() as u64) > self.cfg.segment_bytes {
+            return Err(WriteRefused::TooLarge);
+        }
+        if self.index.contains_key(key) || self.pending_keys.contains(key) {
+            return Err(WriteRefused::Duplicate);
+        }
+        if self.accepted_writes >= self.cfg.write_queue_depth {
+            return Err(WriteRefused::QueueFull);
+        }
+        if let Some((until, reason)) = self.backoff {
+            if self.now_us < until {
+                return Err(reason);
+            }
+            self.backoff = None;
+        }
+        if self.cfg.admission == WriteAdmission::OnReuse && !self.seen.offer(key) {
+            return Err(WriteRefused::AdmissionPolicy);
+        }
+        Ok(())
+    }
+
+    /// Reaps completions (reads and writes), publishes durable writes and
+    /// submits queued work; then appends finished writes. Never blocks.
+    pub fn poll_writes(&mut self, now_us: u64, out: &mut Vec<WriteDone>) {
+        self.pump(now_us);
+        out.append(&mut self.done_writes);
+    }
+
+    /// Blocks until every accepted write has been reported (for shutdown,
+    /// tools and tests; never inside a tick). Returns the reports.
+    pub fn wait_writes(&mut self, now_us: u64) -> Vec<WriteDone> {
+        loop {
+            self.pump(now_us);
+            if self.accepted_writes == 0 {
+                break;
+            }
+            if self.engine.in_flight() > 0 {
+                self.engine.wait();
+                continue;
+            }
+            if self.meta.pending() > 0 {
+                if let Some(d) = self.meta.recv_timeout(Duration::from_millis(20)) {
+                    self.handle_meta(d);
+                }
+                continue;
+            }
+            // Nothing in flight can make progress (creation backing off):
+            // fail what is left rather than wait for the clock.
+            let err = match self.backoff {
+                Some((_, WriteRefused::NoSpace)) => WriteError::NoSpace,
+                _ => WriteError::Unavailable("no segment available".into()),
+            };
+            self.fail_queued(err);
+        }
+        std::mem::take(&mut self.done_writes)
+    }
+
+    fn flush_if_batched(&mut self) {
+        if self.engine.unflushed() >= FLUSH_BATCH {
+            self.engine.flush();
+        }
+    }
+
+    /// One non-blocking round: reap, handle, dispatch, flush.
+    fn pump(&mut self, now_us: u64) {
+        self.now_us = self.now_us.max(now_us);
+        let mut done = std::mem::take(&mut self.scratch);
+        self.engine.reap(&mut done);
+        for c in done.drain(..) {
+            self.complete(c);
+        }
+        self.scratch = done;
+        while let Some(d) = self.meta.try_recv() {
+            self.handle_meta(d);
+        }
+        self.dispatch_reads();
+        self.dispatch_syncs();
+        self.dispatch_writes();
+        self.engine.flush();
+    }
+
+    fn complete(&mut self, c: Completion) {
+        let Some(op) = self.ops.remove(&c.user) else {
+            return;
+        };
+        match op {
+            Op::Read(r) => self.complete_read(r, c.result),
+            Op::Write { w, segment, entry } => self.complete_write(w, segment, entry, c.result),
+            Op::Sync { segment, batch } => {
+                self.syncs_in_io -= 1;
+                self.stats.syncs += 1;
+                if let Some(seg) = self.segments.get_mut(&segment) {
+                    seg.ops -= 1;
+                    seg.syncing = false;
+                }
+                for w in batch {
+                    match c.result {
+                        Ok(_) => self.publish(w),
+                        Err(e) => self.fail_write(w.token, w.key, WriteError::Sync(strerror(e))),
+                    }
+                }
+            }
+        }
+    }
+
+    fn complete_write(
+        &mut self,
+        w: QueuedWrite,
+        segment: u64,
+        entry: IndexEntry,
+        result: Result<usize, i32>,
+    ) {
+        self.writes_in_io -= 1;
+        if let Some(seg) = self.segments.get_mut(&segment) {
+            seg.ops -= 1;
+        }
+        let expected = w.buf.len() as u64;
+        let (token, key) = (w.token, w.key);
+        self.bufs.put(w.buf);
+        match result {
+            Ok(n) if n as u64 == expected => {
+                let done = Written { token, key, entry };
+                if self.cfg.sync == SyncPolicy::BatchFdatasync {
+                    if let Some(seg) = self.segments.get_mut(&segment) {
+                        seg.unsynced.push(done);
+                        self.dirty.insert(segment);
+                    }
+                } else {
+                    self.publish(done);
+                }
+            }
+            Ok(n) => self.fail_write(
+                token,
+                key,
+                WriteError::Short {
+                    written: n as u64,
+                    expected,
+                },
+            ),
+            Err(e) if e == libc::ENOSPC || e == libc::EDQUOT => {
+                self.fail_write(token, key, WriteError::NoSpace);
+                self.evict_oldest(EvictReason::NoSpace);
+            }
+            Err(e) => self.fail_write(token, key, WriteError::Io(strerror(e))),
+        }
+    }
+
+    fn publish(&mut self, w: Written) {
+        self.pending_keys.remove(&w.key);
+        self.accepted_writes -= 1;
+        match self.segments.get_mut(&w.entry.segment) {
+            Some(seg) => {
+                seg.keys.push(w.key);
+                self.index_insert(w.key, w.entry);
+                self.stats.writes_completed += 1;
+                self.done_writes.push(WriteDone {
+                    token: w.token,
+                    key: w.key,
+                    result: Ok(()),
+                });
+            }
+            None => {
+                // Unreachable: segments with unpublished writes are never
+                // evicted. Fail closed rather than index a missing file.
+                let e = WriteError::Io("segment vanished before publish".into());
+                self.stats.write_failures.bump(&e);
+                self.done_writes.push(WriteDone {
+                    token: w.token,
+                    key: w.key,
+                    result: Err(e),
+                });
+            }
+        }
+    }
+
+    fn fail_write(&mut self, token: WriteToken, key: StateKey, e: WriteError) {
+        self.pending_keys.remove(&key);
+        self.accepted_writes -= 1;
+        self.stats.write_failures.bump(&e);
+        self.done_writes.push(WriteDone {
+            token,
+            key,
+            result: Err(e),
+        });
+    }
+
+    fn fail_queued(&mut self, e: WriteError) {
+        while let Some(w) = self.write_queue.pop_front() {
+            let (token, key) = (w.token, w.key);
+            self.bufs.put(w.buf);
+            self.fail_write(token, key, e.clone());
+        }
+    }
+
+    fn handle_meta(&mut self, d: MetaDone) {
+        match d {
+            MetaDone::Deleted { result } => {
+                if result.is_err() {
+                    self.stats.segment_delete_failures += 1;
+                }
+            }
+            MetaDone::Created { id, result } => {
+                self.creating = false;
+                match result {
+                    Ok(file) => {
+                        let state = if self.active.is_none() {
+                            self.active = Some(id);
+                            SegState::Active
+                        } else {
+                            self.spare = Some(id);
+                            SegState::Spare
+                        };
+                        self.segments.insert(
+                            id,
+                            Segment {
+                                file,
+                                size: self.cfg.segment_bytes,
+                                write_pos: 0,
+                                state,
+                                keys: Vec::new(),
+                                ops: 0,
+                                unsynced: Vec::new(),
+                                syncing: false,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        let nospace = matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT));
+                        if nospace && self.evict_oldest(EvictReason::NoSpace) {
+                            // Space was freed: the next dispatch retries.
+                            return;
+                        }
+                        let (reason, err) = if nospace {
+                            (WriteRefused::NoSpace, WriteError::NoSpace)
+                        } else {
+                            (
+                                WriteRefused::Unavailable,
+                                WriteError::Unavailable(e.to_string()),
+                            )
+                        };
+                        self.backoff = Some((self.now_us + CREATE_BACKOFF_US, reason));
+                        self.fail_queued(err);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A segment with room for `rec` bytes, rolling to the spare or
+    /// requesting a new one; `None` while none is ready.
+    fn writable_segment(&mut self, rec: u64) -> Option<u64> {
+        if let Some(id) = self.active {
+            let seg = self.segments.get_mut(&id)?;
+            if seg.write_pos + rec <= seg.size {
+                let half = seg.write_pos > seg.size / 2;
+                if half && self.spare.is_none() && self.segments.len() < self.max_segments {
+                    self.request_segment();
+                }
+                return Some(id);
+            }
+            seg.state = SegState::Sealed;
+            self.active = None;
+        }
+        if let Some(id) = self.spare.take()
+            && let Some(seg) = self.segments.get_mut(&id)
+        {
+            seg.state = SegState::Active;
+            self.active = Some(id);
+            return (rec <= seg.size).then_some(id);
+        }
+        self.request_segment();
+        None
+    }
+
+    /// Asks the helper thread for a new segment, first evicting the oldest
+    /// segments beyond capacity (waiting while the oldest is pinned).
+    fn request_segment(&mut self) {
+        if self.creating {
+            return;
+        }
+        if let Some((until, _)) = self.backoff {
+            if self.now_us < until {
+                return;
+            }
+            self.backoff = None;
+        }
+        while self.segments.len() + 1 > self.max_segments {
+            if !self.evict_oldest(EvictReason::Capacity) {
+                return;
+            }
+        }
+        let id = self.next_segment;
+        self.next_segment += 1;
+        if self.meta.send(MetaReq::Create {
+            id,
+            size: self.cfg.segment_bytes,
+            flags: self.create_flags,
+        }) {
+            self.creating = true;
+        } else {
+            self.backoff = Some((self.now_us + CREATE_BACKOFF_US, WriteRefused::Unavailable));
+        }
+    }
+
+    /// Drops the oldest sealed segment and every record in it, unless
+    /// something is in flight against it. `true` if one was dropped.
+    fn evict_oldest(&mut self, reason: EvictReason) -> bool {
+        let Some((&id, seg)) = self
+            .segments
+            .iter()
+            .find(|(_, s)| s.state == SegState::Sealed)
+        else {
+            return false;
+        };
+        if seg.ops > 0 || seg.syncing || !seg.unsynced.is_empty() {
+            return false;
+        }
+        let Some(seg) = self.segments.remove(&id) else {
+            return false;
+        };
+        let mut n = 0;
+        for key in &seg.keys {
+            if self.index.get(key).is_some_and(|e| e.segment == id) {
+                self.index_remove(key);
+                n += 1;
+            }
+        }
+        self.stats.evictions.add(reason, n);
+        self.stats.segments_evicted += 1;
+        let path = self.segment_path(id);
+        if !self.meta.send(MetaReq::Delete {
+            path,
+            file: seg.file,
+        }) {
+            // Helper gone: the file stays until the next open removes or
+            // rescans it; nothing references it any more.
+        }
+        true
+    }
+
+    fn dispatch_writes(&mut self) {
+        while !self.write_queue.is_empty()
+            && self.writes_in_io < self.write_io_limit
+            && self.engine.in_flight() < self.cfg.max_inflight_io + self.syncs_in_io
+        {
+            let rec = self.write_queue.front().map_or(0, |w| w.buf.len() as u64);
+            let Some(seg_id) = self.writable_segment(rec) else {
+                return;
+            };
+            let Some(mut w) = self.write_queue.pop_front() else {
+                return;
+            };
+            let Some(seg) = self.segments.get_mut(&seg_id) else {
+                self.write_queue.push_front(w);
+                return;
+            };
+            let offset = seg.write_pos;
+            seg.write_pos += rec;
+            let fd = seg.file.as_raw_fd();
+            let header = RecordHeader {
+                segment_id: seg_id,
+                record_offset: offset,
+                sequence: self.next_seq,
+                key: w.key,
+                format_digest: w.digest,
+                payload_len: w.payload_len,
+                payload_checksum: w.checksum,
+                written_us: w.written_us,
+            };
+            self.next_seq += 1;
+            let entry = IndexEntry::from_header(&header);
+            if let Err(e) = header.encode_into(w.buf.as_mut_slice()) {
+                let (token, key) = (w.token, w.key);
+                self.bufs.put(w.buf);
+                self.fail_write(token, key, WriteError::Misaligned(e.to_string()));
+                continue;
+            }
+            if let Err(e) = check_aligned(self.direct, w.buf.as_ptr(), w.buf.len(), offset) {
+                let (token, key) = (w.token, w.key);
+                self.bufs.put(w.buf);
+                self.fail_write(token, key, WriteError::Misaligned(e.to_string()));
+                continue;
+            }
+            let user = self.next_user;
+            self.next_user += 1;
+            let req = Request::Write {
+                fd,
+                offset,
+                ptr: w.buf.as_ptr(),
+                len: w.buf.len(),
+            };
+            // SAFETY: the buffer moves into `ops` (its heap address is
+            // stable) and stays there until this completion is reaped; the
+            // segment (and its fd) is not evicted while `ops > 0`.
+            if unsafe { self.engine.submit(user, req) }.is_err() {
+                // Cannot happen (we stay below capacity); retry later.
+                if let Some(seg) = self.segments.get_mut(&seg_id) {
+                    seg.write_pos -= rec;
+                }
+                self.next_seq -= 1;
+                self.write_queue.push_front(w);
+                return;
+            }
+            if let Some(seg) = self.segments.get_mut(&seg_id) {
+                seg.ops += 1;
+            }
+            self.writes_in_io += 1;
+            self.ops.insert(
+                user,
+                Op::Write {
+                    w,
+                    segment: seg_id,
+                    entry,
+                },
+            );
+        }
+    }
+
+    fn dispatch_syncs(&mut self) {
+        while self.syncs_in_io < MAX_SYNCS {
+            let Some(id) = self.dirty.iter().copied().find(|id| {
+                self.segments
+                    .get(id)
+                    .is_some_and(|s| !s.syncing && !s.unsynced.is_empty())
+            }) else {
+                return;
+            };
+            let Some(seg) = self.segments.get_mut(&id) else {
+                return;
+            };
+            let fd = seg.file.as_raw_fd();
+            let user = self.next_user;
+            self.next_user += 1;
+            // SAFETY: no buffers; the fd stays open while `ops > 0`.
+            if unsafe { self.engine.submit(user, Request::Fdatasync { fd }) }.is_err() {
+                return;
+            }
+            seg.syncing = true;
+            seg.ops += 1;
+            let batch = std::mem::take(&mut seg.unsynced);
+            self.dirty.remove(&id);
+            self.syncs_in_io += 1;
+            self.ops.insert(user, Op::Sync { segment: id, batch });
+        }
+    }
+
+    fn dispatch_reads(&mut self) {
+        while let Some(&user) = self.read_queue.front() {
+            if self.engine.in_flight() >= self.cfg.max_inflight_io + self.syncs_in_io {
+                return;
+            }
+            let Some(Op::Read(r)) = self.ops.get(&user) else {
+                self.read_queue.pop_front();
+                continue;
+            };
+            let Some(seg) = self.segments.get(&r.entry.segment) else {
+                self.read_queue.pop_front();
+                continue;
+            };
+            let req = Request::Readv {
+                fd: seg.file.as_raw_fd(),
+                offset: r.entry.offset,
+                iov: r.iov.0.as_ptr(),
+                iovcnt: r.iovcnt,
+            };
+            // SAFETY: the iovecs (boxed) and the buffers they name live in
+            // `ops` until this completion is reaped; pool ranges are valid
+            // per `register_host_pool`; the segment is pinned (`ops`).
+            if unsafe { self.engine.submit(user, req) }.is_err() {
+                return;
+            }
+            self.read_queue.pop_front();
+        }
+    }
+
+    fn complete_read(&mut self, mut r: ReadOp, result: Result<usize, i32>) {
+        self.reads_in_flight -= 1;
+        if let Some(seg) = self.segments.get_mut(&r.entry.segment) {
+            seg.ops -= 1;
+        }
+        let outcome = match result {
+            Err(e) => Err(TierError::Io(strerror(e))),
+            Ok(n) if n != r.expect => Err(self.corrupt(
+                &r,
+                format!("short read: {n} of {} bytes (truncated record)", r.expect),
+            )),
+            Ok(_) => match self.verify(&mut r) {
+                Ok(()) => Ok(()),
+                Err(why) => Err(self.corrupt(&r, why)),
+            },
+        };
+        match &outcome {
+            Ok(()) => self.stats.reads_completed += 1,
+            Err(TierError::Corrupt) => {}
+            Err(_) => self.stats.reads_failed += 1,
+        }
+        match r.dest {
+            ReadDest::Direct { header } => self.bufs.put(header),
+            ReadDest::Bounce { buf } => self.bufs.put(buf),
+        }
+        self.done_reads.push(ReadDone {
+            token: r.token,
+            result: outcome,
+        });
+    }
+
+    /// Checks the header against the index entry and the payload against
+    /// its checksum; on success the payload is in the pool.
+    fn verify(&mut self, r: &mut ReadOp) -> Result<(), String> {
+        let Some(pool) = &self.pool else {
+            return Err("host pool vanished".into());
+        };
+        let e = &r.entry;
+        let header_block = match &r.dest {
+            ReadDest::Direct { header } => header.as_slice(),
+            ReadDest::Bounce { buf } => &buf.as_slice()[..HEADER_BLOCK as usize],
+        };
+        let h = RecordHeader::decode(header_block).map_err(|e| format!("header: {e}"))?;
+        if h.key != r.key {
+            return Err(format!("header key {:?} is not {:?}", h.key, r.key));
+        }
+        if (h.segment_id, h.record_offset) != (e.segment, e.offset) {
+            return Err(format!(
+                "header names segment {} offset {}, read {} at {}",
+                h.segment_id, h.record_offset, e.segment, e.offset
+            ));
+        }
+        if h.payload_len != e.payload_len {
+            return Err(format!(
+                "header payload_len {} != indexed {}",
+                h.payload_len, e.payload_len
+            ));
+        }
+        if h.sequence != e.sequence
+            || h.format_digest != e.digest
+            || h.payload_checksum != e.checksum
+        {
+            return Err("header disagrees with the index".into());
+        }
+        let len = e.payload_len as usize;
+        let sum = match &r.dest {
+            ReadDest::Direct { .. } => {
+                // SAFETY: bounds checked at submit; the runtime does not
+                // touch the destination while the read is in flight.
+                let dst =
+                    unsafe { std::slice::from_raw_parts(pool.0.add(r.host_offset as usize), len) };
+                page_checksum(dst)
+            }
+            ReadDest::Bounce { buf } => {
+                let h = HEADER_BLOCK as usize;
+                page_checksum(&buf.as_slice()[h..h + len])
+            }
+        };
+        if sum != h.payload_checksum {
+            return Err(format!(
+                "payload checksum {sum:#018x} != header {:#018x}",
+                h.payload_checksum
+            ));
+        }
+        if let ReadDest::Bounce { buf } = &r.dest {
+            let h = HEADER_BLOCK as usize;
+            // SAFETY: as above; ranges do not overlap (store buffer vs pool).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    buf.as_ptr().add(h),
+                    pool.0.add(r.host_offset as usize),
+                    len,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a verification failure and drops the record from the index.
+    fn corrupt(&mut self, r: &ReadOp, why: String) -> TierError {
+        self.stats.reads_corrupt += 1;
+        self.stats.last_corruption = Some(format!(
+            "{:?} (segment {} offset {}): {why}",
+            r.key, r.entry.segment, r.entry.offset
+        ));
+        if self
+            .index
+            .get(&r.key)
+            .is_some_and(|e| (e.segment, e.offset) == (r.entry.segment, r.entry.offset))
+        {
+            self.index_remove(&r.key);
+            self.stats.evictions.add(EvictReason::Corrupt, 1);
+        }
+        TierError::Corrupt
+    }
+
+    /// Blocks until nothing is in flight (Drop).
+    fn drain(&mut self) {
+        // Bounded: every submitted op completes (or its engine is gone).
+        while self.engine.in_flight() > 0 {
+            self.engine.wait();
+            let mut done = std::mem::take(&mut self.scratch);
+            self.engine.reap(&mut done);
+            for c in done.drain(..) {
+                self.complete(c);
+            }
+            self.scratch = done;
+        }
+    }
+}
+
+fn blocking(cfg: &SsdConfig, cap: usize) -> Result<BlockingEngine, SsdError> {
+    BlockingEngine::new(cfg.blocking_workers, cap)
+        .map_err(|e| SsdError::from_io("spawn workers", &cfg.dir, e))
+}
+
+/// Takes an exclusive `flock` on `dir/LOCK`.
+fn lock_dir(dir: &Path) -> Result<File, SsdError> {
+    let path = dir.join("LOCK");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| SsdError::from_io("open lock file", &path, e))?;
+    // SAFETY: plain syscall on an fd we own.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(SsdError::Locked { path: dir.into() });
+        }
+        return Err(SsdError::from_io("lock", &path, e));
+    }
+    Ok(f)
+}
+
+/// The O_DIRECT guard: address, length and file offset on 4 KiB.
+fn check_aligned(direct: bool, ptr: *const u8, len: usize, offset: u64) -> Result<(), SsdError> {
+    if !direct {
+        return Ok(());
+    }
+    let b = BLOCK as usize;
+    if !(ptr as usize).is_multiple_of(b) || !len.is_multiple_of(b) || !offset.is_multiple_of(BLOCK)
+    {
+        return Err(SsdError::Misaligned(format!(
+            "address {ptr:p}, length {len}, offset {offset}"
+        )));
+    }
+    Ok(())
+}
+
+impl BackingTier for SsdStore {
+    fn name(&self) -> &'static str {
+        "ssd"
+    }
+
+    fn lookup(&self, key: &StateKey) -> Option<TierEntry> {
+        self.index.get(key).map(|e| TierEntry {
+            bytes: e.payload_len,
+            checksum: e.checksum,
+        })
+    }
+
+    unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), TierError> {
+        if base.is_null() {
+            return Err(TierError::NoHostPool);
+        }
+        self.pool = Some(PoolPtr(base, len));
+        Ok(())
+    }
+
+    fn submit_read(
+        &mut self,
+        key: &StateKey,
+        host_offset: u64,
+        len: u64,
+        now_us: u64,
+    ) -> Result<ReadToken, TierError> {
+        self.now_us = self.now_us.max(now_us);
+        let Some(pool) = &self.pool else {
+            return Err(TierError::NoHostPool);
+        };
+        let (base, pool_len) = (pool.0, pool.1);
+        if host_offset
+            .checked_add(len)
+            .is_none_or(|end| end > pool_len)
+        {
+            return Err(TierError::OutOfBounds {
+                offset: host_offset,
+                len,
+                size: pool_len,
+            });
+        }
+        let entry = *self.index.get(key).ok_or(TierError::NotFound)?;
+        if entry.payload_len != len {
+            return Err(TierError::SizeMismatch {
+                expected: len,
+                actual: entry.payload_len,
+            });
+        }
+        if self.reads_in_flight >= self.cfg.max_inflight_reads {
+            return Err(TierError::QueueFull(
+                self.reads_in_flight,
+                self.cfg.max_inflight_reads,
+            ));
+        }
+        if !self.segments.contains_key(&entry.segment) {
+            return Err(TierError::NotFound);
+        }
+        let padded = round_up(len);
+        let dst = base as usize + host_offset as usize;
+        let direct_ok = dst.is_multiple_of(BLOCK as usize)
+            && host_offset
+                .checked_add(padded)
+                .is_some_and(|end| end <= pool_len);
+        let no_buf = || TierError::Io("out of memory for a read buffer".into());
+        let (dest, iov, iovcnt) = if direct_ok {
+            let mut header = self.bufs.get(HEADER_BLOCK as usize).ok_or_else(no_buf)?;
+            let iov = Iovecs(Box::new([
+                libc::iovec {
+                    iov_base: header.as_mut_ptr().cast(),
+                    iov_len: HEADER_BLOCK as usize,
+                },
+                libc::iovec {
+                    iov_base: dst as *mut libc::c_void,
+                    iov_len: padded as usize,
+                },
+            ]));
+            (ReadDest::Direct { header }, iov, 2)
+        } else {
+            let mut buf = self
+                .bufs
+                .get(record_bytes(len) as usize)
+                .ok_or_else(no_buf)?;
+            let iov = Iovecs(Box::new([
+                libc::iovec {
+                    iov_base: buf.as_mut_ptr().cast(),
+                    iov_len: buf.len(),
+                },
+                libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                },
+            ]));
+            (ReadDest::Bounce { buf }, iov, 1)
+        };
+        let token = ReadToken(self.next_read);
+        self.next_read += 1;
+        let user = self.next_user;
+        self.next_user += 1;
+        if let Some(seg) = self.segments.get_mut(&entry.segment) {
+            seg.ops += 1; // pinned until reaped
+        }
+        self.ops.insert(
+            user,
+            Op::Read(ReadOp {
+                token,
+                key: *key,
+                entry,
+                host_offset,
+                dest,
+                iov,
+                iovcnt,
+                expect: (HEADER_BLOCK + padded) as usize,
+            }),
+        );
+        self.reads_in_flight += 1;
+        self.stats.reads_submitted += 1;
+        self.read_queue.push_back(user);
+        self.dispatch_reads();
+        self.flush_if_batched();
+        Ok(token)
+    }
+
+    fn poll(&mut self, now_us: u64, out: &mut Vec<ReadDone>) {
+        self.pump(now_us);
+        out.append(&mut self.done_reads);
+    }
+
+    fn in_flight(&self) -> usize {
+        self.reads_in_flight
+    }
+}
+
+impl Drop for SsdStore {
+    fn drop(&mut self) {
+        // The kernel or a worker may still write into our buffers or the
+        // host pool: wait for every submitted operation first. Queued,
+        // unsubmitted writes are discarded (never reported, never visible).
+        self.drain();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orbitkv_components::Namespace;
+
+    fn key(i: u64) -> StateKey {
+        StateKey::new(Namespace([1; 32]), 0, &i.to_le_bytes()).unwrap()
+    }
+
+    #[test]
+    fn seen_once_is_bounded_and_consumed() {
+        let mut s = SeenOnce::new(2);
+        assert!(!s.offer(&key(1)));
+        assert!(s.offer(&key(1)));
+        assert!(!s.offer(&key(1)));
+        assert!(!s.offer(&key(2)));
+        assert!(!s.offer(&key(3))); // forgets 1
+        assert!(!s.offer(&key(1)));
+        assert!(s.map.len() <= 2 && s.order.len() <= 2);
+    }
+
+    #[test]
+    fn alignment_guard() {
+        assert!(check_aligned(true, 4096 as *const u8, 8192, 4096).is_ok());
+        assert!(check_aligned(true, 4097 as *const u8, 8192, 4096).is_err());
+        assert!(check_aligned(true, 4096 as *const u8, 100, 4096).is_err());
+        assert!(check_aligned(true, 4096 as *const u8, 4096, 10).is_err());
+        assert!(check_aligned(false, std::ptr::dangling::<u8>(), 1, 1).is_ok());
+    }
+
+    #[test]
+    fn pinned_oldest_segment_is_not_evicted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = SsdConfig::new(dir.path());
+        cfg.segment_bytes = 64 << 10;
+        cfg.capacity_bytes = 128 << 10;
+        cfg.backend = IoBackend::Blocking;
+        let mut s = SsdStore::open(cfg).unwrap();
+        // Several segments of 8 KiB records; capacity keeps two.
+        for i in 0..40u64 {
+            if s.submit_write(&key(i), [0; 32], &[i as u8; 4096], i)
+                .is_ok()
+            {
+                let _ = s.wait_writes(i);
+            }
+        }
+        let oldest = s
+            .segments
+            .iter()
+            .find(|(_, g)| g.state == SegState::Sealed)
+            .map(|(id, _)| *id)
+            .unwrap();
+        s.segments.get_mut(&oldest).unwrap().ops += 1;
+        assert!(!s.evict_oldest(EvictReason::Capacity));
+        s.segments.get_mut(&oldest).unwrap().ops -= 1;
+        assert!(s.evict_oldest(EvictReason::Capacity));
+        assert!(s.stats().evictions.capacity > 0);
+    }
+}

@@ -24,6 +24,9 @@ pub struct RankState {
     pub contract: RecoveryContract,
     /// Bytes of one page of each group on this rank (all its layers).
     pub page_bytes: Vec<(u32, u64)>,
+    /// SHA-256 of this rank's sealed layout: the format digest lower tiers
+    /// store in their record headers.
+    pub format_digest: Digest32,
 }
 
 impl RankState {
@@ -84,6 +87,8 @@ pub struct Page {
     pub key: StateKey,
     pub bytes: u64,
     pub checksum: u64,
+    /// Format digest of the rank that wrote it (see `RankState`).
+    pub format: Digest32,
     pub residency: Residency,
     /// Live leases on this page; a leased page is never evicted.
     pub leases: u32,
@@ -256,6 +261,7 @@ pub enum ItemState {
 #[derive(Debug, Clone, Copy)]
 pub struct PublishItem {
     pub key: StateKey,
+    pub format: Digest32,
     pub device_page: Entity,
     pub bytes: u64,
     /// `SlotKey::to_bits()` once allocated.
@@ -284,6 +290,7 @@ pub enum TransferKind {
     TierRead {
         tier: usize,
         key: StateKey,
+        format: Digest32,
         dram_slot: u64,
         dram_offset: u64,
         bytes: u64,

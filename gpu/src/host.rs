@@ -7,8 +7,8 @@
 //! backends expose device bytes to tests the same way.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::{self, JoinHandle};
 use std::{fmt, ptr};
@@ -330,12 +330,21 @@ fn worker(jobs: &Mutex<Receiver<Job>>, done: &Sender<Completion>, arena: &Device
         .unwrap_or_else(|_| Err(CopyError::Failed("copy worker panicked".into())));
         let batch = &job.batch;
         if let Err(e) = result {
-            batch.error.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
+            batch
+                .error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert(e);
         }
         if batch.parts_left.fetch_sub(1, Ordering::AcqRel) != 1 {
             continue; // another part finishes the batch
         }
-        let result = match batch.error.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        let result = match batch
+            .error
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
             Some(e) => Err(e),
             None => Ok(()),
         };

@@ -78,6 +78,24 @@ pub trait BackingTier: Send {
     fn poll(&mut self, now_us: u64, out: &mut Vec<ReadDone>);
 
     fn in_flight(&self) -> usize;
+
+    /// Demotion: keep a page DRAM is evicting. The payload is copied before
+    /// this returns, so the caller frees its DRAM slot at once. A refusal
+    /// names its reason (`not_writable`, `queue_full`, `admission_policy`,
+    /// ...), which the runtime counts: nothing is dropped silently.
+    fn demote(
+        &mut self,
+        _key: &StateKey,
+        _format: [u8; 32],
+        _payload: &[u8],
+        _now_us: u64,
+    ) -> Result<(), &'static str> {
+        Err("not_writable")
+    }
+
+    /// Demotions that finished since the last call: `Ok` once visible to
+    /// `lookup` (and durable per the tier's policy), or why they failed.
+    fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), String>>) {}
 }
 
 struct PoolPtr(*mut u8, u64);
@@ -106,6 +124,10 @@ struct MemoryPages {
 /// corrupt or fail pages while the runtime owns the tier.
 pub struct MemoryTier {
     name: &'static str,
+    /// Accepts demotions from DRAM (a simulated SSD), or only reads (a
+    /// remote store that pages are put into out of band).
+    writable: bool,
+    demoted: usize,
     /// Reads whose completion was lost: never reported, still in flight.
     lost: usize,
     shared: Arc<Mutex<MemoryPages>>,
@@ -181,6 +203,8 @@ impl MemoryTier {
     pub fn new(name: &'static str, latency_us: u64, max_in_flight: usize) -> Self {
         MemoryTier {
             name,
+            writable: false,
+            demoted: 0,
             lost: 0,
             shared: Arc::default(),
             pool: None,
@@ -203,6 +227,12 @@ impl MemoryTier {
             shared: handle.0.clone(),
             ..MemoryTier::new(name, latency_us, max_in_flight)
         }
+    }
+
+    /// Makes the tier accept demotions from DRAM.
+    pub fn writable(mut self) -> Self {
+        self.writable = true;
+        self
     }
 
     pub fn handle(&self) -> MemoryTierHandle {
@@ -316,5 +346,25 @@ impl BackingTier for MemoryTier {
 
     fn in_flight(&self) -> usize {
         self.pending.len() + self.lost
+    }
+
+    fn demote(
+        &mut self,
+        key: &StateKey,
+        _format: [u8; 32],
+        payload: &[u8],
+        _now_us: u64,
+    ) -> Result<(), &'static str> {
+        if !self.writable {
+            return Err("not_writable");
+        }
+        let sum = page_checksum(payload);
+        self.pages().pages.insert(*key, (payload.to_vec(), sum));
+        self.demoted += 1;
+        Ok(())
+    }
+
+    fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), String>>) {
+        out.extend((0..std::mem::take(&mut self.demoted)).map(|_| Ok(())));
     }
 }

@@ -23,7 +23,11 @@ const ITERATIONS: u64 = 30;
 const MIN_ITERATIONS: u64 = 20;
 /// Total time the loop may take (checked between iterations).
 const BUDGET: Duration = Duration::from_secs(20);
-const WRITES_PER_CHILD: u64 = 2000;
+/// At most 800 records of at most 28 KiB (header block + padded payload):
+/// one child's writes fit within the 32 MiB capacity with room for a
+/// segment, so FIFO collection only ever drops earlier children's pages,
+/// never a page this child reported.
+const WRITES_PER_CHILD: u64 = 800;
 
 /// Reads every key in `keys`, up to 32 at a time, and checks its bytes
 /// against the generator. Returns how many were checked.

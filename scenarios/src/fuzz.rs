@@ -58,7 +58,7 @@ impl Observer for Oracle {
         let page = c.page_tokens;
         let b = c.boundary;
         let hashed = c.hashes.len() as u64 * page;
-        if b % page != 0 || b <= c.origin || b > hashed || b + 1 > c.prompt_len {
+        if !b.is_multiple_of(page) || b <= c.origin || b > hashed || b + 1 > c.prompt_len {
             return Err(format!(
                 "boundary {b} is not allowed (origin {}, {hashed} hashed tokens, prompt_len {})",
                 c.origin, c.prompt_len

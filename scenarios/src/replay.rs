@@ -181,7 +181,7 @@ pub struct Replay<'o> {
     rt: Runtime,
     arena: DeviceArena,
     copies: SimCopyControl,
-    tiers: Vec<(String, MemoryTierHandle, u64)>,
+    tiers: Vec<(String, MemoryTierHandle, u64, bool)>,
     incarnation: u64,
     observer: Box<dyn Observer + 'o>,
 
@@ -220,10 +220,23 @@ fn line_err(line: usize, message: impl Into<String>) -> ReplayError {
     }
 }
 
+/// Tier names must be `&'static str` (they label metrics); each distinct
+/// name is allocated once per process, however many replays run.
+fn intern(name: &str) -> &'static str {
+    static NAMES: std::sync::Mutex<BTreeSet<&'static str>> = std::sync::Mutex::new(BTreeSet::new());
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(n) = names.get(name) {
+        return n;
+    }
+    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
+    names.insert(leaked);
+    leaked
+}
+
 fn build_runtime(
     config: &Config,
     header: &Header,
-    tiers: &[(String, MemoryTierHandle, u64)],
+    tiers: &[(String, MemoryTierHandle, u64, bool)],
     incarnation: u64,
 ) -> Result<(Runtime, DeviceArena, SimCopyControl), ReplayError> {
     let copy = SimCopyEngine::new(SimCopyConfig {
@@ -237,16 +250,10 @@ fn build_runtime(
         copy: Box::new(copy),
         tiers: tiers
             .iter()
-            .map(|(name, handle, latency)| {
-                // Tier names live as long as the process: there are at most
-                // MAX_TIERS of them per replay.
-                let name: &'static str = Box::leak(name.clone().into_boxed_str());
-                Box::new(MemoryTier::from_handle(
-                    name,
-                    handle,
-                    *latency,
-                    TIER_MAX_IN_FLIGHT,
-                )) as Box<dyn BackingTier>
+            .map(|(name, handle, latency, demote)| {
+                let tier =
+                    MemoryTier::from_handle(intern(name), handle, *latency, TIER_MAX_IN_FLIGHT);
+                Box::new(if *demote { tier.writable() } else { tier }) as Box<dyn BackingTier>
             })
             .collect(),
         simulated_clock: true,
@@ -290,7 +297,7 @@ impl<'o> Replay<'o> {
                 "tick_interval_us must be positive".into(),
             ));
         }
-        let tiers: Vec<(String, MemoryTierHandle, u64)> = header
+        let tiers: Vec<(String, MemoryTierHandle, u64, bool)> = header
             .latency
             .tiers
             .iter()
@@ -299,6 +306,7 @@ impl<'o> Replay<'o> {
                     t.name.clone(),
                     MemoryTier::new("tier", 0, 1).handle(),
                     t.read_us,
+                    t.demote,
                 )
             })
             .collect();
@@ -486,7 +494,7 @@ impl<'o> Replay<'o> {
                 0.0
             },
             dram_bytes_used: s.pool_bytes_used,
-            tier_pages: self.tiers.iter().map(|(_, h, _)| h.len() as u64).sum(),
+            tier_pages: self.tiers.iter().map(|(_, h, _, _)| h.len() as u64).sum(),
             bytes_reserved: s.bytes_reserved,
         });
         if self.samples.len() >= MAX_SAMPLES {
@@ -768,8 +776,8 @@ impl<'o> Replay<'o> {
         let tier = |me: &Self, name: &str| {
             me.tiers
                 .iter()
-                .find(|(n, _, _)| n == name)
-                .map(|(_, h, _)| h.clone())
+                .find(|(n, _, _, _)| n == name)
+                .map(|(_, h, _, _)| h.clone())
                 .ok_or_else(|| line_err(line, format!("unknown tier {name:?}")))
         };
         match f {
@@ -897,8 +905,8 @@ impl<'o> Replay<'o> {
         let handle = self
             .tiers
             .iter()
-            .find(|(n, _, _)| *n == p.tier)
-            .map(|(_, h, _)| h.clone())
+            .find(|(n, _, _, _)| *n == p.tier)
+            .map(|(_, h, _, _)| h.clone())
             .ok_or_else(|| line_err(line, format!("unknown tier {:?}", p.tier)))?;
         let info = self
             .instances
@@ -1706,6 +1714,9 @@ impl<'o> Replay<'o> {
         *t.publish_pages.entry("duplicate".into()).or_default() += m.publish_duplicates;
         *t.publish_pages.entry("dropped".into()).or_default() += m.publish_dropped;
         t.transfers_overdue += m.transfers_overdue;
+        for (k, v) in &m.demotions {
+            *t.demotions.entry(k.clone()).or_default() += v;
+        }
     }
 
     fn finish(mut self) -> (Report, Vec<Sample>) {
@@ -1718,7 +1729,7 @@ impl<'o> Replay<'o> {
             tier_pages: self
                 .tiers
                 .iter()
-                .map(|(n, h, _)| (n.clone(), h.len() as u64))
+                .map(|(n, h, _, _)| (n.clone(), h.len() as u64))
                 .collect(),
             operations: s.operations as u64,
             leases: s.leases as u64,

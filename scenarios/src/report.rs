@@ -60,6 +60,9 @@ pub struct Totals {
     /// Bytes moved, by `source_to_target`.
     pub bytes: BTreeMap<String, u64>,
     pub evictions: BTreeMap<String, u64>,
+    /// Evicted pages offered to a lower tier: `submitted` or the refusal
+    /// reason, then `written` or `failed`.
+    pub demotions: BTreeMap<String, u64>,
     pub publish_pages: BTreeMap<String, u64>,
     pub transfers_overdue: u64,
     pub faults_injected: u64,
@@ -176,6 +179,7 @@ impl Report {
         let _ = writeln!(o, "  bytes moved: {}", list(&t.bytes));
         let _ = writeln!(o, "  published pages: {}", list(&t.publish_pages));
         let _ = writeln!(o, "  evictions: {}", list(&t.evictions));
+        let _ = writeln!(o, "  demotions: {}", list(&t.demotions));
         let _ = writeln!(
             o,
             "  faults injected {}  transfers overdue {}  unbound references {}",

@@ -75,6 +75,10 @@ pub struct Latency {
 pub struct TierLatency {
     pub name: String,
     pub read_us: u64,
+    /// Takes pages DRAM evicts (an SSD); a tier without it is read-only to
+    /// the runtime (a remote store filled out of band).
+    #[serde(default)]
+    pub demote: bool,
 }
 
 impl Default for Latency {
@@ -86,10 +90,12 @@ impl Default for Latency {
                 TierLatency {
                     name: "ssd".into(),
                     read_us: 100,
+                    demote: true,
                 },
                 TierLatency {
                     name: "remote".into(),
                     read_us: 800,
+                    demote: false,
                 },
             ],
         }

@@ -142,13 +142,27 @@ fn eviction_pressure() {
         outcomes(&r),
         [
             missed(3, MissReason::Deadline),
-            missed(5, MissReason::NotFound),
+            restored(5, 192),
             restored(6, 192)
         ]
     );
-    assert_eq!(r.totals.evictions.get("capacity"), Some(&4));
     // The leased prefix `a` was never evicted while held: request 3 had all 12.
     assert_eq!(r.requests[0].pages_from_dram, 12);
+    // b lost 4 pages to eviction; they came back from SSD.
+    assert_eq!(
+        (
+            r.requests[1].pages_from_dram,
+            r.requests[1].pages_from_tiers
+        ),
+        (8, 4)
+    );
+    let e = r.totals.evictions.get("capacity").copied().unwrap_or(0);
+    assert!(e >= 4, "{e}");
+    assert_eq!(
+        r.totals.demotions.get("written"),
+        Some(&e),
+        "every evicted page was demoted"
+    );
 }
 
 #[test]

@@ -1,19 +1,24 @@
 //! Stage 7, evict: keep DRAM within capacity. When an allocation failed this
 //! tick, free least-recently-used unleased pages of that slot class. Leased
-//! pages are never in the LRU, so they are never candidates.
+//! pages are never in the LRU, so they are never candidates. Each victim is
+//! offered to the first lower tier that takes writes (demotion); a refusal
+//! is counted by reason, and the page is dropped either way.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::ecs::Page;
 
-use crate::resources::{Dram, EvictReason, Limits, Metrics};
+use crate::resources::{Clock, Dram, EvictReason, Limits, Metrics, Tiers};
 
 pub fn evict(
     mut commands: Commands,
     pages: Query<&Page>,
     mut dram: ResMut<Dram>,
+    mut tiers: ResMut<Tiers>,
     mut metrics: ResMut<Metrics>,
     limits: Res<Limits>,
+    clock: Res<Clock>,
 ) {
+    let tiers = tiers.0.get_mut();
     let pressure = std::mem::take(&mut dram.pressure);
     let mut budget = limits.max_evictions_per_tick;
     for (class, wanted) in pressure {
@@ -24,6 +29,18 @@ pub fn evict(
             };
             let page = pages.get(victim).expect("the LRU holds live pages");
             debug_assert_eq!(page.leases, 0, "a leased page was evictable");
+            if let Some(bytes) = dram.slot_bytes(page.residency.dram_slot, page.bytes) {
+                let outcome = tiers
+                    .iter_mut()
+                    .map(|t| t.demote(&page.key, page.format, bytes, clock.now_us))
+                    .find(|r| *r != Err("not_writable"));
+                let key = match outcome {
+                    Some(Ok(())) => "submitted",
+                    Some(Err(reason)) => reason,
+                    None => "no_writable_tier",
+                };
+                *metrics.demotions.entry(key.to_owned()).or_default() += 1;
+            }
             dram.index.remove(&page.key);
             dram.free(page.residency.dram_slot);
             commands.entity(victim).despawn();

@@ -39,10 +39,16 @@ pub fn fence(
     clock: Res<Clock>,
 ) {
     let mut reads: Vec<(usize, ReadDone)> = Vec::new();
+    let mut demoted = Vec::new();
     for (i, tier) in tiers.0.get_mut().iter_mut().enumerate() {
         let mut done = Vec::new();
         tier.poll(clock.now_us, &mut done);
         reads.extend(done.into_iter().map(|d| (i, d)));
+        tier.poll_demotions(clock.now_us, &mut demoted);
+    }
+    for d in demoted {
+        let key = if d.is_ok() { "written" } else { "failed" };
+        *metrics.demotions.entry(key.to_owned()).or_default() += 1;
     }
     for (tier, done) in reads {
         let Some(entity) = index.reads.remove(&(tier, done.token.0)) else {
@@ -55,6 +61,7 @@ pub fn fence(
         commands.entity(entity).despawn();
         let TransferKind::TierRead {
             key,
+            format,
             dram_slot,
             dram_offset,
             bytes,
@@ -81,6 +88,11 @@ pub fn fence(
                 }
             },
             Err(TierError::NotFound) => Some(MissReason::EvictedDuringRead),
+            // The tier's own header or checksum check failed: never served.
+            Err(TierError::Corrupt) => {
+                metrics.checksum_failures += 1;
+                Some(MissReason::Checksum)
+            }
             Err(_) => Some(MissReason::IoError),
         };
         if let Some(reason) = failure {
@@ -126,6 +138,7 @@ pub fn fence(
             key,
             bytes,
             checksum,
+            format,
             residency: Residency {
                 dram_slot,
                 dram_offset,
@@ -218,6 +231,7 @@ pub fn fence(
                             key: item.key,
                             bytes: item.bytes,
                             checksum,
+                            format: item.format,
                             residency: Residency {
                                 dram_slot: slot,
                                 dram_offset: item.dram_offset,

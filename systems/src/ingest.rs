@@ -215,11 +215,16 @@ fn register_instance(
             }
             page_bytes.push((g.id, bytes));
         }
+        let format_digest = orbitkv_components::encoding::sha256(
+            &own.encode()
+                .map_err(|e| invalid(format!("rank {rank:?}: {e}")))?,
+        );
         states.push(RankState {
             rank: *rank,
             namespace,
             contract,
             page_bytes,
+            format_digest,
         });
     }
     let namespaces: Vec<Namespace> = states.iter().map(|s| s.namespace).collect();
@@ -820,6 +825,7 @@ fn publish(
         }
         items.push(PublishItem {
             key,
+            format: state.format_digest,
             device_page,
             bytes,
             dram_slot: None,

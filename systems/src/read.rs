@@ -52,6 +52,14 @@ pub fn read(
         if op.state != OpState::Reading {
             continue;
         }
+        let instance_formats: Vec<[u8; 32]> = instances
+            .get(op.instance)
+            .map(|i| i.ranks.iter().map(|r| r.format_digest).collect())
+            .unwrap_or_default();
+        if instance_formats.is_empty() {
+            finish(&mut op, Outcome::Miss(MissReason::Namespace));
+            continue;
+        }
         let mut reads_in_flight: usize = tiers.iter().map(|t| t.in_flight()).sum();
         let mut failure = None;
         // Per (rank, group): reads in flight, bounded independently.
@@ -114,6 +122,7 @@ pub fn read(
                             kind: TransferKind::TierRead {
                                 tier,
                                 key: need.key,
+                                format: instance_formats[need.pos.rank as usize],
                                 dram_slot,
                                 dram_offset,
                                 bytes: need.bytes,

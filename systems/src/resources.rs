@@ -245,6 +245,9 @@ pub struct Metrics {
     pub evictions: BTreeMap<EvictReason, u64>,
     pub commands_rejected: u64,
     pub transfers_overdue: u64,
+    /// Evicted pages offered to a lower tier: `submitted`, or the refusal
+    /// reason; then `written` or `failed` as the writes finish.
+    pub demotions: BTreeMap<String, u64>,
 }
 
 impl Metrics {

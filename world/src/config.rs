@@ -10,6 +10,8 @@ pub struct Config {
     pub dram: DramConfig,
     pub budget: BudgetConfig,
     pub copy: CopyConfig,
+    /// The SSD tier under DRAM; none when absent.
+    pub ssd: Option<orbitkv_io::ssd::SsdConfig>,
     pub limits: Limits,
     /// Manager incarnation; session handles from another incarnation are
     /// stale. The manager sets a fresh one at every start.
@@ -24,6 +26,7 @@ impl Default for Config {
             dram: DramConfig::default(),
             budget: BudgetConfig::default(),
             copy: CopyConfig::default(),
+            ssd: None,
             limits: Limits::default(),
             incarnation: 1,
             check_invariants: cfg!(debug_assertions),

@@ -34,6 +34,8 @@ pub enum RuntimeError {
     Config(#[from] ConfigError),
     #[error("registering the host pool with {backend}: {reason}")]
     Register { backend: String, reason: String },
+    #[error("SSD tier: {0}")]
+    Ssd(#[from] orbitkv_io::ssd::SsdError),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -75,17 +77,22 @@ pub struct Runtime {
 }
 
 impl Runtime {
-    /// A runtime with the host copy engine, no lower tiers, and wall time.
+    /// A runtime with the host copy engine, the configured SSD tier (if
+    /// any), and wall time.
     pub fn new(config: Config) -> Result<Self, RuntimeError> {
         let copy = HostCopyEngine::new(HostCopyConfig {
             workers: config.copy.workers,
             max_in_flight_batches: config.copy.max_in_flight_batches,
         });
+        let mut tiers: Vec<Box<dyn BackingTier>> = Vec::new();
+        if let Some(ssd) = &config.ssd {
+            tiers.push(Box::new(orbitkv_io::ssd::SsdStore::open(ssd.clone())?));
+        }
         Self::with_backends(
             config,
             Backends {
                 copy: Box::new(copy),
-                tiers: Vec::new(),
+                tiers,
                 simulated_clock: false,
             },
         )

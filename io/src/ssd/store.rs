@@ -1395,6 +1395,27 @@ impl BackingTier for SsdStore {
     fn in_flight(&self) -> usize {
         self.reads_in_flight
     }
+
+    fn demote(
+        &mut self,
+        key: &StateKey,
+        format: [u8; 32],
+        payload: &[u8],
+        now_us: u64,
+    ) -> Result<(), &'static str> {
+        self.submit_write(key, format, payload, now_us)
+            .map(|_| ())
+            .map_err(|r| r.reason())
+    }
+
+    fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), String>>) {
+        let mut done = Vec::new();
+        self.poll_writes(now_us, &mut done);
+        out.extend(
+            done.into_iter()
+                .map(|d| d.result.map_err(|e| e.to_string())),
+        );
+    }
 }
 
 impl Drop for SsdStore {

@@ -242,6 +242,21 @@ pub enum WriteRefused {
     Unavailable,
 }
 
+impl WriteRefused {
+    /// A stable name for metrics and reports.
+    pub fn reason(self) -> &'static str {
+        match self {
+            WriteRefused::QueueFull => "queue_full",
+            WriteRefused::AdmissionPolicy => "admission_policy",
+            WriteRefused::TooLarge => "too_large",
+            WriteRefused::Empty => "empty",
+            WriteRefused::Duplicate => "duplicate",
+            WriteRefused::NoSpace => "no_space",
+            WriteRefused::Unavailable => "unavailable",
+        }
+    }
+}
+
 /// Why an accepted write failed. Counted in [`SsdStats::write_failures`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {

@@ -6,6 +6,7 @@ mod demo;
 mod fuzz_cmd;
 mod identity_cmd;
 mod replay_cmd;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -36,6 +37,8 @@ enum Command {
     Replay(replay_cmd::Args),
     /// Fuzz the runtime with random faulty scenarios and a false-hit oracle.
     Fuzz(fuzz_cmd::Args),
+    /// Run the manager: engines connect over a Unix socket.
+    Serve(serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +49,10 @@ fn main() -> ExitCode {
         Command::Demo => demo::run(),
         Command::Replay(args) => replay_cmd::run(args),
         Command::Fuzz(args) => fuzz_cmd::run(args),
+        Command::Serve(args) => {
+            init_logging();
+            serve::run(args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -71,6 +78,16 @@ impl std::fmt::Display for Findings {
 }
 
 impl std::error::Error for Findings {}
+
+/// Logs to stderr through tracing; `RUST_LOG` filters (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
 
 /// Reads and parses a JSON file, naming the file in the error.
 fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> anyhow::Result<T> {

@@ -1,1 +1,70 @@
-//! Filled by a later issue; see ARCHITECTURE.md.
+//! `orbitkv`, the Python package (native module `orbitkv._orbitkv`).
+//!
+//! - [`runtime`]: `Runtime`, the embedded runtime (commands and events as
+//!   their serde JSON shapes in `orbitkv_components::api`), plus direct
+//!   access to the copy engine's "device" bytes.
+//! - [`contract`]: the recovery contract functions on contract/bundle JSON.
+//! - [`identity`]: `compute_identity`, the computation identity and sealed
+//!   namespace.
+//! - [`convert`]: Python data ⇄ JSON values, so every structured argument
+//!   goes through serde and fails with serde's message.
+//!
+//! The IPC `Client` (talking to a standalone manager over the wire) belongs
+//! in a `client` module next to these; it is not implemented yet.
+//!
+//! The `extension-module` feature of pyo3 is deliberately off here (so
+//! `cargo test --workspace` links); maturin turns it on
+//! (`bridge/pyproject.toml`).
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+pub mod contract;
+pub mod convert;
+pub mod identity;
+pub mod runtime;
+
+create_exception!(
+    orbitkv,
+    ContractError,
+    PyValueError,
+    "A recovery contract, bundle or span was rejected."
+);
+create_exception!(
+    orbitkv,
+    IdentityError,
+    PyValueError,
+    "An identity input could not be established (OrbitKV fails closed)."
+);
+create_exception!(
+    orbitkv,
+    InvariantError,
+    PyRuntimeError,
+    "The runtime's state violates an invariant; `violations` lists them."
+);
+create_exception!(
+    orbitkv,
+    QueueFull,
+    PyException,
+    "The runtime's inbox is full; tick to drain it, then submit again."
+);
+
+/// OrbitKV's native module; import `orbitkv` instead.
+#[pymodule]
+fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("ContractError", py.get_type::<ContractError>())?;
+    m.add("IdentityError", py.get_type::<IdentityError>())?;
+    m.add("InvariantError", py.get_type::<InvariantError>())?;
+    m.add("QueueFull", py.get_type::<QueueFull>())?;
+    m.add_class::<runtime::PyRuntime>()?;
+    m.add_function(wrap_pyfunction!(contract::required_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(contract::restorable_boundaries, m)?)?;
+    m.add_function(wrap_pyfunction!(contract::common_boundaries, m)?)?;
+    m.add_function(wrap_pyfunction!(contract::select_boundary, m)?)?;
+    m.add_function(wrap_pyfunction!(contract::vllm_window_past_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(identity::compute_identity, m)?)?;
+    Ok(())
+}

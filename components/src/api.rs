@@ -257,6 +257,10 @@ pub struct LeaseInfo {
     pub lease: u64,
     pub pos: PagePos,
     pub bytes: u64,
+    /// The page's DRAM slot (`SlotKey` bits: index and generation) and its
+    /// byte offset in the shared pool. Valid while the lease is held.
+    pub slot: u64,
+    pub offset: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -206,6 +206,8 @@ pub struct PageNeed {
     pub state: NeedState,
     /// This operation read the page from a lower tier.
     pub from_tier: bool,
+    /// Where the leased page sits in DRAM (set with the lease).
+    pub residency: Option<Residency>,
 }
 
 /// The query/recovery part of an operation.

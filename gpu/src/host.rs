@@ -24,6 +24,9 @@ use crate::{
 /// waits for the copy touching that region, never races it.
 #[derive(Clone, Default)]
 pub struct DeviceArena {
+    /// Back regions with shared-memory files (`orbitkv serve`: the engine
+    /// process maps its regions).
+    shared: bool,
     /// Indexed by `RegionId`; `None` once unregistered (ids are not reused,
     /// so a stale id can never address a newer region).
     regions: Arc<RwLock<Vec<Option<Arc<Region>>>>>,
@@ -31,7 +34,50 @@ pub struct DeviceArena {
 
 struct Region {
     len: u64,
-    bytes: RwLock<Box<[u8]>>,
+    bytes: RwLock<Memory>,
+}
+
+/// A region's bytes: private heap memory, or a shared-memory file another
+/// process (an engine) maps too.
+enum Memory {
+    Heap(Box<[u8]>),
+    Shared {
+        map: memmap2::MmapMut,
+        file: std::fs::File,
+    },
+}
+
+impl std::ops::Deref for Memory {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Memory::Heap(b) => b,
+            Memory::Shared { map, .. } => map,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Memory {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Memory::Heap(b) => b,
+            Memory::Shared { map, .. } => map,
+        }
+    }
+}
+
+/// An anonymous shared-memory file of `len` bytes (memfd), mapped.
+pub fn shared_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
+    let fd = memfd::MemfdOptions::default()
+        .close_on_exec(true)
+        .create(name)
+        .map_err(std::io::Error::other)?;
+    let file = fd.into_file();
+    file.set_len(len)?;
+    // SAFETY: the file is ours; processes that map it share the bytes by
+    // design, and the slot and lease protocol decides who writes what.
+    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+    Ok((file, map))
 }
 
 // Lock poisoning only means another thread panicked mid-copy; the bytes are
@@ -68,15 +114,22 @@ impl DeviceArena {
             return Err(reject("a region must not be empty"));
         }
         let size = usize::try_from(bytes).map_err(|_| reject("larger than the address space"))?;
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(size)
-            .map_err(|e| reject(&e.to_string()))?;
-        buf.resize(size, 0);
+        let memory = if self.shared {
+            let (file, map) = shared_memory("orbitkv-device-region", bytes)
+                .map_err(|e| reject(&e.to_string()))?;
+            Memory::Shared { map, file }
+        } else {
+            let mut buf = Vec::new();
+            buf.try_reserve_exact(size)
+                .map_err(|e| reject(&e.to_string()))?;
+            buf.resize(size, 0);
+            Memory::Heap(buf.into_boxed_slice())
+        };
         let mut regions = write_lock(&self.regions);
         let id = RegionId::try_from(regions.len()).map_err(|_| reject("too many regions"))?;
         regions.push(Some(Arc::new(Region {
             len: bytes,
-            bytes: RwLock::new(buf.into_boxed_slice()),
+            bytes: RwLock::new(memory),
         })));
         Ok(id)
     }
@@ -99,6 +152,17 @@ impl DeviceArena {
             .cloned()
             .flatten()
             .ok_or(CopyError::UnknownRegion(region))
+    }
+
+    /// A new descriptor for a shared region's memory file, to hand to the
+    /// engine process that owns the region. `None` for heap regions.
+    pub fn region_fd(&self, region: RegionId) -> Option<std::os::fd::OwnedFd> {
+        let r = self.region(region).ok()?;
+        let mem = read_lock(&r.bytes);
+        match &*mem {
+            Memory::Shared { file, .. } => file.try_clone().ok().map(std::os::fd::OwnedFd::from),
+            Memory::Heap(_) => None,
+        }
     }
 
     /// Size of `region` in bytes, if it exists.
@@ -238,6 +302,9 @@ pub struct HostCopyConfig {
     /// Copy threads; 0 is treated as 1.
     pub workers: usize,
     pub max_in_flight_batches: usize,
+    /// Back device regions with shared-memory files that engine processes
+    /// map (`DeviceArena::region_fd`).
+    pub shared_regions: bool,
 }
 
 impl Default for HostCopyConfig {
@@ -245,6 +312,7 @@ impl Default for HostCopyConfig {
         Self {
             workers: 2,
             max_in_flight_batches: 64,
+            shared_regions: false,
         }
     }
 }
@@ -282,7 +350,10 @@ pub struct HostCopyEngine {
 
 impl HostCopyEngine {
     pub fn new(config: HostCopyConfig) -> Self {
-        let arena = DeviceArena::default();
+        let arena = DeviceArena {
+            shared: config.shared_regions,
+            ..DeviceArena::default()
+        };
         let (job_tx, job_rx) = mpsc::channel::<Job>();
         let (done_tx, done) = mpsc::channel();
         let job_rx = Arc::new(Mutex::new(job_rx));
@@ -363,6 +434,10 @@ impl CopyEngine for HostCopyEngine {
 
     fn unregister_device_region(&mut self, region: RegionId) -> Result<(), CopyError> {
         self.arena.unregister(region)
+    }
+
+    fn export_region(&self, region: RegionId) -> Option<std::os::fd::OwnedFd> {
+        self.arena.region_fd(region)
     }
 
     fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError> {

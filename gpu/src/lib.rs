@@ -106,6 +106,12 @@ pub trait CopyEngine: Send {
 
     /// Batches submitted and not yet reported by `poll`.
     fn in_flight(&self) -> usize;
+
+    /// A descriptor for a region's memory, for the engine process that owns
+    /// it, when the backend keeps regions in shared memory.
+    fn export_region(&self, _region: RegionId) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
 }
 
 /// Checks one copy against the pool and region sizes.

@@ -90,6 +90,9 @@ pub struct HostPoolConfig {
     /// Slot offset alignment and size-class granularity. Must be a power of
     /// two. Default 4096.
     pub slot_align: u64,
+    /// Back the region with a shared-memory file (memfd) that client
+    /// processes map (`HostPool::export_fd`), instead of private memory.
+    pub shared: bool,
 }
 
 impl HostPoolConfig {
@@ -99,6 +102,7 @@ impl HostPoolConfig {
             capacity_bytes,
             extent_bytes: DEFAULT_EXTENT_BYTES,
             slot_align: DEFAULT_SLOT_ALIGN,
+            shared: false,
         }
     }
 }
@@ -197,6 +201,8 @@ struct Class {
 /// Host memory region with slab-allocated, offset-addressed slots.
 pub struct HostPool {
     map: MmapMut,
+    /// The shared-memory file behind `map`, when the pool is shared.
+    file: Option<std::fs::File>,
     capacity: u64,
     extent_bytes: u64,
     slot_align: u64,
@@ -228,6 +234,7 @@ impl HostPool {
             capacity_bytes,
             extent_bytes,
             slot_align,
+            shared,
         } = config;
         if !slot_align.is_power_of_two() {
             return Err(PoolError::BadSlotAlign { slot_align });
@@ -255,12 +262,19 @@ impl HostPool {
             bytes: capacity,
             reason: "too many extents for the address space".to_owned(),
         })?;
-        let map = MmapMut::map_anon(len).map_err(|e| PoolError::Map {
+        let map_err = |e: std::io::Error| PoolError::Map {
             bytes: capacity,
             reason: e.to_string(),
-        })?;
+        };
+        let (map, file) = if shared {
+            let (file, map) = shared_memory("orbitkv-host-pool", capacity).map_err(map_err)?;
+            (map, Some(file))
+        } else {
+            (MmapMut::map_anon(len).map_err(map_err)?, None)
+        };
         Ok(HostPool {
             map,
+            file,
             capacity,
             extent_bytes,
             slot_align,
@@ -269,6 +283,16 @@ impl HostPool {
             classes: BTreeMap::new(),
             slots: SlotMap::with_key(),
         })
+    }
+
+    /// A new descriptor for the shared pool's memory file, to hand to a
+    /// client process; `None` for a private pool.
+    pub fn export_fd(&self) -> Option<std::os::fd::OwnedFd> {
+        self.file
+            .as_ref()?
+            .try_clone()
+            .ok()
+            .map(std::os::fd::OwnedFd::from)
     }
 
     /// Faults the whole region in by writing one byte per 4 KiB OS page,
@@ -630,6 +654,20 @@ impl HostPool {
     }
 }
 
+/// An anonymous shared-memory file of `len` bytes (memfd), mapped.
+pub fn shared_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
+    let fd = memfd::MemfdOptions::default()
+        .close_on_exec(true)
+        .create(name)
+        .map_err(std::io::Error::other)?;
+    let file = fd.into_file();
+    file.set_len(len)?;
+    // SAFETY: the file is ours; processes that map it share the bytes by
+    // design, and the slot and lease protocol decides who writes what.
+    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+    Ok((file, map))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -639,6 +677,7 @@ mod tests {
             capacity_bytes: 4 * 65536,
             extent_bytes: 65536,
             slot_align: 4096,
+            shared: false,
         })
         .unwrap();
         p.alloc(4096).unwrap();

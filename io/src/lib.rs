@@ -9,6 +9,7 @@
 
 pub mod checksum;
 pub mod dram;
+pub mod ipc;
 pub mod lru;
 pub mod ssd;
 pub mod tier;

@@ -16,6 +16,7 @@ fn pool(capacity_bytes: u64, extent_bytes: u64, slot_align: u64) -> HostPool {
         capacity_bytes,
         extent_bytes,
         slot_align,
+        shared: false,
     })
     .expect("valid config")
 }
@@ -293,6 +294,7 @@ fn config_errors() {
         capacity_bytes,
         extent_bytes,
         slot_align,
+        shared: false,
     };
     for slot_align in [0, 3, 4095, 6000] {
         assert_eq!(

@@ -157,6 +157,7 @@ pub fn fence(
                     &mut page,
                     transfer.operation,
                 ));
+                need.residency = Some(page.residency);
             }
             None => dram.make_evictable(page_entity, dram_slot),
         }

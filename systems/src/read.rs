@@ -84,6 +84,7 @@ pub fn read(
                     &mut page,
                     entity,
                 ));
+                need.residency = Some(page.residency);
                 continue;
             }
             if dram.reading.contains_key(&need.key) {
@@ -212,6 +213,7 @@ fn admit(op: &mut Operation, rec: &mut Recovery, instance: &mut Instance, budget
                 bytes,
                 state: NeedState::Pending,
                 from_tier: false,
+                residency: None,
             });
         }
     }
@@ -250,13 +252,18 @@ pub fn ready_event(entity: Entity, rec: &Recovery) -> Event {
         leases: rec
             .needs
             .iter()
-            .map(|n| LeaseInfo {
-                lease: match n.state {
-                    NeedState::Leased(l) => l.to_bits(),
-                    _ => unreachable!("ready means every need is leased"),
-                },
-                pos: n.pos,
-                bytes: n.bytes,
+            .map(|n| {
+                let at = n.residency.expect("leased needs record their residency");
+                LeaseInfo {
+                    lease: match n.state {
+                        NeedState::Leased(l) => l.to_bits(),
+                        _ => unreachable!("ready means every need is leased"),
+                    },
+                    pos: n.pos,
+                    bytes: n.bytes,
+                    slot: at.dram_slot,
+                    offset: at.dram_offset,
+                }
             })
             .collect(),
     }

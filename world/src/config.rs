@@ -47,6 +47,9 @@ pub struct DramConfig {
     /// Touch every OS page at startup (in parallel) so the first requests do
     /// not pay for page faults.
     pub first_touch: bool,
+    /// Put the pool in shared memory that clients map (`orbitkv serve`), so
+    /// page bytes never travel in messages.
+    pub shared: bool,
 }
 
 impl Default for DramConfig {
@@ -56,6 +59,7 @@ impl Default for DramConfig {
             extent_bytes: 2 << 20,
             slot_align_bytes: 4096,
             first_touch: true,
+            shared: false,
         }
     }
 }
@@ -88,6 +92,9 @@ pub struct CopyConfig {
     pub workers: usize,
     /// Copy batches the engine accepts before `QueueFull`.
     pub max_in_flight_batches: usize,
+    /// Device regions live in shared memory engine processes map (set by
+    /// `orbitkv serve` for the host backend).
+    pub shared_regions: bool,
 }
 
 impl Default for CopyConfig {
@@ -95,6 +102,7 @@ impl Default for CopyConfig {
         CopyConfig {
             workers: 2,
             max_in_flight_batches: 64,
+            shared_regions: false,
         }
     }
 }

@@ -83,6 +83,7 @@ impl Runtime {
         let copy = HostCopyEngine::new(HostCopyConfig {
             workers: config.copy.workers,
             max_in_flight_batches: config.copy.max_in_flight_batches,
+            shared_regions: config.copy.shared_regions,
         });
         let mut tiers: Vec<Box<dyn BackingTier>> = Vec::new();
         if let Some(ssd) = &config.ssd {
@@ -104,6 +105,7 @@ impl Runtime {
             capacity_bytes: config.dram.capacity_bytes,
             extent_bytes: config.dram.extent_bytes,
             slot_align: config.dram.slot_align_bytes,
+            shared: config.dram.shared,
         })
         .map_err(|e| ConfigError::Pool(e.to_string()))?;
         let first_touch = config.dram.first_touch.then(|| pool.first_touch());
@@ -290,6 +292,38 @@ impl Runtime {
             pool_capacity_bytes: w.resource::<Dram>().pool.capacity(),
             metrics: w.resource::<Metrics>().clone(),
         }
+    }
+
+    /// A descriptor for the shared DRAM pool (`DramConfig::shared`), for a
+    /// client process to map.
+    pub fn export_pool(&self) -> Option<std::os::fd::OwnedFd> {
+        self.world.resource::<Dram>().pool.export_fd()
+    }
+
+    /// A descriptor for a device region's shared memory
+    /// (`CopyConfig::shared_regions`), for the engine that registered it.
+    pub fn export_device_region(&mut self, engine_region: u32) -> Option<std::os::fd::OwnedFd> {
+        self.world
+            .resource_mut::<Copier>()
+            .0
+            .get_mut()
+            .export_region(engine_region)
+    }
+
+    /// Transfers (lower-tier reads and device copies) in flight: O(1).
+    pub fn in_flight(&self) -> usize {
+        let t = self.world.resource::<TransferIndex>();
+        t.copies.len() + t.reads.len()
+    }
+
+    /// Bytes of the DRAM pool.
+    pub fn pool_capacity(&self) -> u64 {
+        self.world.resource::<Dram>().pool.capacity()
+    }
+
+    /// The configuration the runtime was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
     }
 
     /// The limits in force.

@@ -112,6 +112,7 @@ impl Pool {
             capacity_bytes: bytes.max(64 << 20),
             extent_bytes: 2 << 20,
             slot_align: 4096,
+            shared: false,
         })
         .unwrap();
         // SAFETY: the pool outlives every read in these tests (reads are

@@ -1,0 +1,254 @@
+"""Type stubs for OrbitKV's native module. Import :mod:`orbitkv` instead.
+
+Structured arguments and results are plain JSON-like data (``dict`` with
+``str`` keys, ``list``/``tuple``, ``str``, ``int``, ``float``, ``bool``,
+``None``) in the serde JSON shape of the Rust types, the same shape the wire,
+traces and ``orbitkv`` CLI use. Integers must fit in 64 bits.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, final
+
+_JSON = Any
+_Command = Dict[str, _JSON]
+"""A command, e.g. ``{"command": "open_session", "instance": "llama"}``.
+
+``command`` is one of ``register_instance``, ``open_session``,
+``close_session``, ``register_device_region``, ``device_page_alloc``,
+``device_page_free``, ``query``, ``prepare``, ``restore``, ``publish``,
+``release``, ``cancel``, ``advance_clock``; the other keys are that variant's
+fields (``orbitkv_components::api::Command``). Digests and hashes are
+lowercase hex strings; session handles are ``{"id", "epoch", "incarnation"}``.
+"""
+_Event = Dict[str, _JSON]
+"""An event, e.g. ``{"event": "session_opened", "command": 1, "session": {...}}``.
+
+``event`` is one of ``rejected`` (with ``error``: ``{"error": KIND,
+"detail": ...}``; the command had no effect), ``instance_registered``,
+``session_opened``, ``session_closed``, ``region_registered``,
+``device_page_allocated``, ``device_page_freed``, ``query_result``,
+``loading``, ``ready``, ``transfer_overdue``, ``miss``, ``restore_done``,
+``publish_done``, ``released`` (``orbitkv_components::api::Event``).
+"""
+_Contract = Mapping[str, _JSON]
+"""``{"namespace": HEX64, "page_tokens": int, "groups": [{"id": int, "rule":
+"prefix" | {"window": PAST_TOKENS} | "checkpoint", "components": [str, ...]}]}``
+(``docs/contract.md``)."""
+_Bundle = Mapping[str, _JSON]
+"""One rank's evidence: ``{"namespace": HEX64, "start": int, "end": int,
+"groups": [{"group": int, "page_ends": [int, ...]}, ...]}``."""
+
+__version__: str
+__all__ = [
+    "__version__",
+    "ContractError",
+    "IdentityError",
+    "InvariantError",
+    "QueueFull",
+    "Runtime",
+    "required_ranges",
+    "restorable_boundaries",
+    "common_boundaries",
+    "select_boundary",
+    "vllm_window_past_tokens",
+    "compute_identity",
+]
+
+class ContractError(ValueError):
+    """A recovery contract, bundle, namespace or span was rejected; the
+    message is the Rust error (``ContractError``) or serde's."""
+
+class IdentityError(ValueError):
+    """An identity input could not be established (OrbitKV fails closed):
+    bad ``ORBITKV_MODEL_FINGERPRINT``, no weights or ``config.json``, a
+    ``null`` or empty settings map, active adapters, a bad layout."""
+
+class InvariantError(RuntimeError):
+    """The runtime's state violates an invariant."""
+
+    violations: List[str]
+    """One line per violation."""
+
+class QueueFull(Exception):
+    """The runtime's inbox holds ``limits.max_inbox`` commands: call
+    :meth:`Runtime.tick` to drain it, then submit again."""
+
+@final
+class Runtime:
+    """The embedded OrbitKV runtime: commands in, events out, one
+    :meth:`tick` at a time.
+
+    Calls are serialized by an internal lock and run without the GIL, so a
+    tick on one thread does not stall other Python threads.
+
+    With ``"check_invariants": true`` in the config (the default in debug
+    builds), every tick checks the invariants; a violation raises
+    :class:`InvariantError` from :meth:`tick`. After that (or any other panic
+    inside the runtime, raised as ``RuntimeError``) the runtime's state is
+    not trusted and every later call raises ``RuntimeError``.
+    """
+
+    def __new__(
+        cls,
+        config: Union[Mapping[str, _JSON], str, None] = None,
+        *,
+        simulated_clock: bool = False,
+    ) -> Runtime:
+        """Builds a runtime.
+
+        :param config: ``orbitkv_world::Config`` as a dict, or as JSON text;
+            ``None`` is the default (1 GiB DRAM pool, first-touched). Unknown
+            keys are errors. Example: ``{"dram": {"capacity_bytes": 16 << 20,
+            "extent_bytes": 65536, "first_touch": False}}``.
+        :param simulated_clock: ``False``: the host copy engine (worker
+            threads), the configured SSD tier, wall time. ``True``: the
+            deterministic simulated copy engine, no lower tiers, and time
+            moves only by ``{"command": "advance_clock", "us": N}``; copies
+            complete once enough simulated time has passed (10 us plus
+            1 us per 10 kB).
+        :raises ValueError: a bad config (serde's message or the validation
+            error).
+        :raises OSError: the SSD tier could not be opened.
+        """
+
+    @property
+    def simulated_clock(self) -> bool:
+        """Whether time moves only by ``advance_clock`` commands."""
+
+    def submit(self, command: _Command) -> int:
+        """Queues a command for the next tick.
+
+        :returns: the command id; the events answering it carry it as
+            ``"command"``.
+        :raises ValueError: the dict is not a command (serde's message, e.g.
+            ``missing field `instance```). A well-formed command the runtime
+            refuses is answered by a ``rejected`` event instead.
+        :raises QueueFull: the inbox is full.
+        """
+
+    def tick(self) -> List[_Event]:
+        """Runs every stage once; returns the events it produced.
+
+        :raises InvariantError: the per-tick invariant check failed.
+        """
+
+    def stats(self) -> Dict[str, _JSON]:
+        """A snapshot: ``now_us``, ``instances``, ``sessions``,
+        ``operations``, ``operations_by_state``, ``pages``, ``leases``,
+        ``transfers``, ``device_pages``, ``bytes_reserved``,
+        ``pool_bytes_used``, ``pool_capacity_bytes``, ``metrics`` (a dict of
+        counters)."""
+
+    def is_idle(self) -> bool:
+        """Whether nothing is queued, in flight or leased."""
+
+    def check_invariants(self) -> None:
+        """Checks every runtime invariant.
+
+        :raises InvariantError: listing the violations (also in
+            ``.violations``).
+        """
+
+    def record(self, path: Union[str, os.PathLike[str]], tick_interval_us: int = 1000) -> None:
+        """Records every command and tick from now on to ``path`` as a trace
+        that ``orbitkv replay`` runs (``docs/trace-format.md``).
+        ``tick_interval_us`` is the caller's idle tick interval, written for
+        the replay's drain. The file is flushed by :meth:`stop_recording` or
+        when the runtime is dropped.
+
+        :raises OSError: the file could not be created or written.
+        """
+
+    def stop_recording(self) -> None:
+        """Stops recording and flushes the trace.
+
+        :raises OSError: the first write error while recording.
+        """
+
+    def device_write(self, region: int, offset: int, data: Union[bytes, bytearray]) -> None:
+        """Writes "device" bytes directly into the copy engine's memory (the
+        host and simulated engines keep device regions in host memory).
+
+        :param region: the ``engine_region`` of a ``region_registered``
+            event (not its ``region`` handle).
+        :param offset: byte offset in the region; slot ``s`` of a region
+            starts at ``s * page_bytes``.
+        :raises ValueError: unknown region, or out of bounds.
+        """
+
+    def device_read(self, region: int, offset: int, length: int) -> bytes:
+        """Reads ``length`` "device" bytes of a region (its
+        ``engine_region``) at a byte offset.
+
+        :raises ValueError: unknown region, or out of bounds.
+        """
+
+def required_ranges(
+    contract: _Contract, start: int, end: int, namespace: Optional[str] = None
+) -> List[Tuple[int, int, int]]:
+    """``(group, start, end)`` each registered group needs to resume at
+    boundary ``end`` from a valid origin ``start``, in group order. Ranges are
+    absolute, half-open and page-aligned.
+
+    :param namespace: the query's namespace (64 hex); defaults to the
+        contract's own. A different one is an error.
+    :raises ContractError: bad contract, namespace mismatch, misaligned or
+        inverted span.
+    """
+
+def restorable_boundaries(contract: _Contract, bundle: _Bundle) -> List[int]:
+    """Every legal boundary in ``(start, end]`` of one rank's evidence,
+    ascending.
+
+    :raises ContractError: bad contract or bundle.
+    """
+
+def common_boundaries(contract: _Contract, bundles: Sequence[_Bundle]) -> List[int]:
+    """The boundaries legal on every rank (one bundle per rank, all for the
+    same span); no bundles, no boundaries.
+
+    :raises ContractError: bad contract or bundle, or ranks disagreeing on
+        the span.
+    """
+
+def select_boundary(common: Sequence[int], prompt_len: int) -> Optional[int]:
+    """The largest boundary in ``common`` at or below ``prompt_len - 1``
+    (the engine computes the final prompt token itself), or ``None``."""
+
+def vllm_window_past_tokens(window: int) -> int:
+    """The past tokens a vLLM sliding window of ``window`` tokens keeps
+    (``window - 1``): the value for ``{"window": ...}`` rules.
+
+    :raises ContractError: ``window < 2``.
+    """
+
+def compute_identity(
+    model_dir: Union[str, os.PathLike[str]],
+    *,
+    engine: str,
+    engine_version: str,
+    settings: Mapping[str, _JSON],
+    representation: Mapping[str, _JSON],
+    config_overrides: Optional[Mapping[str, _JSON]] = None,
+    hub_revision: Optional[str] = None,
+    active_adapters: Optional[Sequence[str]] = None,
+    layout: Optional[Mapping[str, _JSON]] = None,
+) -> Dict[str, Any]:
+    """The computation identity, as an adapter computes it at startup
+    (``docs/identity.md``). Reads ``config.json`` and, unless
+    ``ORBITKV_MODEL_FINGERPRINT`` or ``hub_revision`` is given, hashes the
+    model directory's content (without the GIL). ``ORBITKV_MODEL_FINGERPRINT``
+    and ``ORBITKV_CACHE_SCOPE`` are read from the process environment.
+
+    :param settings: computation settings; non-empty, no ``None`` values.
+        ``1`` and ``1.0`` are different values.
+    :param representation: cache representation; non-empty, no ``None``.
+    :param layout: a storage layout (``{"slots": [...],
+        "pool_capacity_pages": int}``); when given the identity is sealed
+        into a namespace.
+    :returns: ``{"identity": HEX64, "namespace": HEX64 or None, "inputs":
+        [{"name": ..., ...}, ...], "bytes_hashed": int}``.
+    :raises IdentityError: any input that cannot be established.
+    """

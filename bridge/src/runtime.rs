@@ -1,0 +1,298 @@
+//! `orbitkv.Runtime`: the embedded runtime, driven in-process.
+
+use std::borrow::Cow;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use orbitkv_components::api::Command;
+use orbitkv_gpu::CopyEngine;
+use orbitkv_gpu::host::{DeviceArena, HostCopyConfig, HostCopyEngine};
+use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
+use orbitkv_io::tier::BackingTier;
+use orbitkv_world::{Backends, Config, Runtime, RuntimeError, SubmitError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyString};
+
+use crate::convert::{deserialize_dict, serialize};
+use crate::{InvariantError, QueueFull};
+
+/// The embedded runtime: commands in, events out, one `tick` at a time.
+///
+/// Every call locks the runtime and runs without the GIL, so a `tick` on one
+/// Python thread does not stall the others; calls from several threads are
+/// serialized.
+#[pyclass(module = "orbitkv", name = "Runtime", frozen)]
+pub struct PyRuntime {
+    inner: Mutex<Runtime>,
+    /// The copy engine's "device" memory, for `device_write`/`device_read`.
+    arena: DeviceArena,
+    simulated: bool,
+    /// Set when a call panicked: the state is no longer trusted.
+    broken: AtomicBool,
+}
+
+fn parse_config(config: Option<&Bound<'_, PyAny>>) -> PyResult<Config> {
+    let bad = |e: String| PyValueError::new_err(format!("config: {e}"));
+    match config {
+        None => Ok(Config::default()),
+        Some(c) if c.is_none() => Ok(Config::default()),
+        Some(c) => match c.cast::<PyString>() {
+            Ok(s) => {
+                let text: String = s.extract()?;
+                serde_json::from_str(&text).map_err(|e| bad(e.to_string()))
+            }
+            Err(_) => deserialize_dict(c).map_err(bad),
+        },
+    }
+}
+
+fn runtime_error(e: RuntimeError) -> PyErr {
+    match e {
+        RuntimeError::Config(e) => PyValueError::new_err(e.to_string()),
+        RuntimeError::Ssd(e) => PyOSError::new_err(e.to_string()),
+        e => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// Why a call could not run on the runtime.
+enum Failure {
+    /// An earlier call panicked; the runtime's state is not trusted.
+    Broken,
+    /// This call panicked. `violations` when the invariant check inside
+    /// `tick` failed (what `check_invariants` reports right after).
+    Panicked {
+        message: String,
+        violations: Option<Vec<String>>,
+    },
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "panic".to_owned())
+}
+
+fn invariant_error(py: Python<'_>, violations: Vec<String>) -> PyErr {
+    let err = InvariantError::new_err(format!(
+        "{} invariant violation(s):\n{}",
+        violations.len(),
+        violations.join("\n")
+    ));
+    if let Err(e) = err.value(py).setattr("violations", violations) {
+        return e;
+    }
+    err
+}
+
+impl Failure {
+    fn into_pyerr(self, py: Python<'_>) -> PyErr {
+        match self {
+            Failure::Broken => PyRuntimeError::new_err(
+                "the runtime panicked in an earlier call and cannot be used; create a new one",
+            ),
+            Failure::Panicked {
+                violations: Some(v),
+                ..
+            } => invariant_error(py, v),
+            Failure::Panicked { message, .. } => {
+                PyRuntimeError::new_err(format!("the runtime panicked: {message}"))
+            }
+        }
+    }
+}
+
+impl PyRuntime {
+    /// Runs `f` on the locked runtime without the GIL. A panic in `f` (the
+    /// runtime panics when its per-tick invariant check fails) becomes an
+    /// exception, and the runtime refuses every later call.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Runtime) -> T + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            if self.broken.load(Ordering::Acquire) {
+                return Err(Failure::Broken);
+            }
+            let mut rt = self.inner.lock().map_err(|_| Failure::Broken)?;
+            match catch_unwind(AssertUnwindSafe(|| f(&mut rt))) {
+                Ok(v) => Ok(v),
+                Err(payload) => {
+                    self.broken.store(true, Ordering::Release);
+                    let violations = catch_unwind(AssertUnwindSafe(|| rt.check_invariants()))
+                        .ok()
+                        .and_then(Result::err);
+                    Err(Failure::Panicked {
+                        message: panic_message(payload.as_ref()),
+                        violations,
+                    })
+                }
+            }
+        })
+        .map_err(|f| f.into_pyerr(py))
+    }
+}
+
+#[pymethods]
+impl PyRuntime {
+    #[new]
+    #[pyo3(signature = (config=None, *, simulated_clock=false))]
+    fn new(
+        py: Python<'_>,
+        config: Option<&Bound<'_, PyAny>>,
+        simulated_clock: bool,
+    ) -> PyResult<Self> {
+        let config = parse_config(config)?;
+        let (copy, arena, tiers): (Box<dyn CopyEngine>, DeviceArena, Vec<Box<dyn BackingTier>>) =
+            if simulated_clock {
+                if config.ssd.is_some() {
+                    return Err(PyValueError::new_err(
+                        "config: a simulated clock runs without lower tiers; remove `ssd`",
+                    ));
+                }
+                let engine = SimCopyEngine::new(SimCopyConfig {
+                    max_in_flight_batches: config.copy.max_in_flight_batches,
+                    ..SimCopyConfig::default()
+                });
+                let arena = engine.arena();
+                (Box::new(engine), arena, Vec::new())
+            } else {
+                // What `Runtime::new` builds, with the arena kept.
+                let engine = HostCopyEngine::new(HostCopyConfig {
+                    workers: config.copy.workers,
+                    max_in_flight_batches: config.copy.max_in_flight_batches,
+                    ..HostCopyConfig::default()
+                });
+                let arena = engine.arena();
+                let mut tiers: Vec<Box<dyn BackingTier>> = Vec::new();
+                if let Some(ssd) = &config.ssd {
+                    let store = orbitkv_io::ssd::SsdStore::open(ssd.clone())
+                        .map_err(|e| PyOSError::new_err(format!("SSD tier: {e}")))?;
+                    tiers.push(Box::new(store));
+                }
+                (Box::new(engine), arena, tiers)
+            };
+        let backends = Backends {
+            copy,
+            tiers,
+            simulated_clock,
+        };
+        // Mapping (and first-touching) the pool can take a while.
+        let rt = py
+            .detach(|| Runtime::with_backends(config, backends))
+            .map_err(runtime_error)?;
+        Ok(PyRuntime {
+            inner: Mutex::new(rt),
+            arena,
+            simulated: simulated_clock,
+            broken: AtomicBool::new(false),
+        })
+    }
+
+    /// Whether time moves only by `advance_clock` commands.
+    #[getter]
+    fn simulated_clock(&self) -> bool {
+        self.simulated
+    }
+
+    /// Queues a command (its serde JSON shape) for the next tick; returns
+    /// the command id the answering events carry.
+    fn submit(&self, py: Python<'_>, command: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let command: Command = deserialize_dict(command)
+            .map_err(|e| PyValueError::new_err(format!("invalid command: {e}")))?;
+        self.with(py, |rt| rt.submit(command))?
+            .map_err(|e: SubmitError| QueueFull::new_err(e.to_string()))
+    }
+
+    /// Runs every stage once; returns the events it produced.
+    fn tick<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.with(py, |rt| rt.tick())?;
+        let list = PyList::empty(py);
+        for e in &events {
+            list.append(serialize(py, e)?)?;
+        }
+        Ok(list)
+    }
+
+    /// A snapshot: counts, bytes reserved, pool occupancy, metrics.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let stats = self.with(py, |rt| rt.stats())?;
+        serialize(py, &stats)
+    }
+
+    /// Whether nothing is queued, in flight or leased.
+    fn is_idle(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |rt| rt.is_idle())
+    }
+
+    /// Checks every invariant; raises `InvariantError` listing violations.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |rt| rt.check_invariants())?
+            .map_err(|v| invariant_error(py, v))
+    }
+
+    /// Records every command and tick from now on to `path` as a trace that
+    /// `orbitkv replay` runs. `tick_interval_us` is the caller's idle tick
+    /// interval, written for the replay's drain.
+    #[pyo3(signature = (path, tick_interval_us=1000))]
+    fn record(
+        &self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        tick_interval_us: u64,
+    ) -> PyResult<()> {
+        self.with(py, |rt| {
+            let file = std::fs::File::create(&path)?;
+            let out = std::io::BufWriter::new(file);
+            rt.record(Box::new(out), tick_interval_us)
+        })?
+        .map_err(|e| PyOSError::new_err(e.to_string()))
+    }
+
+    /// Stops recording and flushes the trace; raises `OSError` with the first
+    /// write error, if any.
+    fn stop_recording(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |rt| rt.stop_recording())?
+            .map_err(|e| PyOSError::new_err(e.to_string()))
+    }
+
+    /// Writes "device" bytes into a registered region (the event's
+    /// `engine_region`) at a byte offset.
+    fn device_write(
+        &self,
+        py: Python<'_>,
+        region: u32,
+        offset: u64,
+        data: Cow<'_, [u8]>,
+    ) -> PyResult<()> {
+        let arena = &self.arena;
+        py.detach(|| arena.write(region, offset, &data))
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Reads `length` "device" bytes of a registered region at a byte offset.
+    fn device_read<'py>(
+        &self,
+        py: Python<'py>,
+        region: u32,
+        offset: u64,
+        length: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let arena = &self.arena;
+        let bytes = py
+            .detach(|| arena.read(region, offset, length))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "orbitkv.Runtime(simulated_clock={})",
+            if self.simulated { "True" } else { "False" }
+        )
+    }
+}

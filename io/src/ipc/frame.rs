@@ -1,0 +1,353 @@
+//! Frame encoding and decoding, and sending and receiving frames with
+//! attached descriptors (`SCM_RIGHTS`) over a Unix stream socket.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+pub const MAGIC: [u8; 4] = *b"OKVP";
+pub const PROTOCOL_VERSION: u16 = 1;
+pub const HEADER_BYTES: usize = 16;
+/// The largest payload accepted (a query's hash lists fit comfortably).
+pub const MAX_FRAME_BYTES: u32 = 16 << 20;
+/// Descriptors one frame may carry.
+pub const MAX_FDS_PER_FRAME: usize = 8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Kind {
+    Hello = 1,
+    Welcome = 2,
+    Submit = 3,
+    Accepted = 4,
+    Events = 5,
+    Error = 6,
+    Ping = 7,
+    Pong = 8,
+}
+
+impl Kind {
+    fn from_u16(v: u16) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::Hello,
+            2 => Kind::Welcome,
+            3 => Kind::Submit,
+            4 => Kind::Accepted,
+            5 => Kind::Events,
+            6 => Kind::Error,
+            7 => Kind::Ping,
+            8 => Kind::Pong,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad frame magic {0:02x?}")]
+    Magic([u8; 4]),
+    #[error("unsupported protocol version {0} (this build speaks {PROTOCOL_VERSION})")]
+    Version(u16),
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u16),
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")]
+    TooLarge(u32),
+    #[error("reserved header field is {0}, not 0")]
+    Reserved(u32),
+    #[error("bad {kind:?} payload: {reason}")]
+    Payload { kind: Kind, reason: String },
+    #[error("peer closed the connection")]
+    Closed,
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+pub fn header(kind: Kind, len: u32) -> [u8; HEADER_BYTES] {
+    let mut h = [0u8; HEADER_BYTES];
+    h[..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    h[6..8].copy_from_slice(&(kind as u16).to_le_bytes());
+    h[8..12].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Validates a header; returns the kind and payload length.
+pub fn parse_header(h: &[u8; HEADER_BYTES]) -> Result<(Kind, u32), FrameError> {
+    let magic: [u8; 4] = h[..4].try_into().expect("4 bytes");
+    if magic != MAGIC {
+        return Err(FrameError::Magic(magic));
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if version != PROTOCOL_VERSION {
+        return Err(FrameError::Version(version));
+    }
+    let raw_kind = u16::from_le_bytes([h[6], h[7]]);
+    let kind = Kind::from_u16(raw_kind).ok_or(FrameError::UnknownKind(raw_kind))?;
+    let len = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge(len));
+    }
+    let reserved = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
+    if reserved != 0 {
+        return Err(FrameError::Reserved(reserved));
+    }
+    Ok((kind, len))
+}
+
+/// Encodes one frame.
+pub fn encode<T: serde::Serialize>(kind: Kind, msg: &T) -> Vec<u8> {
+    let body = serde_json::to_vec(msg).expect("protocol messages serialize");
+    let mut out = Vec::with_capacity(HEADER_BYTES + body.len());
+    out.extend_from_slice(&header(kind, body.len() as u32));
+    out.extend_from_slice(&body);
+    out
+}
+
+pub fn decode<T: serde::de::DeserializeOwned>(kind: Kind, payload: &[u8]) -> Result<T, FrameError> {
+    serde_json::from_slice(payload).map_err(|e| FrameError::Payload {
+        kind,
+        reason: e.to_string(),
+    })
+}
+
+/// Sends `bytes` (one or more whole frames) with `fds` attached to the first
+/// byte. Blocking; retries short writes.
+pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    assert!(
+        fds.len() <= MAX_FDS_PER_FRAME,
+        "at most {MAX_FDS_PER_FRAME} descriptors per send"
+    );
+    let mut sent = 0;
+    if !fds.is_empty() {
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
+        let mut cmsg_buf = vec![0u8; space];
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        // SAFETY: msghdr is plain data; every pointer below points into
+        // buffers that outlive the sendmsg call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space;
+        // SAFETY: the control buffer has CMSG_SPACE for `fds.len()` fds.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(cmsg) as *mut RawFd,
+                fds.len(),
+            );
+        }
+        loop {
+            // SAFETY: a valid socket and message (above).
+            let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+            if n >= 0 {
+                sent = n as usize;
+                break;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            if e.kind() == io::ErrorKind::WouldBlock {
+                wait_writable(stream)?;
+                continue;
+            }
+            return Err(e);
+        }
+    }
+    write_all(stream, &bytes[sent..])
+}
+
+fn wait_writable(stream: &UnixStream) -> io::Result<()> {
+    let mut p = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, 1000) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// `write_all` that also works on non-blocking sockets (waits for room).
+pub fn write_all(stream: &UnixStream, mut bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    let mut s = stream;
+    while !bytes.is_empty() {
+        match s.write(bytes) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed")),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_writable(stream)?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads what is available into `buf` (up to `max`), collecting any
+/// descriptors that arrive. Returns bytes read; 0 means the peer closed.
+/// `WouldBlock` passes through for non-blocking sockets.
+pub fn recv_some(
+    stream: &UnixStream,
+    buf: &mut Vec<u8>,
+    max: usize,
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<usize> {
+    let start = buf.len();
+    buf.resize(start + max, 0);
+    let mut iov = libc::iovec {
+        iov_base: buf[start..].as_mut_ptr() as *mut libc::c_void,
+        iov_len: max,
+    };
+    let space =
+        unsafe { libc::CMSG_SPACE((MAX_FDS_PER_FRAME * size_of::<RawFd>()) as u32) } as usize;
+    let mut cmsg_buf = vec![0u8; space];
+    // SAFETY: plain data, pointers into live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space;
+    let n = loop {
+        // SAFETY: valid socket and message.
+        let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            buf.truncate(start);
+            return Err(e);
+        }
+    };
+    buf.truncate(start + n);
+    // SAFETY: walking the control messages the kernel wrote.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg) as *const RawFd;
+                let count =
+                    ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / size_of::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(*data.add(i)));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok(n)
+}
+
+/// Splits complete frames off the front of `buf`.
+pub fn take_frame(buf: &mut Vec<u8>) -> Result<Option<(Kind, Vec<u8>)>, FrameError> {
+    if buf.len() < HEADER_BYTES {
+        return Ok(None);
+    }
+    let h: [u8; HEADER_BYTES] = buf[..HEADER_BYTES].try_into().expect("16 bytes");
+    let (kind, len) = parse_header(&h)?;
+    let total = HEADER_BYTES + len as usize;
+    if buf.len() < total {
+        return Ok(None);
+    }
+    let payload = buf[HEADER_BYTES..total].to_vec();
+    buf.drain(..total);
+    Ok(Some((kind, payload)))
+}
+
+/// The peer's (pid, uid, gid), from `SO_PEERCRED`.
+pub fn peer_credentials(stream: &UnixStream) -> io::Result<(i32, u32, u32)> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a ucred-sized buffer for SO_PEERCRED.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut _ as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((cred.pid, cred.uid, cred.gid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_rejections() {
+        let h = header(Kind::Submit, 42);
+        assert_eq!(parse_header(&h).unwrap(), (Kind::Submit, 42));
+        let mut bad = h;
+        bad[0] = b'X';
+        assert!(matches!(parse_header(&bad), Err(FrameError::Magic(_))));
+        let mut bad = h;
+        bad[4] = 9;
+        assert!(matches!(parse_header(&bad), Err(FrameError::Version(9))));
+        let mut bad = h;
+        bad[6] = 99;
+        assert!(matches!(
+            parse_header(&bad),
+            Err(FrameError::UnknownKind(99))
+        ));
+        let bad = header(Kind::Submit, MAX_FRAME_BYTES + 1);
+        assert!(matches!(parse_header(&bad), Err(FrameError::TooLarge(_))));
+        let mut bad = h;
+        bad[12] = 1;
+        assert!(matches!(parse_header(&bad), Err(FrameError::Reserved(1))));
+    }
+
+    #[test]
+    fn frames_split_from_a_stream_buffer() {
+        let mut buf = encode(Kind::Ping, &());
+        buf.extend(encode(Kind::Hello, &serde_json::json!({"protocol": 1})));
+        buf.extend_from_slice(&header(Kind::Events, 100)[..7]); // partial
+        assert_eq!(take_frame(&mut buf).unwrap().unwrap().0, Kind::Ping);
+        let (k, p) = take_frame(&mut buf).unwrap().unwrap();
+        assert_eq!(k, Kind::Hello);
+        assert_eq!(p, br#"{"protocol":1}"#);
+        assert!(take_frame(&mut buf).unwrap().is_none());
+    }
+
+    #[test]
+    fn descriptors_travel_with_frames() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (file, mut map) = crate::dram::shared_memory("t", 4096).unwrap();
+        map[..5].copy_from_slice(b"hello");
+        send_with_fds(&a, &encode(Kind::Ping, &()), &[file.as_raw_fd()]).unwrap();
+        let mut buf = Vec::new();
+        let mut fds = Vec::new();
+        recv_some(&b, &mut buf, 4096, &mut fds).unwrap();
+        assert_eq!(fds.len(), 1);
+        let got = std::fs::File::from(fds.pop().unwrap());
+        // SAFETY: test-only read mapping of the shared file.
+        let view = unsafe { memmap2::Mmap::map(&got).unwrap() };
+        assert_eq!(&view[..5], b"hello");
+        assert_eq!(take_frame(&mut buf).unwrap().unwrap().0, Kind::Ping);
+        let (pid, uid, _) = peer_credentials(&b).unwrap();
+        assert_eq!(pid as u32, std::process::id());
+        // SAFETY: getuid has no preconditions.
+        assert_eq!(uid, unsafe { libc::getuid() });
+    }
+}

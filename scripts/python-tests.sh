@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds the Python package `orbitkv` (bridge/) into .venv and runs its tests.
+# Idempotent: reuses .venv and the cargo target directory.
+#
+#   scripts/python-tests.sh            # debug build (what CI runs)
+#   PROFILE=release scripts/python-tests.sh
+#   scripts/python-tests.sh -k contract   # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+PROFILE=${PROFILE:-debug}
+VENV="$PWD/.venv"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "== creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+echo "== installing maturin, pytest, numpy"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.9,<2" pytest numpy
+
+echo "== maturin develop ($PROFILE)"
+release=()
+[ "$PROFILE" = release ] && release=(--release)
+start=$SECONDS
+VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" \
+    "$VENV/bin/maturin" develop "${release[@]}" -m bridge/Cargo.toml
+echo "maturin develop took $((SECONDS - start))s"
+
+echo "== pytest"
+"$VENV/bin/python" -m pytest -q bridge/tests "$@"

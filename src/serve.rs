@@ -247,11 +247,11 @@ impl Routes {
                 self.device_pages.remove(device_page);
             }
             QueryResult {
-                operation, miss, ..
+                operation,
+                miss: None,
+                ..
             } => {
-                if miss.is_none() {
-                    self.operations.insert(*operation, owner);
-                }
+                self.operations.insert(*operation, owner);
             }
             Miss { operation, .. } | RestoreDone { operation, .. } | Released { operation } => {
                 self.operations.remove(operation);

@@ -32,36 +32,45 @@ pub struct DeviceArena {
     regions: Arc<RwLock<Vec<Option<Arc<Region>>>>>,
 }
 
+/// One device region. Its bytes are reached through `base` only, like
+/// device memory: copies to disjoint pages run concurrently without a lock,
+/// and the runtime's pins and leases keep anyone from touching a page while
+/// a copy covers it.
 struct Region {
     len: u64,
-    bytes: RwLock<Memory>,
+    base: *mut u8,
+    backing: Backing,
 }
 
-/// A region's bytes: private heap memory, or a shared-memory file another
-/// process (an engine) maps too.
-enum Memory {
-    Heap(Box<[u8]>),
+/// What `base` points into.
+enum Backing {
+    /// A heap allocation owned by the region (freed on drop).
+    Heap,
+    /// A shared-memory file an engine process maps too.
     Shared {
-        map: memmap2::MmapMut,
+        _map: memmap2::MmapMut,
         file: std::fs::File,
     },
 }
 
-impl std::ops::Deref for Memory {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Memory::Heap(b) => b,
-            Memory::Shared { map, .. } => map,
-        }
-    }
-}
+// SAFETY: `base` points into memory the region owns for its whole life (a
+// leaked heap allocation freed in `Drop`, or a mapping kept in `backing`);
+// concurrent access is to disjoint pages by the copy protocol.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
 
-impl std::ops::DerefMut for Memory {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        match self {
-            Memory::Heap(b) => b,
-            Memory::Shared { map, .. } => map,
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Backing::Heap = self.backing {
+            // SAFETY: `base`/`len` came from `Box::into_raw` of a boxed slice
+            // of exactly `len` bytes, and nothing else frees it.
+            drop(unsafe {
+                Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                    self.base,
+                    self.len as usize,
+                ))
+            });
         }
     }
 }
@@ -114,22 +123,24 @@ impl DeviceArena {
             return Err(reject("a region must not be empty"));
         }
         let size = usize::try_from(bytes).map_err(|_| reject("larger than the address space"))?;
-        let memory = if self.shared {
-            let (file, map) = shared_memory("orbitkv-device-region", bytes)
+        let (base, backing) = if self.shared {
+            let (file, mut map) = shared_memory("orbitkv-device-region", bytes)
                 .map_err(|e| reject(&e.to_string()))?;
-            Memory::Shared { map, file }
+            (map.as_mut_ptr(), Backing::Shared { _map: map, file })
         } else {
             let mut buf = Vec::new();
             buf.try_reserve_exact(size)
                 .map_err(|e| reject(&e.to_string()))?;
             buf.resize(size, 0);
-            Memory::Heap(buf.into_boxed_slice())
+            let raw = Box::into_raw(buf.into_boxed_slice());
+            (raw as *mut u8, Backing::Heap)
         };
         let mut regions = write_lock(&self.regions);
         let id = RegionId::try_from(regions.len()).map_err(|_| reject("too many regions"))?;
         regions.push(Some(Arc::new(Region {
             len: bytes,
-            bytes: RwLock::new(memory),
+            base,
+            backing,
         })));
         Ok(id)
     }
@@ -158,10 +169,9 @@ impl DeviceArena {
     /// engine process that owns the region. `None` for heap regions.
     pub fn region_fd(&self, region: RegionId) -> Option<std::os::fd::OwnedFd> {
         let r = self.region(region).ok()?;
-        let mem = read_lock(&r.bytes);
-        match &*mem {
-            Memory::Shared { file, .. } => file.try_clone().ok().map(std::os::fd::OwnedFd::from),
-            Memory::Heap(_) => None,
+        match &r.backing {
+            Backing::Shared { file, .. } => file.try_clone().ok().map(std::os::fd::OwnedFd::from),
+            Backing::Heap => None,
         }
     }
 
@@ -174,7 +184,11 @@ impl DeviceArena {
     pub fn write(&self, region: RegionId, offset: u64, data: &[u8]) -> Result<(), CopyError> {
         let region = self.region(region)?;
         let range = device_range(offset, data.len() as u64, region.len)?;
-        write_lock(&region.bytes)[range].copy_from_slice(data);
+        // SAFETY: in bounds (checked); like device memory, the caller must
+        // not write a page a copy is covering.
+        unsafe {
+            ptr::copy_nonoverlapping(data.as_ptr(), region.base.add(range.start), range.len())
+        };
         Ok(())
     }
 
@@ -182,7 +196,12 @@ impl DeviceArena {
     pub fn read(&self, region: RegionId, offset: u64, len: u64) -> Result<Vec<u8>, CopyError> {
         let region = self.region(region)?;
         let range = device_range(offset, len, region.len)?;
-        Ok(read_lock(&region.bytes)[range].to_vec())
+        let mut out = vec![0u8; range.len()];
+        // SAFETY: in bounds (checked).
+        unsafe {
+            ptr::copy_nonoverlapping(region.base.add(range.start), out.as_mut_ptr(), range.len())
+        };
+        Ok(out)
     }
 
     /// Checks a whole batch against the host pool and the regions, so a bad
@@ -232,21 +251,19 @@ impl DeviceArena {
             // SAFETY: `resolve` checked host_offset + len <= host.len, and
             // `HostPool` guarantees base..base+len is valid memory.
             let host_ptr = unsafe { host.base.add(copy.host_offset as usize) };
-            // SAFETY (both arms): the device side is a slice of a region we
-            // own, under its lock; the host side is in bounds (above) and,
-            // per the `register_host_pool` contract, nobody else touches it
-            // while this copy is in flight. The two cannot overlap: callers
-            // never get a pointer into a region, so the host pool cannot lie
-            // inside one.
+            // SAFETY: the device range is in bounds of a region this batch
+            // keeps alive (`Arc`); the host side is in bounds (above). Per the
+            // `register_host_pool` contract and the runtime's pins, nobody
+            // else touches either range while this copy is in flight, and
+            // the two cannot overlap (regions are never inside the pool).
+            let dev_ptr = unsafe { region.base.add(range.start) };
             match direction {
-                Direction::HostToDevice => {
-                    let mut bytes = write_lock(&region.bytes);
-                    unsafe { ptr::copy_nonoverlapping(host_ptr, bytes[range].as_mut_ptr(), len) };
-                }
-                Direction::DeviceToHost => {
-                    let bytes = read_lock(&region.bytes);
-                    unsafe { ptr::copy_nonoverlapping(bytes[range].as_ptr(), host_ptr, len) };
-                }
+                Direction::HostToDevice => unsafe {
+                    ptr::copy_nonoverlapping(host_ptr, dev_ptr, len)
+                },
+                Direction::DeviceToHost => unsafe {
+                    ptr::copy_nonoverlapping(dev_ptr, host_ptr, len)
+                },
             }
         }
         Ok(())

@@ -12,6 +12,7 @@ use orbitkv_components::ecs::{
 use orbitkv_gpu::Completion;
 use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::tier::{ReadDone, TierError};
+use rayon::prelude::*;
 
 use crate::lifecycle::{finish, return_lease, take_lease, unpin_device_page};
 use crate::resources::{
@@ -211,7 +212,22 @@ pub fn fence(
             }
             TransferKind::Publish { items } => {
                 let mut job = job.expect("publish transfers belong to publish jobs");
-                for i in items {
+                // Checksum the landed pages in parallel: a publish is often
+                // hundreds of pages, and this is the tick's largest cost.
+                let sums: Vec<u64> = if done.result.is_ok() {
+                    let slices: Vec<&[u8]> = items
+                        .iter()
+                        .map(|&i| {
+                            let item = &job.items[i];
+                            let slot = item.dram_slot.expect("copying items own a slot");
+                            dram.slot_bytes(slot, item.bytes).expect("live slot")
+                        })
+                        .collect();
+                    slices.par_iter().map(|b| page_checksum(b)).collect()
+                } else {
+                    Vec::new()
+                };
+                for (n, i) in items.into_iter().enumerate() {
                     let item = &mut job.items[i];
                     let slot = item.dram_slot.take().expect("copying items own a slot");
                     let landed = done.result.is_ok();
@@ -224,9 +240,8 @@ pub fn fence(
                         };
                         continue;
                     }
-                    // Bytes are complete: checksum them, then index.
-                    let checksum =
-                        page_checksum(dram.slot_bytes(slot, item.bytes).expect("live slot"));
+                    // Bytes are complete and checksummed: index them.
+                    let checksum = sums[n];
                     let page_entity = commands
                         .spawn(Page {
                             key: item.key,

@@ -23,11 +23,12 @@ const ITERATIONS: u64 = 30;
 const MIN_ITERATIONS: u64 = 20;
 /// Total time the loop may take (checked between iterations).
 const BUDGET: Duration = Duration::from_secs(20);
-/// At most 800 records of at most 28 KiB (header block + padded payload):
-/// one child's writes fit within the 32 MiB capacity with room for a
+/// At most 4000 records of at most 28 KiB (header block + padded payload):
+/// one child's writes fit within the 128 MiB capacity with room for a
 /// segment, so FIFO collection only ever drops earlier children's pages,
-/// never a page this child reported.
-const WRITES_PER_CHILD: u64 = 800;
+/// never a page this child reported. The kill comes 2-82 ms in, usually
+/// mid-stream.
+const WRITES_PER_CHILD: u64 = 4000;
 
 /// Reads every key in `keys`, up to 32 at a time, and checks its bytes
 /// against the generator. Returns how many were checked.
@@ -116,7 +117,7 @@ fn sigkill_during_publish_loses_nothing_reported() {
             .recv_timeout(Duration::from_secs(60))
             .expect("child printed nothing");
         assert!(ready.starts_with("ready"), "{ready}");
-        let delay = Duration::from_millis(5 + next_rand() % 250);
+        let delay = Duration::from_millis(2 + next_rand() % 80);
         std::thread::sleep(delay);
         child.kill().expect("SIGKILL");
         let status = child.wait().unwrap();
@@ -138,7 +139,7 @@ fn sigkill_during_publish_loses_nothing_reported() {
         let cfg = SsdConfig {
             backend: reopen,
             segment_bytes: 1 << 20,
-            capacity_bytes: 32 << 20,
+            capacity_bytes: 128 << 20,
             ..SsdConfig::new(dir.path())
         };
         let mut store = SsdStore::open(cfg).expect("reopen after SIGKILL");

@@ -57,7 +57,7 @@ fn main() {
     let cfg = SsdConfig {
         backend,
         segment_bytes: 1 << 20,
-        capacity_bytes: 32 << 20,
+        capacity_bytes: 128 << 20,
         max_inflight_io: 32,
         write_queue_depth: 32,
         ..SsdConfig::new(&args[1])

@@ -5,6 +5,9 @@
 #   scripts/python-tests.sh            # debug build (what CI runs)
 #   PROFILE=release scripts/python-tests.sh
 #   scripts/python-tests.sh -k contract   # extra arguments go to pytest
+#
+# The serve tests (bridge/tests/test_serve.py) run `orbitkv serve`: the
+# binary of the same profile, built here (ORBITKV_BIN overrides it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +30,10 @@ start=$SECONDS
 VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" \
     "$VENV/bin/maturin" develop "${release[@]}" -m bridge/Cargo.toml
 echo "maturin develop took $((SECONDS - start))s"
+
+echo "== cargo build --bin orbitkv ($PROFILE): the manager test_serve.py starts"
+cargo build -q --bin orbitkv "${release[@]}"
+export ORBITKV_BIN="${ORBITKV_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/$PROFILE/orbitkv}"
 
 echo "== pytest"
 "$VENV/bin/python" -m pytest -q bridge/tests "$@"

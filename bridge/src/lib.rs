@@ -8,18 +8,21 @@
 //!   namespace.
 //! - [`convert`]: Python data ⇄ JSON values, so every structured argument
 //!   goes through serde and fails with serde's message.
-//!
-//! The IPC `Client` (talking to a standalone manager over the wire) belongs
-//! in a `client` module next to these; it is not implemented yet.
+//! - [`client`]: `Client`, a connection to `orbitkv serve` (wrapping
+//!   `orbitkv_io::ipc::Client`), with zero-copy page views from
+//!   [`buffer`].
 //!
 //! The `extension-module` feature of pyo3 is deliberately off here (so
 //! `cargo test --workspace` links); maturin turns it on
 //! (`bridge/pyproject.toml`).
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyConnectionError, PyException, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+pub mod bench;
+pub mod buffer;
+pub mod client;
 pub mod contract;
 pub mod convert;
 pub mod identity;
@@ -45,6 +48,12 @@ create_exception!(
 );
 create_exception!(
     orbitkv,
+    ConnectionError,
+    PyConnectionError,
+    "The connection to the manager failed or was refused (protocol error, manager gone)."
+);
+create_exception!(
+    orbitkv,
     QueueFull,
     PyException,
     "The runtime's inbox is full; tick to drain it, then submit again."
@@ -55,16 +64,22 @@ create_exception!(
 fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether this extension is a debug build (benchmarks warn about it).
+    m.add("_debug_build", cfg!(debug_assertions))?;
+    m.add("ConnectionError", py.get_type::<ConnectionError>())?;
     m.add("ContractError", py.get_type::<ContractError>())?;
     m.add("IdentityError", py.get_type::<IdentityError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("QueueFull", py.get_type::<QueueFull>())?;
     m.add_class::<runtime::PyRuntime>()?;
+    m.add_class::<client::PyClient>()?;
+    m.add("SharedBuffer", buffer::shared_buffer_type(py)?)?;
     m.add_function(wrap_pyfunction!(contract::required_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(contract::restorable_boundaries, m)?)?;
     m.add_function(wrap_pyfunction!(contract::common_boundaries, m)?)?;
     m.add_function(wrap_pyfunction!(contract::select_boundary, m)?)?;
     m.add_function(wrap_pyfunction!(contract::vllm_window_past_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(identity::compute_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_uds_roundtrip, m)?)?;
     Ok(())
 }

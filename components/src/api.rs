@@ -351,6 +351,24 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The command this event replies to, for events that are a command's
+    /// reply (the other events concern an operation, device page or
+    /// session the command created).
+    pub fn command(&self) -> Option<CommandId> {
+        match self {
+            Event::Rejected { command, .. }
+            | Event::InstanceRegistered { command, .. }
+            | Event::SessionOpened { command, .. }
+            | Event::RegionRegistered { command, .. }
+            | Event::DevicePageAllocated { command, .. }
+            | Event::QueryResult { command, .. }
+            | Event::PublishDone { command, .. } => Some(*command),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Candidates {
     pub rank: u32,

@@ -472,7 +472,7 @@ impl<'o> Replay<'o> {
         let now = self.now();
         let mut out = Vec::with_capacity(events.len());
         for e in events {
-            let id = event_command(&e);
+            let id = e.command();
             self.handle(&e, now);
             out.push((id.unwrap_or(u64::MAX), e));
         }
@@ -1316,7 +1316,7 @@ impl<'o> Replay<'o> {
     // ---- events --------------------------------------------------------
 
     fn handle(&mut self, e: &Event, now: u64) {
-        if let Some(id) = event_command(e) {
+        if let Some(id) = e.command() {
             if let Some((name, _)) = self.binds.remove(&id)
                 && let Some(v) = event_handle(e)
             {
@@ -1773,19 +1773,6 @@ fn model_groups(model: Model, window: u64) -> Vec<GroupSpec> {
         Model::Swa => vec![prefix, swa],
         Model::Hybrid => vec![prefix, ckpt(1)],
         Model::HybridSwa => vec![prefix, swa, ckpt(2)],
-    }
-}
-
-fn event_command(e: &Event) -> Option<CommandId> {
-    match e {
-        Event::Rejected { command, .. }
-        | Event::InstanceRegistered { command, .. }
-        | Event::SessionOpened { command, .. }
-        | Event::RegionRegistered { command, .. }
-        | Event::DevicePageAllocated { command, .. }
-        | Event::QueryResult { command, .. }
-        | Event::PublishDone { command, .. } => Some(*command),
-        _ => None,
     }
 }
 

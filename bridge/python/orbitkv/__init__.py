@@ -8,17 +8,23 @@ hands it back only when it is provably complete and from the same computation.
   :func:`select_boundary`, :func:`vllm_window_past_tokens`.
 - Computation identity (``docs/identity.md``): :func:`compute_identity`.
 
-The IPC client for a standalone manager (``orbitkv.Client``) is not part of
-this package yet; it will live in ``orbitkv/client.py`` (or a native
-``client`` module) and be exported here.
+- :class:`Client`: a connection to a standalone manager (``orbitkv serve``):
+  the same commands and events over a Unix socket, with page bytes as
+  zero-copy ``memoryview``s over the manager's shared pool
+  (:meth:`Client.page`) and the client's device regions
+  (:meth:`Client.region`). Failures of the connection raise
+  :class:`ConnectionError` (a subclass of the builtin one).
 """
 
 from ._orbitkv import (
+    Client,
+    ConnectionError,
     ContractError,
     IdentityError,
     InvariantError,
     QueueFull,
     Runtime,
+    SharedBuffer,
     __version__,
     common_boundaries,
     compute_identity,
@@ -29,11 +35,14 @@ from ._orbitkv import (
 )
 
 __all__ = [
+    "Client",
+    "ConnectionError",
     "ContractError",
     "IdentityError",
     "InvariantError",
     "QueueFull",
     "Runtime",
+    "SharedBuffer",
     "__version__",
     "common_boundaries",
     "compute_identity",

@@ -9,6 +9,7 @@ traces and ``orbitkv`` CLI use. Integers must fit in 64 bits.
 from __future__ import annotations
 
 import os
+import builtins
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, final
 
 _JSON = Any
@@ -41,8 +42,14 @@ _Bundle = Mapping[str, _JSON]
 "groups": [{"group": int, "page_ends": [int, ...]}, ...]}``."""
 
 __version__: str
+_debug_build: bool
+"""Whether this extension is a debug build (benchmarks warn about it)."""
+
 __all__ = [
     "__version__",
+    "Client",
+    "ConnectionError",
+    "SharedBuffer",
     "ContractError",
     "IdentityError",
     "InvariantError",
@@ -73,7 +80,15 @@ class InvariantError(RuntimeError):
 
 class QueueFull(Exception):
     """The runtime's inbox holds ``limits.max_inbox`` commands: call
-    :meth:`Runtime.tick` to drain it, then submit again."""
+    :meth:`Runtime.tick` to drain it, then submit again. From a
+    :class:`Client`: the manager's inbox was full; submit again later."""
+
+class ConnectionError(builtins.ConnectionError):
+    """The connection to the manager failed: it could not be made, the
+    manager refused it (another uid, too many connections, a protocol
+    error: the message is the manager's ``Error`` frame), the manager went
+    away (restart, crash), or the client is closed. The client cannot be
+    used afterwards; connect a new one."""
 
 @final
 class Runtime:
@@ -184,6 +199,147 @@ class Runtime:
 
         :raises ValueError: unknown region, or out of bounds.
         """
+
+@final
+class Client:
+    """A connection to a standalone manager (``orbitkv serve``) over its
+    Unix socket: the same commands and events as :class:`Runtime`, routed to
+    this connection (replies to its commands, events of its operations,
+    sessions and device pages). The manager ticks by itself.
+
+    KV bytes never travel in messages: :meth:`page` and :meth:`region` are
+    zero-copy ``memoryview`` s over shared memory (the manager's pool, the
+    client's device regions), usable with ``numpy.frombuffer``. A view keeps
+    its memory mapped for as long as it (or anything made from it) lives,
+    even after :meth:`close`.
+
+    Blocking calls release the GIL; waits check for signals every 100 ms, so
+    Ctrl-C interrupts them. Calls from several threads are serialized.
+
+    When the connection closes (:meth:`close`, garbage collection, process
+    exit or crash), the manager closes this client's sessions: their leases
+    and reserved bytes return once submitted I/O has drained.
+    """
+
+    def __new__(cls, socket: Union[str, os.PathLike[str]], name: str = "python") -> Client:
+        """Connects and shakes hands (within 10 s), mapping the manager's
+        shared pool.
+
+        :param name: shows in the manager's logs.
+        :raises ConnectionError: no manager at ``socket``, or it refused
+            this client (e.g. ``uid 1000 may not use this manager``).
+        :raises TimeoutError: no ``Welcome`` within 10 s.
+        """
+
+    @property
+    def incarnation(self) -> int:
+        """The manager's incarnation, from its ``Welcome``: it changes at
+        every manager start, and session handles carry it, so handles of an
+        earlier manager are answered with ``rejected`` / ``stale_session``."""
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the manager's shared pool (0 if it did not share it)."""
+
+    @property
+    def socket(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+
+    def submit(self, command: _Command) -> int:
+        """Sends a command and waits for the manager to queue it.
+
+        :returns: the command id; replies carry it as ``"command"``.
+        :raises ValueError: the dict is not a command (serde's message).
+        :raises QueueFull: the manager's inbox was full (nothing queued).
+        :raises ConnectionError: the connection failed.
+        """
+
+    def call(self, command: _Command, timeout: float = 10.0) -> _Event:
+        """Submits a command and returns its reply event: ``rejected`` if
+        the manager refused it (the command had no effect), otherwise
+        ``instance_registered``, ``session_opened``, ``region_registered``
+        (the region's shared memory is mapped by then), ``device_page_allocated``,
+        ``query_result`` or ``publish_done``. Commands without a reply of
+        their own (``prepare``, ``restore``, ``release``, ``cancel``,
+        ``close_session``, ``device_page_free``) are answered only if
+        rejected: :meth:`submit` them and :meth:`wait_event` for what follows
+        (``ready``, ``restore_done``, ``released``, ...). Other events that
+        arrive meanwhile stay queued.
+
+        :raises TimeoutError: no reply within ``timeout`` seconds.
+        :raises ValueError: not a command, or a bad ``timeout``.
+        :raises QueueFull: the manager's inbox was full.
+        :raises ConnectionError: the connection failed.
+        """
+
+    def wait_event(
+        self, timeout: float, kind: Optional[str] = None, operation: Optional[int] = None
+    ) -> Optional[_Event]:
+        """The first queued or arriving event matching every filter given,
+        removed from the queue; other events stay queued.
+
+        :param kind: the event's ``"event"`` name, e.g. ``"ready"``.
+        :param operation: the event's ``"operation"`` (``query_result``,
+            ``loading``, ``ready``, ``transfer_overdue``, ``miss``,
+            ``restore_done``, ``released``).
+        :returns: the event, or ``None`` after ``timeout`` seconds.
+        :raises ConnectionError: the connection failed.
+        """
+
+    def poll_events(self) -> List[_Event]:
+        """Every queued and already arrived event, without blocking."""
+
+    def ping(self) -> float:
+        """Round trip of an empty frame through the manager's loop, in
+        seconds.
+
+        :raises ConnectionError: the connection failed (e.g. the manager
+            restarted).
+        """
+
+    def page(self, lease: Mapping[str, _JSON]) -> memoryview:
+        """A leased page's bytes: a read-only, zero-copy view of the
+        manager's shared pool at the lease's ``offset`` (a lease dict of a
+        ``ready`` event's ``leases``). The bytes are the page's while the
+        lease is held; after ``release`` or ``restore_done`` the slot may be
+        reused for another page (the view stays valid memory).
+
+        :raises ValueError: not a lease, or outside the pool.
+        """
+
+    def region(self, region: int) -> memoryview:
+        """A device region this client registered (the ``region`` of its
+        ``region_registered`` event): a writable, zero-copy view of its
+        shared memory, as an engine sees GPU memory. Slot ``s`` starts at
+        ``s * page_bytes``. Write pages there before publishing them; read
+        them after ``restore_done``.
+
+        :raises ValueError: not a region this client registered.
+        """
+
+    def close(self) -> None:
+        """Closes the connection (idempotent). Later calls raise
+        :class:`ConnectionError`; views already handed out stay valid."""
+
+    def __enter__(self) -> Client: ...
+    def __exit__(self, *args: object) -> bool: ...
+    def _ping_many(self, n: int) -> List[float]:
+        """Benchmark helper: ``n`` pings timed inside Rust (seconds each)."""
+
+@final
+class SharedBuffer:
+    """Shared memory of a :class:`Client` (the manager's pool or a device
+    region), exported zero-copy through the buffer protocol: the ``obj`` of
+    the views :meth:`Client.page` and :meth:`Client.region` return. Not
+    instantiable."""
+
+def _uds_roundtrip(iterations: int, message_bytes: int = 16) -> List[float]:
+    """Benchmark helper: round trips over a Unix socket pair between two
+    Rust threads (blocking), seconds each."""
 
 def required_ranges(
     contract: _Contract, start: int, end: int, namespace: Optional[str] = None

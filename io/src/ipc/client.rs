@@ -20,6 +20,8 @@ use super::{Accepted, Hello, ProtocolError, Submit, Welcome};
 
 /// How long a waiting client spins before it blocks.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// How long `submit` and `ping` wait for the manager before giving up.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(30);
 const READ_CHUNK: usize = 256 << 10;
 
 #[derive(Debug, thiserror::Error)]
@@ -199,11 +201,14 @@ impl Client {
         let tag = self.next_tag;
         self.next_tag += 1;
         self.send(&frame::encode(Kind::Submit, &Submit { tag, command }))?;
+        let deadline = Instant::now() + ACK_TIMEOUT;
         loop {
             if let Some(result) = self.accepted.remove(&tag) {
                 return Ok(result?);
             }
-            let (kind, payload) = self.next_frame(None)?.expect("no deadline");
+            let (kind, payload) = self
+                .next_frame(Some(deadline))?
+                .ok_or(ClientError::Timeout(ACK_TIMEOUT))?;
             self.absorb(kind, payload)?;
         }
     }
@@ -212,7 +217,7 @@ impl Client {
     /// returned as an event, not an error).
     pub fn call(&mut self, command: Command, timeout: Duration) -> Result<Event, ClientError> {
         let id = self.submit(command)?;
-        self.wait_event(timeout, |e| reply_to(e) == Some(id))?
+        self.wait_event(timeout, |e| e.command() == Some(id))?
             .ok_or(ClientError::Timeout(timeout))
     }
 
@@ -253,8 +258,11 @@ impl Client {
     pub fn ping(&mut self) -> Result<Duration, ClientError> {
         let start = Instant::now();
         self.send(&frame::encode(Kind::Ping, &()))?;
+        let deadline = start + ACK_TIMEOUT;
         loop {
-            let (kind, payload) = self.next_frame(None)?.expect("no deadline");
+            let (kind, payload) = self
+                .next_frame(Some(deadline))?
+                .ok_or(ClientError::Timeout(ACK_TIMEOUT))?;
             if kind == Kind::Pong {
                 return Ok(start.elapsed());
             }
@@ -283,19 +291,5 @@ impl Client {
     /// memory: write pages before publishing them, read them after restores.
     pub fn region_mut(&mut self, region: u64) -> Option<&mut [u8]> {
         self.regions.get_mut(&region).map(|m| &mut m[..])
-    }
-}
-
-/// The command id an event replies to, if it is a command's reply.
-pub fn reply_to(e: &Event) -> Option<CommandId> {
-    match e {
-        Event::Rejected { command, .. }
-        | Event::InstanceRegistered { command, .. }
-        | Event::SessionOpened { command, .. }
-        | Event::RegionRegistered { command, .. }
-        | Event::DevicePageAllocated { command, .. }
-        | Event::QueryResult { command, .. }
-        | Event::PublishDone { command, .. } => Some(*command),
-        _ => None,
     }
 }

@@ -206,9 +206,11 @@ pub fn recv_some(
     fds: &mut Vec<OwnedFd>,
 ) -> io::Result<usize> {
     let start = buf.len();
-    buf.resize(start + max, 0);
+    // Receive into spare capacity: zero-filling a large buffer on every read
+    // would cost more than the read.
+    buf.reserve(max);
     let mut iov = libc::iovec {
-        iov_base: buf[start..].as_mut_ptr() as *mut libc::c_void,
+        iov_base: buf.spare_capacity_mut().as_mut_ptr() as *mut libc::c_void,
         iov_len: max,
     };
     let space =
@@ -228,11 +230,11 @@ pub fn recv_some(
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
-            buf.truncate(start);
             return Err(e);
         }
     };
-    buf.truncate(start + n);
+    // SAFETY: the kernel initialized `n <= max` bytes of the spare capacity.
+    unsafe { buf.set_len(start + n) };
     // SAFETY: walking the control messages the kernel wrote.
     unsafe {
         let mut cmsg = libc::CMSG_FIRSTHDR(&msg);

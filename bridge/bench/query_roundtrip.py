@@ -1,0 +1,190 @@
+"""Round-trip latency of `orbitkv.Client` against `orbitkv serve`, with the
+baselines measured in the same run. Not a test: it asserts nothing about
+time.
+
+    scripts/python-tests.sh                    # creates .venv
+    VIRTUAL_ENV=$PWD/.venv .venv/bin/maturin develop --release -m bridge/Cargo.toml
+    .venv/bin/python bridge/bench/query_roundtrip.py [--iterations 10000]
+
+(A debug extension is several times slower: it says so in the output.)
+Latencies on a shared or small machine swing with the load: the manager
+and the client spin briefly before blocking, so they compete with whatever
+else runs; (c) and (d) block in the kernel instead. Compare within a run.
+
+Starts the release manager (target/release/orbitkv, built if missing;
+`ORBITKV_BIN` overrides), registers an instance and publishes a few pages,
+then measures, from Python:
+
+  (a) `Client.call(query)` with `prepare: false`, for a query that hits
+      (its operation released with a `release` command outside the timed
+      region) and for one that misses (nothing to release);
+  (b) `Client.ping()`: an empty frame through the manager's loop (also
+      timed inside Rust, without Python per iteration);
+  (c) a raw Unix-socket ping-pong between two Python processes (16 bytes);
+  (d) a raw Unix-socket ping-pong between two Rust threads (16 bytes);
+
+and prints p50/p99 in microseconds, with ratios against (c) and against
+the original OrbitKV's 106.9 us Python local query.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import orbitkv  # noqa: E402
+import serve_support as ss  # noqa: E402
+
+ORIGINAL_PYTHON_LOCAL_QUERY_US = 106.9
+PAGES = 8
+
+
+def percentile(sorted_xs: List[float], q: float) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
+def timed(fn: Callable[[], object], n: int, warmup: int, after: Callable[[object], None] = None):
+    """Seconds per call of `fn`, `n` timed calls after `warmup`; `after`
+    runs on each result outside the timed region."""
+    clock = time.perf_counter_ns
+    for _ in range(warmup):
+        r = fn()
+        if after:
+            after(r)
+    xs = []
+    for _ in range(n):
+        t0 = clock()
+        r = fn()
+        xs.append((clock() - t0) * 1e-9)
+        if after:
+            after(r)
+    return sorted(xs)
+
+
+ECHO = r"""
+import socket, sys
+s = socket.socket(fileno=int(sys.argv[1]))
+while True:
+    m = s.recv(16)
+    if not m:
+        break
+    s.sendall(m)
+"""
+
+
+def python_uds_pingpong(n: int, warmup: int) -> List[float]:
+    """(c): 16-byte messages between this process and a Python echo process
+    over a socketpair, blocking calls on both sides."""
+    a, b = socket.socketpair()
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, str(b.fileno())], pass_fds=[b.fileno()])
+    b.close()
+    msg = b"x" * 16
+
+    def once():
+        a.sendall(msg)
+        got = b""
+        while len(got) < 16:
+            got += a.recv(16 - len(got))
+
+    try:
+        return timed(once, n, warmup)
+    finally:
+        a.close()
+        echo.wait(10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=10_000)
+    ap.add_argument("--warmup", type=int, default=1_000)
+    args = ap.parse_args()
+    n, warmup = args.iterations, args.warmup
+    assert n >= 5000, "at least 5000 iterations"
+
+    binary = ss.orbitkv_binary("release")
+    m = ss.Manager(binary)
+    rows = []
+    try:
+        m.start()
+        c = orbitkv.Client(m.socket, "bench")
+        ss.publish(c, PAGES)
+        s = ss.open_session(c)
+        hit = ss.query_cmd(s, PAGES + 1, prepare=False)
+        miss = ss.query_cmd(s, PAGES + 1, prepare=False, seed=77)  # never published
+
+        def release(qr):
+            assert qr["event"] == "query_result" and qr["selected"] == PAGES * ss.PAGE, qr
+            ss.release(c, s, qr["operation"])
+
+        def missed(qr):
+            assert qr["event"] == "query_result" and qr["miss"] is not None, qr
+
+        rows.append(
+            (
+                "(a) Client.call(query), hit, prepare=false",
+                timed(lambda: c.call(hit), n, warmup, release),
+            )
+        )
+        rows.append(
+            ("(a) Client.call(query), miss", timed(lambda: c.call(miss), n, warmup, missed))
+        )
+        rows.append(("(b) Client.ping()", timed(c.ping, n, warmup)))
+        c._ping_many(warmup)
+        rows.append(("(b) ping timed in Rust, no Python", sorted(c._ping_many(n))))
+        for name in ("leases", "bytes_reserved"):
+            try:
+                m.wait_metric(name, 0, timeout=2)
+            except AssertionError:
+                pass
+        leases, reserved = m.metric("leases"), m.metric("bytes_reserved")
+        c.close()
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
+    base = python_uds_pingpong(n, warmup)
+    rows.append(("(c) raw UDS ping-pong, 2 Python processes", base))
+    orbitkv._orbitkv._uds_roundtrip(warmup)
+    rows.append(
+        ("(d) raw UDS ping-pong, 2 Rust threads", sorted(orbitkv._orbitkv._uds_roundtrip(n)))
+    )
+
+    base_p50 = percentile(base, 0.5) * 1e6
+    print(f"orbitkv {orbitkv.__version__}: query round trip through `orbitkv serve`")
+    print(
+        f"  host: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
+        f"Python {platform.python_version()}"
+    )
+    print(f"  manager: {binary}; extension: {'DEBUG' if orbitkv._orbitkv._debug_build else 'release'} build")
+    print(f"  {n} timed iterations after {warmup} warm-up, {PAGES} published pages of {ss.PAGE_BYTES} B")
+    if orbitkv._orbitkv._debug_build:
+        print("  WARNING: the extension is a debug build; numbers are not representative")
+        print("           (PROFILE=release scripts/python-tests.sh, or maturin develop --release)")
+    print()
+    print(f"  {'':46s} {'p50 us':>9s} {'p99 us':>9s} {'p50/(c)':>8s} {'p50/106.9':>10s}")
+    for name, xs in rows:
+        p50, p99 = percentile(xs, 0.5) * 1e6, percentile(xs, 0.99) * 1e6
+        print(
+            f"  {name:46s} {p50:9.1f} {p99:9.1f} {p50 / base_p50:8.2f} "
+            f"{p50 / ORIGINAL_PYTHON_LOCAL_QUERY_US:10.2f}"
+        )
+    print()
+    print(f"  after the run: orbitkv_leases={leases}, orbitkv_bytes_reserved={reserved}")
+    print(
+        f"  106.9 us: the original OrbitKV's Python local query (reference, not measured here)."
+    )
+    print("  iceoryx2 baseline: out of scope, not measured.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+//! `orbitkv.Client`: a connection to `orbitkv serve`, wrapping
+//! [`orbitkv_io::ipc::Client`]. Commands and events are dicts in their
+//! serde JSON shapes (as for `Runtime`); page bytes are zero-copy
+//! `memoryview`s over the shared pool and the client's device regions
+//! (`crate::buffer`).
+//!
+//! Every blocking call runs without the GIL. Long waits run in slices of
+//! [`SLICE`], checking for signals between them, so Ctrl-C interrupts a
+//! `wait_event(60)`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use orbitkv_components::api::{Command, Event, LeaseInfo};
+
+use orbitkv_io::ipc::{Client, ClientError};
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::buffer::{Mapping, memoryview};
+use crate::convert::{deserialize_dict, serialize};
+use crate::{ConnectionError, QueueFull};
+
+/// The longest stretch a call blocks without checking for signals.
+const SLICE: Duration = Duration::from_millis(100);
+
+/// A connection to the manager: commands in, events out.
+///
+/// Calls from several threads are serialized by an internal lock.
+#[pyclass(module = "orbitkv", name = "Client", frozen)]
+pub struct PyClient {
+    state: Mutex<State>,
+    socket: String,
+    name: String,
+    incarnation: u64,
+    pool_bytes: u64,
+}
+
+struct State {
+    /// `None` once closed.
+    client: Option<Client>,
+    /// Our duplicates of the client's mappings, shared with every view
+    /// handed out (`crate::buffer`).
+    pool: Option<Arc<Mapping>>,
+    regions: HashMap<u64, Arc<Mapping>>,
+}
+
+impl State {
+    fn client(&mut self) -> Result<&mut Client, Failure> {
+        self.client.as_mut().ok_or(Failure::Closed)
+    }
+}
+
+/// Why a call failed, before it becomes a Python exception (built with the
+/// GIL held).
+enum Failure {
+    Client(ClientError),
+    Closed,
+    Value(String),
+    Os(String),
+}
+
+impl From<ClientError> for Failure {
+    fn from(e: ClientError) -> Self {
+        Failure::Client(e)
+    }
+}
+
+impl From<Failure> for PyErr {
+    fn from(f: Failure) -> PyErr {
+        match f {
+            Failure::Client(ClientError::Timeout(d)) => {
+                PyTimeoutError::new_err(format!("no reply from the manager within {d:?}"))
+            }
+            // `Accepted` carries an error only when the manager's inbox is
+            // full; anything a command does wrong is a `rejected` event.
+            Failure::Client(ClientError::Command(e)) => {
+                QueueFull::new_err(format!("the manager did not queue the command: {e}"))
+            }
+            Failure::Client(e) => ConnectionError::new_err(e.to_string()),
+            Failure::Closed => ConnectionError::new_err("the client is closed"),
+            Failure::Value(m) => PyValueError::new_err(m),
+            Failure::Os(m) => PyRuntimeError::new_err(m),
+        }
+    }
+}
+
+fn duration(secs: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a finite number of seconds >= 0, got {secs}"
+        ))
+    })
+}
+
+/// The event's `"event"` name (its serde tag).
+fn event_kind(e: &Event) -> Option<String> {
+    match serde_json::to_value(e).ok()? {
+        serde_json::Value::Object(mut m) => match m.remove("event")? {
+            serde_json::Value::String(s) => Some(s),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The operation an event is about, if any.
+fn event_operation(e: &Event) -> Option<u64> {
+    match e {
+        Event::QueryResult { operation, .. }
+        | Event::Loading { operation }
+        | Event::Ready { operation, .. }
+        | Event::TransferOverdue { operation, .. }
+        | Event::Miss { operation, .. }
+        | Event::RestoreDone { operation, .. }
+        | Event::Released { operation } => Some(*operation),
+        _ => None,
+    }
+}
+
+impl PyClient {
+    /// Locks the state without holding the GIL (another thread may hold the
+    /// lock for up to a [`SLICE`] while it waits).
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while locked can only come from a bug in the client; its
+        // state is still a valid connection or a closed one.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits (in slices, checking signals between them) for the first
+    /// queued or arriving event matching `pred`; `None` at the deadline.
+    fn wait_matching(
+        &self,
+        py: Python<'_>,
+        timeout: Duration,
+        pred: impl Fn(&Event) -> bool + Send + Sync,
+    ) -> PyResult<Option<Event>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let found = py.detach(|| -> Result<Option<Event>, Failure> {
+                let mut st = self.lock();
+                let slice = deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(SLICE);
+                Ok(st.client()?.wait_event(slice, &pred)?)
+            })?;
+            if found.is_some() || Instant::now() >= deadline {
+                return Ok(found);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    fn events<'py>(py: Python<'py>, events: &[Event]) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for e in events {
+            list.append(serialize(py, e)?)?;
+        }
+        Ok(list)
+    }
+}
+
+#[pymethods]
+impl PyClient {
+    /// Connects to the manager's socket and shakes hands (mapping the
+    /// shared pool). `name` shows in the manager's logs.
+    #[new]
+    #[pyo3(signature = (socket, name="python"))]
+    fn new(py: Python<'_>, socket: std::path::PathBuf, name: &str) -> PyResult<Self> {
+        let client = py
+            .detach(|| Client::connect(&socket, name))
+            .map_err(Failure::from)?;
+        let incarnation = client.incarnation();
+        let pool_bytes = client.pool().map_or(0, |p| p.len() as u64);
+        Ok(PyClient {
+            state: Mutex::new(State {
+                client: Some(client),
+                pool: None,
+                regions: HashMap::new(),
+            }),
+            socket: socket.display().to_string(),
+            name: name.to_owned(),
+            incarnation,
+            pool_bytes,
+        })
+    }
+
+    /// The manager's incarnation: changes at every manager start; session
+    /// handles of another incarnation are stale.
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// Bytes of the shared pool (0 if the manager did not share it).
+    #[getter]
+    fn pool_bytes(&self) -> u64 {
+        self.pool_bytes
+    }
+
+    #[getter]
+    fn socket(&self) -> &str {
+        &self.socket
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.lock().client.is_none())
+    }
+
+    /// Queues a command; returns its id once the manager accepted it (the
+    /// id its reply events carry as `"command"`).
+    fn submit(&self, py: Python<'_>, command: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let command: Command = deserialize_dict(command)
+            .map_err(|e| PyValueError::new_err(format!("invalid command: {e}")))?;
+        py.detach(|| -> Result<u64, Failure> { Ok(self.lock().client()?.submit(command)?) })
+            .map_err(PyErr::from)
+    }
+
+    /// Submits a command and returns its reply event (a refused command's
+    /// reply is a `rejected` event). Other events stay queued.
+    #[pyo3(signature = (command, timeout=10.0))]
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        command: &Bound<'py, PyAny>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = duration(timeout, "timeout")?;
+        let command: Command = deserialize_dict(command)
+            .map_err(|e| PyValueError::new_err(format!("invalid command: {e}")))?;
+        let deadline = Instant::now() + timeout;
+        // The common case in one GIL release: submit, and the reply within
+        // the first slice.
+        let (id, reply) = py.detach(|| -> Result<(u64, Option<Event>), Failure> {
+            let mut st = self.lock();
+            let c = st.client()?;
+            let id = c.submit(command)?;
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(SLICE);
+            let reply = c.wait_event(slice, |e| e.command() == Some(id))?;
+            Ok((id, reply))
+        })?;
+        let reply = match reply {
+            Some(e) => Some(e),
+            None => {
+                py.check_signals()?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                self.wait_matching(py, left, move |e| e.command() == Some(id))?
+            }
+        };
+        match reply {
+            Some(e) => serialize(py, &e),
+            None => Err(PyTimeoutError::new_err(format!(
+                "no reply to command {id} within {timeout:?}"
+            ))),
+        }
+    }
+
+    /// The first queued or arriving event matching the filters (`kind`: the
+    /// event's `"event"` name; `operation`: its `"operation"`), or `None`
+    /// after `timeout` seconds. Other events stay queued.
+    #[pyo3(signature = (timeout, kind=None, operation=None))]
+    fn wait_event<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: f64,
+        kind: Option<String>,
+        operation: Option<u64>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let timeout = duration(timeout, "timeout")?;
+        let pred = move |e: &Event| {
+            operation.is_none_or(|op| event_operation(e) == Some(op))
+                && kind
+                    .as_deref()
+                    .is_none_or(|k| event_kind(e).as_deref() == Some(k))
+        };
+        self.wait_matching(py, timeout, pred)?
+            .map(|e| serialize(py, &e))
+            .transpose()
+    }
+
+    /// Every queued and arrived event, without blocking.
+    fn poll_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = py.detach(|| -> Result<Vec<Event>, Failure> {
+            Ok(self.lock().client()?.poll_events()?)
+        })?;
+        Self::events(py, &events)
+    }
+
+    /// Round trip of an empty frame through the manager's loop, in seconds.
+    fn ping(&self, py: Python<'_>) -> PyResult<f64> {
+        let d = py.detach(|| -> Result<Duration, Failure> { Ok(self.lock().client()?.ping()?) })?;
+        Ok(d.as_secs_f64())
+    }
+
+    /// Benchmark helper: `n` pings timed inside Rust, without Python per
+    /// iteration (seconds each); separates the wrapper's cost from the
+    /// client's and the manager's.
+    fn _ping_many(&self, py: Python<'_>, n: usize) -> PyResult<Vec<f64>> {
+        let times = py.detach(|| -> Result<Vec<f64>, Failure> {
+            let mut st = self.lock();
+            let c = st.client()?;
+            (0..n).map(|_| Ok(c.ping()?.as_secs_f64())).collect()
+        })?;
+        Ok(times)
+    }
+
+    /// A leased page's bytes (a lease dict of a `ready` event), read-only
+    /// and zero-copy over the shared pool. Valid while the lease is held:
+    /// after `release`/`restore_done` the slot may hold another page.
+    fn page<'py>(&self, py: Python<'py>, lease: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let lease: LeaseInfo = deserialize_dict(lease)
+            .map_err(|e| PyValueError::new_err(format!("invalid lease: {e}")))?;
+        let pool = py.detach(|| -> Result<Arc<Mapping>, Failure> {
+            let mut st = self.lock();
+            if let Some(p) = &st.pool {
+                return Ok(p.clone());
+            }
+            let c = st.client()?;
+            let Some(pool) = c.pool() else {
+                return Err(Failure::Os(
+                    "the manager did not share its pool (no descriptor in Welcome)".into(),
+                ));
+            };
+            // SAFETY: the client's live shared mapping of the pool.
+            let m = unsafe { Mapping::duplicate(pool.as_ptr(), pool.len()) }
+                .map_err(|e| Failure::Os(format!("mapping the shared pool: {e}")))?;
+            let m = Arc::new(m);
+            st.pool = Some(m.clone());
+            Ok(m)
+        })?;
+        let end = lease.offset.checked_add(lease.bytes);
+        if end.is_none_or(|end| end > pool.len() as u64) {
+            return Err(PyValueError::new_err(format!(
+                "lease bytes [{}, +{}) lie outside the {}-byte pool",
+                lease.offset,
+                lease.bytes,
+                pool.len()
+            )));
+        }
+        memoryview(py, pool, lease.offset as usize, lease.bytes as usize, true)
+    }
+
+    /// A device region this client registered (the `region` of its
+    /// `region_registered` event), writable and zero-copy: write pages
+    /// there before publishing them, read them after restores. Slot `s`
+    /// starts at `s * page_bytes`.
+    fn region<'py>(&self, py: Python<'py>, region: u64) -> PyResult<Bound<'py, PyAny>> {
+        let map = py.detach(|| -> Result<Arc<Mapping>, Failure> {
+            let mut st = self.lock();
+            if let Some(m) = st.regions.get(&region) {
+                return Ok(m.clone());
+            }
+            let Some(bytes) = st.client()?.region_mut(region) else {
+                return Err(Failure::Value(format!(
+                    "region {region} is not a device region this client registered \
+                     (or its region_registered event has not been received yet)"
+                )));
+            };
+            // SAFETY: the client's live shared mapping of the region.
+            let m = unsafe { Mapping::duplicate(bytes.as_ptr(), bytes.len()) }
+                .map_err(|e| Failure::Os(format!("mapping region {region}: {e}")))?;
+            let m = Arc::new(m);
+            st.regions.insert(region, m.clone());
+            Ok(m)
+        })?;
+        let len = map.len();
+        memoryview(py, map, 0, len, false)
+    }
+
+    /// Closes the connection: the manager closes this client's sessions
+    /// (their leases and reservations return). Views already handed out stay
+    /// valid memory. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let client = py.detach(|| {
+            let mut st = self.lock();
+            st.pool = None;
+            st.regions.clear();
+            st.client.take()
+        });
+        drop(client);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "orbitkv.Client(socket={:?}, name={:?}, incarnation={}{})",
+            self.socket,
+            self.name,
+            self.incarnation,
+            if self.closed(py) { ", closed" } else { "" }
+        )
+    }
+}

@@ -256,11 +256,21 @@ impl Routes {
             Miss { operation, .. } | RestoreDone { operation, .. } | Released { operation } => {
                 self.operations.remove(operation);
             }
-            PublishDone { command, .. } => {
+            PublishDone { command, .. } | Rejected { command, .. } => {
                 self.publishes.remove(command);
             }
             _ => {}
         }
+    }
+
+    /// Drops every route to a closed connection, so the maps stay bounded
+    /// by what live connections own.
+    fn forget(&mut self, conn: ConnId) {
+        self.commands.retain(|_, c| *c != conn);
+        self.operations.retain(|_, c| *c != conn);
+        self.device_pages.retain(|_, c| *c != conn);
+        self.sessions.retain(|_, c| *c != conn);
+        self.publishes.retain(|_, c| *c != conn);
     }
 }
 
@@ -621,6 +631,7 @@ impl Server {
         for session in conn.sessions.values() {
             let _ = self.rt.submit(Command::CloseSession { session: *session });
         }
+        self.routes.forget(id);
     }
 
     fn tick(&mut self) {

@@ -3,6 +3,11 @@
 //! arrive (and at the idle interval while I/O is in flight), and routes each
 //! event to the connection that owns it. The DRAM pool and device regions
 //! live in shared memory the clients map; KV bytes never travel in frames.
+//!
+//! The hot path (docs/serve.md, "Hot path"): the same loop serves an
+//! iceoryx2 request/response service, polled without blocking each round
+//! ([`HotServer`]); its wake listener's descriptor is in the loop's
+//! `ppoll`, so a client's request wakes a sleeping manager.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Read as _, Write as _};
@@ -17,6 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use orbitkv_components::api::{Command, CommandError, CommandId, Event, SessionHandle};
 use orbitkv_io::ipc::frame::{self, FrameError, Kind, MAX_FRAME_BYTES};
+use orbitkv_io::ipc::hot_server::HotServer;
 use orbitkv_io::ipc::{Accepted, Hello, ProtocolError, Submit, Welcome};
 use orbitkv_world::{Config, Runtime};
 use serde::Deserialize;
@@ -62,6 +68,10 @@ struct ServeFile {
     max_connections: Option<usize>,
     /// Bytes queued for one client before it is disconnected as stuck.
     max_outbox_bytes: Option<usize>,
+    /// Offer the iceoryx2 hot path to clients that ask (default true).
+    hot_path: Option<bool>,
+    /// Each hot connection's descriptor area, e.g. 1MiB.
+    hot_area: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -81,6 +91,8 @@ pub struct Settings {
     pub idle_tick: Duration,
     pub max_connections: usize,
     pub max_outbox_bytes: usize,
+    pub hot_path: bool,
+    pub hot_area_bytes: u64,
     pub runtime: Config,
 }
 
@@ -162,6 +174,12 @@ pub fn settings(args: &Args) -> Result<Settings> {
         ),
         max_connections: serve.max_connections.unwrap_or(256),
         max_outbox_bytes: serve.max_outbox_bytes.unwrap_or(64 << 20),
+        hot_path: serve.hot_path.unwrap_or(true)
+            && std::env::var("ORBITKV_HOT_PATH").map_or(true, |v| v != "0"),
+        hot_area_bytes: match &serve.hot_area {
+            Some(s) => parse_size(s)?,
+            None => orbitkv_io::ipc::hot::DEFAULT_AREA_BYTES,
+        },
         runtime,
     })
 }
@@ -285,6 +303,10 @@ struct Server {
     metrics: Arc<Mutex<String>>,
     metrics_updated: Instant,
     last_tick: Instant,
+    hot: Option<HotServer>,
+    /// What the last `ppoll` found readable: the listener, and connections.
+    accept_ready: bool,
+    ready: Vec<ConnId>,
 }
 
 /// How often the metrics snapshot is refreshed.
@@ -301,6 +323,24 @@ pub fn run(args: Args) -> Result<()> {
         )?;
     }
     let listener = bind(&settings.socket)?;
+    let hot = if settings.hot_path {
+        match HotServer::new(
+            settings.runtime.incarnation,
+            settings.max_connections,
+            settings.hot_area_bytes,
+        ) {
+            Ok(h) => {
+                info!(service = h.service(), "hot path on iceoryx2");
+                Some(h)
+            }
+            Err(e) => {
+                warn!(error = %e, "no hot path: clients use the socket");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let metrics = Arc::new(Mutex::new(String::new()));
     if let Some(addr) = &settings.metrics_addr {
         serve_metrics(addr, metrics.clone())?;
@@ -328,6 +368,9 @@ pub fn run(args: Args) -> Result<()> {
         metrics,
         metrics_updated: Instant::now(),
         last_tick: Instant::now(),
+        hot,
+        accept_ready: false,
+        ready: Vec::new(),
     };
     server.run_loop(&term);
     server.shutdown();
@@ -361,7 +404,7 @@ impl Server {
                 self.settings.idle_tick
             };
             self.wait(timeout);
-            let submitted = self.accept_and_read();
+            let submitted = self.accept_and_read() + self.read_hot();
             let io_pending = self.rt.in_flight() > 0;
             if submitted > 0
                 || (io_pending && self.last_tick.elapsed() >= self.settings.idle_tick)
@@ -372,6 +415,7 @@ impl Server {
             if submitted > 0 {
                 busy_until = Instant::now() + Duration::from_micros(100);
             }
+            self.push_wakes();
             self.flush();
         }
     }
@@ -393,12 +437,28 @@ impl Server {
                 revents: 0,
             });
         }
+        let mut timeout = timeout;
+        let mut sleeping = false;
+        if let Some(h) = &self.hot {
+            fds.push(libc::pollfd {
+                fd: h.wake_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            if !timeout.is_zero() {
+                // Clients that send now notify the wake listener.
+                sleeping = true;
+                if h.prepare_sleep() {
+                    timeout = Duration::ZERO;
+                }
+            }
+        }
         let ts = libc::timespec {
             tv_sec: timeout.as_secs() as libc::time_t,
             tv_nsec: timeout.subsec_nanos() as libc::c_long,
         };
         // SAFETY: a valid array of pollfds and a timespec.
-        unsafe {
+        let n = unsafe {
             libc::ppoll(
                 fds.as_mut_ptr(),
                 fds.len() as libc::nfds_t,
@@ -406,13 +466,73 @@ impl Server {
                 std::ptr::null(),
             )
         };
+        if sleeping && let Some(h) = &self.hot {
+            h.woke();
+        }
+        // Read only what is readable: a receive per connection per round
+        // would cost a syscall each.
+        let listening = usize::from(self.listener.is_some());
+        self.accept_ready = listening == 1 && (n < 0 || fds[0].revents != 0);
+        self.ready.clear();
+        for (i, id) in self.conns.keys().enumerate() {
+            if n < 0 || fds[listening + i].revents != 0 {
+                self.ready.push(*id);
+            }
+        }
+    }
+
+    /// Takes hot requests (non-blocking) and submits their commands;
+    /// returns how many were submitted. Bad requests were answered with a
+    /// typed error by the hot server.
+    fn read_hot(&mut self) -> usize {
+        let Some(h) = self.hot.as_mut() else {
+            return 0;
+        };
+        let incoming = h.receive(1024);
+        let mut submitted = 0;
+        for inc in incoming {
+            let publish = matches!(inc.command, Command::Publish { .. });
+            let result = match self.rt.submit(inc.command) {
+                Ok(cid) => {
+                    self.routes.commands.insert(cid, inc.conn);
+                    self.routes.this_tick.push(cid);
+                    if publish {
+                        self.routes.publishes.insert(cid, inc.conn);
+                    }
+                    submitted += 1;
+                    Ok(cid)
+                }
+                Err(orbitkv_world::SubmitError::InboxFull(limit)) => Err(CommandError::Limit {
+                    name: "max_inbox".into(),
+                    limit: limit as u64,
+                }),
+            };
+            if let Some(h) = self.hot.as_mut() {
+                h.submitted(inc.key, result);
+            }
+        }
+        submitted
+    }
+
+    /// `Wake` frames for hot clients that blocked and got responses.
+    fn push_wakes(&mut self) {
+        let Some(h) = self.hot.as_mut() else {
+            return;
+        };
+        for id in h.take_wakes() {
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.out.extend(frame::encode(Kind::Wake, &()));
+            }
+        }
     }
 
     /// Accepts new connections and handles every complete frame; returns
     /// how many commands were submitted.
     fn accept_and_read(&mut self) -> usize {
         let mut fresh = Vec::new();
-        if let Some(listener) = &self.listener {
+        if self.accept_ready
+            && let Some(listener) = &self.listener
+        {
             // Bounded: at most a connection limit's worth per pass.
             while fresh.len() < self.settings.max_connections
                 && let Ok((stream, _)) = listener.accept()
@@ -424,9 +544,10 @@ impl Server {
             self.admit(stream);
         }
         let mut submitted = 0;
-        let ids: Vec<ConnId> = self.conns.keys().copied().collect();
-        for id in ids {
-            let conn = self.conns.get_mut(&id).expect("listed");
+        for id in std::mem::take(&mut self.ready) {
+            let Some(conn) = self.conns.get_mut(&id) else {
+                continue; // closed since the poll
+            };
             let mut closed = false;
             loop {
                 match frame::recv_some(&conn.stream, &mut conn.inbuf, 256 << 10, &mut conn.fds) {
@@ -546,6 +667,16 @@ impl Server {
                     conn.name = hello.client;
                 }
                 let pool = self.rt.export_pool();
+                let hot = match (&mut self.hot, hello.hot) {
+                    (Some(h), true) => match h.register(id) {
+                        Ok(x) => Some(x),
+                        Err(e) => {
+                            warn!(conn = id, error = %e, "no hot path for this connection");
+                            None
+                        }
+                    },
+                    _ => None,
+                };
                 let welcome = Welcome {
                     protocol: frame::PROTOCOL_VERSION,
                     incarnation: self.settings.runtime.incarnation,
@@ -555,10 +686,14 @@ impl Server {
                         0
                     },
                     max_frame_bytes: MAX_FRAME_BYTES,
+                    hot: hot.as_ref().map(|(info, _)| info.clone()),
                 };
                 let conn = self.conns.get_mut(&id).expect("caller checked");
                 conn.out.extend(frame::encode(Kind::Welcome, &welcome));
+                // The pool's descriptor, then the descriptor area's.
                 conn.out_fds.extend(pool);
+                conn.out_fds
+                    .extend(hot.map(|(_, area)| OwnedFd::from(area)));
                 // Send now, so the descriptor rides on this frame.
                 self.flush_conn(id);
                 Ok(0)
@@ -627,6 +762,9 @@ impl Server {
         let Some(conn) = self.conns.remove(&id) else {
             return;
         };
+        if let Some(h) = self.hot.as_mut() {
+            h.unregister(id);
+        }
         info!(conn = id, client = %conn.name, reason = why, sessions = conn.sessions.len(), "client disconnected");
         for session in conn.sessions.values() {
             let _ = self.rt.submit(Command::CloseSession { session: *session });
@@ -659,7 +797,16 @@ impl Server {
                 }
                 _ => {}
             }
+            // Answers to hot requests go back on the hot path.
+            if let Some(h) = self.hot.as_mut()
+                && h.deliver(&e)
+            {
+                continue;
+            }
             conn.events.push(e);
+        }
+        if let Some(h) = self.hot.as_mut() {
+            h.end_tick();
         }
         // Synchronous replies of this tick's commands have arrived.
         for cid in std::mem::take(&mut self.routes.this_tick) {
@@ -740,6 +887,39 @@ impl Server {
         line("operations", "Live operations", s.operations as u64);
         line("sessions", "Open sessions", s.sessions as u64);
         line("connections", "Connected clients", self.conns.len() as u64);
+        if let Some(h) = &self.hot {
+            let st = h.stats;
+            line(
+                "hot_requests_total",
+                "Hot-path requests received",
+                st.requests,
+            );
+            line(
+                "hot_errors_total",
+                "Hot-path requests refused as malformed",
+                st.errors,
+            );
+            line(
+                "hot_responses_total",
+                "Hot-path responses sent",
+                st.responses,
+            );
+            line(
+                "hot_fallbacks_total",
+                "Answers to hot requests sent on the socket",
+                st.fallbacks,
+            );
+            line(
+                "hot_wakes_total",
+                "Wake frames sent to blocked hot clients",
+                st.wakes,
+            );
+            line(
+                "hot_open_requests",
+                "Hot requests open",
+                h.open_requests() as u64,
+            );
+        }
         o.push_str(
             "# HELP orbitkv_misses_total Misses by reason\n# TYPE orbitkv_misses_total counter\n",
         );
@@ -820,6 +1000,11 @@ impl Server {
         }
         if let Err(e) = self.rt.stop_recording() {
             warn!(error = %e, "the trace recording is incomplete");
+        }
+        if let Some(h) = self.hot.take() {
+            // Every client is disconnected: the incarnation's iceoryx2 files
+            // can all go.
+            h.shutdown();
         }
         let _ = std::fs::remove_file(&self.settings.socket);
         info!("stopped");

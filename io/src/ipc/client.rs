@@ -5,21 +5,42 @@
 //! `poll_events` (non-blocking) or `wait_event`. Waiting spins briefly
 //! before blocking in `poll(2)`: a reply usually arrives within the spin,
 //! and under contention the thread sleeps instead of burning the core.
+//!
+//! With the hot path (the default; [`ClientOptions::hot_path`] or
+//! `ORBITKV_HOT_PATH=0` turn it off), query, prepare, restore, publish,
+//! release and cancel go over iceoryx2 and their events come back the same
+//! way ([`super::hot`]); the API does not change. A command the hot path
+//! cannot carry at the moment (its parts do not fit the descriptor area,
+//! too many requests open) silently takes the socket. A client that blocks
+//! says so in the descriptor area first; the manager then wakes it with a
+//! `Wake` frame on the socket, where it blocks.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
+use iceoryx2::prelude::{NodeBuilder, SignalHandlingMode};
 use orbitkv_components::api::{Command, CommandError, CommandId, Event, LeaseInfo};
 
 use super::frame::{self, FrameError, Kind};
-use super::{Accepted, Hello, ProtocolError, Submit, Welcome};
+use super::hot::{self, Desc, HotError, HotRequest, HotResponse, Ipc, Reply};
+use super::{Accepted, Hello, HotPathInfo, ProtocolError, Submit, Welcome};
 
-/// How long a waiting client spins before it blocks.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// How long a waiting client spins before it blocks. Measured (see
+/// docs/serve.md, "Hot path"): a hot round trip takes 7-10 us while the
+/// manager is spinning, and 20 us is the shortest budget that catches its
+/// p99; under 10 us most waits block. On an oversubscribed machine the
+/// client stops spinning by itself (see [`Client::set_spin`]).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(20);
+/// A gap this long between two clock readings of a spin means the thread
+/// was descheduled.
+pub const PREEMPTED: Duration = Duration::from_micros(30);
+/// How long spinning stays off after a preempted spin.
+pub const SPIN_BACKOFF: Duration = Duration::from_millis(20);
 /// How long `submit` and `ping` wait for the manager before giving up.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(30);
 const READ_CHUNK: usize = 256 << 10;
@@ -38,6 +59,201 @@ pub enum ClientError {
     Timeout(Duration),
     #[error("mapping shared memory: {0}")]
     Map(io::Error),
+    #[error(transparent)]
+    Hot(#[from] HotError),
+}
+
+/// How a client connects.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Use the hot path when the manager offers it. Default: true, unless
+    /// `ORBITKV_HOT_PATH=0`.
+    pub hot_path: bool,
+    /// How long waits spin before blocking.
+    pub spin: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            hot_path: std::env::var("ORBITKV_HOT_PATH").map_or(true, |v| v != "0"),
+            spin: DEFAULT_SPIN,
+        }
+    }
+}
+
+type HotPort = iceoryx2::port::client::Client<Ipc, HotRequest, (), HotResponse, ()>;
+type HotPending = iceoryx2::pending_response::PendingResponse<Ipc, HotRequest, (), HotResponse, ()>;
+
+/// One open hot request: its response stream and the request-ring records
+/// it wrote (freed once the manager answered: it copied them by then).
+struct Pending {
+    tag: u64,
+    response: HotPending,
+    parts: [Desc; 3],
+    answered: bool,
+}
+
+/// The client's end of the hot path. Fields drop in order: streams and
+/// ports before their services, the node last.
+struct HotPath {
+    pending: Vec<Pending>,
+    port: HotPort,
+    notifier: iceoryx2::port::notifier::Notifier<Ipc>,
+    area: hot::Area,
+    writer: hot::RingWriter,
+    token: u64,
+    /// First response per tag: the command's id, or why it was not queued.
+    first: HashMap<u64, Result<CommandId, ClientError>>,
+    _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
+        Ipc,
+        HotRequest,
+        (),
+        HotResponse,
+        (),
+    >,
+    _wake: iceoryx2::service::port_factory::event::PortFactory<Ipc>,
+    _node: iceoryx2::node::Node<Ipc>,
+    service: String,
+}
+
+impl HotPath {
+    fn open(info: &HotPathInfo, area: &std::fs::File) -> Result<HotPath, String> {
+        hot::quiet_iceoryx2_logs();
+        let config = hot::iox_config(&info.prefix)?;
+        let e = |what: &str| {
+            let what = what.to_owned();
+            move |e: &dyn std::fmt::Debug| format!("{what}: {e:?}")
+        };
+        let node = NodeBuilder::new()
+            .config(&config)
+            .signal_handling_mode(SignalHandlingMode::Disabled)
+            .create::<Ipc>()
+            .map_err(|x| e("iceoryx2 node")(&x))?;
+        let name = info
+            .service
+            .as_str()
+            .try_into()
+            .map_err(|x| e("service name")(&x))?;
+        let rpc = node
+            .service_builder(&name)
+            .request_response::<HotRequest, HotResponse>()
+            .open()
+            .map_err(|x| e("opening the hot service")(&x))?;
+        let port = rpc
+            .client_builder()
+            .create()
+            .map_err(|x| e("hot client port")(&x))?;
+        let wake_name = info
+            .wake
+            .as_str()
+            .try_into()
+            .map_err(|x| e("wake name")(&x))?;
+        let wake = node
+            .service_builder(&wake_name)
+            .event()
+            .open()
+            .map_err(|x| e("opening the wake service")(&x))?;
+        let notifier = wake
+            .notifier_builder()
+            .create()
+            .map_err(|x| e("wake notifier")(&x))?;
+        let area = hot::Area::open(area)?;
+        Ok(HotPath {
+            pending: Vec::new(),
+            port,
+            notifier,
+            writer: hot::RingWriter::new(area.req),
+            area,
+            token: info.token,
+            first: HashMap::new(),
+            _rpc: rpc,
+            _wake: wake,
+            _node: node,
+            service: info.service.clone(),
+        })
+    }
+
+    /// Sends a request; `None` when the port refuses (too many open).
+    fn send(&mut self, req: HotRequest) -> Option<()> {
+        if self.pending.len() >= hot::MAX_ACTIVE_REQUESTS {
+            return None;
+        }
+        match self.port.send_copy(req) {
+            Ok(response) => {
+                self.pending.push(Pending {
+                    tag: req.tag,
+                    response,
+                    parts: req.parts,
+                    answered: false,
+                });
+                // Pairs with the manager's fence between setting
+                // `manager_sleeping` and its last look for requests.
+                fence(Ordering::SeqCst);
+                if self.area.manager_sleeping().load(Ordering::Relaxed) != 0 {
+                    let _ = self.notifier.notify();
+                }
+                Some(())
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Takes every response that arrived; returns how many.
+    fn poll(&mut self, events: &mut VecDeque<Event>) -> Result<usize, ClientError> {
+        let mut n = 0;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let mut last = false;
+            loop {
+                let r = match self.pending[i].response.receive() {
+                    Ok(Some(r)) => *r.payload(),
+                    Ok(None) => break,
+                    Err(e) => return Err(ClientError::Protocol(format!("hot path: {e:?}"))),
+                };
+                n += 1;
+                let p = &mut self.pending[i];
+                let reply = hot::decode_response(&r, &self.area);
+                if !p.answered {
+                    p.answered = true;
+                    for d in &p.parts {
+                        self.area.free(self.area.req, d);
+                    }
+                    let first = match &reply {
+                        Ok(Reply::Accepted | Reply::Event(_)) => Ok(r.command),
+                        Ok(Reply::Refused(e)) => Err(ClientError::Command(e.clone())),
+                        Ok(Reply::Error(e)) | Err(e) => Err(ClientError::Hot(*e)),
+                    };
+                    self.first.insert(p.tag, first);
+                }
+                if let Ok(Reply::Event(e)) = reply {
+                    events.push_back(e);
+                }
+                if r.flags & hot::RESP_LAST != 0 {
+                    last = true;
+                    break;
+                }
+            }
+            let p = &self.pending[i];
+            if last || (!p.response.is_connected() && !p.response.has_response()) {
+                let p = self.pending.swap_remove(i);
+                if !p.answered {
+                    for d in &p.parts {
+                        self.area.free(self.area.req, d);
+                    }
+                    self.first.insert(
+                        p.tag,
+                        Err(ClientError::Protocol(
+                            "the manager dropped a hot request unanswered".into(),
+                        )),
+                    );
+                }
+            } else {
+                i += 1;
+            }
+        }
+        Ok(n)
+    }
 }
 
 pub struct Client {
@@ -51,12 +267,39 @@ pub struct Client {
     accepted: HashMap<u64, Result<u64, CommandError>>,
     events: VecDeque<Event>,
     spin: Duration,
+    /// Spinning is off until then: the last spin was preempted (see
+    /// `pump`).
+    no_spin_until: Instant,
+    /// Moving share of acknowledgements that outlasted a spin (1/8 per
+    /// sample).
+    blocked_share: f32,
+    /// The last `pump` gave up spinning and blocked.
+    blocked: bool,
+    adaptive: bool,
+    pongs: u64,
+    hot: Option<HotPath>,
+    hot_error: Option<String>,
 }
+
+// The Python bridge moves clients between threads.
+const _: fn() = || {
+    fn send<T: Send>() {}
+    send::<Client>();
+};
 
 impl Client {
     /// Connects and shakes hands; maps the shared pool when the manager
     /// has one.
     pub fn connect(path: impl AsRef<Path>, name: &str) -> Result<Client, ClientError> {
+        Client::connect_with(path, name, ClientOptions::default())
+    }
+
+    /// [`Client::connect`] with options (e.g. the socket path only).
+    pub fn connect_with(
+        path: impl AsRef<Path>,
+        name: &str,
+        options: ClientOptions,
+    ) -> Result<Client, ClientError> {
         let stream = UnixStream::connect(path).map_err(ClientError::Connect)?;
         stream.set_nonblocking(true).map_err(ClientError::Connect)?;
         let mut c = Client {
@@ -68,19 +311,28 @@ impl Client {
                 incarnation: 0,
                 pool_bytes: 0,
                 max_frame_bytes: 0,
+                hot: None,
             },
             pool: None,
             regions: HashMap::new(),
             next_tag: 0,
             accepted: HashMap::new(),
             events: VecDeque::new(),
-            spin: DEFAULT_SPIN,
+            spin: options.spin,
+            no_spin_until: Instant::now(),
+            blocked_share: 0.0,
+            blocked: false,
+            adaptive: true,
+            pongs: 0,
+            hot: None,
+            hot_error: None,
         };
         c.send(&frame::encode(
             Kind::Hello,
             &Hello {
                 protocol: frame::PROTOCOL_VERSION,
                 client: name.to_owned(),
+                hot: options.hot_path,
             },
         ))?;
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -88,8 +340,10 @@ impl Client {
             match c.next_frame(Some(deadline))? {
                 Some((Kind::Welcome, payload)) => {
                     c.welcome = frame::decode(Kind::Welcome, &payload)?;
+                    // The pool's descriptor first, then the area's.
+                    let mut fds = std::mem::take(&mut c.fds).into_iter();
                     if c.welcome.pool_bytes > 0 {
-                        let fd = c.fds.pop().ok_or_else(|| {
+                        let fd = fds.next().ok_or_else(|| {
                             ClientError::Protocol("welcome without the pool descriptor".into())
                         })?;
                         let file = std::fs::File::from(fd);
@@ -97,6 +351,17 @@ impl Client {
                         // under a lease this client holds do not change.
                         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(ClientError::Map)?;
                         c.pool = Some(map);
+                    }
+                    if let Some(info) = c.welcome.hot.clone() {
+                        match fds.next() {
+                            Some(fd) => match HotPath::open(&info, &std::fs::File::from(fd)) {
+                                Ok(h) => c.hot = Some(h),
+                                Err(e) => c.hot_error = Some(e),
+                            },
+                            None => {
+                                c.hot_error = Some("welcome without the area descriptor".into())
+                            }
+                        }
                     }
                     return Ok(c);
                 }
@@ -114,9 +379,32 @@ impl Client {
         self.welcome.incarnation
     }
 
+    /// The hot path's iceoryx2 service when this client uses it.
+    pub fn hot_service(&self) -> Option<&str> {
+        self.hot.as_ref().map(|h| h.service.as_str())
+    }
+
+    /// Why the hot path the manager offered could not be set up.
+    pub fn hot_path_error(&self) -> Option<&str> {
+        self.hot_error.as_deref()
+    }
+
     /// Sets how long waits spin before blocking (0: block at once).
+    /// Spinning turns itself off for [`SPIN_BACKOFF`] when a spin gets
+    /// preempted (a gap in its clock readings) or when a quarter of recent
+    /// acknowledgements outlasted the spin: on an oversubscribed machine
+    /// spinning only delays the manager.
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
+        self.no_spin_until = Instant::now();
+        self.blocked_share = 0.0;
+        self.adaptive = true;
+    }
+
+    /// A fixed spin budget, without adapting (measurements).
+    pub fn set_spin_fixed(&mut self, spin: Duration) {
+        self.set_spin(spin);
+        self.adaptive = false;
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
@@ -162,6 +450,97 @@ impl Client {
         }
     }
 
+    /// Waits until something arrives (a frame, handled; or hot responses,
+    /// queued), spinning for the spin budget, then blocking on the socket
+    /// (a hot-path client first says it sleeps, so the manager wakes it).
+    /// `Ok(false)` at the deadline.
+    fn pump(&mut self, deadline: Option<Instant>) -> Result<bool, ClientError> {
+        let start = Instant::now();
+        let spin = if self.adaptive && start < self.no_spin_until {
+            Duration::ZERO
+        } else {
+            self.spin
+        };
+        let spin_until = start + spin;
+        let mut last = start;
+        self.blocked = false;
+        let mut round = 0u32;
+        loop {
+            if let Some((kind, payload)) = frame::take_frame(&mut self.buf)? {
+                self.absorb(kind, payload)?;
+                return Ok(true);
+            }
+            if let Some(h) = self.hot.as_mut()
+                && h.poll(&mut self.events)? > 0
+            {
+                return Ok(true);
+            }
+            // The socket is a syscall away: while hot requests are open,
+            // look at it every 8th round of the spin.
+            let hot_open = self.hot.as_ref().is_some_and(|h| !h.pending.is_empty());
+            if !hot_open || round.is_multiple_of(8) {
+                match frame::recv_some(&self.stream, &mut self.buf, READ_CHUNK, &mut self.fds) {
+                    Ok(0) => return Err(FrameError::Closed.into()),
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(FrameError::Io(e).into()),
+                }
+            }
+            round = round.wrapping_add(1);
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(false);
+            }
+            if now < spin_until {
+                if self.adaptive && now.duration_since(last) > PREEMPTED {
+                    // Descheduled mid-spin: the cores are oversubscribed.
+                    self.no_spin_until = now + SPIN_BACKOFF;
+                } else {
+                    last = now;
+                    std::hint::spin_loop();
+                    continue;
+                }
+            }
+            if let Some(h) = self.hot.as_mut() {
+                h.area.client_sleeping().store(1, Ordering::Relaxed);
+                // Pairs with the manager's fence between sending a response
+                // and looking at the flag.
+                fence(Ordering::SeqCst);
+                if h.poll(&mut self.events)? > 0 {
+                    h.area.client_sleeping().store(0, Ordering::Relaxed);
+                    return Ok(true);
+                }
+            }
+            self.blocked = true;
+            let mut wait_ms = deadline.map_or(-1, |d| {
+                d.saturating_duration_since(now)
+                    .as_millis()
+                    .clamp(1, i32::MAX as u128) as i32
+            });
+            // A request the manager has not answered yet: look again every
+            // few ms even without a `Wake` (one the manager cannot send: a
+            // request it could not tie to this connection).
+            if self
+                .hot
+                .as_ref()
+                .is_some_and(|h| h.pending.iter().any(|p| !p.answered))
+            {
+                wait_ms = if wait_ms < 0 { 10 } else { wait_ms.min(10) };
+            }
+            let mut p = libc::pollfd {
+                fd: self.stream.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, wait_ms) };
+            if let Some(h) = self.hot.as_ref() {
+                h.area.client_sleeping().store(0, Ordering::Relaxed);
+            }
+            round = 0;
+        }
+    }
+
     /// Handles one frame: queues events, records acceptances.
     fn absorb(&mut self, kind: Kind, payload: Vec<u8>) -> Result<(), ClientError> {
         match kind {
@@ -191,26 +570,110 @@ impl Client {
                 let e: ProtocolError = frame::decode(kind, &payload)?;
                 return Err(ClientError::Protocol(e.error));
             }
-            Kind::Pong | Kind::Ping | Kind::Hello | Kind::Welcome | Kind::Submit => {}
+            Kind::Pong => self.pongs += 1,
+            Kind::Wake | Kind::Ping | Kind::Hello | Kind::Welcome | Kind::Submit => {}
         }
         Ok(())
     }
 
     /// Queues a command; returns its id once the manager accepted it.
     pub fn submit(&mut self, command: Command) -> Result<CommandId, ClientError> {
+        if let Some(tag) = self.send_hot(&command) {
+            return self.wait_first(tag);
+        }
         let tag = self.next_tag;
         self.next_tag += 1;
         self.send(&frame::encode(Kind::Submit, &Submit { tag, command }))?;
         let deadline = Instant::now() + ACK_TIMEOUT;
+        let mut blocked = false;
         loop {
             if let Some(result) = self.accepted.remove(&tag) {
+                self.adapt_spin(blocked);
                 return Ok(result?);
             }
-            let (kind, payload) = self
-                .next_frame(Some(deadline))?
-                .ok_or(ClientError::Timeout(ACK_TIMEOUT))?;
-            self.absorb(kind, payload)?;
+            if !self.pump(Some(deadline))? {
+                return Err(ClientError::Timeout(ACK_TIMEOUT));
+            }
+            blocked |= self.blocked;
         }
+    }
+
+    /// Learns from an acknowledgement (the manager answers every command
+    /// in its next tick, so these waits are all alike): when many outlast
+    /// the spin, the manager is losing its core to the spinning itself or
+    /// to a third process, and spinning stops for [`SPIN_BACKOFF`].
+    fn adapt_spin(&mut self, blocked: bool) {
+        if !self.adaptive || self.spin.is_zero() || Instant::now() < self.no_spin_until {
+            return;
+        }
+        let x = if blocked { 1.0 } else { 0.0 };
+        self.blocked_share += (x - self.blocked_share) / 8.0;
+        if self.blocked_share > 0.25 {
+            self.no_spin_until = Instant::now() + SPIN_BACKOFF;
+            self.blocked_share = 0.0;
+        }
+    }
+
+    /// Sends a hot command on the hot path; `None` to use the socket.
+    fn send_hot(&mut self, command: &Command) -> Option<u64> {
+        let h = self.hot.as_mut()?;
+        if !hot::is_hot(command) || h.pending.len() >= hot::MAX_ACTIVE_REQUESTS {
+            return None;
+        }
+        let tag = self.next_tag;
+        let req = hot::encode_request(command, h.token, tag, &h.area, &mut h.writer)?;
+        if h.send(req).is_none() {
+            for d in &req.parts {
+                h.writer.release(&h.area, d);
+            }
+            return None;
+        }
+        self.next_tag += 1;
+        Some(tag)
+    }
+
+    /// Waits for a hot request's first response: its command id.
+    fn wait_first(&mut self, tag: u64) -> Result<CommandId, ClientError> {
+        let deadline = Instant::now() + ACK_TIMEOUT;
+        let mut blocked = false;
+        loop {
+            if let Some(r) = self.hot.as_mut().and_then(|h| h.first.remove(&tag)) {
+                self.adapt_spin(blocked);
+                return r;
+            }
+            if !self.pump(Some(deadline))? {
+                return Err(ClientError::Timeout(ACK_TIMEOUT));
+            }
+            blocked |= self.blocked;
+        }
+    }
+
+    /// The connection's hot-path token (tests that craft raw requests).
+    #[doc(hidden)]
+    pub fn hot_token(&self) -> Option<u64> {
+        self.hot.as_ref().map(|h| h.token)
+    }
+
+    /// Writes a part to the request ring (tests that craft raw requests).
+    #[doc(hidden)]
+    pub fn hot_write_part(&mut self, kind: u32, bytes: &[u8]) -> Option<Desc> {
+        let h = self.hot.as_mut()?;
+        h.writer.write(&h.area, kind, bytes)
+    }
+
+    /// Sends a raw hot request (its tag replaced) and waits for its first
+    /// response, as `submit` does (tests of the manager's validation).
+    #[doc(hidden)]
+    pub fn hot_submit_raw(&mut self, mut req: HotRequest) -> Result<CommandId, ClientError> {
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        req.tag = tag;
+        self.hot
+            .as_mut()
+            .ok_or_else(|| ClientError::Protocol("no hot path".into()))?
+            .send(req)
+            .ok_or_else(|| ClientError::Protocol("hot request not sent".into()))?;
+        self.wait_first(tag)
     }
 
     /// Submits and waits for the command's reply event (a `Rejected` reply is
@@ -233,9 +696,8 @@ impl Client {
             if let Some(i) = self.events.iter().position(&pred) {
                 return Ok(self.events.remove(i));
             }
-            match self.next_frame(Some(deadline))? {
-                Some((kind, payload)) => self.absorb(kind, payload)?,
-                None => return Ok(None),
+            if !self.pump(Some(deadline))? {
+                return Ok(None);
             }
         }
     }
@@ -245,9 +707,7 @@ impl Client {
         let saved = self.spin;
         self.spin = Duration::ZERO;
         let r = (|| {
-            while let Some((kind, payload)) = self.next_frame(Some(Instant::now()))? {
-                self.absorb(kind, payload)?;
-            }
+            while self.pump(Some(Instant::now()))? {}
             Ok(self.events.drain(..).collect())
         })();
         self.spin = saved;
@@ -259,14 +719,14 @@ impl Client {
         let start = Instant::now();
         self.send(&frame::encode(Kind::Ping, &()))?;
         let deadline = start + ACK_TIMEOUT;
+        let want = self.pongs + 1;
         loop {
-            let (kind, payload) = self
-                .next_frame(Some(deadline))?
-                .ok_or(ClientError::Timeout(ACK_TIMEOUT))?;
-            if kind == Kind::Pong {
+            if self.pongs >= want {
                 return Ok(start.elapsed());
             }
-            self.absorb(kind, payload)?;
+            if !self.pump(Some(deadline))? {
+                return Err(ClientError::Timeout(ACK_TIMEOUT));
+            }
         }
     }
 

@@ -24,6 +24,9 @@ pub enum Kind {
     Error = 6,
     Ping = 7,
     Pong = 8,
+    /// Manager → a hot-path client that said it is about to block: hot
+    /// responses are waiting. Empty payload.
+    Wake = 9,
 }
 
 impl Kind {
@@ -37,6 +40,7 @@ impl Kind {
             6 => Kind::Error,
             7 => Kind::Ping,
             8 => Kind::Pong,
+            9 => Kind::Wake,
             _ => return None,
         })
     }

@@ -18,6 +18,14 @@
 //! | 5 `Events` | manager → client | `Vec<Event>` routed to this connection; a `RegionRegistered` event carries its region's memfd |
 //! | 6 `Error` | manager → client | [`ProtocolError`]; the manager closes the connection after it |
 //! | 7 `Ping` / 8 `Pong` | both | empty: liveness and round-trip measurement |
+//! | 9 `Wake` | manager → client | empty: hot-path responses wait for a client that blocked |
+//!
+//! The hot path ([`hot`]): a client that asks for it in `Hello` gets an
+//! iceoryx2 request/response service name and a descriptor area (a memfd,
+//! after the pool's) in `Welcome`; query, prepare, restore, publish,
+//! release and cancel then travel as fixed-size messages, their large parts
+//! in the area. Everything else stays on the socket, which also tells the
+//! manager when the client is gone.
 //!
 //! A frame with a bad magic, version, kind or length, or a payload that is
 //! not the kind's JSON, gets an `Error` frame and the connection is closed;
@@ -25,8 +33,10 @@
 
 pub mod client;
 pub mod frame;
+pub mod hot;
+pub mod hot_server;
 
-pub use client::{Client, ClientError};
+pub use client::{Client, ClientError, ClientOptions};
 pub use frame::{FrameError, Kind, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 
 use orbitkv_components::api::{Command, CommandError};
@@ -39,6 +49,32 @@ pub struct Hello {
     /// Free text for logs (engine, pid).
     #[serde(default)]
     pub client: String,
+    /// Asks for the hot path (`Welcome::hot`). Left out when false, so a
+    /// socket-only client still greets older managers.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub hot: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// Where the hot path is: the iceoryx2 services of this manager
+/// incarnation and the connection's descriptor area, whose memfd rides on
+/// the `Welcome` frame after the pool's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotPathInfo {
+    /// The request/response service, `orbitkv/<incarnation>/rpc`.
+    pub service: String,
+    /// The event service that wakes a sleeping manager.
+    pub wake: String,
+    /// The iceoryx2 file prefix of this incarnation (its config).
+    pub prefix: String,
+    /// Ties hot requests to this connection.
+    pub token: u64,
+    /// Bytes of the descriptor area.
+    pub area_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +88,9 @@ pub struct Welcome {
     /// when the pool is private.
     pub pool_bytes: u64,
     pub max_frame_bytes: u32,
+    /// The hot path, when the client asked for it and the manager has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot: Option<HotPathInfo>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

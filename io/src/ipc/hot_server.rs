@@ -1,0 +1,578 @@
+//! The manager's end of the hot path: the iceoryx2 request/response server
+//! and wake listener of one incarnation, each hot connection's descriptor
+//! area, the open requests, and which open request each event answers.
+//!
+//! The manager's loop (`src/serve.rs`) drives it: [`HotServer::receive`]
+//! validates requests into commands (bad ones get a typed error reply
+//! here), the loop submits them and reports back with
+//! [`HotServer::submitted`]; after each tick [`HotServer::deliver`] takes
+//! every event an open request answers, and [`HotServer::end_tick`] closes
+//! the requests whose replies are complete. Events that cannot go on the
+//! hot path (no open request, the area is full) stay with the socket.
+//!
+//! A request stays open while more events answer it: a query's request
+//! carries its operation's events (`loading`, `ready`, `transfer_overdue`)
+//! until the operation ends (`miss`, `restore_done`, `released`); a
+//! publish's until `publish_done`; prepare, restore, release and cancel get
+//! `accepted` (or `rejected`) after the tick that ran them, their effects
+//! arriving on the query's request.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::os::fd::RawFd;
+use std::sync::atomic::{Ordering, fence};
+
+use iceoryx2::prelude::{
+    BackpressureStrategy, FileDescriptorBased, NodeBuilder, SignalHandlingMode,
+};
+use orbitkv_components::api::{Command, CommandError, CommandId, Event};
+
+use super::HotPathInfo;
+use super::hot::{
+    self, Area, HotError, HotErrorCode, HotRequest, HotResponse, Ipc, Op, RESP_LAST, RespKind,
+    RingWriter,
+};
+
+type ActiveRequest = iceoryx2::active_request::ActiveRequest<Ipc, HotRequest, (), HotResponse, ()>;
+
+/// The socket connection a hot request belongs to (the manager's id).
+pub type ConnId = u64;
+
+/// A hot request the manager validated, for the loop to submit.
+#[derive(Debug)]
+pub struct Incoming {
+    pub key: u64,
+    pub conn: ConnId,
+    pub command: Command,
+}
+
+struct Conn {
+    conn: ConnId,
+    area: Area,
+    writer: RingWriter,
+}
+
+struct Active {
+    request: ActiveRequest,
+    token: u64,
+    tag: u64,
+    op: Op,
+    command: Option<CommandId>,
+    sent: u32,
+    /// The operation this (query's) request carries the events of.
+    operation: Option<u64>,
+    /// Submitted before the tick now running.
+    this_tick: bool,
+}
+
+/// Counters for logs and tests.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HotStats {
+    pub requests: u64,
+    pub errors: u64,
+    pub responses: u64,
+    /// Events that went on the socket although their request was hot.
+    pub fallbacks: u64,
+    pub wakes: u64,
+}
+
+pub struct HotServer {
+    active: HashMap<u64, Active>,
+    conns: HashMap<u64, Conn>,
+    tokens: HashMap<ConnId, u64>,
+    by_command: HashMap<CommandId, u64>,
+    by_operation: HashMap<u64, u64>,
+    wake_conns: BTreeSet<ConnId>,
+    next_key: u64,
+    area_bytes: u64,
+    pub stats: HotStats,
+    server: iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
+    listener: iceoryx2::port::listener::Listener<Ipc>,
+    _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
+        Ipc,
+        HotRequest,
+        (),
+        HotResponse,
+        (),
+    >,
+    _wake: iceoryx2::service::port_factory::event::PortFactory<Ipc>,
+    _node: iceoryx2::node::Node<Ipc>,
+    service: String,
+    wake: String,
+    prefix: String,
+}
+
+fn err(what: &str) -> impl Fn(&dyn std::fmt::Debug) -> String {
+    let what = what.to_owned();
+    move |e| format!("{what}: {e:?}")
+}
+
+impl HotServer {
+    /// Creates the incarnation's services, after removing what crashed
+    /// incarnations left behind. `max_clients`: connections served at once.
+    pub fn new(incarnation: u64, max_clients: usize, area_bytes: u64) -> Result<HotServer, String> {
+        hot::quiet_iceoryx2_logs();
+        let prefix = hot::file_prefix(incarnation);
+        hot::cleanup_stale(&prefix);
+        // Our own prefix is new; anything under it is from a reused id.
+        hot::remove_files_with_prefix(&prefix);
+        let config = hot::iox_config(&prefix)?;
+        let node = NodeBuilder::new()
+            .config(&config)
+            .signal_handling_mode(SignalHandlingMode::Disabled)
+            .create::<Ipc>()
+            .map_err(|e| err("iceoryx2 node")(&e))?;
+        let service = hot::service_name(incarnation);
+        let wake = hot::wake_name(incarnation);
+        let max_clients = max_clients.max(1);
+        let rpc = node
+            .service_builder(&service.as_str().try_into().map_err(|e| err("name")(&e))?)
+            .request_response::<HotRequest, HotResponse>()
+            .max_servers(1)
+            .max_clients(max_clients)
+            .max_nodes(max_clients + 2)
+            .max_active_requests_per_client(hot::MAX_ACTIVE_REQUESTS)
+            .max_response_buffer_size(hot::MAX_RESPONSES_PER_REQUEST as usize)
+            .max_borrowed_responses_per_pending_response(2)
+            .max_loaned_requests(2)
+            .enable_fire_and_forget_requests(false)
+            .create()
+            .map_err(|e| err("creating the hot service")(&e))?;
+        let server = rpc
+            .server_builder()
+            // Never block the loop on a client: the response cap per
+            // request keeps a live client's buffer from filling.
+            .backpressure_strategy(BackpressureStrategy::DiscardData)
+            .max_loaned_responses_per_request(2)
+            .create()
+            .map_err(|e| err("hot server port")(&e))?;
+        let wake_service = node
+            .service_builder(&wake.as_str().try_into().map_err(|e| err("name")(&e))?)
+            .event()
+            .max_listeners(1)
+            .max_notifiers(max_clients)
+            .max_nodes(max_clients + 2)
+            .disable_notifier_created_event()
+            .disable_notifier_dropped_event()
+            .disable_notifier_dead_event()
+            .create()
+            .map_err(|e| err("creating the wake service")(&e))?;
+        let listener = wake_service
+            .listener_builder()
+            .create()
+            .map_err(|e| err("wake listener")(&e))?;
+        Ok(HotServer {
+            active: HashMap::new(),
+            conns: HashMap::new(),
+            tokens: HashMap::new(),
+            by_command: HashMap::new(),
+            by_operation: HashMap::new(),
+            wake_conns: BTreeSet::new(),
+            next_key: 0,
+            area_bytes,
+            stats: HotStats::default(),
+            server,
+            listener,
+            _rpc: rpc,
+            _wake: wake_service,
+            _node: node,
+            service,
+            wake,
+            prefix,
+        })
+    }
+
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// The incarnation's iceoryx2 file prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Readable when a client notified the wake service (for `poll(2)`).
+    pub fn wake_fd(&self) -> RawFd {
+        // SAFETY: the listener owns the descriptor for its lifetime; the
+        // caller only polls it.
+        unsafe { self.listener.file_descriptor().native_handle() }
+    }
+
+    /// Sets a connection up for the hot path: its area and token, for its
+    /// `Welcome`.
+    pub fn register(&mut self, conn: ConnId) -> std::io::Result<(HotPathInfo, File)> {
+        let token = loop {
+            let t = random_u64();
+            if t != 0 && !self.conns.contains_key(&t) {
+                break t;
+            }
+        };
+        let (file, area) = Area::create("orbitkv-hot-area", self.area_bytes)?;
+        let info = HotPathInfo {
+            service: self.service.clone(),
+            wake: self.wake.clone(),
+            prefix: self.prefix.clone(),
+            token,
+            area_bytes: area.len() as u64,
+        };
+        self.conns.insert(
+            token,
+            Conn {
+                conn,
+                writer: RingWriter::new(area.rep),
+                area,
+            },
+        );
+        self.tokens.insert(conn, token);
+        Ok((info, file))
+    }
+
+    /// Forgets a connection: its open requests close unanswered.
+    pub fn unregister(&mut self, conn: ConnId) {
+        let Some(token) = self.tokens.remove(&conn) else {
+            return;
+        };
+        self.conns.remove(&token);
+        let keys: Vec<u64> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.token == token)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            self.close(k);
+        }
+        self.wake_conns.remove(&conn);
+    }
+
+    /// Whether requests wait (a look before the loop blocks).
+    pub fn has_requests(&self) -> bool {
+        self.server.has_requests().unwrap_or(false)
+    }
+
+    /// Before blocking: tells every hot client to notify the wake service
+    /// after sending. Returns whether requests already wait (then do not
+    /// block).
+    pub fn prepare_sleep(&self) -> bool {
+        for c in self.conns.values() {
+            c.area.manager_sleeping().store(1, Ordering::Relaxed);
+        }
+        // Pairs with the client's fence between sending and looking at
+        // the flag: either it sees the flag, or we see its request.
+        fence(Ordering::SeqCst);
+        self.has_requests()
+    }
+
+    /// After blocking: clients need not notify; drains the wake events.
+    pub fn woke(&self) {
+        for c in self.conns.values() {
+            c.area.manager_sleeping().store(0, Ordering::Relaxed);
+        }
+        let _ = self.listener.try_wait(|_| {});
+    }
+
+    /// Takes up to `max` requests. Valid ones come back as commands to
+    /// submit; bad ones are answered with a typed error here.
+    pub fn receive(&mut self, max: usize) -> Vec<Incoming> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            let request = match self.server.receive() {
+                Ok(Some(r)) => r,
+                _ => break,
+            };
+            self.stats.requests += 1;
+            let r: HotRequest = *request.payload();
+            let checked = if r.magic != hot::HOT_MAGIC {
+                Err(HotError {
+                    code: HotErrorCode::BadMagic,
+                    detail: r.magic as u64,
+                })
+            } else if let Some(c) = self.conns.get(&r.token) {
+                hot::decode_request(&r, &c.area).map(|cmd| (c.conn, cmd))
+            } else {
+                Err(HotError {
+                    code: HotErrorCode::UnknownToken,
+                    detail: r.token,
+                })
+            };
+            match checked {
+                Ok((conn, command)) => {
+                    let key = self.next_key;
+                    self.next_key += 1;
+                    let op = Op::from_u32(r.op).expect("decoded");
+                    self.active.insert(
+                        key,
+                        Active {
+                            request,
+                            token: r.token,
+                            tag: r.tag,
+                            op,
+                            command: None,
+                            sent: 0,
+                            operation: None,
+                            this_tick: true,
+                        },
+                    );
+                    out.push(Incoming { key, conn, command });
+                }
+                Err(e) => {
+                    self.stats.errors += 1;
+                    let _ = request.send_copy(hot::error_response(r.tag, e));
+                    if let Some(c) = self.conns.get(&r.token) {
+                        self.wake_check(r.token, c.conn);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The loop submitted `key`'s command: its id, or why not (answered
+    /// with `Refused` at once).
+    pub fn submitted(&mut self, key: u64, result: Result<CommandId, CommandError>) {
+        match result {
+            Ok(cid) => {
+                if let Some(a) = self.active.get_mut(&key) {
+                    a.command = Some(cid);
+                    self.by_command.insert(cid, key);
+                }
+            }
+            Err(e) => {
+                let Some(a) = self.active.get(&key) else {
+                    return;
+                };
+                let (tag, token) = (a.tag, a.token);
+                let Some(c) = self.conns.get_mut(&token) else {
+                    return;
+                };
+                let r = hot::encode_refusal(tag, &e, &c.area, &mut c.writer).unwrap_or_else(|| {
+                    hot::error_response(
+                        tag,
+                        HotError {
+                            code: HotErrorCode::Unknown,
+                            detail: 0,
+                        },
+                    )
+                });
+                let conn = c.conn;
+                let a = self.active.remove(&key).expect("checked");
+                let _ = a.request.send_copy(r);
+                self.stats.responses += 1;
+                self.wake_check(token, conn);
+            }
+        }
+    }
+
+    /// Which open request an event answers.
+    fn route(&self, e: &Event) -> Option<u64> {
+        use Event::*;
+        match e {
+            Rejected { command, .. }
+            | QueryResult { command, .. }
+            | PublishDone { command, .. } => self.by_command.get(command).copied(),
+            Loading { operation }
+            | Ready { operation, .. }
+            | Miss { operation, .. }
+            | RestoreDone { operation, .. }
+            | Released { operation }
+            | TransferOverdue { operation, .. } => self.by_operation.get(operation).copied(),
+            _ => None,
+        }
+    }
+
+    /// Sends `e` on the hot path when an open request answers it. `false`:
+    /// the caller sends it on the socket (no open request, or no room);
+    /// the request is then still acknowledged and closed as it should be.
+    pub fn deliver(&mut self, e: &Event) -> bool {
+        let Some(key) = self.route(e) else {
+            return false;
+        };
+        let last = match e {
+            Event::Rejected { .. } | Event::PublishDone { .. } => true,
+            Event::QueryResult {
+                operation, miss, ..
+            } => {
+                if miss.is_none() {
+                    self.by_operation.insert(*operation, key);
+                    if let Some(a) = self.active.get_mut(&key) {
+                        a.operation = Some(*operation);
+                    }
+                    false
+                } else {
+                    true
+                }
+            }
+            Event::Miss { .. } | Event::RestoreDone { .. } | Event::Released { .. } => true,
+            _ => false,
+        };
+        let sent = self.send_event(key, e, last);
+        if last {
+            self.close(key);
+        }
+        if !sent {
+            self.stats.fallbacks += 1;
+        }
+        sent
+    }
+
+    fn send_event(&mut self, key: u64, e: &Event, last: bool) -> bool {
+        let Some(a) = self.active.get_mut(&key) else {
+            return false;
+        };
+        let Some(c) = self.conns.get_mut(&a.token) else {
+            return false;
+        };
+        let command = a.command.unwrap_or(0);
+        // Keep one response of the buffer for a final `accepted`.
+        let room = a.sent + 1 < hot::MAX_RESPONSES_PER_REQUEST;
+        let encoded = if room {
+            hot::encode_event(e, a.tag, command, &c.area, &mut c.writer)
+        } else {
+            None
+        };
+        let (token, conn) = (a.token, c.conn);
+        match encoded {
+            Some(mut r) => {
+                if last {
+                    r.flags |= RESP_LAST;
+                }
+                if a.request.send_copy(r).is_err() {
+                    for d in &r.parts {
+                        c.area.free(c.area.rep, d);
+                    }
+                    return false;
+                }
+                a.sent += 1;
+                self.stats.responses += 1;
+                self.wake_check(token, conn);
+                true
+            }
+            None => {
+                // The event takes the socket; the client still learns the
+                // command's id, and that the request ended.
+                if a.sent == 0 || last {
+                    let mut r = hot::response(RespKind::Accepted, a.tag, command);
+                    if last {
+                        r.flags |= RESP_LAST;
+                    }
+                    if a.request.send_copy(r).is_ok() {
+                        a.sent += 1;
+                        self.stats.responses += 1;
+                        self.wake_check(token, conn);
+                    }
+                }
+                false
+            }
+        }
+    }
+
+    /// After a tick's events: requests submitted before it whose replies
+    /// are complete get `accepted` (if nothing answered them yet) and
+    /// close; a publish's stays open for `publish_done`.
+    pub fn end_tick(&mut self) {
+        let keys: Vec<u64> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.this_tick)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            let a = self.active.get_mut(&key).expect("listed");
+            a.this_tick = false;
+            let keep = match a.op {
+                Op::Publish => true,
+                Op::Query => a.operation.is_some(),
+                _ => false,
+            };
+            if !keep || a.sent == 0 {
+                let mut r = hot::response(RespKind::Accepted, a.tag, a.command.unwrap_or(0));
+                if !keep {
+                    r.flags |= RESP_LAST;
+                }
+                if a.request.send_copy(r).is_ok() {
+                    a.sent += 1;
+                    self.stats.responses += 1;
+                    let token = a.token;
+                    if let Some(conn) = self.conns.get(&token).map(|c| c.conn) {
+                        self.wake_check(token, conn);
+                    }
+                }
+            }
+            let a = &self.active[&key];
+            if !matches!(a.op, Op::Publish)
+                && let Some(cid) = a.command
+                && self.by_command.get(&cid) == Some(&key)
+            {
+                self.by_command.remove(&cid);
+            }
+            if !keep {
+                self.close(key);
+            }
+        }
+    }
+
+    fn close(&mut self, key: u64) {
+        if let Some(a) = self.active.remove(&key) {
+            if let Some(cid) = a.command
+                && self.by_command.get(&cid) == Some(&key)
+            {
+                self.by_command.remove(&cid);
+            }
+            if let Some(op) = a.operation
+                && self.by_operation.get(&op) == Some(&key)
+            {
+                self.by_operation.remove(&op);
+            }
+        }
+    }
+
+    /// After a response to a client that said it is about to block: it
+    /// needs a `Wake` frame on its socket (once per sleep).
+    fn wake_check(&mut self, token: u64, conn: ConnId) {
+        let Some(c) = self.conns.get(&token) else {
+            return;
+        };
+        // Pairs with the client's fence between setting the flag and its
+        // last look at its responses.
+        fence(Ordering::SeqCst);
+        if c.area
+            .client_sleeping()
+            .compare_exchange(1, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.stats.wakes += 1;
+            self.wake_conns.insert(conn);
+        }
+    }
+
+    /// Connections to send a `Wake` frame.
+    pub fn take_wakes(&mut self) -> Vec<ConnId> {
+        std::mem::take(&mut self.wake_conns).into_iter().collect()
+    }
+
+    /// Open requests (tests, metrics).
+    pub fn open_requests(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Drops every port, then removes the incarnation's files.
+    pub fn shutdown(self) -> usize {
+        let prefix = self.prefix.clone();
+        drop(self);
+        hot::remove_files_with_prefix(&prefix)
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: an 8-byte buffer.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, 8, 0) };
+    if n == 8 {
+        u64::from_le_bytes(b)
+    } else {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        t ^ (u64::from(std::process::id()) << 32)
+    }
+}

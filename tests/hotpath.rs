@@ -1,0 +1,654 @@
+//! The iceoryx2 hot path of `orbitkv serve`, against a real manager
+//! subprocess: exact bytes across two hot clients (publish, query, prepare,
+//! restore, release, cancel), malformed messages and descriptors answered
+//! with typed errors while the manager keeps serving, the socket-only
+//! option, and the incarnation's iceoryx2 files: gone after shutdown, a
+//! new service name after a restart, a crashed manager's files removed by
+//! the next one.
+
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command as Proc, Stdio};
+use std::time::{Duration, Instant};
+
+use orbitkv_components::api::{
+    Command, Event, GroupHashes, MissReason, PagePos, PublishPage, Rank, RestoreTarget,
+    SessionHandle,
+};
+use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
+use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
+use orbitkv_io::ipc::hot::{self, Desc, HotErrorCode, HotRequest, Op, part};
+use orbitkv_io::ipc::{Client, ClientError, ClientOptions};
+
+const PAGE: u64 = 16;
+const BYTES: u64 = 4096;
+const T: Duration = Duration::from_secs(10);
+
+struct Manager {
+    child: Child,
+    socket: PathBuf,
+    metrics: String,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start(dir: &Path) -> Manager {
+    let socket = dir.join("orbitkv.sock");
+    let config = dir.join("orbitkv.toml");
+    std::fs::write(
+        &config,
+        "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n",
+    )
+    .unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
+        .args([
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--dram",
+            "16MiB",
+            "--config",
+            config.to_str().unwrap(),
+            "--metrics-addr",
+            &metrics,
+        ])
+        .env("RUST_LOG", "warn")
+        .env_remove("ORBITKV_HOT_PATH")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + T;
+    while Client::connect(&socket, "probe").is_err() {
+        assert!(Instant::now() < deadline, "manager did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Manager {
+        child,
+        socket,
+        metrics,
+    }
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Manager {
+    fn stop(mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "{status}");
+    }
+
+    fn metric(&self, name: &str) -> Option<u64> {
+        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        let line = body
+            .lines()
+            .find(|l| l.starts_with(&format!("orbitkv_{name} ")))?;
+        line.rsplit(' ').next()?.parse().ok()
+    }
+
+    /// Waits until the metric (refreshed every 100 ms) satisfies `ok`.
+    fn wait_metric(&self, name: &str, ok: impl Fn(u64) -> bool) -> u64 {
+        let deadline = Instant::now() + T;
+        loop {
+            if let Some(v) = self.metric(name)
+                && ok(v)
+            {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} never got there (now {:?})",
+                self.metric(name)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn connect(m: &Manager, name: &str) -> Client {
+    let c = Client::connect_with(
+        &m.socket,
+        name,
+        ClientOptions {
+            hot_path: true,
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(c.hot_path_error(), None);
+    assert_eq!(
+        c.hot_service(),
+        Some(hot::service_name(c.incarnation()).as_str()),
+        "the hot path is on"
+    );
+    c
+}
+
+fn register(c: &mut Client) {
+    let slot = StorageSlot {
+        layer: 0,
+        group: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+        segment_bytes: BYTES,
+        padded_page_bytes: BYTES,
+        page_tokens: PAGE as u32,
+        dtype: "bf16".into(),
+        layout: "NHD".into(),
+        strides: vec![1],
+        device_addr: 0,
+    };
+    let e = c
+        .call(
+            Command::RegisterInstance {
+                instance: "llama".into(),
+                identity: [9; 32],
+                layout: StorageLayout {
+                    slots: vec![slot],
+                    pool_capacity_pages: 0,
+                },
+                page_tokens: PAGE,
+                groups: vec![GroupSpec {
+                    id: 0,
+                    rule: Rule::Prefix,
+                    components: vec![ComponentKind::AttentionKv],
+                }],
+                ranks: vec![Rank { tp: 0, pp: 0 }],
+            },
+            T,
+        )
+        .unwrap();
+    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
+}
+
+fn open(c: &mut Client) -> (SessionHandle, u64) {
+    let s = match c
+        .call(
+            Command::OpenSession {
+                instance: "llama".into(),
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::SessionOpened { session, .. } => session,
+        e => panic!("{e:?}"),
+    };
+    let region = match c
+        .call(
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 0,
+                group: 0,
+                slots: 64,
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::RegionRegistered { region, .. } => region,
+        e => panic!("{e:?}"),
+    };
+    (s, region)
+}
+
+fn alloc(c: &mut Client, s: SessionHandle, region: u64, slot: u32) -> u64 {
+    match c
+        .call(
+            Command::DevicePageAlloc {
+                session: s,
+                region,
+                slot,
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::DevicePageAllocated { device_page, .. } => device_page,
+        e => panic!("{e:?}"),
+    }
+}
+
+fn payload(i: u64) -> Vec<u8> {
+    (0..BYTES)
+        .map(|b| (b as u8).wrapping_mul(29).wrapping_add(i as u8 * 11 + 3))
+        .collect()
+}
+
+fn hashes(n: u64) -> Vec<NativeHash> {
+    (0..n).map(|i| NativeHash::from_u64(0x5eed0 + i)).collect()
+}
+
+fn query(s: SessionHandle, pages: u64, prepare: bool) -> Command {
+    Command::Query {
+        session: s,
+        request: 7,
+        groups: vec![GroupHashes {
+            group: 0,
+            hashes: hashes(pages),
+        }],
+        origin: 0,
+        prompt_len: pages * PAGE,
+        expect_namespaces: vec![],
+        prepare,
+        speculative: false,
+    }
+}
+
+fn publish_four(a: &mut Client) {
+    register(a);
+    let (sa, ra) = open(a);
+    let mut pages = Vec::new();
+    for i in 0..4u64 {
+        let dp = alloc(a, sa, ra, i as u32);
+        a.region_mut(ra).unwrap()[(i * BYTES) as usize..((i + 1) * BYTES) as usize]
+            .copy_from_slice(&payload(i));
+        pages.push(PublishPage {
+            rank: 0,
+            group: 0,
+            hash: hashes(4)[i as usize],
+            device_page: dp,
+        });
+    }
+    // Publish goes on the hot path; its reply waits for the copies.
+    let e = a
+        .call(
+            Command::Publish {
+                session: sa,
+                request: 1,
+                pages,
+            },
+            T,
+        )
+        .unwrap();
+    assert!(matches!(e, Event::PublishDone { inserted: 4, .. }), "{e:?}");
+}
+
+/// Query (prepare) → Ready; returns the operation, checking the leased
+/// bytes in the shared pool.
+fn query_ready(b: &mut Client, s: SessionHandle) -> u64 {
+    let qr = b.call(query(s, 5, true), T).unwrap();
+    let Event::QueryResult {
+        operation,
+        selected: Some(sel),
+        candidates,
+        common,
+        ..
+    } = qr
+    else {
+        panic!("{qr:?}")
+    };
+    assert_eq!(sel, 4 * PAGE);
+    assert_eq!(candidates.len(), 1);
+    assert_eq!(candidates[0].page_ends, vec![16, 32, 48, 64]);
+    assert!(common.contains(&64), "{common:?}");
+    let ready = b
+        .wait_event(
+            T,
+            |e| matches!(e, Event::Ready { operation: o, .. } if *o == operation),
+        )
+        .unwrap()
+        .expect("ready");
+    let Event::Ready { leases, .. } = ready else {
+        unreachable!()
+    };
+    assert_eq!(leases.len(), 4);
+    for l in &leases {
+        assert_eq!(b.page(l).unwrap(), &payload(l.pos.page_end / PAGE - 1)[..]);
+    }
+    operation
+}
+
+#[test]
+fn hot_round_trip_moves_exact_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut a = connect(&m, "engine-a");
+    publish_four(&mut a);
+
+    let mut b = connect(&m, "engine-b");
+    register(&mut b);
+    let (sb, rb) = open(&mut b);
+
+    // publish → query → prepare(d) → restore, all hot.
+    let operation = query_ready(&mut b, sb);
+    let mut targets = Vec::new();
+    for i in 0..4u64 {
+        let dp = alloc(&mut b, sb, rb, 10 + i as u32);
+        targets.push(RestoreTarget {
+            pos: PagePos {
+                rank: 0,
+                group: 0,
+                page_end: (i + 1) * PAGE,
+            },
+            device_page: dp,
+        });
+    }
+    b.submit(Command::Restore {
+        session: sb,
+        operation,
+        targets,
+        retained: vec![],
+    })
+    .unwrap();
+    let done = b
+        .wait_event(T, |e| {
+            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+        })
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        done,
+        Event::RestoreDone {
+            operation,
+            pages: 4,
+            bytes: 4 * BYTES
+        }
+    );
+    for i in 0..4u64 {
+        let at = ((10 + i) * BYTES) as usize;
+        assert_eq!(
+            &b.region_mut(rb).unwrap()[at..at + BYTES as usize],
+            &payload(i)[..],
+            "page {i}"
+        );
+    }
+
+    // A separate prepare, then release.
+    let qr = b.call(query(sb, 5, false), T).unwrap();
+    let Event::QueryResult { operation, .. } = qr else {
+        panic!("{qr:?}")
+    };
+    b.submit(Command::Prepare {
+        session: sb,
+        operation,
+    })
+    .unwrap();
+    let ready = b
+        .wait_event(T, |e| matches!(e, Event::Ready { .. } | Event::Miss { .. }))
+        .unwrap()
+        .unwrap();
+    assert!(matches!(ready, Event::Ready { operation: o, .. } if o == operation));
+    b.submit(Command::Release {
+        session: sb,
+        operation,
+    })
+    .unwrap();
+    let released = b
+        .wait_event(T, |e| matches!(e, Event::Released { .. }))
+        .unwrap()
+        .unwrap();
+    assert_eq!(released, Event::Released { operation });
+
+    // Cancel ends an operation with a `cancelled` miss.
+    let qr = b.call(query(sb, 5, false), T).unwrap();
+    let Event::QueryResult { operation, .. } = qr else {
+        panic!("{qr:?}")
+    };
+    b.submit(Command::Cancel {
+        session: sb,
+        operation,
+    })
+    .unwrap();
+    let miss = b
+        .wait_event(T, |e| matches!(e, Event::Miss { .. }))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        miss,
+        Event::Miss {
+            operation,
+            reason: MissReason::Cancelled
+        }
+    );
+
+    // A refused command (wrong state) is a `rejected` event, as on the
+    // socket.
+    let stale = SessionHandle {
+        id: 1,
+        epoch: 1,
+        incarnation: 1,
+    };
+    let r = b.call(query(stale, 2, true), T).unwrap();
+    assert!(matches!(r, Event::Rejected { .. }), "{r:?}");
+
+    // Many round trips reuse the descriptor area (its rings wrap).
+    for _ in 0..300 {
+        let qr = b.call(query(sb, 5, false), T).unwrap();
+        let Event::QueryResult { operation, .. } = qr else {
+            panic!("{qr:?}")
+        };
+        b.submit(Command::Release {
+            session: sb,
+            operation,
+        })
+        .unwrap();
+        b.wait_event(
+            T,
+            |e| matches!(e, Event::Released { operation: o } if *o == operation),
+        )
+        .unwrap()
+        .unwrap();
+    }
+
+    // Everything went on the hot path; nothing is left open.
+    assert!(m.wait_metric("hot_requests_total", |v| v >= 600) >= 600);
+    assert_eq!(m.metric("hot_fallbacks_total"), Some(0));
+    assert_eq!(m.metric("hot_errors_total"), Some(0));
+    m.wait_metric("hot_open_requests", |v| v == 0);
+    m.wait_metric("leases", |v| v == 0);
+    assert!(a.ping().unwrap() < T);
+    drop((a, b));
+    m.stop();
+}
+
+#[test]
+fn malformed_hot_requests_get_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut a = connect(&m, "engine-a");
+    publish_four(&mut a);
+    let mut c = connect(&m, "fuzzer");
+    register(&mut c);
+    let (s, _) = open(&mut c);
+    let token = c.hot_token().unwrap();
+    let base = HotRequest {
+        magic: hot::HOT_MAGIC,
+        op: Op::Restore as u32,
+        token,
+        session: [s.id, s.epoch, s.incarnation],
+        a: 1,
+        ..HotRequest::default()
+    };
+    let code = |r: Result<u64, ClientError>| match r {
+        Err(ClientError::Hot(e)) => e.code,
+        other => panic!("{other:?}"),
+    };
+    // Each case names a fresh, live record, changed in one way.
+    let bad = |c: &mut Client, change: &dyn Fn(Desc) -> Desc| {
+        let good = c.hot_write_part(part::TARGETS, &[0u8; 24]).unwrap();
+        let mut r = base;
+        r.parts[0] = change(good);
+        code(c.hot_submit_raw(r))
+    };
+    // Out of bounds, misaligned, overlong.
+    assert_eq!(
+        bad(&mut c, &|d| Desc {
+            offset: 1 << 30,
+            ..d
+        }),
+        HotErrorCode::DescriptorBounds
+    );
+    assert_eq!(
+        bad(&mut c, &|d| Desc {
+            offset: d.offset + 4,
+            ..d
+        }),
+        HotErrorCode::DescriptorBounds
+    );
+    assert_eq!(
+        bad(&mut c, &|d| Desc { len: u32::MAX, ..d }),
+        HotErrorCode::DescriptorBounds
+    );
+    // Stale: the wrong generation.
+    assert_eq!(
+        bad(&mut c, &|d| Desc {
+            generation: d.generation + 1,
+            ..d
+        }),
+        HotErrorCode::DescriptorGeneration
+    );
+    // A length or kind that does not match the record.
+    assert_eq!(
+        bad(&mut c, &|d| Desc { len: 48, ..d }),
+        HotErrorCode::DescriptorMismatch
+    );
+    assert_eq!(
+        bad(&mut c, &|d| Desc {
+            kind: part::LEASES,
+            ..d
+        }),
+        HotErrorCode::DescriptorMismatch
+    );
+    let with = |d: Desc| {
+        let mut r = base;
+        r.parts[0] = d;
+        r
+    };
+    // Bytes that do not parse.
+    let short = c.hot_write_part(part::TARGETS, &[0u8; 23]).unwrap();
+    assert_eq!(code(c.hot_submit_raw(with(short))), HotErrorCode::BadPart);
+    // Bad header fields.
+    assert_eq!(
+        code(c.hot_submit_raw(HotRequest { magic: 1, ..base })),
+        HotErrorCode::BadMagic
+    );
+    assert_eq!(
+        code(c.hot_submit_raw(HotRequest { op: 99, ..base })),
+        HotErrorCode::UnknownOp
+    );
+    assert_eq!(
+        code(c.hot_submit_raw(HotRequest {
+            token: token ^ 1,
+            ..base
+        })),
+        HotErrorCode::UnknownToken
+    );
+    m.wait_metric("hot_errors_total", |v| v == 10);
+
+    // The manager keeps serving, this client and others.
+    let op = query_ready(&mut c, s);
+    c.submit(Command::Release {
+        session: s,
+        operation: op,
+    })
+    .unwrap();
+    c.wait_event(T, |e| matches!(e, Event::Released { .. }))
+        .unwrap()
+        .unwrap();
+    assert!(a.ping().unwrap() < T);
+    drop((a, c));
+    m.stop();
+}
+
+#[test]
+fn socket_only_clients_still_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut a = connect(&m, "engine-a");
+    publish_four(&mut a);
+    let mut b = Client::connect_with(
+        &m.socket,
+        "socket-only",
+        ClientOptions {
+            hot_path: false,
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(b.hot_service(), None);
+    register(&mut b);
+    let (s, _) = open(&mut b);
+    std::thread::sleep(Duration::from_millis(250));
+    let before = m.wait_metric("hot_requests_total", |_| true);
+    let op = query_ready(&mut b, s);
+    b.submit(Command::Release {
+        session: s,
+        operation: op,
+    })
+    .unwrap();
+    b.wait_event(T, |e| matches!(e, Event::Released { .. }))
+        .unwrap()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(250));
+    assert_eq!(m.metric("hot_requests_total"), Some(before));
+    drop((a, b));
+    m.stop();
+}
+
+#[test]
+fn incarnations_clean_up_their_iceoryx2_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut c = connect(&m, "engine");
+    register(&mut c);
+    let (s, _) = open(&mut c);
+    let r = c.call(query(s, 2, true), T).unwrap();
+    assert!(matches!(r, Event::QueryResult { .. }), "{r:?}");
+    let first = c.incarnation();
+    let first_service = c.hot_service().unwrap().to_owned();
+    let prefix = hot::file_prefix(first);
+    assert!(
+        !hot::files_with_prefix(&prefix).is_empty(),
+        "the incarnation's files exist while it runs"
+    );
+    drop(c);
+    m.stop();
+    assert_eq!(
+        hot::files_with_prefix(&prefix),
+        Vec::<PathBuf>::new(),
+        "no /dev/shm or {} entries of the incarnation remain",
+        hot::iox_root().display()
+    );
+
+    // A restarted manager has a new service name.
+    let m = start(dir.path());
+    let c = connect(&m, "engine");
+    assert_ne!(c.incarnation(), first);
+    assert_ne!(c.hot_service().unwrap(), first_service);
+
+    // A manager that crashes leaves files; the next one removes them.
+    let crashed = hot::file_prefix(c.incarnation());
+    drop(c);
+    let mut m = m;
+    m.child.kill().unwrap();
+    m.child.wait().unwrap();
+    assert!(!hot::files_with_prefix(&crashed).is_empty());
+    let _ = std::fs::remove_file(&m.socket);
+    drop(m);
+    let m = start(dir.path());
+    assert_eq!(
+        hot::files_with_prefix(&crashed),
+        Vec::<PathBuf>::new(),
+        "the crashed incarnation's files were cleaned up"
+    );
+    let last = hot::file_prefix(connect(&m, "engine").incarnation());
+    m.stop();
+    assert_eq!(hot::files_with_prefix(&last), Vec::<PathBuf>::new());
+}

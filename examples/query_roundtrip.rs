@@ -78,6 +78,18 @@ fn main() {
         Some("burn") => loop {
             std::hint::spin_loop();
         },
+        // Only the raw iceoryx2 baseline, one JSON line: the Python
+        // benchmark measures it in its own run this way.
+        Some("--raw-iceoryx2") => {
+            let n: usize = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(10_000);
+            let me = std::env::current_exe().unwrap();
+            let s = stats(raw_iceoryx2(&me, n / 10 + 100, n));
+            println!(
+                "{{\"p50_us\": {:.3}, \"p99_us\": {:.3}, \"p999_us\": {:.3}}}",
+                s.p50, s.p99, s.p999
+            );
+            return;
+        }
         _ => {}
     }
     let iterations: usize = args

@@ -35,6 +35,8 @@ import platform
 import shutil
 import socket
 import subprocess
+import json
+import pathlib
 import sys
 import time
 from pathlib import Path
@@ -158,6 +160,8 @@ def main() -> int:
         ("(d) raw UDS ping-pong, 2 Rust threads", sorted(orbitkv._orbitkv._uds_roundtrip(n)))
     )
 
+    iox = raw_iceoryx2(n)
+
     base_p50 = percentile(base, 0.5) * 1e6
     print(f"orbitkv {orbitkv.__version__}: query round trip through `orbitkv serve`")
     print(
@@ -182,8 +186,31 @@ def main() -> int:
     print(
         f"  106.9 us: the original OrbitKV's Python local query (reference, not measured here)."
     )
-    print("  iceoryx2 baseline: out of scope, not measured.")
+    if iox is None:
+        print("  (e) raw iceoryx2: not measured (cargo build --release --example query_roundtrip)")
+    else:
+        print(
+            f"  (e) raw iceoryx2 request/response, 128 B, 2 Rust processes: "
+            f"p50 {iox['p50_us']:.1f} us, p99 {iox['p99_us']:.1f} us "
+            f"(p50/(c) {iox['p50_us'] / base_p50:.2f})"
+        )
     return 0
+
+
+def raw_iceoryx2(n: int):
+    """The raw iceoryx2 baseline, measured now by the Rust example."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    exe = root / "target" / "release" / "examples" / "query_roundtrip"
+    if not exe.exists():
+        built = subprocess.run(
+            ["cargo", "build", "--release", "--example", "query_roundtrip"], cwd=root
+        )
+        if built.returncode != 0:
+            return None
+    out = subprocess.run([str(exe), "--raw-iceoryx2", str(n)], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

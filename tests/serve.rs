@@ -2,35 +2,24 @@
 //! exact bytes across two connections through shared memory, a client that
 //! vanishes mid-restore, malformed frames, and a manager restart.
 
+mod support;
+use support::*;
+
 use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command as Proc, Stdio};
 use std::time::{Duration, Instant};
 
+use orbitkv_components::NativeHash;
 use orbitkv_components::api::{
-    Command, CommandError, Event, GroupHashes, PagePos, PublishPage, Rank, RestoreTarget,
-    SessionHandle,
+    Command, CommandError, Event, GroupHashes, PagePos, PublishPage, RestoreTarget, SessionHandle,
 };
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
 use orbitkv_io::ipc::Client;
-
-const PAGE: u64 = 16;
-const BYTES: u64 = 4096;
-const T: Duration = Duration::from_secs(10);
 
 struct Manager {
     child: Child,
     socket: PathBuf,
     metrics: String,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn start(dir: &Path) -> Manager {
@@ -109,95 +98,6 @@ impl Manager {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-    }
-}
-
-fn register(c: &mut Client) {
-    let slot = StorageSlot {
-        layer: 0,
-        group: 0,
-        tp_rank: 0,
-        pp_rank: 0,
-        segment_bytes: BYTES,
-        padded_page_bytes: BYTES,
-        page_tokens: PAGE as u32,
-        dtype: "bf16".into(),
-        layout: "NHD".into(),
-        strides: vec![1],
-        device_addr: 0,
-    };
-    let e = c
-        .call(
-            Command::RegisterInstance {
-                instance: "llama".into(),
-                identity: [9; 32],
-                layout: StorageLayout {
-                    slots: vec![slot],
-                    pool_capacity_pages: 0,
-                },
-                page_tokens: PAGE,
-                groups: vec![GroupSpec {
-                    id: 0,
-                    rule: Rule::Prefix,
-                    components: vec![ComponentKind::AttentionKv],
-                }],
-                ranks: vec![Rank { tp: 0, pp: 0 }],
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
-}
-
-fn open(c: &mut Client) -> (SessionHandle, u64) {
-    let s = match c
-        .call(
-            Command::OpenSession {
-                instance: "llama".into(),
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::SessionOpened { session, .. } => session,
-        e => panic!("{e:?}"),
-    };
-    let region = match c
-        .call(
-            Command::RegisterDeviceRegion {
-                session: s,
-                rank: 0,
-                group: 0,
-                slots: 32,
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::RegionRegistered { region, .. } => region,
-        e => panic!("{e:?}"),
-    };
-    assert!(
-        c.region_mut(region).is_some(),
-        "the region's shared memory came with the reply"
-    );
-    (s, region)
-}
-
-fn alloc(c: &mut Client, s: SessionHandle, region: u64, slot: u32) -> u64 {
-    match c
-        .call(
-            Command::DevicePageAlloc {
-                session: s,
-                region,
-                slot,
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::DevicePageAllocated { device_page, .. } => device_page,
-        e => panic!("{e:?}"),
     }
 }
 

@@ -1,0 +1,110 @@
+//! Helpers shared by the tests that drive a real `orbitkv serve`.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use orbitkv_components::api::{Command, Event, Rank, SessionHandle};
+use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
+use orbitkv_components::{StorageLayout, StorageSlot};
+use orbitkv_io::ipc::Client;
+
+pub const PAGE: u64 = 16;
+pub const BYTES: u64 = 4096;
+pub const T: Duration = Duration::from_secs(10);
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn register(c: &mut Client) {
+    let slot = StorageSlot {
+        layer: 0,
+        group: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+        segment_bytes: BYTES,
+        padded_page_bytes: BYTES,
+        page_tokens: PAGE as u32,
+        dtype: "bf16".into(),
+        layout: "NHD".into(),
+        strides: vec![1],
+        device_addr: 0,
+    };
+    let e = c
+        .call(
+            Command::RegisterInstance {
+                instance: "llama".into(),
+                identity: [9; 32],
+                layout: StorageLayout {
+                    slots: vec![slot],
+                    pool_capacity_pages: 0,
+                },
+                page_tokens: PAGE,
+                groups: vec![GroupSpec {
+                    id: 0,
+                    rule: Rule::Prefix,
+                    components: vec![ComponentKind::AttentionKv],
+                }],
+                ranks: vec![Rank { tp: 0, pp: 0 }],
+            },
+            T,
+        )
+        .unwrap();
+    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
+}
+
+pub fn alloc(c: &mut Client, s: SessionHandle, region: u64, slot: u32) -> u64 {
+    match c
+        .call(
+            Command::DevicePageAlloc {
+                session: s,
+                region,
+                slot,
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::DevicePageAllocated { device_page, .. } => device_page,
+        e => panic!("{e:?}"),
+    }
+}
+
+pub fn open(c: &mut Client) -> (SessionHandle, u64) {
+    let s = match c
+        .call(
+            Command::OpenSession {
+                instance: "llama".into(),
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::SessionOpened { session, .. } => session,
+        e => panic!("{e:?}"),
+    };
+    let region = match c
+        .call(
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 0,
+                group: 0,
+                slots: 64,
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::RegionRegistered { region, .. } => region,
+        e => panic!("{e:?}"),
+    };
+    assert!(
+        c.region_mut(region).is_some(),
+        "the region's shared memory came with the reply"
+    );
+    (s, region)
+}

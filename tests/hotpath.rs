@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use orbitkv_components::NativeHash;
 use orbitkv_components::api::{
-    Command, Event, GroupHashes, MissReason, PagePos, PublishPage, RestoreTarget, SessionHandle,
+    Command, Event, GroupHashes, MissReason, PagePos, RestoreTarget, SessionHandle,
 };
 use orbitkv_io::ipc::hot::{self, Desc, HotErrorCode, HotRequest, Op, part};
 use orbitkv_io::ipc::{Client, ClientError, ClientOptions};
@@ -155,35 +155,6 @@ fn query(s: SessionHandle, pages: u64, prepare: bool) -> Command {
     }
 }
 
-fn publish_four(a: &mut Client) {
-    register(a);
-    let (sa, ra) = open(a);
-    let mut pages = Vec::new();
-    for i in 0..4u64 {
-        let dp = alloc(a, sa, ra, i as u32);
-        a.region_mut(ra).unwrap()[(i * BYTES) as usize..((i + 1) * BYTES) as usize]
-            .copy_from_slice(&payload(i));
-        pages.push(PublishPage {
-            rank: 0,
-            group: 0,
-            hash: hashes(4)[i as usize],
-            device_page: dp,
-        });
-    }
-    // Publish goes on the hot path; its reply waits for the copies.
-    let e = a
-        .call(
-            Command::Publish {
-                session: sa,
-                request: 1,
-                pages,
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::PublishDone { inserted: 4, .. }), "{e:?}");
-}
-
 /// Query (prepare) → Ready; returns the operation, checking the leased
 /// bytes in the shared pool.
 fn query_ready(b: &mut Client, s: SessionHandle) -> u64 {
@@ -224,7 +195,7 @@ fn hot_round_trip_moves_exact_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let m = start(dir.path());
     let mut a = connect(&m, "engine-a");
-    publish_four(&mut a);
+    publish_four(&mut a, &hashes(4), payload);
 
     let mut b = connect(&m, "engine-b");
     register(&mut b);
@@ -367,7 +338,7 @@ fn malformed_hot_requests_get_typed_errors() {
     let dir = tempfile::tempdir().unwrap();
     let m = start(dir.path());
     let mut a = connect(&m, "engine-a");
-    publish_four(&mut a);
+    publish_four(&mut a, &hashes(4), payload);
     let mut c = connect(&m, "fuzzer");
     register(&mut c);
     let (s, _) = open(&mut c);
@@ -476,7 +447,7 @@ fn socket_only_clients_still_work() {
     let dir = tempfile::tempdir().unwrap();
     let m = start(dir.path());
     let mut a = connect(&m, "engine-a");
-    publish_four(&mut a);
+    publish_four(&mut a, &hashes(4), payload);
     let mut b = Client::connect_with(
         &m.socket,
         "socket-only",

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use orbitkv_components::NativeHash;
 use orbitkv_components::api::{
-    Command, CommandError, Event, GroupHashes, PagePos, PublishPage, RestoreTarget, SessionHandle,
+    Command, CommandError, Event, GroupHashes, PagePos, RestoreTarget, SessionHandle,
 };
 use orbitkv_io::ipc::Client;
 
@@ -127,34 +127,6 @@ fn query(s: SessionHandle, pages: u64) -> Command {
     }
 }
 
-fn publish_four(a: &mut Client) {
-    register(a);
-    let (sa, ra) = open(a);
-    let mut pages = Vec::new();
-    for i in 0..4u64 {
-        let dp = alloc(a, sa, ra, i as u32);
-        a.region_mut(ra).unwrap()[(i * BYTES) as usize..((i + 1) * BYTES) as usize]
-            .copy_from_slice(&payload(i));
-        pages.push(PublishPage {
-            rank: 0,
-            group: 0,
-            hash: hashes(4)[i as usize],
-            device_page: dp,
-        });
-    }
-    let e = a
-        .call(
-            Command::Publish {
-                session: sa,
-                request: 1,
-                pages,
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::PublishDone { inserted: 4, .. }), "{e:?}");
-}
-
 #[test]
 fn serve_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
@@ -168,7 +140,7 @@ fn serve_end_to_end() {
 
     // Client A publishes 4 pages from its device region.
     let mut a = Client::connect(&m.socket, "engine-a").unwrap();
-    publish_four(&mut a);
+    publish_four(&mut a, &hashes(4), payload);
 
     // Client B, another connection, restores them.
     let mut b = Client::connect(&m.socket, "engine-b").unwrap();

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use orbitkv_components::api::{Command, Event, Rank, SessionHandle};
+use orbitkv_components::api::{Command, Event, PublishPage, Rank, SessionHandle};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{StorageLayout, StorageSlot};
+use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
 use orbitkv_io::ipc::Client;
 
 pub const PAGE: u64 = 16;
@@ -107,4 +107,34 @@ pub fn open(c: &mut Client) -> (SessionHandle, u64) {
         "the region's shared memory came with the reply"
     );
     (s, region)
+}
+
+/// Registers, opens a session with a region, writes `payload(i)` into the
+/// first four device pages and publishes them under `hashes[0..4]`.
+pub fn publish_four(a: &mut Client, hashes: &[NativeHash], payload: impl Fn(u64) -> Vec<u8>) {
+    register(a);
+    let (sa, ra) = open(a);
+    let mut pages = Vec::new();
+    for i in 0..4u64 {
+        let dp = alloc(a, sa, ra, i as u32);
+        a.region_mut(ra).unwrap()[(i * BYTES) as usize..((i + 1) * BYTES) as usize]
+            .copy_from_slice(&payload(i));
+        pages.push(PublishPage {
+            rank: 0,
+            group: 0,
+            hash: hashes[i as usize],
+            device_page: dp,
+        });
+    }
+    let e = a
+        .call(
+            Command::Publish {
+                session: sa,
+                request: 1,
+                pages,
+            },
+            T,
+        )
+        .unwrap();
+    assert!(matches!(e, Event::PublishDone { inserted: 4, .. }), "{e:?}");
 }

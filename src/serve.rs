@@ -9,7 +9,7 @@
 //! ([`HotServer`]); its wake listener's descriptor is in the loop's
 //! `ppoll`, so a client's request wakes a sleeping manager.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::{self, Read as _, Write as _};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use orbitkv_components::api::{Command, CommandError, CommandId, Event, SessionHandle};
+use orbitkv_components::api::{CommandError, Origin};
 use orbitkv_io::ipc::frame::{self, FrameError, Kind, MAX_FRAME_BYTES};
 use orbitkv_io::ipc::hot_server::HotServer;
 use orbitkv_io::ipc::{Accepted, Hello, ProtocolError, Submit, Welcome};
@@ -201,95 +201,20 @@ struct Conn {
     fds: Vec<OwnedFd>,
     out: Vec<u8>,
     out_fds: Vec<OwnedFd>,
-    events: Vec<Event>,
+    events: Vec<orbitkv_components::api::Event>,
     greeted: bool,
-    sessions: BTreeMap<u64, SessionHandle>,
     closing: bool,
     name: String,
 }
 
-/// Who owns which reply: commands, operations, device pages, sessions.
-#[derive(Default)]
-struct Routes {
-    commands: HashMap<CommandId, ConnId>,
-    operations: HashMap<u64, ConnId>,
-    device_pages: HashMap<u64, ConnId>,
-    sessions: HashMap<u64, ConnId>,
-    /// Commands submitted since the last tick; all their synchronous
-    /// replies arrive in the next tick, so their routes can go after it.
-    this_tick: Vec<CommandId>,
-    /// Publishes reply later (after their copies).
-    publishes: HashMap<CommandId, ConnId>,
+/// A connection's origin in the runtime (0 is the embedded caller).
+fn origin(conn: ConnId) -> Origin {
+    Origin(conn + 1)
 }
 
-impl Routes {
-    fn owner(&self, e: &Event) -> Option<ConnId> {
-        use Event::*;
-        match e {
-            Rejected { command, .. }
-            | InstanceRegistered { command, .. }
-            | SessionOpened { command, .. }
-            | RegionRegistered { command, .. }
-            | DevicePageAllocated { command, .. }
-            | QueryResult { command, .. } => self.commands.get(command).copied(),
-            PublishDone { command, .. } => self
-                .publishes
-                .get(command)
-                .or(self.commands.get(command))
-                .copied(),
-            SessionClosed { session } => self.sessions.get(&session.id).copied(),
-            DevicePageFreed { device_page, .. } => self.device_pages.get(device_page).copied(),
-            Loading { operation }
-            | Ready { operation, .. }
-            | Miss { operation, .. }
-            | RestoreDone { operation, .. }
-            | Released { operation }
-            | TransferOverdue { operation, .. } => self.operations.get(operation).copied(),
-        }
-    }
-
-    /// Learns new handles from an event and forgets finished ones.
-    fn learn(&mut self, e: &Event, owner: ConnId) {
-        use Event::*;
-        match e {
-            SessionOpened { session, .. } => {
-                self.sessions.insert(session.id, owner);
-            }
-            SessionClosed { session } => {
-                self.sessions.remove(&session.id);
-            }
-            DevicePageAllocated { device_page, .. } => {
-                self.device_pages.insert(*device_page, owner);
-            }
-            DevicePageFreed { device_page, .. } => {
-                self.device_pages.remove(device_page);
-            }
-            QueryResult {
-                operation,
-                miss: None,
-                ..
-            } => {
-                self.operations.insert(*operation, owner);
-            }
-            Miss { operation, .. } | RestoreDone { operation, .. } | Released { operation } => {
-                self.operations.remove(operation);
-            }
-            PublishDone { command, .. } | Rejected { command, .. } => {
-                self.publishes.remove(command);
-            }
-            _ => {}
-        }
-    }
-
-    /// Drops every route to a closed connection, so the maps stay bounded
-    /// by what live connections own.
-    fn forget(&mut self, conn: ConnId) {
-        self.commands.retain(|_, c| *c != conn);
-        self.operations.retain(|_, c| *c != conn);
-        self.device_pages.retain(|_, c| *c != conn);
-        self.sessions.retain(|_, c| *c != conn);
-        self.publishes.retain(|_, c| *c != conn);
-    }
+/// The connection an event is addressed to.
+fn conn_of(to: Origin) -> Option<ConnId> {
+    to.0.checked_sub(1)
 }
 
 struct Server {
@@ -298,7 +223,6 @@ struct Server {
     listener: Option<UnixListener>,
     conns: BTreeMap<ConnId, Conn>,
     next_conn: ConnId,
-    routes: Routes,
     uid: u32,
     metrics: Arc<Mutex<String>>,
     metrics_updated: Instant,
@@ -362,7 +286,6 @@ pub fn run(args: Args) -> Result<()> {
         listener: Some(listener),
         conns: BTreeMap::new(),
         next_conn: 0,
-        routes: Routes::default(),
         // SAFETY: getuid has no preconditions.
         uid: unsafe { libc::getuid() },
         metrics,
@@ -491,14 +414,8 @@ impl Server {
         let incoming = h.receive(1024);
         let mut submitted = 0;
         for inc in incoming {
-            let publish = matches!(inc.command, Command::Publish { .. });
-            let result = match self.rt.submit(inc.command) {
+            let result = match self.rt.submit(origin(inc.conn), inc.command) {
                 Ok(cid) => {
-                    self.routes.commands.insert(cid, inc.conn);
-                    self.routes.this_tick.push(cid);
-                    if publish {
-                        self.routes.publishes.insert(cid, inc.conn);
-                    }
                     submitted += 1;
                     Ok(cid)
                 }
@@ -621,7 +538,6 @@ impl Server {
                         out_fds: Vec::new(),
                         events: Vec::new(),
                         greeted: false,
-                        sessions: BTreeMap::new(),
                         closing: false,
                         name: format!("pid {pid}"),
                     },
@@ -700,15 +616,8 @@ impl Server {
             }
             Kind::Submit => {
                 let submit: Submit = frame::decode(kind, payload)?;
-                let result = match self.rt.submit(submit.command.clone()) {
-                    Ok(cid) => {
-                        self.routes.commands.insert(cid, id);
-                        self.routes.this_tick.push(cid);
-                        if matches!(submit.command, Command::Publish { .. }) {
-                            self.routes.publishes.insert(cid, id);
-                        }
-                        Ok(cid)
-                    }
+                let result = match self.rt.submit(origin(id), submit.command) {
+                    Ok(cid) => Ok(cid),
                     Err(orbitkv_world::SubmitError::InboxFull(limit)) => Err(CommandError::Limit {
                         name: "max_inbox".into(),
                         limit: limit as u64,
@@ -765,37 +674,24 @@ impl Server {
         if let Some(h) = self.hot.as_mut() {
             h.unregister(id);
         }
-        info!(conn = id, client = %conn.name, reason = why, sessions = conn.sessions.len(), "client disconnected");
-        for session in conn.sessions.values() {
-            let _ = self.rt.submit(Command::CloseSession { session: *session });
-        }
-        self.routes.forget(id);
+        info!(conn = id, client = %conn.name, reason = why, "client disconnected");
+        self.rt.close_origin(origin(id));
     }
 
     fn tick(&mut self) {
         let events = self.rt.tick();
         self.last_tick = Instant::now();
-        for e in events {
-            let Some(owner) = self.routes.owner(&e) else {
+        for a in events {
+            // The addressee may have disconnected since: its sessions are
+            // closing, and nobody is left to tell.
+            let Some(conn) = conn_of(a.to).and_then(|id| self.conns.get_mut(&id)) else {
                 continue;
             };
-            self.routes.learn(&e, owner);
-            let Some(conn) = self.conns.get_mut(&owner) else {
-                continue;
-            };
-            match &e {
-                Event::SessionOpened { session, .. } => {
-                    conn.sessions.insert(session.id, *session);
-                }
-                Event::SessionClosed { session } => {
-                    conn.sessions.remove(&session.id);
-                }
-                Event::RegionRegistered { engine_region, .. } => {
-                    if let Some(fd) = self.rt.export_device_region(*engine_region) {
-                        conn.out_fds.push(fd);
-                    }
-                }
-                _ => {}
+            let e = a.event;
+            if let orbitkv_components::api::Event::RegionRegistered { engine_region, .. } = &e
+                && let Some(fd) = self.rt.export_device_region(*engine_region)
+            {
+                conn.out_fds.push(fd);
             }
             // Answers to hot requests go back on the hot path.
             if let Some(h) = self.hot.as_mut()
@@ -807,10 +703,6 @@ impl Server {
         }
         if let Some(h) = self.hot.as_mut() {
             h.end_tick();
-        }
-        // Synchronous replies of this tick's commands have arrived.
-        for cid in std::mem::take(&mut self.routes.this_tick) {
-            self.routes.commands.remove(&cid);
         }
         if self.metrics_updated.elapsed() >= METRICS_EVERY {
             self.metrics_updated = Instant::now();

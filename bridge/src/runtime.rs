@@ -5,7 +5,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use orbitkv_components::api::Command;
+use orbitkv_components::api::{Command, Origin};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::host::{DeviceArena, HostCopyConfig, HostCopyEngine};
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
@@ -204,7 +204,8 @@ impl PyRuntime {
     fn submit(&self, py: Python<'_>, command: &Bound<'_, PyAny>) -> PyResult<u64> {
         let command: Command = deserialize_dict(command)
             .map_err(|e| PyValueError::new_err(format!("invalid command: {e}")))?;
-        self.with(py, |rt| rt.submit(command))?
+        // One embedded caller: it owns every session it opens.
+        self.with(py, |rt| rt.submit(Origin::EMBEDDED, command))?
             .map_err(|e: SubmitError| QueueFull::new_err(e.to_string()))
     }
 
@@ -212,8 +213,8 @@ impl PyRuntime {
     fn tick<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.with(py, |rt| rt.tick())?;
         let list = PyList::empty(py);
-        for e in &events {
-            list.append(serialize(py, e)?)?;
+        for a in &events {
+            list.append(serialize(py, &a.event)?)?;
         }
         Ok(list)
     }

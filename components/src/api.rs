@@ -18,6 +18,34 @@ use crate::namespace::Namespace;
 /// Sequence number of a submitted command; events answer it.
 pub type CommandId = u64;
 
+/// Who submitted a command: a manager connection, or the embedded caller.
+/// Sessions remember the origin that opened them; every command that names a
+/// session (or its operations, device regions and device pages) must come
+/// from that origin, and every event is addressed to one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Origin(pub u64);
+
+impl Origin {
+    /// The embedded caller (the Python embedded runtime, tests) and the
+    /// replay driver.
+    pub const EMBEDDED: Origin = Origin(0);
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "origin {}", self.0)
+    }
+}
+
+/// An event and the origin it belongs to: a command's reply goes to the
+/// command's origin; an operation's, device page's or session's event goes
+/// to the origin of the session that owns it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Addressed {
+    pub to: Origin,
+    pub event: Event,
+}
+
 /// Why state was not handed back. One enum everywhere: events, reports,
 /// metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -249,6 +277,32 @@ pub enum CommandError {
     Copy(String),
     #[error("the runtime's clock is not simulated")]
     WallClock,
+    #[error(
+        "the command names a session, operation, device region or device page of another origin"
+    )]
+    NotOwner,
+}
+
+impl CommandError {
+    /// The serde name of the variant: reports and metrics count by it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CommandError::StaleSession => "stale_session",
+            CommandError::StaleGeneration(_) => "stale_generation",
+            CommandError::UnknownInstance(_) => "unknown_instance",
+            CommandError::InstanceConflict(_) => "instance_conflict",
+            CommandError::UnknownOperation(_) => "unknown_operation",
+            CommandError::WrongState { .. } => "wrong_state",
+            CommandError::UnknownRegion(_) => "unknown_region",
+            CommandError::SlotInUse { .. } => "slot_in_use",
+            CommandError::Invalid(_) => "invalid",
+            CommandError::Limit { .. } => "limit",
+            CommandError::LoadInvalid(_) => "load_invalid",
+            CommandError::Copy(_) => "copy",
+            CommandError::WallClock => "wall_clock",
+            CommandError::NotOwner => "not_owner",
+        }
+    }
 }
 
 /// A leased page in a `Ready` reply.
@@ -387,5 +441,56 @@ mod hex32 {
         let s = String::deserialize(d)?;
         crate::namespace::parse_hex32(&s)
             .ok_or_else(|| serde::de::Error::custom("expected 64 lowercase hex digits"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_kinds_are_the_serde_names() {
+        let all = [
+            CommandError::StaleSession,
+            CommandError::StaleGeneration(1),
+            CommandError::UnknownInstance("x".into()),
+            CommandError::InstanceConflict("x".into()),
+            CommandError::UnknownOperation(1),
+            CommandError::WrongState {
+                operation: 1,
+                state: "ready".into(),
+                expected: "selected".into(),
+            },
+            CommandError::UnknownRegion(1),
+            CommandError::SlotInUse { region: 1, slot: 2 },
+            CommandError::Invalid("x".into()),
+            CommandError::Limit {
+                name: "max_inbox".into(),
+                limit: 1,
+            },
+            CommandError::LoadInvalid("x".into()),
+            CommandError::Copy("x".into()),
+            CommandError::WallClock,
+            CommandError::NotOwner,
+        ];
+        for e in all {
+            let v = serde_json::to_value(&e).unwrap();
+            assert_eq!(v["error"], e.kind(), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn addressed_events_serialize_with_their_origin() {
+        let a = Addressed {
+            to: Origin(3),
+            event: Event::Released { operation: 7 },
+        };
+        let v = serde_json::to_value(&a).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"to": 3, "event": {"event": "released", "operation": 7}})
+        );
+        assert_eq!(serde_json::from_value::<Addressed>(v).unwrap(), a);
+        assert_eq!(Origin::EMBEDDED, Origin(0));
     }
 }

@@ -9,7 +9,9 @@
 
 use bevy_ecs::prelude::*;
 
-use crate::api::{CommandId, GroupHashes, MissReason, PagePos, Rank, RestoreTarget, SessionHandle};
+use crate::api::{
+    CommandId, GroupHashes, MissReason, Origin, PagePos, Rank, RestoreTarget, SessionHandle,
+};
 use crate::contract::{RecoveryContract, RequiredRange};
 use crate::encoding::Digest32;
 use crate::key::StateKey;
@@ -69,6 +71,10 @@ pub struct Group {
 #[derive(Component, Debug, Clone)]
 pub struct Session {
     pub instance: Entity,
+    /// The origin that opened it: the only one whose commands may name the
+    /// session, its operations, regions and device pages, and the addressee
+    /// of their events.
+    pub origin: Origin,
     pub epoch: u64,
     pub closing: bool,
 }
@@ -174,6 +180,9 @@ pub enum Outcome {
 pub struct Operation {
     pub command: CommandId,
     pub session: Entity,
+    /// The owning session's origin (it never changes): where the
+    /// operation's events go.
+    pub origin: Origin,
     pub instance: Entity,
     pub request: u64,
     pub state: OpState,
@@ -331,6 +340,8 @@ impl TransferKind {
 #[derive(Component, Debug, Clone)]
 pub struct DeviceRegion {
     pub session: Entity,
+    /// The owning session's origin: where its pages' events go.
+    pub origin: Origin,
     pub rank: u32,
     pub group: u32,
     pub slots: u32,

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use orbitkv_components::api::{
-    Command, CommandError, CommandId, Event, GroupHashes, PagePos, PublishPage, Rank,
+    Addressed, Command, CommandId, Event, GroupHashes, Origin, PagePos, PublishPage, Rank,
     RestoreTarget, SessionHandle,
 };
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
@@ -438,12 +438,15 @@ impl<'o> Replay<'o> {
     }
 
     fn submit(&mut self, command: Command) -> CommandId {
-        match self.rt.submit(command.clone()) {
+        // A trace has one origin: the driver owns every session it opens.
+        match self.rt.submit(Origin::EMBEDDED, command.clone()) {
             Ok(id) => id,
             Err(_) => {
                 // The inbox is bounded: a tick drains it.
                 self.tick();
-                self.rt.submit(command).unwrap_or(u64::MAX)
+                self.rt
+                    .submit(Origin::EMBEDDED, command)
+                    .unwrap_or(u64::MAX)
             }
         }
     }
@@ -453,8 +456,21 @@ impl<'o> Replay<'o> {
         self.after_tick(events)
     }
 
-    fn after_tick(&mut self, events: Vec<Event>) -> Vec<(CommandId, Event)> {
+    fn after_tick(&mut self, events: Vec<Addressed>) -> Vec<(CommandId, Event)> {
         self.ticks += 1;
+        let mut misaddressed = Vec::new();
+        let events: Vec<Event> = events
+            .into_iter()
+            .map(|a| {
+                if a.to != Origin::EMBEDDED {
+                    misaddressed.push(format!("event addressed to {}: {:?}", a.to, a.event));
+                }
+                a.event
+            })
+            .collect();
+        for v in misaddressed {
+            self.violation(v);
+        }
         if let Some(log) = &mut self.event_log {
             log.extend(events.iter().cloned());
         }
@@ -1332,7 +1348,7 @@ impl<'o> Replay<'o> {
                     .report
                     .totals
                     .rejected
-                    .entry(error_kind(error).into())
+                    .entry(error.kind().into())
                     .or_default() += 1;
                 if let Some(r) = self.requests.remove(command) {
                     self.report.requests[r.report].outcome = "rejected".into();
@@ -1785,24 +1801,6 @@ fn event_handle(e: &Event) -> Option<Value> {
         Event::QueryResult { operation, .. } => Some((*operation).into()),
         Event::InstanceRegistered { instance, .. } => Some((*instance).into()),
         _ => None,
-    }
-}
-
-fn error_kind(e: &CommandError) -> &'static str {
-    match e {
-        CommandError::StaleSession => "stale_session",
-        CommandError::StaleGeneration(_) => "stale_generation",
-        CommandError::UnknownInstance(_) => "unknown_instance",
-        CommandError::InstanceConflict(_) => "instance_conflict",
-        CommandError::UnknownOperation(_) => "unknown_operation",
-        CommandError::WrongState { .. } => "wrong_state",
-        CommandError::UnknownRegion(_) => "unknown_region",
-        CommandError::SlotInUse { .. } => "slot_in_use",
-        CommandError::Invalid(_) => "invalid",
-        CommandError::Limit { .. } => "limit",
-        CommandError::LoadInvalid(_) => "load_invalid",
-        CommandError::Copy(_) => "copy",
-        CommandError::WallClock => "wall_clock",
     }
 }
 

@@ -3,7 +3,9 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use orbitkv_components::api::{Command, Event, GroupHashes, PublishPage, Rank, RestoreTarget};
+use orbitkv_components::api::{
+    Addressed, Command, Event, GroupHashes, Origin, PublishPage, Rank, RestoreTarget,
+};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{NativeHash, StateKey, StorageLayout, StorageSlot};
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
@@ -34,10 +36,21 @@ fn reply<T>(
     pick: impl Fn(&Event) -> Option<T>,
     log: &mut Vec<Event>,
 ) -> T {
-    rt.submit(cmd).unwrap();
-    let ev = rt.tick();
+    rt.submit(Origin::EMBEDDED, cmd).unwrap();
+    let ev = events(rt.tick());
     log.extend(ev.clone());
     ev.iter().find_map(pick).expect("reply")
+}
+
+/// A tick's events, all addressed to the embedded caller.
+fn events(addressed: Vec<Addressed>) -> Vec<Event> {
+    addressed
+        .into_iter()
+        .map(|a| {
+            assert_eq!(a.to, Origin::EMBEDDED, "{a:?}");
+            a.event
+        })
+        .collect()
 }
 
 #[test]
@@ -166,15 +179,19 @@ fn recorded_trace_replays_to_the_same_events() {
             device_page: dp,
         });
     }
-    rt.submit(Command::Publish {
-        session: s,
-        request: 1,
-        pages,
-    })
+    rt.submit(
+        Origin::EMBEDDED,
+        Command::Publish {
+            session: s,
+            request: 1,
+            pages,
+        },
+    )
     .unwrap();
     for _ in 0..5 {
-        rt.submit(Command::AdvanceClock { us: 10 }).unwrap();
-        log.extend(rt.tick());
+        rt.submit(Origin::EMBEDDED, Command::AdvanceClock { us: 10 })
+            .unwrap();
+        log.extend(events(rt.tick()));
     }
     let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(100 + i)).collect();
     let op = reply(
@@ -219,20 +236,32 @@ fn recorded_trace_replays_to_the_same_events() {
             device_page: dp,
         });
     }
-    rt.submit(Command::Restore {
-        session: s,
-        operation: op,
-        targets,
-        retained: vec![],
-    })
+    rt.submit(
+        Origin::EMBEDDED,
+        Command::Restore {
+            session: s,
+            operation: op,
+            targets,
+            retained: vec![],
+        },
+    )
     .unwrap();
     for _ in 0..10 {
-        rt.submit(Command::AdvanceClock { us: 10 }).unwrap();
-        log.extend(rt.tick());
+        rt.submit(Origin::EMBEDDED, Command::AdvanceClock { us: 10 })
+            .unwrap();
+        log.extend(events(rt.tick()));
     }
     assert!(
         log.iter()
             .any(|e| matches!(e, Event::RestoreDone { pages: 3, .. })),
+        "{log:?}"
+    );
+    // The client goes away: recorded as a close of each of its sessions.
+    rt.close_origin(Origin::EMBEDDED);
+    log.extend(events(rt.tick()));
+    assert!(
+        log.iter()
+            .any(|e| matches!(e, Event::SessionClosed { session } if *session == s)),
         "{log:?}"
     );
     rt.stop_recording().unwrap();
@@ -240,6 +269,10 @@ fn recorded_trace_replays_to_the_same_events() {
     assert!(
         text.contains("\"bind\":\"$c"),
         "handles are recorded by name"
+    );
+    assert!(
+        text.contains(r#""cmd":{"command":"close_session","session":"$c"#),
+        "{text}"
     );
 
     let trace = orbitkv_scenarios::trace::parse(&text, 5).unwrap();

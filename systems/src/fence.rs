@@ -189,7 +189,7 @@ pub fn fence(
                         unpin_device_page(
                             &mut commands,
                             &mut regions,
-                            &mut outbox.0,
+                            &mut outbox,
                             *target,
                             &mut dp,
                         );
@@ -286,15 +286,19 @@ pub fn expire(
         }
         t.overdue = true;
         metrics.transfers_overdue += 1;
-        if let Ok(mut op) = ops.get_mut(t.operation)
-            && op.outcome.is_none()
-        {
+        let Ok(mut op) = ops.get_mut(t.operation) else {
+            unreachable!("an operation retires only after its transfers");
+        };
+        if op.outcome.is_none() {
             op.outcome = Some(Outcome::Miss(MissReason::IoError));
         }
-        outbox.0.push(Event::TransferOverdue {
-            operation: t.operation.to_bits(),
-            kind: t.kind.name().to_owned(),
-        });
+        outbox.push(
+            op.origin,
+            Event::TransferOverdue {
+                operation: t.operation.to_bits(),
+                kind: t.kind.name().to_owned(),
+            },
+        );
     }
     for mut op in &mut ops {
         if op.deadline_us > clock.now_us {
@@ -420,12 +424,14 @@ pub fn retire(
             }
         }
         registry.operations -= 1;
-        outbox.0.extend(event);
+        if let Some(event) = event {
+            outbox.push(op.origin, event);
+        }
         // Publish sources stay pinned until the reply: a deferred free is
         // reported after it.
         for source in sources {
             if let Ok(mut dp) = device_pages.get_mut(source) {
-                unpin_device_page(&mut commands, &mut regions, &mut outbox.0, source, &mut dp);
+                unpin_device_page(&mut commands, &mut regions, &mut outbox, source, &mut dp);
             }
         }
         commands.entity(entity).despawn();
@@ -477,9 +483,12 @@ pub fn close_sessions(
             commands.entity(region_entity).despawn();
         }
         registry.sessions -= 1;
-        outbox.0.push(Event::SessionClosed {
-            session: session_handle(entity, session.epoch, registry.incarnation),
-        });
+        outbox.push(
+            session.origin,
+            Event::SessionClosed {
+                session: session_handle(entity, session.epoch, registry.incarnation),
+            },
+        );
         commands.entity(entity).despawn();
     }
 }

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{
-    Command, CommandError, CommandId, Event, GroupHashes, PagePos, PublishPage, Rank,
+    Command, CommandError, CommandId, Event, GroupHashes, Origin, PagePos, PublishPage, Rank,
     RestoreTarget, SessionHandle,
 };
 use orbitkv_components::ecs::{
@@ -21,25 +21,38 @@ use orbitkv_components::{
 };
 
 use crate::lifecycle::finish;
-use crate::resources::{Clock, Copier, Inbox, Limits, Metrics, Outbox, Registry, SimulatedClock};
+use crate::resources::{
+    Clock, Copier, Inbound, Inbox, Limits, Metrics, Outbox, Registry, SimulatedClock,
+};
 
 type Result<T> = std::result::Result<T, CommandError>;
 
 pub fn ingest(world: &mut World) {
     let max = world.resource::<Limits>().max_commands_per_tick;
     for _ in 0..max {
-        let Some((id, command)) = world.resource_mut::<Inbox>().0.pop_front() else {
+        let Some(inbound) = world.resource_mut::<Inbox>().0.pop_front() else {
             break;
         };
-        if let Err(error) = handle(world, id, command) {
+        let (id, origin, command) = match inbound {
+            Inbound::Command {
+                id,
+                origin,
+                command,
+            } => (id, origin, command),
+            Inbound::CloseOrigin(origin) => {
+                close_origin(world, origin);
+                continue;
+            }
+        };
+        if let Err(error) = handle(world, id, origin, command) {
             world.resource_mut::<Metrics>().commands_rejected += 1;
-            emit(world, Event::Rejected { command: id, error });
+            emit(world, origin, Event::Rejected { command: id, error });
         }
     }
 }
 
-fn emit(world: &mut World, event: Event) {
-    world.resource_mut::<Outbox>().0.push(event);
+fn emit(world: &mut World, to: Origin, event: Event) {
+    world.resource_mut::<Outbox>().push(to, event);
 }
 
 fn invalid(msg: impl Into<String>) -> CommandError {
@@ -53,7 +66,7 @@ fn limit(name: &str, limit: usize) -> CommandError {
     }
 }
 
-fn handle(world: &mut World, id: CommandId, command: Command) -> Result<()> {
+fn handle(world: &mut World, id: CommandId, origin: Origin, command: Command) -> Result<()> {
     match command {
         Command::RegisterInstance {
             instance,
@@ -65,6 +78,7 @@ fn handle(world: &mut World, id: CommandId, command: Command) -> Result<()> {
         } => register_instance(
             world,
             id,
+            origin,
             instance,
             identity,
             layout,
@@ -72,28 +86,28 @@ fn handle(world: &mut World, id: CommandId, command: Command) -> Result<()> {
             groups,
             ranks,
         ),
-        Command::OpenSession { instance } => open_session(world, id, &instance),
-        Command::CloseSession { session } => close_session(world, session),
+        Command::OpenSession { instance } => open_session(world, id, origin, &instance),
+        Command::CloseSession { session } => close_session(world, origin, session),
         Command::RegisterDeviceRegion {
             session,
             rank,
             group,
             slots,
-        } => register_region(world, id, session, rank, group, slots),
+        } => register_region(world, id, origin, session, rank, group, slots),
         Command::DevicePageAlloc {
             session,
             region,
             slot,
-        } => alloc_device_page(world, id, session, region, slot),
+        } => alloc_device_page(world, id, origin, session, region, slot),
         Command::DevicePageFree {
             session,
             device_page,
-        } => free_device_page(world, session, device_page),
+        } => free_device_page(world, origin, session, device_page),
         Command::Query {
             session,
             request,
             groups,
-            origin,
+            origin: hbm_origin,
             prompt_len,
             expect_namespaces,
             prepare,
@@ -102,28 +116,28 @@ fn handle(world: &mut World, id: CommandId, command: Command) -> Result<()> {
             let q = QueryArgs {
                 request,
                 groups,
-                origin,
+                origin: hbm_origin,
                 prompt_len,
                 expect_namespaces,
                 prepare,
                 speculative,
             };
-            query(world, id, session, q)
+            query(world, id, origin, session, q)
         }
-        Command::Prepare { session, operation } => prepare(world, session, operation),
+        Command::Prepare { session, operation } => prepare(world, origin, session, operation),
         Command::Restore {
             session,
             operation,
             targets,
             retained,
-        } => restore(world, session, operation, targets, retained),
+        } => restore(world, origin, session, operation, targets, retained),
         Command::Publish {
             session,
             request,
             pages,
-        } => publish(world, id, session, request, pages),
-        Command::Release { session, operation } => release(world, session, operation),
-        Command::Cancel { session, operation } => cancel(world, session, operation),
+        } => publish(world, id, origin, session, request, pages),
+        Command::Release { session, operation } => release(world, origin, session, operation),
+        Command::Cancel { session, operation } => cancel(world, origin, session, operation),
         Command::AdvanceClock { us } => {
             if !world.resource::<SimulatedClock>().0 {
                 return Err(CommandError::WallClock);
@@ -139,6 +153,7 @@ fn handle(world: &mut World, id: CommandId, command: Command) -> Result<()> {
 fn register_instance(
     world: &mut World,
     id: CommandId,
+    origin: Origin,
     name: String,
     identity: [u8; 32],
     layout: StorageLayout,
@@ -268,6 +283,7 @@ fn register_instance(
             return register_instance(
                 world,
                 id,
+                origin,
                 name,
                 identity,
                 layout,
@@ -278,6 +294,7 @@ fn register_instance(
         }
         emit(
             world,
+            origin,
             Event::InstanceRegistered {
                 command: id,
                 instance: existing.to_bits(),
@@ -316,6 +333,7 @@ fn register_instance(
         .insert(name, entity);
     emit(
         world,
+        origin,
         Event::InstanceRegistered {
             command: id,
             instance: entity.to_bits(),
@@ -340,7 +358,7 @@ pub fn despawn_instance(world: &mut World, instance: Entity) {
     world.despawn(instance);
 }
 
-fn open_session(world: &mut World, id: CommandId, instance: &str) -> Result<()> {
+fn open_session(world: &mut World, id: CommandId, origin: Origin, instance: &str) -> Result<()> {
     let max = world.resource::<Limits>().max_sessions;
     let registry = world.resource::<Registry>();
     let Some(&inst) = registry.instances.get(instance) else {
@@ -356,12 +374,14 @@ fn open_session(world: &mut World, id: CommandId, instance: &str) -> Result<()> 
     let entity = world
         .spawn(Session {
             instance: inst,
+            origin,
             epoch,
             closing: false,
         })
         .id();
     emit(
         world,
+        origin,
         Event::SessionOpened {
             command: id,
             session: session_handle(entity, epoch, incarnation),
@@ -371,24 +391,31 @@ fn open_session(world: &mut World, id: CommandId, instance: &str) -> Result<()> 
 }
 
 /// Resolves a session handle: same incarnation, live entity, same epoch,
-/// not closing. Anything else is `StaleSession`.
-fn session(world: &World, handle: SessionHandle) -> Result<(Entity, Entity)> {
+/// not closing (else `StaleSession`), opened by `origin` (else `NotOwner`).
+fn session(world: &World, origin: Origin, handle: SessionHandle) -> Result<(Entity, Entity)> {
     if handle.incarnation != world.resource::<Registry>().incarnation {
         return Err(CommandError::StaleSession);
     }
     let entity = Entity::try_from_bits(handle.id).ok_or(CommandError::StaleSession)?;
     match world.get::<Session>(entity) {
-        Some(s) if s.epoch == handle.epoch && !s.closing => Ok((entity, s.instance)),
+        Some(s) if s.epoch == handle.epoch && !s.closing => {
+            if s.origin != origin {
+                return Err(CommandError::NotOwner);
+            }
+            Ok((entity, s.instance))
+        }
         _ => Err(CommandError::StaleSession),
     }
 }
 
-/// Resolves an operation handle owned by `session`.
+/// Resolves an operation handle: live (else `UnknownOperation`) and owned by
+/// `session` (else `NotOwner`).
 fn operation(world: &World, session: Entity, bits: u64) -> Result<Entity> {
     let entity = Entity::try_from_bits(bits).ok_or(CommandError::UnknownOperation(bits))?;
     match world.get::<Operation>(entity) {
         Some(op) if op.session == session => Ok(entity),
-        _ => Err(CommandError::UnknownOperation(bits)),
+        Some(_) => Err(CommandError::NotOwner),
+        None => Err(CommandError::UnknownOperation(bits)),
     }
 }
 
@@ -400,8 +427,26 @@ fn wrong_state(op: Entity, state: OpState, expected: &str) -> CommandError {
     }
 }
 
-fn close_session(world: &mut World, handle: SessionHandle) -> Result<()> {
-    let (entity, _) = session(world, handle)?;
+fn close_session(world: &mut World, origin: Origin, handle: SessionHandle) -> Result<()> {
+    let (entity, _) = session(world, origin, handle)?;
+    begin_close(world, entity);
+    Ok(())
+}
+
+/// Closes every open session of `origin`, as `CloseSession` would.
+fn close_origin(world: &mut World, origin: Origin) {
+    let open: Vec<Entity> = world
+        .query::<(Entity, &Session)>()
+        .iter(world)
+        .filter(|(_, s)| s.origin == origin && !s.closing)
+        .map(|(e, _)| e)
+        .collect();
+    for entity in open {
+        begin_close(world, entity);
+    }
+}
+
+fn begin_close(world: &mut World, entity: Entity) {
     world.get_mut::<Session>(entity).expect("resolved").closing = true;
     // Retire everything the session owns; submitted I/O keeps its buffers
     // until it completes, and the fence stage despawns the session after.
@@ -411,7 +456,6 @@ fn close_session(world: &mut World, handle: SessionHandle) -> Result<()> {
             cancel_op(&mut op);
         }
     }
-    Ok(())
 }
 
 fn cancel_op(op: &mut Operation) {
@@ -435,12 +479,13 @@ fn cancel_op(op: &mut Operation) {
 fn register_region(
     world: &mut World,
     id: CommandId,
+    origin: Origin,
     handle: SessionHandle,
     rank: u32,
     group: u32,
     slots: u32,
 ) -> Result<()> {
-    let (session, inst) = session(world, handle)?;
+    let (session, inst) = session(world, origin, handle)?;
     let max = world.resource::<Limits>().max_region_slots;
     if slots == 0 || slots > max {
         return Err(invalid(format!(
@@ -468,6 +513,7 @@ fn register_region(
     let entity = world
         .spawn(DeviceRegion {
             session,
+            origin,
             rank,
             group,
             slots,
@@ -478,6 +524,7 @@ fn register_region(
         .id();
     emit(
         world,
+        origin,
         Event::RegionRegistered {
             command: id,
             region: entity.to_bits(),
@@ -491,18 +538,19 @@ fn register_region(
 fn alloc_device_page(
     world: &mut World,
     id: CommandId,
+    origin: Origin,
     handle: SessionHandle,
     region_bits: u64,
     slot: u32,
 ) -> Result<()> {
-    let (session, _) = session(world, handle)?;
+    let (session, _) = session(world, origin, handle)?;
     let unknown = CommandError::UnknownRegion(region_bits);
     let region_entity = Entity::try_from_bits(region_bits).ok_or(unknown.clone())?;
     let region = world
         .get::<DeviceRegion>(region_entity)
         .ok_or(unknown.clone())?;
     if region.session != session {
-        return Err(unknown);
+        return Err(CommandError::NotOwner);
     }
     match region.live.get(slot as usize) {
         None => {
@@ -533,6 +581,7 @@ fn alloc_device_page(
         .live[slot as usize] = Some(page);
     emit(
         world,
+        origin,
         Event::DevicePageAllocated {
             command: id,
             device_page: page.to_bits(),
@@ -541,7 +590,8 @@ fn alloc_device_page(
     Ok(())
 }
 
-/// A live, not-yet-freed device page of `session`, with its region.
+/// A live, not-yet-freed device page (else `StaleGeneration`) of `session`
+/// (else `NotOwner`), with its region.
 fn live_device_page(world: &World, session: Entity, bits: u64) -> Result<(Entity, DeviceRegion)> {
     let stale = CommandError::StaleGeneration(bits);
     let entity = Entity::try_from_bits(bits).ok_or(stale.clone())?;
@@ -553,15 +603,18 @@ fn live_device_page(world: &World, session: Entity, bits: u64) -> Result<(Entity
         .get::<DeviceRegion>(page.region)
         .ok_or(stale.clone())?;
     if region.session != session {
-        return Err(invalid(format!(
-            "device page {bits:#x} belongs to another session"
-        )));
+        return Err(CommandError::NotOwner);
     }
     Ok((entity, region.clone()))
 }
 
-fn free_device_page(world: &mut World, handle: SessionHandle, bits: u64) -> Result<()> {
-    let (session, _) = session(world, handle)?;
+fn free_device_page(
+    world: &mut World,
+    origin: Origin,
+    handle: SessionHandle,
+    bits: u64,
+) -> Result<()> {
+    let (session, _) = session(world, origin, handle)?;
     let (entity, _) = live_device_page(world, session, bits)?;
     let mut page = world.get_mut::<DevicePage>(entity).expect("checked");
     if page.pins > 0 {
@@ -576,6 +629,7 @@ fn free_device_page(world: &mut World, handle: SessionHandle, bits: u64) -> Resu
     }
     emit(
         world,
+        origin,
         Event::DevicePageFreed {
             device_page: bits,
             deferred: false,
@@ -594,8 +648,14 @@ struct QueryArgs {
     speculative: bool,
 }
 
-fn query(world: &mut World, id: CommandId, handle: SessionHandle, q: QueryArgs) -> Result<()> {
-    let (session, inst) = session(world, handle)?;
+fn query(
+    world: &mut World,
+    id: CommandId,
+    origin: Origin,
+    handle: SessionHandle,
+    q: QueryArgs,
+) -> Result<()> {
+    let (session, inst) = session(world, origin, handle)?;
     let limits = world.resource::<Limits>().clone();
     if world.resource::<Registry>().operations >= limits.max_operations {
         return Err(limit("max_operations", limits.max_operations));
@@ -642,6 +702,7 @@ fn query(world: &mut World, id: CommandId, handle: SessionHandle, q: QueryArgs) 
         Operation {
             command: id,
             session,
+            origin,
             instance: inst,
             request: q.request,
             state: OpState::Discover,
@@ -672,8 +733,8 @@ fn query(world: &mut World, id: CommandId, handle: SessionHandle, q: QueryArgs) 
     Ok(())
 }
 
-fn prepare(world: &mut World, handle: SessionHandle, bits: u64) -> Result<()> {
-    let (session, _) = session(world, handle)?;
+fn prepare(world: &mut World, origin: Origin, handle: SessionHandle, bits: u64) -> Result<()> {
+    let (session, _) = session(world, origin, handle)?;
     let entity = operation(world, session, bits)?;
     let mut op = world.get_mut::<Operation>(entity).expect("checked");
     if op.state != OpState::Selected {
@@ -685,13 +746,22 @@ fn prepare(world: &mut World, handle: SessionHandle, bits: u64) -> Result<()> {
 
 fn restore(
     world: &mut World,
+    origin: Origin,
     handle: SessionHandle,
     bits: u64,
     targets: Vec<RestoreTarget>,
     retained: Vec<PagePos>,
 ) -> Result<()> {
-    let (session, inst) = session(world, handle)?;
+    let (session, inst) = session(world, origin, handle)?;
     let entity = operation(world, session, bits)?;
+    // A destination that is live but another session's is refused here; a
+    // dead one fails the restore when its copy would be submitted
+    // (`stale_generation`), as it may die between now and then anyway.
+    for t in &targets {
+        if let Err(CommandError::NotOwner) = live_device_page(world, session, t.device_page) {
+            return Err(CommandError::NotOwner);
+        }
+    }
     let op = world.get::<Operation>(entity).expect("checked");
     if op.state != OpState::Ready {
         return Err(wrong_state(entity, op.state, "ready"));
@@ -777,11 +847,12 @@ fn restore(
 fn publish(
     world: &mut World,
     id: CommandId,
+    origin: Origin,
     handle: SessionHandle,
     request: u64,
     pages: Vec<PublishPage>,
 ) -> Result<()> {
-    let (session, inst) = session(world, handle)?;
+    let (session, inst) = session(world, origin, handle)?;
     let limits = world.resource::<Limits>().clone();
     if pages.is_empty() {
         return Err(invalid("publish has no pages"));
@@ -847,6 +918,7 @@ fn publish(
         Operation {
             command: id,
             session,
+            origin,
             instance: inst,
             request,
             state: OpState::PublishPending,
@@ -863,8 +935,8 @@ fn publish(
     Ok(())
 }
 
-fn release(world: &mut World, handle: SessionHandle, bits: u64) -> Result<()> {
-    let (session, _) = session(world, handle)?;
+fn release(world: &mut World, origin: Origin, handle: SessionHandle, bits: u64) -> Result<()> {
+    let (session, _) = session(world, origin, handle)?;
     let entity = operation(world, session, bits)?;
     let mut op = world.get_mut::<Operation>(entity).expect("checked");
     match op.state {
@@ -880,8 +952,8 @@ fn release(world: &mut World, handle: SessionHandle, bits: u64) -> Result<()> {
     }
 }
 
-fn cancel(world: &mut World, handle: SessionHandle, bits: u64) -> Result<()> {
-    let (session, _) = session(world, handle)?;
+fn cancel(world: &mut World, origin: Origin, handle: SessionHandle, bits: u64) -> Result<()> {
+    let (session, _) = session(world, origin, handle)?;
     let entity = operation(world, session, bits)?;
     cancel_op(&mut world.get_mut::<Operation>(entity).expect("checked"));
     Ok(())

@@ -5,7 +5,7 @@ use bevy_ecs::prelude::*;
 use orbitkv_components::api::Event;
 use orbitkv_components::ecs::{DevicePage, DeviceRegion, Lease, OpState, Operation, Outcome, Page};
 
-use crate::resources::Dram;
+use crate::resources::{Dram, Outbox};
 
 /// Moves an operation to `Finishing`. The first outcome wins: a restore whose
 /// copies already landed stays restored even if a cancel arrives later.
@@ -56,17 +56,23 @@ pub fn return_lease(
 pub fn unpin_device_page(
     commands: &mut Commands,
     regions: &mut Query<&mut DeviceRegion>,
-    events: &mut Vec<Event>,
+    outbox: &mut Outbox,
     entity: Entity,
     page: &mut DevicePage,
 ) {
     page.pins -= 1;
     if page.pins == 0 && page.free_deferred {
+        let Some(owner) = regions.get(page.region).ok().map(|r| r.origin) else {
+            unreachable!("a pinned device page keeps its region");
+        };
         release_device_page(commands, regions, entity, page);
-        events.push(Event::DevicePageFreed {
-            device_page: entity.to_bits(),
-            deferred: true,
-        });
+        outbox.push(
+            owner,
+            Event::DevicePageFreed {
+                device_page: entity.to_bits(),
+                deferred: true,
+            },
+        );
     }
 }
 

@@ -160,12 +160,15 @@ pub fn read(
             .all(|n| matches!(n.state, NeedState::Leased(_)))
         {
             op.state = OpState::Ready;
-            outbox.0.push(ready_event(entity, &rec));
+            outbox.push(op.origin, ready_event(entity, &rec));
         } else if !op.loading_sent {
             op.loading_sent = true;
-            outbox.0.push(Event::Loading {
-                operation: entity.to_bits(),
-            });
+            outbox.push(
+                op.origin,
+                Event::Loading {
+                    operation: entity.to_bits(),
+                },
+            );
         }
     }
 }

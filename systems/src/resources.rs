@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::StateKey;
-use orbitkv_components::api::{Command, CommandId, Event, MissReason};
+use orbitkv_components::api::{Addressed, Command, CommandId, Event, MissReason, Origin};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_io::dram::{HostPool, SlotKey};
 use orbitkv_io::lru::LruOrder;
@@ -85,11 +85,31 @@ impl Default for Limits {
 #[derive(Resource, Debug, Clone, Copy, Default)]
 pub struct SimulatedClock(pub bool);
 
-#[derive(Resource, Default)]
-pub struct Inbox(pub VecDeque<(CommandId, Command)>);
+/// One entry of the inbox, taken in arrival order.
+#[derive(Debug, Clone)]
+pub enum Inbound {
+    Command {
+        id: CommandId,
+        origin: Origin,
+        command: Command,
+    },
+    /// The origin went away (a client disconnected): close every session it
+    /// opened, as `CloseSession` would.
+    CloseOrigin(Origin),
+}
 
 #[derive(Resource, Default)]
-pub struct Outbox(pub Vec<Event>);
+pub struct Inbox(pub VecDeque<Inbound>);
+
+/// Events of the tick, each addressed to the origin it belongs to.
+#[derive(Resource, Default)]
+pub struct Outbox(pub Vec<Addressed>);
+
+impl Outbox {
+    pub fn push(&mut self, to: Origin, event: Event) {
+        self.0.push(Addressed { to, event });
+    }
+}
 
 /// Makes a `Send` value `Sync` by only ever handing out `&mut` access, so no
 /// two threads can observe it at once.

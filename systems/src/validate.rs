@@ -27,23 +27,26 @@ pub fn validate(
             (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),
             (None, Ok(instance)) => select(instance, &mut rec),
         };
-        outbox.0.push(Event::QueryResult {
-            command: op.command,
-            request: op.request,
-            operation: entity.to_bits(),
-            candidates: rec
-                .candidates
-                .iter()
-                .map(|(rank, group, ends)| Candidates {
-                    rank: *rank,
-                    group: *group,
-                    page_ends: ends.clone(),
-                })
-                .collect(),
-            common,
-            selected,
-            miss,
-        });
+        outbox.push(
+            op.origin,
+            Event::QueryResult {
+                command: op.command,
+                request: op.request,
+                operation: entity.to_bits(),
+                candidates: rec
+                    .candidates
+                    .iter()
+                    .map(|(rank, group, ends)| Candidates {
+                        rank: *rank,
+                        group: *group,
+                        page_ends: ends.clone(),
+                    })
+                    .collect(),
+                common,
+                selected,
+                miss,
+            },
+        );
         match miss {
             Some(reason) => {
                 metrics.miss(reason);

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use criterion::Criterion;
 use orbitkv_components::StateKey;
-use orbitkv_components::api::{Command, Event, GroupHashes, PublishPage, SessionHandle};
+use orbitkv_components::api::{
+    Addressed, Command, Event, GroupHashes, Origin, PublishPage, SessionHandle,
+};
 
 const PAGES: u64 = 2048;
 const GROUPS: [u32; 3] = [0, 1, 2];
@@ -107,17 +109,23 @@ fn setup() -> Setup {
 fn query_once(s: &mut Setup, check: bool) -> Duration {
     let cmd = s.query.clone();
     let start = Instant::now();
-    s.d.rt.submit(cmd).expect("inbox has room");
+    s.d.rt
+        .submit(Origin::EMBEDDED, cmd)
+        .expect("inbox has room");
     let ev = s.d.rt.tick();
     let t = start.elapsed();
     let op = match ev.as_slice() {
         [
-            Event::QueryResult {
-                operation,
-                selected: Some(sel),
-                miss: None,
-                candidates,
-                ..
+            Addressed {
+                to: Origin::EMBEDDED,
+                event:
+                    Event::QueryResult {
+                        operation,
+                        selected: Some(sel),
+                        miss: None,
+                        candidates,
+                        ..
+                    },
             },
         ] => {
             if check {
@@ -132,14 +140,17 @@ fn query_once(s: &mut Setup, check: bool) -> Duration {
         other => panic!("query tick: {other:?}"),
     };
     s.d.rt
-        .submit(Command::Release {
-            session: s.session,
-            operation: op,
-        })
+        .submit(
+            Origin::EMBEDDED,
+            Command::Release {
+                session: s.session,
+                operation: op,
+            },
+        )
         .expect("inbox has room");
     let ev = s.d.rt.tick();
     assert!(
-        matches!(ev.as_slice(), [Event::Released { operation }] if *operation == op),
+        matches!(ev.as_slice(), [Addressed { event: Event::Released { operation }, .. }] if *operation == op),
         "release tick: {ev:?}"
     );
     black_box(t)

@@ -2,11 +2,15 @@
 //! tick, written as a trace (`docs/trace-format.md`) that `orbitkv replay`
 //! runs. Handles are written as `$c<N>` names bound by the command `N` that
 //! created them, so a replay maps them onto the handles it gets.
+//!
+//! A trace has no origins: a replay submits every command as
+//! `Origin::EMBEDDED`, which owns every session it opens. `close_origin` is
+//! written as `close_session` lines for the sessions that origin had open.
 
 use std::collections::HashMap;
 use std::io::Write;
 
-use orbitkv_components::api::{Command, CommandId, Event};
+use orbitkv_components::api::{Addressed, Command, CommandId, Event, Origin};
 use serde_json::{Value, json};
 
 use crate::config::Config;
@@ -15,8 +19,8 @@ pub struct Recorder {
     out: Box<dyn Write + Send>,
     /// Handle bits (device pages, regions, operations) → name.
     names: HashMap<u64, String>,
-    /// Session entity bits → name.
-    sessions: HashMap<u64, String>,
+    /// Session entity bits → name and the origin that opened it.
+    sessions: HashMap<u64, (String, Origin)>,
     /// The first write error; recording stops there, the runtime goes on.
     pub error: Option<std::io::Error>,
 }
@@ -64,7 +68,7 @@ impl Recorder {
                                 .and_then(Value::as_u64)
                                 .and_then(|id| self.sessions.get(&id))
                             {
-                                *field = Value::String(name.clone());
+                                *field = Value::String(name.0.clone());
                             }
                         }
                         ("region" | "device_page" | "operation", Value::Number(n)) => {
@@ -81,7 +85,7 @@ impl Recorder {
         }
     }
 
-    pub fn command(&mut self, now_us: u64, id: CommandId, command: &Command) {
+    pub fn command(&mut self, now_us: u64, id: CommandId, _origin: Origin, command: &Command) {
         let mut v = serde_json::to_value(command).expect("commands serialize");
         self.rewrite(&mut v);
         let creates = matches!(
@@ -98,13 +102,37 @@ impl Recorder {
         self.write(line);
     }
 
+    /// Writes a `close_session` line for every session `origin` has open.
+    pub fn close_origin(&mut self, now_us: u64, origin: Origin) {
+        let mut names: Vec<&String> = self
+            .sessions
+            .values()
+            .filter(|(_, o)| *o == origin)
+            .map(|(name, _)| name)
+            .collect();
+        names.sort();
+        let lines: Vec<Value> = names
+            .into_iter()
+            .map(|name| {
+                json!({ "t": now_us, "cmd": { "command": "close_session", "session": name } })
+            })
+            .collect();
+        for line in lines {
+            self.write(line);
+        }
+    }
+
     /// `now_us` is the clock when the tick started, before its commands.
-    pub fn tick(&mut self, now_us: u64, events: &[Event]) {
+    pub fn tick(&mut self, now_us: u64, events: &[Addressed]) {
         self.write(json!({ "t": now_us, "tick": {} }));
-        for e in events {
+        for Addressed { to, event: e } in events {
             match e {
                 Event::SessionOpened { command, session } => {
-                    self.sessions.insert(session.id, format!("$c{command}"));
+                    self.sessions
+                        .insert(session.id, (format!("$c{command}"), *to));
+                }
+                Event::SessionClosed { session } => {
+                    self.sessions.remove(&session.id);
                 }
                 Event::RegionRegistered {
                     command, region, ..

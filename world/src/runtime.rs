@@ -3,14 +3,14 @@
 use std::time::Instant;
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::api::{Command, CommandId, Event};
+use orbitkv_components::api::{Addressed, Command, CommandId, Origin};
 use orbitkv_components::ecs::{DevicePage, Instance, Lease, Operation, Session, Transfer};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
 use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
 use orbitkv_io::tier::BackingTier;
 use orbitkv_systems::resources::{
-    Budget, Clock, Copier, Dram, Exclusive, Inbox, Limits, Metrics, Outbox, Registry,
+    Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, Metrics, Outbox, Registry,
     SimulatedClock, Tiers, TransferIndex,
 };
 use serde::Serialize;
@@ -168,9 +168,11 @@ impl Runtime {
         })
     }
 
-    /// Queues a command for the next tick. Its id is echoed in the events
-    /// that answer it.
-    pub fn submit(&mut self, command: Command) -> Result<CommandId, SubmitError> {
+    /// Queues a command from `origin` for the next tick. Its id is echoed
+    /// in the events that answer it, and those events are addressed to
+    /// `origin`. Commands that name a session, operation, device region or
+    /// device page that `origin` does not own are refused (`not_owner`).
+    pub fn submit(&mut self, origin: Origin, command: Command) -> Result<CommandId, SubmitError> {
         if self.world.resource::<Inbox>().0.len() >= self.max_inbox {
             return Err(SubmitError::InboxFull(self.max_inbox));
         }
@@ -178,13 +180,35 @@ impl Runtime {
         self.next_command += 1;
         if let Some(r) = &mut self.recorder {
             let now = self.world.resource::<Clock>().now_us;
-            r.command(now, id, &command);
+            r.command(now, id, origin, &command);
         }
         self.world
             .resource_mut::<Inbox>()
             .0
-            .push_back((id, command));
+            .push_back(Inbound::Command {
+                id,
+                origin,
+                command,
+            });
         Ok(id)
+    }
+
+    /// Closes every session `origin` opened, in arrival order with its
+    /// commands (a command it submitted earlier still applies first), as a
+    /// crashed client's sessions close: their operations are cancelled,
+    /// and leases, reserved bytes and device pages return once submitted
+    /// I/O drained. Never refused: it is how the runtime hears that a
+    /// client went away, so it may pass `max_inbox` (by one entry per
+    /// departed origin).
+    pub fn close_origin(&mut self, origin: Origin) {
+        if let Some(r) = &mut self.recorder {
+            let now = self.world.resource::<Clock>().now_us;
+            r.close_origin(now, origin);
+        }
+        self.world
+            .resource_mut::<Inbox>()
+            .0
+            .push_back(Inbound::CloseOrigin(origin));
     }
 
     /// Starts writing every command and tick to `out` as a trace that
@@ -212,7 +236,7 @@ impl Runtime {
 
     /// Simulated clock only: moves time to `now_us` (never backwards) and
     /// ticks. The simulator owns time; on a wall clock this is `tick`.
-    pub fn tick_at(&mut self, now_us: u64) -> Vec<Event> {
+    pub fn tick_at(&mut self, now_us: u64) -> Vec<Addressed> {
         if self.simulated {
             let mut clock = self.world.resource_mut::<Clock>();
             clock.now_us = clock.now_us.max(now_us);
@@ -220,8 +244,9 @@ impl Runtime {
         self.tick()
     }
 
-    /// Runs every stage once and returns the events it produced.
-    pub fn tick(&mut self) -> Vec<Event> {
+    /// Runs every stage once and returns the events it produced, each
+    /// addressed to the origin it belongs to.
+    pub fn tick(&mut self) -> Vec<Addressed> {
         if !self.simulated {
             let now = self.started.elapsed().as_micros() as u64;
             let mut clock = self.world.resource_mut::<Clock>();

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use orbitkv_components::api::{Command, CommandError, Event, MissReason, PagePos};
+use orbitkv_components::api::{Command, CommandError, Event, MissReason, Origin, PagePos};
 use orbitkv_world::Runtime;
 
 const ID_A: [u8; 32] = [0xaa; 32];
@@ -1162,8 +1162,9 @@ fn wall_clock_runtime_runs_with_host_engine() {
     c.dram.first_touch = true;
     let mut rt = Runtime::new(c).unwrap();
     assert!(rt.first_touch().is_some_and(|r| r.bytes == 16 << 20));
-    rt.submit(Command::AdvanceClock { us: 5 }).unwrap();
-    let ev = rt.tick();
+    rt.submit(Origin::EMBEDDED, Command::AdvanceClock { us: 5 })
+        .unwrap();
+    let ev = common::embedded(rt.tick());
     assert!(
         matches!(
             &ev[0],

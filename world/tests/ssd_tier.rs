@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use orbitkv_components::api::{
-    Command, Event, MissReason, PublishPage, RestoreTarget, SessionHandle,
+    Command, Event, MissReason, Origin, PublishPage, RestoreTarget, SessionHandle,
 };
 use orbitkv_components::{Namespace, NativeHash, StateKey};
 use orbitkv_gpu::host::DeviceArena;
@@ -101,8 +101,8 @@ fn node(dir: &Path, backend: IoBackend) -> Node {
 
 impl Node {
     fn one(&mut self, c: Command) -> Event {
-        self.rt.submit(c).unwrap();
-        let ev = self.rt.tick();
+        self.rt.submit(Origin::EMBEDDED, c).unwrap();
+        let ev = common::embedded(self.rt.tick());
         assert_eq!(ev.len(), 1, "{ev:?}");
         ev.into_iter().next().unwrap()
     }
@@ -111,8 +111,13 @@ impl Node {
     /// real time, so this also sleeps a little between ticks. Bounded.
     fn until(&mut self, what: &str, pred: impl Fn(&Event) -> bool) -> Event {
         for _ in 0..20_000 {
-            self.rt.submit(Command::AdvanceClock { us: 10 }).unwrap();
-            if let Some(e) = self.rt.tick().into_iter().find(|e| pred(e)) {
+            self.rt
+                .submit(Origin::EMBEDDED, Command::AdvanceClock { us: 10 })
+                .unwrap();
+            if let Some(e) = common::embedded(self.rt.tick())
+                .into_iter()
+                .find(|e| pred(e))
+            {
                 return e;
             }
             std::thread::sleep(Duration::from_micros(100));
@@ -156,11 +161,14 @@ impl Node {
             });
         }
         self.rt
-            .submit(Command::Publish {
-                session: self.s,
-                request: seed,
-                pages: pages.clone(),
-            })
+            .submit(
+                Origin::EMBEDDED,
+                Command::Publish {
+                    session: self.s,
+                    request: seed,
+                    pages: pages.clone(),
+                },
+            )
             .unwrap();
         let done = self.until("publish", |e| matches!(e, Event::PublishDone { .. }));
         assert!(
@@ -175,13 +183,16 @@ impl Node {
         );
         for p in pages {
             self.rt
-                .submit(Command::DevicePageFree {
-                    session: self.s,
-                    device_page: p.device_page,
-                })
+                .submit(
+                    Origin::EMBEDDED,
+                    Command::DevicePageFree {
+                        session: self.s,
+                        device_page: p.device_page,
+                    },
+                )
                 .unwrap();
         }
-        self.rt.tick();
+        common::embedded(self.rt.tick());
     }
 
     fn wait_demoted(&mut self, written: u64) {
@@ -190,8 +201,10 @@ impl Node {
             if m.demotions.get("written").copied().unwrap_or(0) >= written {
                 return;
             }
-            self.rt.submit(Command::AdvanceClock { us: 10 }).unwrap();
-            self.rt.tick();
+            self.rt
+                .submit(Origin::EMBEDDED, Command::AdvanceClock { us: 10 })
+                .unwrap();
+            common::embedded(self.rt.tick());
             std::thread::sleep(Duration::from_micros(100));
         }
         panic!(
@@ -206,16 +219,19 @@ impl Node {
     fn recover(&mut self, seed: u64) -> Result<(u64, u64, u64), MissReason> {
         let hashes: Vec<NativeHash> = (0..=SLOTS).map(|i| common::hash(seed, 0, i)).collect();
         self.rt
-            .submit(Command::Query {
-                session: self.s,
-                request: seed,
-                groups: vec![orbitkv_components::api::GroupHashes { group: 0, hashes }],
-                origin: 0,
-                prompt_len: (SLOTS + 1) * PAGE,
-                expect_namespaces: vec![],
-                prepare: true,
-                speculative: false,
-            })
+            .submit(
+                Origin::EMBEDDED,
+                Command::Query {
+                    session: self.s,
+                    request: seed,
+                    groups: vec![orbitkv_components::api::GroupHashes { group: 0, hashes }],
+                    origin: 0,
+                    prompt_len: (SLOTS + 1) * PAGE,
+                    expect_namespaces: vec![],
+                    prepare: true,
+                    speculative: false,
+                },
+            )
             .unwrap();
         let ready = self.until("ready", |e| {
             matches!(
@@ -253,12 +269,15 @@ impl Node {
             });
         }
         self.rt
-            .submit(Command::Restore {
-                session: self.s,
-                operation: op,
-                targets: targets.clone(),
-                retained: vec![],
-            })
+            .submit(
+                Origin::EMBEDDED,
+                Command::Restore {
+                    session: self.s,
+                    operation: op,
+                    targets: targets.clone(),
+                    retained: vec![],
+                },
+            )
             .unwrap();
         let done = self.until("restore", |e| {
             matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
@@ -278,13 +297,16 @@ impl Node {
         }
         for t in targets.iter() {
             self.rt
-                .submit(Command::DevicePageFree {
-                    session: self.s,
-                    device_page: t.device_page,
-                })
+                .submit(
+                    Origin::EMBEDDED,
+                    Command::DevicePageFree {
+                        session: self.s,
+                        device_page: t.device_page,
+                    },
+                )
                 .unwrap();
         }
-        self.rt.tick();
+        common::embedded(self.rt.tick());
         self.rt.check_invariants().unwrap();
         Ok((leases.len() as u64, from_dram, from_tiers))
     }

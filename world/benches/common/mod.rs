@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use orbitkv_components::api::{Command, CommandId, Event, PublishPage, Rank, SessionHandle};
+use orbitkv_components::api::{
+    Command, CommandId, Event, Origin, PublishPage, Rank, SessionHandle,
+};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StorageLayout, StorageSlot};
 use orbitkv_gpu::host::DeviceArena;
@@ -167,7 +169,7 @@ impl Driver {
     }
 
     pub fn submit(&mut self, c: Command) -> CommandId {
-        self.rt.submit(c).expect("inbox has room")
+        self.rt.submit(Origin::EMBEDDED, c).expect("inbox has room")
     }
 
     /// Ticks once and keeps the events for `wait`.
@@ -175,7 +177,7 @@ impl Driver {
         let start = self.pending.len();
         self.ticks += 1;
         let ev = self.rt.tick();
-        self.pending.extend(ev);
+        self.pending.extend(ev.into_iter().map(|a| a.event));
         &self.pending[start..]
     }
 
@@ -201,7 +203,7 @@ impl Driver {
             }
             self.ticks += 1;
             let ev = self.rt.tick();
-            self.pending.extend(ev);
+            self.pending.extend(ev.into_iter().map(|a| a.event));
         }
         panic!(
             "no event for {what}; pending: {:?}",

@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use orbitkv_components::api::{
-    Command, CommandError, Event, GroupHashes, PagePos, PublishPage, Rank, RestoreTarget,
-    SessionHandle,
+    Addressed, Command, CommandError, Event, GroupHashes, Origin, PagePos, PublishPage, Rank,
+    RestoreTarget, SessionHandle,
 };
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey, StorageLayout, StorageSlot};
@@ -71,15 +71,26 @@ impl Harness {
         }
     }
 
-    /// Submits, ticks once, and returns that tick's events (also kept).
+    /// Submits as the embedded caller, ticks once, and returns that tick's
+    /// events (also kept). Every event must be addressed to the embedded
+    /// caller: it owns every session these tests open.
     pub fn step(&mut self, commands: Vec<Command>) -> Vec<Event> {
         for c in commands {
-            self.rt.submit(c).expect("inbox has room");
+            self.rt.submit(Origin::EMBEDDED, c).expect("inbox has room");
         }
-        let ev = self.rt.tick();
+        let ev = embedded(self.rt.tick());
         self.events.extend(ev.clone());
         self.last = ev.clone();
         ev
+    }
+
+    /// Submits each command from its origin, ticks once, and returns the
+    /// tick's events with their addressees.
+    pub fn step_from(&mut self, commands: Vec<(Origin, Command)>) -> Vec<Addressed> {
+        for (origin, c) in commands {
+            self.rt.submit(origin, c).expect("inbox has room");
+        }
+        self.rt.tick()
     }
 
     /// Advances simulated time one tick and runs it.
@@ -177,13 +188,16 @@ impl Harness {
     ) -> Result<u64, CommandError> {
         let id = self
             .rt
-            .submit(Command::DevicePageAlloc {
-                session,
-                region,
-                slot,
-            })
+            .submit(
+                Origin::EMBEDDED,
+                Command::DevicePageAlloc {
+                    session,
+                    region,
+                    slot,
+                },
+            )
             .unwrap();
-        let ev = self.rt.tick();
+        let ev = embedded(self.rt.tick());
         self.events.extend(ev.clone());
         self.last = ev.clone();
         for e in ev {
@@ -221,6 +235,18 @@ impl Harness {
             "{s:#?}"
         );
     }
+}
+
+/// The events of a tick whose every event is addressed to the embedded
+/// caller (asserted).
+pub fn embedded(events: Vec<Addressed>) -> Vec<Event> {
+    events
+        .into_iter()
+        .map(|a| {
+            assert_eq!(a.to, Origin::EMBEDDED, "{a:?}");
+            a.event
+        })
+        .collect()
 }
 
 pub fn register_cmd(

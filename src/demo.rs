@@ -83,19 +83,9 @@ pub fn run() -> Result<()> {
         vllm.digest != sglang.digest
     );
 
-    println!("\n2. Sealing: identity + storage layout = namespace (one per TP rank)");
-    let ns0 = seal(&vllm.digest, &layout(0))?;
-    let ns1 = seal(&vllm.digest, &layout(1))?;
-    println!("   rank 0 namespace {}", &ns0.to_hex()[..16]);
-    println!("   rank 1 namespace {}", &ns1.to_hex()[..16]);
-
     let window = vllm_window_past_tokens(101)?;
-    println!("\n3. Contract: {PAGE}-token pages; group 0 full attention (prefix), group 1 sliding");
-    println!("   window (vLLM window 101 = {window} past tokens), group 2 recurrent checkpoint");
-    let spec = |namespace| ContractSpec {
-        namespace,
-        page_tokens: PAGE,
-        groups: vec![
+    let groups = |window| {
+        vec![
             GroupSpec {
                 id: 0,
                 rule: Rule::Prefix,
@@ -116,7 +106,29 @@ pub fn run() -> Result<()> {
                     ComponentKind::ConvolutionState,
                 ],
             },
-        ],
+        ]
+    };
+    println!(
+        "\n2. Sealing: identity + storage layout + group shapes = namespace (one per TP rank)"
+    );
+    let ns0 = seal(&vllm.digest, &layout(0), &groups(window))?;
+    let ns1 = seal(&vllm.digest, &layout(1), &groups(window))?;
+    let other_window = seal(&vllm.digest, &layout(0), &groups(window + PAGE))?;
+    println!("   rank 0 namespace {}", &ns0.to_hex()[..16]);
+    println!("   rank 1 namespace {}", &ns1.to_hex()[..16]);
+    println!(
+        "   rank 0, window {} instead of {window}: {}  (shapes never share: {})",
+        window + PAGE,
+        &other_window.to_hex()[..16],
+        other_window != ns0
+    );
+
+    println!("\n3. Contract: {PAGE}-token pages; group 0 full attention (prefix), group 1 sliding");
+    println!("   window (vLLM window 101 = {window} past tokens), group 2 recurrent checkpoint");
+    let spec = |namespace| ContractSpec {
+        namespace,
+        page_tokens: PAGE,
+        groups: groups(window),
     };
     let c0 = RecoveryContract::compile(&spec(ns0))?;
     let c1 = RecoveryContract::compile(&spec(ns1))?;

@@ -9,7 +9,7 @@ use anyhow::{Context as _, Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use orbitkv_components::identity::InputSummary;
 use orbitkv_components::value::CanonicalMap;
-use orbitkv_components::{IdentityInputs, StorageLayout, seal};
+use orbitkv_components::{GroupSpec, IdentityInputs, StorageLayout, seal};
 use serde::{Deserialize, Serialize};
 
 use crate::read_json;
@@ -47,6 +47,9 @@ struct SettingsFile {
     #[serde(default)]
     active_adapters: Vec<String>,
     layout: StorageLayout,
+    /// The cache groups' shapes (id, rule, component kinds): sealed with
+    /// the layout.
+    groups: Vec<GroupSpec>,
 }
 
 #[derive(Serialize)]
@@ -101,7 +104,8 @@ pub fn run(args: Args) -> Result<()> {
     })?;
     let seconds = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let namespace = seal(&resolved.digest, &file.layout).context("storage layout")?;
+    let namespace =
+        seal(&resolved.digest, &file.layout, &file.groups).context("storage layout and groups")?;
     let bytes_hashed = hashed.load(Ordering::Relaxed);
     let report = Report {
         namespace: namespace.to_hex(),

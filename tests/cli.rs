@@ -62,7 +62,8 @@ fn settings() -> Value {
         "layout": {"slots": [{"layer": 0, "group": 0, "tp_rank": 0, "pp_rank": 0,
             "segment_bytes": 4096, "padded_page_bytes": 4096, "page_tokens": 16,
             "dtype": "bfloat16", "layout": "NHD", "strides": [128, 1], "device_addr": 1234}],
-            "pool_capacity_pages": 100}
+            "pool_capacity_pages": 100},
+        "groups": [{"id": 0, "rule": "prefix", "components": ["attention_kv"]}]
     })
 }
 
@@ -130,6 +131,25 @@ fn identity_reports_inputs_and_throughput() {
         &[],
     ));
     assert_eq!(r["namespace"], ra["namespace"]);
+
+    // A group's shape is sealed: the same slots read as another rule are
+    // another namespace.
+    let mut reshaped = settings();
+    reshaped["groups"][0]["rule"] = json!({"window": 64});
+    reshaped["groups"][0]["components"] = json!(["sliding_window_kv"]);
+    let s3 = write_json(cfg.path(), "s3.json", &reshaped);
+    let r = ok_json(orbitkv(
+        &[
+            "identity",
+            "--model-dir",
+            a.path().to_str().unwrap(),
+            "--settings",
+            &s3,
+        ],
+        &[],
+    ));
+    assert_ne!(r["namespace"], ra["namespace"]);
+    assert_eq!(r["identity"], ra["identity"]);
 
     // The engine flag overrides the file and changes everything.
     let r = ok_json(orbitkv(
@@ -214,6 +234,13 @@ fn identity_bad_inputs_exit_2() {
     assert_bad_input(
         orbitkv(&["identity", "--model-dir", dir, "--settings", &l], &[]),
         "active adapters are not supported",
+    );
+    let mut undeclared = settings();
+    undeclared["layout"]["slots"][0]["group"] = json!(3);
+    let g = write_json(cfg.path(), "g.json", &undeclared);
+    assert_bad_input(
+        orbitkv(&["identity", "--model-dir", dir, "--settings", &g], &[]),
+        "names group 3, which is not declared",
     );
     let mut unknown = settings();
     unknown["extra"] = json!(1);

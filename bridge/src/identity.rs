@@ -1,16 +1,17 @@
 //! `compute_identity`: what an adapter computes at startup (the identity and,
-//! with a layout, the sealed namespace), as `orbitkv identity` prints it.
+//! with a layout and its groups, the sealed namespace), as `orbitkv
+//! identity` prints it.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use orbitkv_components::value::CanonicalMap;
-use orbitkv_components::{IdentityInputs, StorageLayout, seal};
+use orbitkv_components::{GroupSpec, IdentityInputs, StorageLayout, seal};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::IdentityError;
-use crate::convert::{deserialize_dict, serialize};
+use crate::convert::{deserialize, deserialize_dict, serialize};
 
 fn map(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<CanonicalMap> {
     deserialize_dict(obj).map_err(|e| IdentityError::new_err(format!("{field}: {e}")))
@@ -19,7 +20,7 @@ fn map(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<CanonicalMap> {
 #[pyfunction]
 #[pyo3(signature = (
     model_dir, *, engine, engine_version, settings, representation,
-    config_overrides=None, hub_revision=None, active_adapters=None, layout=None,
+    config_overrides=None, hub_revision=None, active_adapters=None, layout=None, groups=None,
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn compute_identity<'py>(
@@ -33,6 +34,7 @@ pub fn compute_identity<'py>(
     hub_revision: Option<String>,
     active_adapters: Option<Vec<String>>,
     layout: Option<&Bound<'py, PyAny>>,
+    groups: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let config_overrides = match config_overrides {
         Some(o) if !o.is_none() => map("config_overrides", o)?,
@@ -43,6 +45,27 @@ pub fn compute_identity<'py>(
             Some(deserialize_dict(l).map_err(|e| IdentityError::new_err(format!("layout: {e}")))?)
         }
         _ => None,
+    };
+    let groups: Option<Vec<GroupSpec>> = match groups {
+        Some(g) if !g.is_none() => {
+            Some(deserialize(g).map_err(|e| IdentityError::new_err(format!("groups: {e}")))?)
+        }
+        _ => None,
+    };
+    // Checked before the (possibly long) hashing: a namespace needs both.
+    let sealed = match (layout, groups) {
+        (Some(l), Some(g)) => Some((l, g)),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(IdentityError::new_err(
+                "groups: a layout is sealed with its groups' shapes; pass groups",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(IdentityError::new_err(
+                "layout: groups are sealed with a layout; pass layout",
+            ));
+        }
     };
     let inputs = IdentityInputs {
         engine,
@@ -64,9 +87,9 @@ pub fn compute_identity<'py>(
             })
         })
         .map_err(|e| IdentityError::new_err(e.to_string()))?;
-    let namespace = match &layout {
-        Some(l) => Some(
-            seal(&resolved.digest, l)
+    let namespace = match &sealed {
+        Some((l, g)) => Some(
+            seal(&resolved.digest, l, g)
                 .map_err(|e| IdentityError::new_err(format!("layout: {e}")))?
                 .to_hex(),
         ),

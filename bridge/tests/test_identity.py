@@ -30,6 +30,7 @@ LAYOUT = {
     ],
     "pool_capacity_pages": 8192,
 }
+GROUPS = [{"id": 0, "rule": "prefix", "components": ["attention_kv"]}]
 
 
 @pytest.fixture(autouse=True)
@@ -96,18 +97,34 @@ def test_every_declared_input_counts(tmp_path):
 
 def test_layout_seals_a_namespace(tmp_path):
     d = make_model(tmp_path / "m")
-    a = identity(d, layout=LAYOUT)
+    a = identity(d, layout=LAYOUT, groups=GROUPS)
     assert len(a["namespace"]) == 64
     assert a["namespace"] != a["identity"]
     moved = json.loads(json.dumps(LAYOUT))
     moved["slots"][0]["device_addr"] = 1
     moved["pool_capacity_pages"] = 1
-    assert identity(d, layout=moved)["namespace"] == a["namespace"]
+    assert identity(d, layout=moved, groups=GROUPS)["namespace"] == a["namespace"]
     other = json.loads(json.dumps(LAYOUT))
     other["slots"][0]["strides"] = [1024, 128, 1]
-    assert identity(d, layout=other)["namespace"] != a["namespace"]
+    assert identity(d, layout=other, groups=GROUPS)["namespace"] != a["namespace"]
     with pytest.raises(orbitkv.IdentityError, match="layout"):
-        identity(d, layout={"slots": []})
+        identity(d, layout={"slots": []}, groups=GROUPS)
+
+
+def test_group_shapes_are_sealed(tmp_path):
+    d = make_model(tmp_path / "m")
+    base = identity(d, layout=LAYOUT, groups=GROUPS)["namespace"]
+    window = [{"id": 0, "rule": {"window": 31}, "components": ["sliding_window_kv"]}]
+    wider = [{"id": 0, "rule": {"window": 63}, "components": ["sliding_window_kv"]}]
+    mla = [{"id": 0, "rule": "prefix", "components": ["mla_kv"]}]
+    shapes = {identity(d, layout=LAYOUT, groups=g)["namespace"] for g in (window, wider, mla)}
+    assert len(shapes) == 3 and base not in shapes
+    with pytest.raises(orbitkv.IdentityError, match="pass groups"):
+        identity(d, layout=LAYOUT)
+    with pytest.raises(orbitkv.IdentityError, match="pass layout"):
+        identity(d, groups=GROUPS)
+    with pytest.raises(orbitkv.IdentityError, match="not declared"):
+        identity(d, layout=LAYOUT, groups=[dict(GROUPS[0], id=1)])
 
 
 def test_operator_fingerprint_and_scope(tmp_path, monkeypatch):

@@ -238,6 +238,22 @@ pub struct Recovery {
     pub needs: Vec<PageNeed>,
     pub restore: Vec<RestoreTarget>,
     pub retained: Vec<PagePos>,
+    /// The restore's copies, resolved (and their destinations pinned) once
+    /// when it is accepted; submitted in batches as copy room allows.
+    pub copies: Vec<PlannedCopy>,
+    /// How many of `copies` were submitted (or abandoned).
+    pub copies_sent: usize,
+}
+
+/// One page copy of a restore: a leased DRAM page into a pinned device page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedCopy {
+    pub device_page: Entity,
+    pub host_offset: u64,
+    /// The copy engine's region id.
+    pub region: u32,
+    pub device_offset: u64,
+    pub len: u64,
 }
 
 impl Recovery {

@@ -1,24 +1,36 @@
-//! Storage layout and sealing: identity + layout = namespace.
+//! Storage layout and sealing: identity + layout + group shapes = namespace.
 //!
-//! The layout is the set of storage slots a registration declares. Only what
-//! determines the stored bytes is sealed; where the bytes sit on the device
+//! The layout is the set of storage slots a registration declares; the
+//! groups say what each group's pages mean (its recovery rule, with the
+//! window, and its component kinds). Only what determines the stored bytes
+//! and their meaning is sealed; where the bytes sit on the device
 //! (`device_addr`) and how many pages the pool holds (`pool_capacity_pages`)
-//! are carried for the runtime but never change the namespace.
+//! are carried for the runtime but never change the namespace. Two
+//! registrations whose group 1 is a sliding window in one and a recurrent
+//! checkpoint in the other, or whose windows differ, never share a page.
 //!
 //! Byte layout:
 //!
 //! ```text
-//! namespace = SHA-256(frame("orbitkv/namespace", 1,
+//! namespace = SHA-256(frame("orbitkv/namespace", 2,
 //!   1: identity[32]
-//!   2: count:u64 ‖ slot*      sorted by (layer, group, tp_rank, pp_rank)))
-//! slot := layer:u32 ‖ group:u32 ‖ tp_rank:u32 ‖ pp_rank:u32
-//!       ‖ segment_bytes:u64 ‖ padded_page_bytes:u64 ‖ page_tokens:u32
-//!       ‖ dtype (len:u64 ‖ utf8) ‖ layout (len:u64 ‖ utf8)
-//!       ‖ stride_count:u64 ‖ stride:u64*
+//!   2: count:u64 ‖ slot*      sorted by (layer, group, tp_rank, pp_rank)
+//!   3: count:u64 ‖ group*     sorted by id))
+//! slot  := layer:u32 ‖ group:u32 ‖ tp_rank:u32 ‖ pp_rank:u32
+//!        ‖ segment_bytes:u64 ‖ padded_page_bytes:u64 ‖ page_tokens:u32
+//!        ‖ dtype (len:u64 ‖ utf8) ‖ layout (len:u64 ‖ utf8)
+//!        ‖ stride_count:u64 ‖ stride:u64*
+//! group := id:u32 ‖ rule:u8 (0 prefix, 1 window, 2 checkpoint)
+//!        ‖ past_tokens:u64 (0 unless a window)
+//!        ‖ kind_count:u64 ‖ kind:u8*   (sorted, distinct; tags below)
+//! kind  := 0 attention_kv, 1 mla_kv, 2 sliding_window_kv,
+//!          3 recurrent_checkpoint, 4 convolution_state, 5 dsa, 6 draft,
+//!          7 auxiliary
 //! ```
 
 use serde::{Deserialize, Serialize};
 
+use crate::contract::{ComponentKind, GroupSpec, Rule};
 use crate::encoding::{Digest32, Frame, put_str, put_u32, put_u64};
 use crate::namespace::Namespace;
 
@@ -71,6 +83,14 @@ pub enum LayoutError {
         group: u32,
         reason: &'static str,
     },
+    #[error("no groups are declared")]
+    NoGroups,
+    #[error("group {0} is declared twice")]
+    DuplicateGroup(u32),
+    #[error("group {0} lists a component kind twice")]
+    DuplicateComponent(u32),
+    #[error("slot (layer {layer}) names group {group}, which is not declared")]
+    UndeclaredGroup { layer: u32, group: u32 },
 }
 
 impl StorageSlot {
@@ -169,11 +189,76 @@ impl StorageLayout {
     }
 }
 
-/// Binds a computation identity to a storage layout. The result names the
-/// stored representation: two registrations share a namespace exactly when
-/// they computed the same thing and store it in the same bytes.
-pub fn seal(identity: &Digest32, layout: &StorageLayout) -> Result<Namespace, LayoutError> {
-    let mut frame = Frame::new("orbitkv/namespace", 1);
-    frame.field(1, identity).field(2, &layout.encode()?);
+/// The pinned tag of a component kind in the sealed bytes.
+fn kind_tag(kind: ComponentKind) -> u8 {
+    match kind {
+        ComponentKind::AttentionKv => 0,
+        ComponentKind::MlaKv => 1,
+        ComponentKind::SlidingWindowKv => 2,
+        ComponentKind::RecurrentCheckpoint => 3,
+        ComponentKind::ConvolutionState => 4,
+        ComponentKind::Dsa => 5,
+        ComponentKind::Draft => 6,
+        ComponentKind::Auxiliary => 7,
+    }
+}
+
+/// Canonical bytes of the group shapes: sorted by id, kinds sorted. Every
+/// slot of `layout` must name a declared group.
+pub fn encode_groups(layout: &StorageLayout, groups: &[GroupSpec]) -> Result<Vec<u8>, LayoutError> {
+    if groups.is_empty() {
+        return Err(LayoutError::NoGroups);
+    }
+    let mut sorted: Vec<&GroupSpec> = groups.iter().collect();
+    sorted.sort_by_key(|g| g.id);
+    if let Some(pair) = sorted.windows(2).find(|p| p[0].id == p[1].id) {
+        return Err(LayoutError::DuplicateGroup(pair[0].id));
+    }
+    if let Some(s) = layout
+        .slots
+        .iter()
+        .find(|s| sorted.binary_search_by_key(&s.group, |g| g.id).is_err())
+    {
+        return Err(LayoutError::UndeclaredGroup {
+            layer: s.layer,
+            group: s.group,
+        });
+    }
+    let mut out = Vec::new();
+    put_u64(&mut out, sorted.len() as u64);
+    for g in sorted {
+        put_u32(&mut out, g.id);
+        let (rule, past_tokens) = match g.rule {
+            Rule::Prefix => (0u8, 0),
+            Rule::Window { past_tokens } => (1, past_tokens),
+            Rule::Checkpoint => (2, 0),
+        };
+        out.push(rule);
+        put_u64(&mut out, past_tokens);
+        let mut kinds: Vec<u8> = g.components.iter().map(|k| kind_tag(*k)).collect();
+        kinds.sort_unstable();
+        if kinds.windows(2).any(|p| p[0] == p[1]) {
+            return Err(LayoutError::DuplicateComponent(g.id));
+        }
+        put_u64(&mut out, kinds.len() as u64);
+        out.extend_from_slice(&kinds);
+    }
+    Ok(out)
+}
+
+/// Binds a computation identity to a storage layout and the groups' shapes.
+/// The result names the stored representation: two registrations share a
+/// namespace exactly when they computed the same thing, store it in the
+/// same bytes, and mean the same by each group's pages.
+pub fn seal(
+    identity: &Digest32,
+    layout: &StorageLayout,
+    groups: &[GroupSpec],
+) -> Result<Namespace, LayoutError> {
+    let mut frame = Frame::new("orbitkv/namespace", 2);
+    frame
+        .field(1, identity)
+        .field(2, &layout.encode()?)
+        .field(3, &encode_groups(layout, groups)?);
     Ok(Namespace(frame.sha256()))
 }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::identity::ArtifactIdentity;
 use orbitkv_components::value::{CanonicalMap, CanonicalValue};
 use orbitkv_components::{
@@ -133,9 +134,62 @@ fn identity_and_namespace_golden_digests() {
         slots: vec![golden_slot()],
         pool_capacity_pages: 0,
     };
+    let dense = [GroupSpec {
+        id: 0,
+        rule: Rule::Prefix,
+        components: vec![ComponentKind::AttentionKv],
+    }];
     assert_eq!(
-        seal(&id, &layout).unwrap().to_hex(),
-        "39b7c0da3e204749c3514627ad3041b08ba0e80b7d193eaae13c12aed8589c07"
+        seal(&id, &layout, &dense).unwrap().to_hex(),
+        "ae985ee6b218b62e33fd4203dc9672daab642e9e6d28f72686cc66f9a8e3d838"
+    );
+}
+
+/// Full attention, a 31-token window and a recurrent checkpoint (kinds
+/// listed out of tag order): pins the group encoding, rule tags, the
+/// window and kind tags.
+#[test]
+fn namespace_golden_digest_with_group_shapes() {
+    let id = golden_parts().digest().unwrap();
+    let layout = StorageLayout {
+        slots: (0..3)
+            .map(|g| StorageSlot {
+                layer: g,
+                group: g,
+                ..golden_slot()
+            })
+            .collect(),
+        pool_capacity_pages: 0,
+    };
+    let groups = |past_tokens| {
+        vec![
+            GroupSpec {
+                id: 2,
+                rule: Rule::Checkpoint,
+                components: vec![
+                    ComponentKind::RecurrentCheckpoint,
+                    ComponentKind::ConvolutionState,
+                ],
+            },
+            GroupSpec {
+                id: 0,
+                rule: Rule::Prefix,
+                components: vec![ComponentKind::AttentionKv],
+            },
+            GroupSpec {
+                id: 1,
+                rule: Rule::Window { past_tokens },
+                components: vec![ComponentKind::SlidingWindowKv],
+            },
+        ]
+    };
+    assert_eq!(
+        seal(&id, &layout, &groups(31)).unwrap().to_hex(),
+        "0499e613ad8a1de56388e23b84d3a675f2dde2a24fd68807a0651df41f057cc5"
+    );
+    assert_eq!(
+        seal(&id, &layout, &groups(63)).unwrap().to_hex(),
+        "a4e192b239bdf95c9112a04a5091efc79618da72152bd1d8cebb17c49571577c"
     );
 }
 

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use orbitkv_components::artifacts::{CHUNK_BYTES, fingerprint_dir};
+use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::identity::{ArtifactIdentity, IdentityError};
 use orbitkv_components::value::{CanonicalMap, CanonicalValue};
 use orbitkv_components::{
@@ -411,6 +412,17 @@ fn slot(layer: u32, tp_rank: u32) -> StorageSlot {
     }
 }
 
+/// Two attention groups (slots may name either).
+fn groups() -> Vec<GroupSpec> {
+    (0..2)
+        .map(|id| GroupSpec {
+            id,
+            rule: Rule::Prefix,
+            components: vec![ComponentKind::AttentionKv],
+        })
+        .collect()
+}
+
 fn layout() -> StorageLayout {
     StorageLayout {
         slots: vec![slot(0, 0), slot(1, 0), slot(0, 1), slot(1, 1)],
@@ -421,21 +433,21 @@ fn layout() -> StorageLayout {
 #[test]
 fn device_addresses_and_capacity_do_not_change_the_namespace() {
     let id = [9u8; 32];
-    let base = seal(&id, &layout()).unwrap();
+    let base = seal(&id, &layout(), &groups()).unwrap();
     let mut l = layout();
     for s in &mut l.slots {
         s.device_addr += 0x1234_5000;
     }
     l.pool_capacity_pages = 7;
     l.slots.reverse();
-    assert_eq!(seal(&id, &l).unwrap(), base);
+    assert_eq!(seal(&id, &l, &groups()).unwrap(), base);
 }
 
 #[test]
 fn every_sealed_field_changes_the_namespace() {
     let id = [9u8; 32];
-    let base = seal(&id, &layout()).unwrap();
-    assert_ne!(seal(&[8u8; 32], &layout()).unwrap(), base);
+    let base = seal(&id, &layout(), &groups()).unwrap();
+    assert_ne!(seal(&[8u8; 32], &layout(), &groups()).unwrap(), base);
     let edits: Vec<Mutation<StorageSlot>> = vec![
         Box::new(|s| s.layer = 5),
         Box::new(|s| s.group = 1),
@@ -452,7 +464,7 @@ fn every_sealed_field_changes_the_namespace() {
         let mut l = layout();
         edit(&mut l.slots[0]);
         assert_ne!(
-            seal(&id, &l).unwrap(),
+            seal(&id, &l, &groups()).unwrap(),
             base,
             "edit {n} did not change the namespace"
         );
@@ -460,8 +472,8 @@ fn every_sealed_field_changes_the_namespace() {
     // Each rank's own layout seals to its own namespace.
     let l = layout();
     assert_ne!(
-        seal(&id, &l.for_rank(0, 0)).unwrap(),
-        seal(&id, &l.for_rank(1, 0)).unwrap()
+        seal(&id, &l.for_rank(0, 0), &groups()).unwrap(),
+        seal(&id, &l.for_rank(1, 0), &groups()).unwrap()
     );
 }
 
@@ -469,13 +481,13 @@ fn every_sealed_field_changes_the_namespace() {
 fn bad_layouts_are_typed_errors() {
     let id = [9u8; 32];
     assert_eq!(
-        seal(&id, &StorageLayout::default()),
+        seal(&id, &StorageLayout::default(), &groups()),
         Err(LayoutError::NoSlots)
     );
     let mut l = layout();
     l.slots.push(slot(1, 1));
     assert!(matches!(
-        seal(&id, &l),
+        seal(&id, &l, &groups()),
         Err(LayoutError::DuplicateSlot {
             layer: 1,
             tp_rank: 1,
@@ -507,8 +519,92 @@ fn bad_layouts_are_typed_errors() {
         let mut l = layout();
         edit(&mut l.slots[2]);
         assert!(
-            matches!(seal(&id, &l), Err(LayoutError::BadSlot { reason: r, .. }) if r == reason),
+            matches!(seal(&id, &l, &groups()), Err(LayoutError::BadSlot { reason: r, .. }) if r == reason),
             "{reason}"
         );
     }
+}
+
+#[test]
+fn every_group_shape_changes_the_namespace() {
+    let id = [9u8; 32];
+    let base = seal(&id, &layout(), &groups()).unwrap();
+    let edits: Vec<(&str, Mutation<GroupSpec>)> = vec![
+        (
+            "a window",
+            Box::new(|g| g.rule = Rule::Window { past_tokens: 32 }),
+        ),
+        ("a checkpoint", Box::new(|g| g.rule = Rule::Checkpoint)),
+        (
+            "other kinds",
+            Box::new(|g| g.components = vec![ComponentKind::MlaKv]),
+        ),
+        (
+            "an added kind",
+            Box::new(|g| g.components.push(ComponentKind::ConvolutionState)),
+        ),
+    ];
+    let mut seen = vec![base];
+    for (what, edit) in &edits {
+        let mut g = groups();
+        edit(&mut g[1]);
+        let ns = seal(&id, &layout(), &g).unwrap();
+        assert!(!seen.contains(&ns), "{what} did not change the namespace");
+        seen.push(ns);
+    }
+    // Windows of 32 and 64 past tokens are different representations.
+    let window = |past_tokens| {
+        let mut g = groups();
+        g[1].rule = Rule::Window { past_tokens };
+        g[1].components = vec![ComponentKind::SlidingWindowKv];
+        seal(&id, &layout(), &g).unwrap()
+    };
+    assert_ne!(window(32), window(64));
+    // An extra declared group (without slots on this rank) counts too.
+    let mut more = groups();
+    more.push(GroupSpec {
+        id: 7,
+        rule: Rule::Checkpoint,
+        components: vec![ComponentKind::RecurrentCheckpoint],
+    });
+    assert!(!seen.contains(&seal(&id, &layout(), &more).unwrap()));
+}
+
+#[test]
+fn group_and_kind_order_do_not_change_the_namespace() {
+    let id = [9u8; 32];
+    let mut g = groups();
+    g[0].components = vec![
+        ComponentKind::RecurrentCheckpoint,
+        ComponentKind::ConvolutionState,
+    ];
+    g[0].rule = Rule::Checkpoint;
+    let base = seal(&id, &layout(), &g).unwrap();
+    g.reverse();
+    g[1].components.reverse();
+    assert_eq!(seal(&id, &layout(), &g).unwrap(), base);
+}
+
+#[test]
+fn bad_group_declarations_are_typed_errors() {
+    let id = [9u8; 32];
+    assert_eq!(seal(&id, &layout(), &[]), Err(LayoutError::NoGroups));
+    let mut twice = groups();
+    twice[1].id = 0;
+    assert_eq!(
+        seal(&id, &layout(), &twice),
+        Err(LayoutError::DuplicateGroup(0))
+    );
+    let mut kinds = groups();
+    kinds[1].components = vec![ComponentKind::AttentionKv, ComponentKind::AttentionKv];
+    assert_eq!(
+        seal(&id, &layout(), &kinds),
+        Err(LayoutError::DuplicateComponent(1))
+    );
+    let mut l = layout();
+    l.slots[3].group = 5;
+    assert_eq!(
+        seal(&id, &l, &groups()),
+        Err(LayoutError::UndeclaredGroup { layer: 1, group: 5 })
+    );
 }

@@ -654,3 +654,120 @@ fn auto_prefers_io_uring() {
     eprintln!("auto chose {:?}", store.backend());
     assert_eq!(store.name(), "ssd");
 }
+
+/// Total bytes of the segment files in `dir`.
+fn segment_bytes_on_disk(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("seg-"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum()
+}
+
+/// Issue 10: capacity is counted in bytes. Segments written under one
+/// `segment_bytes` count at their own size after a restart with another, in
+/// both directions, so the directory never holds more than the cap.
+fn capacity_in_bytes_across_segment_sizes(backend: IoBackend) {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 1 << 20;
+    let fill = |segment_bytes: u64, base: u64| {
+        let cfg = SsdConfig {
+            segment_bytes,
+            capacity_bytes: cap,
+            ..config(dir.path(), backend)
+        };
+        let mut store = SsdStore::open(cfg).unwrap();
+        assert!(store.stats().disk_bytes <= cap, "{:?}", store.stats());
+        let pages: Vec<_> = (base..base + 150)
+            .map(|i| (key(i), payload(i, 16_000)))
+            .collect();
+        for chunk in pages.chunks(10) {
+            write_all(&mut store, chunk);
+            let s = store.stats();
+            assert!(s.disk_bytes <= cap, "{s:?}");
+        }
+        // The newest pages read back exactly.
+        let mut pool = Pool::new(&mut store, 1 << 20);
+        for (k, bytes) in &pages[140..] {
+            assert!(pool.read(&mut store, k, 16_000).unwrap() == *bytes);
+        }
+        drop(store);
+        let on_disk = segment_bytes_on_disk(dir.path());
+        assert!(on_disk <= cap, "{on_disk} bytes of segments, cap {cap}");
+    };
+    // Small segments fill the cap; larger ones must then evict by bytes,
+    // not by count (8 small segments are not "2 of 8 allowed" large ones);
+    // and back again.
+    fill(128 << 10, 0);
+    fill(512 << 10, 1000);
+    fill(64 << 10, 2000);
+}
+
+#[test]
+fn capacity_in_bytes_across_segment_sizes_blocking() {
+    capacity_in_bytes_across_segment_sizes(IoBackend::Blocking);
+}
+
+#[test]
+fn capacity_in_bytes_across_segment_sizes_io_uring() {
+    capacity_in_bytes_across_segment_sizes(IoBackend::IoUring);
+}
+
+/// Issue 10: a FIFO (or a directory, or a symlink) named like a segment is
+/// skipped with a warning, never opened: open returns and the store works.
+#[test]
+fn entries_that_are_not_regular_files_are_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = open(dir.path(), IoBackend::Blocking);
+    let pages = pages(4, 0);
+    write_all(&mut store, &pages);
+    drop(store);
+    let fifo = dir.path().join("seg-00000000000000f0.okv");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    std::fs::create_dir(dir.path().join("seg-00000000000000f1.okv")).unwrap();
+    let real = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with("0000.okv"))
+        .unwrap();
+    std::os::unix::fs::symlink(&real, dir.path().join("seg-00000000000000f2.okv")).unwrap();
+
+    let mut store = open(dir.path(), IoBackend::Blocking);
+    assert_eq!(store.stats().open_scan.skipped_files, 3);
+    let mut pool = Pool::new(&mut store, 4 << 20);
+    for (k, bytes) in &pages {
+        assert!(pool.read(&mut store, k, bytes.len() as u64).unwrap() == *bytes);
+    }
+    write_all(&mut store, &pages_after(100));
+    drop(store);
+    // Left where they were.
+    assert!(fifo.exists());
+}
+
+/// Issue 10: a segment named with the largest id does not make the next id
+/// wrap onto an existing file: it is skipped, and the store opens and
+/// writes.
+#[test]
+fn a_segment_id_at_the_top_of_the_range_does_not_wrap() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = open(dir.path(), IoBackend::Blocking);
+    write_all(&mut store, &pages(4, 0));
+    drop(store);
+    let top = dir.path().join("seg-ffffffffffffffff.okv");
+    std::fs::write(&top, vec![0u8; 4096]).unwrap();
+    let mut store = open(dir.path(), IoBackend::Blocking);
+    assert_eq!(store.stats().open_scan.skipped_files, 1);
+    let more = pages_after(50);
+    write_all(&mut store, &more);
+    let mut pool = Pool::new(&mut store, 4 << 20);
+    for (k, bytes) in &more {
+        assert!(pool.read(&mut store, k, bytes.len() as u64).unwrap() == *bytes);
+    }
+    drop(store);
+    // Reopens again (no "File exists").
+    drop(open(dir.path(), IoBackend::Blocking));
+    assert!(top.exists());
+}

@@ -5,8 +5,15 @@
 //! The oracle is independent of the runtime's code paths: it recomputes the
 //! pages a boundary requires from the rule definitions with plain
 //! arithmetic, knows which keys the scenario made available (their bytes are
-//! a function of the key), and that a new identity never reuses a
-//! namespace. The replay driver checks every restored byte.
+//! a function of the key), that a namespace is never shared by two
+//! registrations that differ in identity or in what they store (model
+//! shape, window, page geometry, rank), and that once the engine goes quiet
+//! nothing is left pending or leased except behind a transfer whose
+//! completion never came. The replay driver checks every restored byte.
+//!
+//! Scenarios draw their copy limits and batch sizes at random, reuse
+//! identities across instances of different shapes, and re-register
+//! instances with another shape or window after a crash.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -21,16 +28,30 @@ use crate::trace::{
     Body, Fault, Header, Latency, Line, Model, Open, Publish, Register, Request, Then, Ticks,
     TierPut,
 };
+use orbitkv_world::OperationInfo;
 
 /// Bounds of one fuzz run.
 const MAX_MINIMIZE_REPLAYS: usize = 400;
 
-/// The false-hit oracle.
+/// The false-hit and liveness oracle.
 #[derive(Default)]
 pub struct Oracle {
     available: HashSet<StateKey>,
-    /// identity string → namespaces it sealed to.
-    identities: BTreeMap<String, Vec<Namespace>>,
+    /// Namespace → the one stored representation it may name.
+    sealed: BTreeMap<Namespace, String>,
+}
+
+/// What rank `rank` of a registration stores, in words: two registrations
+/// may share that rank's namespace only if these are equal.
+pub fn stored_representation(r: &Register, rank: u32) -> String {
+    let window = match r.model {
+        Model::Swa | Model::HybridSwa => format!(" window {}", r.window.max(1)),
+        Model::Dense | Model::Hybrid => String::new(),
+    };
+    format!(
+        "identity {:?}, {:?}{window}, {} tokens x {} bytes, rank {rank}",
+        r.identity, r.model, r.page_tokens, r.page_bytes
+    )
 }
 
 impl Observer for Oracle {
@@ -38,20 +59,34 @@ impl Observer for Oracle {
         self.available.insert(key);
     }
 
-    fn registered(
-        &mut self,
-        instance: &str,
-        identity: &str,
-        namespaces: &[Namespace],
-    ) -> Result<(), String> {
-        let tag = format!("{instance}/{identity}");
-        for (other, seen) in &self.identities {
-            if *other != tag && seen.iter().any(|n| namespaces.contains(n)) {
-                return Err(format!("identities {other} and {tag} share a namespace"));
+    fn registered(&mut self, r: &Register, namespaces: &[Namespace]) -> Result<(), String> {
+        for (rank, ns) in namespaces.iter().enumerate() {
+            let what = stored_representation(r, rank as u32);
+            match self.sealed.get(ns) {
+                Some(other) if *other != what => {
+                    return Err(format!("{other} and {what} share a namespace"));
+                }
+                Some(_) => {}
+                None => {
+                    self.sealed.insert(*ns, what);
+                }
             }
         }
-        self.identities.insert(tag, namespaces.to_vec());
         Ok(())
+    }
+
+    /// Liveness: once quiet, every operation left is held by a transfer
+    /// whose completion never came (it keeps what it owns, by design);
+    /// anything else pending, or leasing pages, is stuck.
+    fn quiet(&mut self, now_us: u64, live: &[OperationInfo]) -> Result<(), String> {
+        match live.iter().find(|o| o.overdue_transfers == 0) {
+            Some(o) => Err(format!(
+                "operation {:#x} is still {} at {now_us} µs (deadline {} µs) with {} lease(s), \
+                 {} byte(s) reserved and no overdue transfer to wait for",
+                o.operation, o.state, o.deadline_us, o.leases, o.bytes_reserved
+            )),
+            None => Ok(()),
+        }
     }
 
     fn ready(&mut self, c: &ReadyContext<'_>) -> Result<(), String> {
@@ -135,8 +170,51 @@ struct Inst {
     name: String,
     model: Model,
     ranks: u32,
+    /// Shared across instances at random: one weights digest, several
+    /// shapes.
     identity: u32,
+    window: u64,
     session: u32,
+}
+
+const MODELS: [Model; 4] = [Model::Dense, Model::Swa, Model::Hybrid, Model::HybridSwa];
+
+impl Inst {
+    fn register(&self) -> Body {
+        Body::Register(Register {
+            instance: self.name.clone(),
+            identity: format!("weights-v{}", self.identity),
+            model: self.model,
+            ranks: self.ranks,
+            page_tokens: 16,
+            page_bytes: 4096,
+            window: self.window,
+        })
+    }
+
+    /// After its engine crashed: the same instance may come back with new
+    /// weights, another shape of the same weights, or another window.
+    fn change(&mut self, rng: &mut Rng) {
+        match rng.below(4) {
+            0 => self.identity += 10,
+            1 => self.model = *rng.pick(&MODELS),
+            2 => self.window = random_window(rng),
+            _ => {}
+        }
+    }
+}
+
+fn random_window(rng: &mut Rng) -> u64 {
+    8 + rng.below(40)
+}
+
+/// Copy limits: often tight (one page per batch, one batch in flight, an
+/// engine queue shorter than our bound), sometimes the defaults.
+fn copy_limits(rng: &mut Rng) -> (u64, u64, u64) {
+    let batch = *rng.pick(&[1, 2, 3, 8, 1024]);
+    let inflight = *rng.pick(&[1, 2, 4, 64]);
+    let engine = *rng.pick(&[1, 2, 64]);
+    (batch, inflight, engine)
 }
 
 fn session_name(i: &Inst) -> String {
@@ -147,6 +225,7 @@ fn session_name(i: &Inst) -> String {
 pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let interval = 10;
+    let (batch, inflight, engine) = copy_limits(&mut rng);
     let header = Header {
         orbitkv_trace: crate::trace::TRACE_VERSION,
         name: format!("fuzz-{seed}"),
@@ -157,9 +236,13 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
             "limits": {
                 "prepare_deadline_us": 500 + rng.below(4000),
                 "publish_deadline_us": 500 + rng.below(4000),
+                "restore_deadline_us": 500 + rng.below(4000),
                 "transfer_timeout_us": 3000,
-                "max_reads_per_group": 1 + rng.below(8)
-            }
+                "max_reads_per_group": 1 + rng.below(8),
+                "max_copy_batch_pages": batch,
+                "max_inflight_copies": inflight
+            },
+            "copy": {"max_in_flight_batches": engine}
         })),
         latency: Latency::default(),
         ticks: Ticks::Interval,
@@ -175,30 +258,19 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
             body,
         });
     };
-    let models = [Model::Dense, Model::Swa, Model::Hybrid, Model::HybridSwa];
-    let mut insts: Vec<Inst> = (0..1 + rng.below(2))
+    let mut insts: Vec<Inst> = (0..1 + rng.below(3))
         .map(|i| Inst {
             name: format!("m{i}"),
-            model: *rng.pick(&models),
+            model: *rng.pick(&MODELS),
             ranks: 1 + rng.below(2) as u32,
-            identity: 0,
+            // Often the same weights as another instance.
+            identity: rng.below(2) as u32,
+            window: random_window(&mut rng),
             session: 0,
         })
         .collect();
-    let register = |i: &Inst, window: u64| {
-        Body::Register(Register {
-            instance: i.name.clone(),
-            identity: format!("{}-weights-v{}", i.name, i.identity),
-            model: i.model,
-            ranks: i.ranks,
-            page_tokens: 16,
-            page_bytes: 4096,
-            window,
-        })
-    };
-    let window = 8 + rng.below(40);
     for i in &insts {
-        push(&mut lines, t, register(i, window));
+        push(&mut lines, t, i.register());
         push(
             &mut lines,
             t,
@@ -317,8 +389,8 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
                         let inst = &mut insts[i];
                         inst.session += 1;
                         if rng.chance(500) {
-                            inst.identity += 1;
-                            push(&mut lines, t, register(inst, window));
+                            inst.change(&mut rng);
+                            push(&mut lines, t, inst.register());
                         }
                         let reopen = Body::Open(Open {
                             instance: inst.name.clone(),
@@ -332,7 +404,7 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
                         push(&mut lines, t, Body::Fault(Fault::ManagerRestart));
                         for inst in insts.iter_mut() {
                             inst.session += 1;
-                            push(&mut lines, t, register(inst, window));
+                            push(&mut lines, t, inst.register());
                             let reopen = Body::Open(Open {
                                 instance: inst.name.clone(),
                                 name: session_name(inst),

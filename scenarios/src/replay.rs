@@ -17,7 +17,7 @@ use orbitkv_components::{Namespace, NativeHash, StateKey, StorageLayout, Storage
 use orbitkv_gpu::host::DeviceArena;
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyControl, SimCopyEngine};
 use orbitkv_io::tier::{BackingTier, MemoryTier, MemoryTierHandle};
-use orbitkv_world::{Backends, Config, Runtime};
+use orbitkv_world::{Backends, Config, OperationInfo, Runtime};
 use serde_json::Value;
 
 use crate::payload::payload;
@@ -51,13 +51,14 @@ pub trait Observer {
     }
     /// Keys the trace made available (published or put in a tier).
     fn available(&mut self, _key: StateKey) {}
-    /// An instance registered under `identity` with these namespaces.
-    fn registered(
-        &mut self,
-        _instance: &str,
-        _identity: &str,
-        _namespaces: &[Namespace],
-    ) -> Result<(), String> {
+    /// An instance was registered by this `register` line and sealed to
+    /// these namespaces (one per rank).
+    fn registered(&mut self, _line: &Register, _namespaces: &[Namespace]) -> Result<(), String> {
+        Ok(())
+    }
+    /// The engine went quiet and the runtime drained (end of the trace):
+    /// the operations still alive.
+    fn quiet(&mut self, _now_us: u64, _live: &[OperationInfo]) -> Result<(), String> {
         Ok(())
     }
 }
@@ -381,6 +382,10 @@ impl<'o> Replay<'o> {
             progress(i + 1, total);
         }
         self.drain();
+        let (now, live) = (self.now(), self.rt.operations());
+        if let Err(why) = self.observer.quiet(now, &live) {
+            self.violation(format!("oracle: {why}"));
+        }
         Ok(self.finish())
     }
 
@@ -532,10 +537,10 @@ impl<'o> Replay<'o> {
             }
             match entry.remove() {
                 Timer::Cancel { session, operation } => {
-                    // Only if the request is still unfinished.
-                    if self.op_requests.contains_key(&operation)
-                        && let Some(s) = self.sessions.get(&session)
-                    {
+                    // Sent even after the request finished: a late cancel is
+                    // refused (`unknown_operation`), which the report shows.
+                    // Not to a crashed or closed session the driver forgot.
+                    if let Some(s) = self.sessions.get(&session) {
                         let handle = s.handle;
                         self.submit(Command::Cancel {
                             session: handle,
@@ -993,10 +998,7 @@ impl<'o> Replay<'o> {
         let events = self.tick_with(Vec::new());
         match events.iter().find(|(c, _)| *c == id) {
             Some((_, Event::InstanceRegistered { namespaces, .. })) => {
-                if let Err(why) = self
-                    .observer
-                    .registered(&r.instance, &r.identity, namespaces)
-                {
+                if let Err(why) = self.observer.registered(r, namespaces) {
                     self.violation(format!("oracle: {why}"));
                 }
                 let page_bytes = groups.iter().map(|g| (g.id, r.page_bytes)).collect();

@@ -182,12 +182,19 @@ fn cancel_mid_read() {
     let r = run("cancel_mid_read");
     assert_eq!(
         outcomes(&r),
-        [missed(1, MissReason::Cancelled), restored(2, 128)]
+        [
+            missed(1, MissReason::Cancelled),
+            restored(2, 128),
+            restored(3, 128)
+        ]
     );
     assert_eq!(
         r.requests[1].pages_from_dram, 8,
         "drained reads stayed cached"
     );
+    // The driver sends a timed cancel even after its request finished
+    // (docs/trace-format.md), and the runtime refuses it.
+    assert_eq!(r.totals.rejected.get("unknown_operation"), Some(&1));
 }
 
 #[test]

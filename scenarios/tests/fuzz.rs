@@ -1,12 +1,16 @@
 //! The fuzzer: a fixed seed set runs clean, the generator covers every fault
 //! kind, the oracle rejects what it must, and minimization shrinks.
 
+use orbitkv_components::api::Origin;
 use orbitkv_components::api::PagePos;
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey};
-use orbitkv_scenarios::fuzz::{Oracle, Verdict, check, generate, kinds, minimize};
+use orbitkv_scenarios::fuzz::{
+    Oracle, Verdict, check, generate, kinds, minimize, stored_representation,
+};
 use orbitkv_scenarios::replay::{Observer, ReadyContext};
-use orbitkv_scenarios::trace::{Body, Line};
+use orbitkv_scenarios::trace::{Body, Line, Model, Register};
+use orbitkv_world::OperationInfo;
 
 #[test]
 fn fixed_seeds_run_clean() {
@@ -147,14 +151,127 @@ fn the_oracle_allows_exactly_the_contract() {
         leased: &good,
     });
     assert!(e.unwrap_err().contains("never produced"));
-    // Two identities may never share a namespace.
-    assert!(oracle.registered("m", "v1", &ns).is_ok());
-    assert!(
-        oracle
-            .registered("m", "v2", &ns)
-            .unwrap_err()
-            .contains("share a namespace")
+}
+
+fn reg(instance: &str, identity: &str, model: Model, window: u64) -> Register {
+    Register {
+        instance: instance.into(),
+        identity: identity.into(),
+        model,
+        ranks: 1,
+        page_tokens: 16,
+        page_bytes: 4096,
+        window,
+    }
+}
+
+#[test]
+fn the_oracle_refuses_a_namespace_shared_by_different_representations() {
+    let ns = [Namespace([5; 32])];
+    let shared = |a: Register, b: Register| {
+        let mut o = Oracle::default();
+        o.registered(&a, &ns).unwrap();
+        o.registered(&b, &ns)
+    };
+    // The same weights and shape may share, under any instance name; a
+    // window a model does not use does not count.
+    assert_eq!(
+        shared(
+            reg("a", "v1", Model::Swa, 20),
+            reg("b", "v1", Model::Swa, 20)
+        ),
+        Ok(())
     );
+    assert_eq!(
+        shared(
+            reg("a", "v1", Model::Dense, 20),
+            reg("a", "v1", Model::Dense, 40)
+        ),
+        Ok(())
+    );
+    // Other weights, another shape, another window: never.
+    for (a, b) in [
+        (
+            reg("a", "v1", Model::Dense, 20),
+            reg("a", "v2", Model::Dense, 20),
+        ),
+        (
+            reg("a", "v1", Model::Swa, 20),
+            reg("b", "v1", Model::Hybrid, 20),
+        ),
+        (
+            reg("a", "v1", Model::Swa, 20),
+            reg("a", "v1", Model::Swa, 40),
+        ),
+    ] {
+        assert!(
+            shared(a.clone(), b.clone())
+                .unwrap_err()
+                .contains("share a namespace"),
+            "{a:?} / {b:?}"
+        );
+    }
+    // Ranks are separate representations.
+    let mut o = Oracle::default();
+    let two = Register {
+        ranks: 2,
+        ..reg("a", "v1", Model::Dense, 20)
+    };
+    assert!(
+        o.registered(&two, &[ns[0], ns[0]])
+            .unwrap_err()
+            .contains("rank 1")
+    );
+}
+
+#[test]
+fn the_liveness_oracle_allows_only_work_behind_an_overdue_transfer() {
+    let op = |overdue_transfers| OperationInfo {
+        operation: 0x42,
+        origin: Origin::EMBEDDED,
+        state: "reading",
+        deadline_us: 100,
+        in_flight: 1,
+        overdue_transfers,
+        leases: 2,
+        bytes_reserved: 8192,
+    };
+    let mut o = Oracle::default();
+    assert_eq!(o.quiet(1_000, &[]), Ok(()));
+    assert_eq!(o.quiet(1_000, &[op(1)]), Ok(()));
+    let e = o.quiet(1_000, &[op(1), op(0)]).unwrap_err();
+    assert!(e.contains("0x42 is still reading"), "{e}");
+}
+
+/// The generator draws the dimensions issue 10 asked for: tight copy limits
+/// and engine queues, and one identity registered with different shapes.
+#[test]
+fn the_generator_varies_copy_limits_and_reuses_identities_across_shapes() {
+    let mut batch_one = false;
+    let mut inflight_one = false;
+    let mut engine_short = false;
+    let mut reused = false;
+    for seed in 1..=60 {
+        let (header, lines) = generate(seed, 2000);
+        let config = header.config.clone().unwrap();
+        let limits = &config["limits"];
+        batch_one |= limits["max_copy_batch_pages"] == 1;
+        inflight_one |= limits["max_inflight_copies"] == 1;
+        engine_short |= config["copy"]["max_in_flight_batches"].as_u64()
+            < limits["max_inflight_copies"].as_u64();
+        let mut shapes: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+            Default::default();
+        for l in &lines {
+            if let Body::Register(r) = &l.body {
+                shapes
+                    .entry(r.identity.clone())
+                    .or_default()
+                    .insert(stored_representation(r, 0));
+            }
+        }
+        reused |= shapes.values().any(|s| s.len() > 1);
+    }
+    assert!(batch_one && inflight_one && engine_short && reused);
 }
 
 #[test]

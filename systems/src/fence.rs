@@ -176,7 +176,7 @@ pub fn fence(
             .expect("indexed transfers are live")
             .clone();
         commands.entity(entity).despawn();
-        let Ok((mut op, _, job)) = ops.get_mut(transfer.operation) else {
+        let Ok((mut op, rec, job)) = ops.get_mut(transfer.operation) else {
             continue;
         };
         op.in_flight -= 1;
@@ -195,19 +195,14 @@ pub fn fence(
                         );
                     }
                 }
-                match done.result {
-                    Ok(()) if op.in_flight == 0 && op.outcome.is_none() => {
-                        finish(&mut op, Outcome::Restored);
-                    }
-                    Ok(()) => {}
-                    Err(_) => {
-                        if op.outcome.is_none() {
-                            op.outcome = Some(Outcome::Miss(MissReason::IoError));
-                        }
-                    }
+                if done.result.is_err() && op.outcome.is_none() {
+                    op.outcome = Some(Outcome::Miss(MissReason::IoError));
                 }
-                if op.in_flight == 0 {
-                    op.state = OpState::Finishing;
+                // Batches may still wait for copy room: the restore stage
+                // submits (or abandons) them.
+                let all_sent = rec.is_none_or(|r| r.copies_sent == r.copies.len());
+                if op.in_flight == 0 && all_sent {
+                    finish(&mut op, Outcome::Restored);
                 }
             }
             TransferKind::Publish { items } => {
@@ -260,7 +255,8 @@ pub fn fence(
                     metrics.bytes_published += item.bytes;
                     item.state = ItemState::Inserted;
                 }
-                if op.in_flight == 0 {
+                let waiting = job.items.iter().any(|i| i.state == ItemState::Waiting);
+                if op.in_flight == 0 && !waiting {
                     finish(&mut op, Outcome::Published);
                 }
             }

@@ -207,7 +207,7 @@ fn register_instance(
     for rank in &ranks {
         let own = layout.for_rank(rank.tp, rank.pp);
         let namespace =
-            seal(&identity, &own).map_err(|e| invalid(format!("rank {rank:?}: {e}")))?;
+            seal(&identity, &own, &groups).map_err(|e| invalid(format!("rank {rank:?}: {e}")))?;
         let contract = RecoveryContract::compile(&ContractSpec {
             namespace,
             page_tokens,
@@ -728,6 +728,8 @@ fn query(
             needs: Vec::new(),
             restore: Vec::new(),
             retained: Vec::new(),
+            copies: Vec::new(),
+            copies_sent: 0,
         },
     ));
     Ok(())
@@ -840,7 +842,13 @@ fn restore(
     let mut rec = world.get_mut::<Recovery>(entity).expect("checked");
     rec.restore = targets;
     rec.retained = retained;
-    world.get_mut::<Operation>(entity).expect("checked").state = OpState::RestorePending;
+    let deadline = world
+        .resource::<Clock>()
+        .now_us
+        .saturating_add(world.resource::<Limits>().restore_deadline_us);
+    let mut op = world.get_mut::<Operation>(entity).expect("checked");
+    op.state = OpState::RestorePending;
+    op.deadline_us = deadline;
     Ok(())
 }
 

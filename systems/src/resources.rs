@@ -49,8 +49,13 @@ pub struct Limits {
     pub max_region_slots: u32,
     /// Preparation limit: from query to restore submission.
     pub prepare_deadline_us: u64,
-    /// Time a publish may wait for DRAM space before its pages are dropped.
+    /// Time a publish may wait for DRAM space and copy room; pages not
+    /// submitted by then are dropped.
     pub publish_deadline_us: u64,
+    /// Time from a restore's acceptance to the submission of its last copy
+    /// batch; batches not submitted by then are abandoned and the restore
+    /// misses with `deadline` once the submitted ones drained.
+    pub restore_deadline_us: u64,
     pub max_evictions_per_tick: usize,
     /// A transfer not complete after this long is reported overdue.
     pub transfer_timeout_us: u64,
@@ -75,6 +80,7 @@ impl Default for Limits {
             max_region_slots: 1 << 22,
             prepare_deadline_us: 5_000_000,
             publish_deadline_us: 5_000_000,
+            restore_deadline_us: 5_000_000,
             max_evictions_per_tick: 4096,
             transfer_timeout_us: 10_000_000,
         }

@@ -115,11 +115,27 @@ pub enum ConfigError {
     Pool(String),
 }
 
+/// `percent`% of `bytes`, exact but for the final rounding down: the
+/// product is taken first, in 128 bits, so a share is never short by the
+/// rounding of `bytes / 100`.
+pub fn percent_of(bytes: u64, percent: u64) -> u64 {
+    let share = u128::from(bytes) * u128::from(percent) / 100;
+    u64::try_from(share).unwrap_or(u64::MAX)
+}
+
 impl Config {
     pub fn query_budget(&self) -> u64 {
         self.budget
             .query_budget_bytes
-            .unwrap_or(self.dram.capacity_bytes / 4 * 3)
+            .unwrap_or(percent_of(self.dram.capacity_bytes, 75))
+    }
+
+    /// Bytes speculative recoveries may hold together.
+    pub fn speculative_budget(&self) -> u64 {
+        percent_of(
+            self.query_budget(),
+            u64::from(self.budget.speculative_percent),
+        )
     }
 
     pub fn instance_budget(&self) -> u64 {

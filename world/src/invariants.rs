@@ -148,6 +148,12 @@ pub fn check(world: &mut World) -> Vec<String> {
             }
         }
     }
+    // Restore copies waiting for copy room pin their destinations too.
+    for rec in world.query::<&Recovery>().iter(world) {
+        for c in rec.copies.get(rec.copies_sent..).unwrap_or_default() {
+            *pins.entry(c.device_page).or_default() += 1;
+        }
+    }
     for job in world
         .query::<&orbitkv_components::ecs::PublishJob>()
         .iter(world)

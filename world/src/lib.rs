@@ -10,4 +10,4 @@ pub mod schedule;
 
 pub use config::{Config, ConfigError};
 pub use orbitkv_components::api::{Command, CommandError, CommandId, Event, MissReason};
-pub use runtime::{Backends, Runtime, RuntimeError, Stats, SubmitError};
+pub use runtime::{Backends, OperationInfo, Runtime, RuntimeError, Stats, SubmitError};

@@ -63,6 +63,21 @@ pub struct Stats {
     pub metrics: Metrics,
 }
 
+/// One live operation: what holds it, for liveness checks and operators.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OperationInfo {
+    pub operation: u64,
+    pub origin: Origin,
+    pub state: &'static str,
+    pub deadline_us: u64,
+    /// Transfers of it not yet fenced, and of those the overdue ones (a
+    /// completion that may never come: they keep holding what they own).
+    pub in_flight: u32,
+    pub overdue_transfers: usize,
+    pub leases: usize,
+    pub bytes_reserved: u64,
+}
+
 pub struct Runtime {
     world: World,
     schedule: Schedule,
@@ -144,7 +159,7 @@ impl Runtime {
         world.insert_resource(Budget {
             global_limit: query_budget,
             instance_limit: config.instance_budget(),
-            speculative_limit: query_budget / 100 * u64::from(config.budget.speculative_percent),
+            speculative_limit: config.speculative_budget(),
             reserved: 0,
             speculative_reserved: 0,
         });
@@ -317,6 +332,35 @@ impl Runtime {
             pool_capacity_bytes: w.resource::<Dram>().pool.capacity(),
             metrics: w.resource::<Metrics>().clone(),
         }
+    }
+
+    /// Every live operation, in entity order.
+    pub fn operations(&mut self) -> Vec<OperationInfo> {
+        let w = &mut self.world;
+        let mut overdue: std::collections::HashMap<Entity, usize> = Default::default();
+        for t in w.query::<&Transfer>().iter(w).filter(|t| t.overdue) {
+            *overdue.entry(t.operation).or_default() += 1;
+        }
+        let mut leases: std::collections::HashMap<Entity, usize> = Default::default();
+        for l in w.query::<&Lease>().iter(w) {
+            *leases.entry(l.operation).or_default() += 1;
+        }
+        let mut out: Vec<OperationInfo> = w
+            .query::<(Entity, &Operation)>()
+            .iter(w)
+            .map(|(e, op)| OperationInfo {
+                operation: e.to_bits(),
+                origin: op.origin,
+                state: op.state.name(),
+                deadline_us: op.deadline_us,
+                in_flight: op.in_flight,
+                overdue_transfers: overdue.get(&e).copied().unwrap_or(0),
+                leases: leases.get(&e).copied().unwrap_or(0),
+                bytes_reserved: op.bytes_reserved,
+            })
+            .collect();
+        out.sort_by_key(|o| o.operation);
+        out
     }
 
     /// A descriptor for the shared DRAM pool (`DramConfig::shared`), for a

@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use orbitkv_components::api::{Command, CommandError, Event, MissReason, Origin, PagePos};
+use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_world::Runtime;
 
 const ID_A: [u8; 32] = [0xaa; 32];
@@ -20,7 +21,11 @@ struct Dense {
 
 /// One dense instance, one rank, one 64-slot device region.
 fn dense_setup(dram: u64) -> Dense {
-    let mut h = Harness::new(config(dram));
+    dense_setup_with(config(dram))
+}
+
+fn dense_setup_with(c: orbitkv_world::Config) -> Dense {
+    let mut h = Harness::new(c);
     let ns = h.register("llama", ID_A, dense(), 1)[0];
     let s = h.open("llama");
     let (region, engine_region) = h.region(s, 0, 0, 64);
@@ -757,6 +762,179 @@ fn speculative_work_is_capped_at_a_quarter() {
     h.assert_idle();
 }
 
+/// Issue 10, finding 3: a speculative recovery of exactly its share (25%
+/// of a 65,536-byte budget = 16,384 bytes = 4 pages) is admitted.
+#[test]
+fn speculative_share_is_exact() {
+    let mut c = config(16 << 20);
+    c.budget.query_budget_bytes = Some(65_536);
+    let mut d = dense_setup_with(c);
+    d.publish(31, 4, 0);
+    let mut q = query(d.s, 31, 31, &[0], 4, 4 * PAGE + 1, true);
+    if let Command::Query { speculative, .. } = &mut q {
+        *speculative = true;
+    }
+    d.h.step(vec![q]);
+    let e = d.h.until("ready", |e| {
+        matches!(e, Event::Ready { .. } | Event::Miss { .. })
+    });
+    let Event::Ready {
+        operation, leases, ..
+    } = e
+    else {
+        panic!("4 pages are exactly the speculative share: {e:?}");
+    };
+    assert_eq!(leases.len(), 4);
+    assert_eq!(d.h.rt.stats().bytes_reserved, 16_384);
+    d.h.step(vec![Command::Release {
+        session: d.s,
+        operation,
+    }]);
+    d.h.assert_idle();
+}
+
+/// Issue 10, finding 2: with one page per copy batch and two batches in
+/// flight, a 4-page publish and a 4-page restore start in pieces and
+/// complete with exact bytes; so does a 2-rank recovery needing more
+/// batches than may ever be in flight at once (the shape of a TP=2
+/// recovery of 32,769 pages per rank under the default limits).
+#[test]
+fn jobs_larger_than_the_copy_limits_run_in_pieces() {
+    let mut c = config(16 << 20);
+    c.limits.max_copy_batch_pages = 1;
+    c.limits.max_inflight_copies = 2;
+    let mut d = dense_setup_with(c);
+    let sources = d.publish(32, 4, 0);
+    d.free(&sources);
+    let (op, ready) = d.prepare(32, 4, 4 * PAGE + 1);
+    assert!(matches!(ready, Event::Ready { .. }), "{ready:?}");
+    let slots = d.restore(op, 4, 10);
+    d.assert_restored(32, &slots);
+    d.h.assert_idle();
+
+    let mut c = config(16 << 20);
+    c.limits.max_copy_batch_pages = 4;
+    c.limits.max_inflight_copies = 2;
+    let mut h = Harness::new(c);
+    let ns = h.register("tp2", ID_A, dense(), 2);
+    let s = h.open("tp2");
+    let pages = 9u64; // 2 ranks x 9 pages = 6 batches of at most 4
+    let mut regions = Vec::new();
+    for rank in 0..2u32 {
+        for i in 0..pages {
+            let native = hash(33, 0, i);
+            let nsr = ns[rank as usize];
+            h.tier
+                .insert(key(nsr, 0, native), payload(&nsr, 0, &native));
+        }
+        regions.push(h.region(s, rank, 0, pages as u32));
+    }
+    h.step(vec![query(s, 33, 33, &[0], pages, pages * PAGE + 1, true)]);
+    let e = h.until("ready", |e| {
+        matches!(e, Event::Ready { .. } | Event::Miss { .. })
+    });
+    let Event::Ready { operation, .. } = e else {
+        panic!("{e:?}");
+    };
+    let mut targets = Vec::new();
+    for (rank, (region, _)) in regions.iter().enumerate() {
+        for i in 0..pages {
+            let dp = h.alloc(s, *region, i as u32);
+            targets.push(target(rank as u32, 0, (i + 1) * PAGE, dp));
+        }
+    }
+    h.step(vec![Command::Restore {
+        session: s,
+        operation,
+        targets,
+        retained: vec![],
+    }]);
+    let done = h.until("restore", |e| {
+        matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+    });
+    assert_eq!(
+        done,
+        Event::RestoreDone {
+            operation,
+            pages: 2 * pages,
+            bytes: 2 * pages * PAGE_BYTES
+        }
+    );
+    for (rank, (_, engine_region)) in regions.iter().enumerate() {
+        let nsr = ns[rank];
+        for i in 0..pages {
+            assert_eq!(
+                h.read_slot(*engine_region, i as u32),
+                payload(&nsr, 0, &hash(33, 0, i)),
+                "rank {rank} page {i}"
+            );
+        }
+    }
+    h.assert_idle();
+}
+
+/// Issue 10, finding 2: an accepted restore has a deadline. Batches still
+/// waiting for copy room when it passes are abandoned, the submitted one
+/// drains, and the leases, bytes and device pins all return.
+#[test]
+fn accepted_restore_gives_up_its_unsent_batches_at_its_deadline() {
+    let mut c = config(16 << 20);
+    c.limits.max_copy_batch_pages = 1;
+    c.limits.max_inflight_copies = 1;
+    c.limits.restore_deadline_us = 1_000;
+    let mut d = dense_setup_with(c);
+    let sources = d.publish(34, 3, 0);
+    d.free(&sources);
+    let (op, _) = d.prepare(34, 3, 3 * PAGE + 1);
+    let targets: Vec<u64> = (0..3).map(|i| d.h.alloc(d.s, d.region, 10 + i)).collect();
+    d.h.copies.hold(true);
+    d.h.step(vec![Command::Restore {
+        session: d.s,
+        operation: op,
+        targets: targets
+            .iter()
+            .enumerate()
+            .map(|(i, dp)| target(0, 0, (i as u64 + 1) * PAGE, *dp))
+            .collect(),
+        retained: vec![],
+    }]);
+    assert_eq!(d.h.rt.stats().transfers, 1, "one batch fits");
+    d.h.step(vec![Command::AdvanceClock { us: 2_000 }]);
+    let s = d.h.rt.stats();
+    assert_eq!(
+        (s.transfers, s.operations),
+        (1, 1),
+        "the sent batch still holds"
+    );
+    assert!(s.leases > 0 && s.bytes_reserved > 0);
+    d.h.copies.hold(false);
+    let e = d.h.until("miss", |e| {
+        matches!(e, Event::Miss { .. } | Event::RestoreDone { .. })
+    });
+    assert_eq!(
+        e,
+        Event::Miss {
+            operation: op,
+            reason: MissReason::Deadline
+        }
+    );
+    // No pin is left: each free takes effect at once.
+    for dp in targets {
+        let ev = d.h.step(vec![Command::DevicePageFree {
+            session: d.s,
+            device_page: dp,
+        }]);
+        assert_eq!(
+            ev,
+            vec![Event::DevicePageFreed {
+                device_page: dp,
+                deferred: false
+            }]
+        );
+    }
+    d.h.assert_idle();
+}
+
 #[test]
 fn preparation_deadline_retires_with_deadline() {
     let mut d = dense_setup(16 << 20);
@@ -896,6 +1074,85 @@ fn namespace_mismatch_is_never_a_hit() {
         ),
         (0, Some(&1), Some(&1))
     );
+}
+
+/// Attention plus a second group of the given shape.
+fn two_groups(second: Rule, kind: ComponentKind) -> Vec<GroupSpec> {
+    let mut g = dense();
+    g.push(GroupSpec {
+        id: 1,
+        rule: second,
+        components: vec![kind],
+    });
+    g
+}
+
+/// Issue 10, finding 1: the same identity and slots with another group
+/// shape (a checkpoint where the other has a sliding window; a window of
+/// another size) seal to another namespace, so nothing one wrote can hit
+/// for the other.
+#[test]
+fn group_shape_is_sealed_into_the_namespace() {
+    let mut h = Harness::new(config(16 << 20));
+    let window =
+        |past_tokens| two_groups(Rule::Window { past_tokens }, ComponentKind::SlidingWindowKv);
+    let checkpoint = two_groups(Rule::Checkpoint, ComponentKind::RecurrentCheckpoint);
+    let ns_w = h.register("w", ID_A, window(100), 1)[0];
+    let ns_c = h.register("c", ID_A, checkpoint, 1)[0];
+    assert_ne!(ns_w, ns_c);
+    // Pages the windowed instance stored: 4 pages of both groups.
+    for i in 0..4 {
+        for g in [0, 1] {
+            let native = hash(50, g, i);
+            h.tier
+                .insert(key(ns_w, g, native), payload(&ns_w, g, &native));
+        }
+    }
+    let sw = h.open("w");
+    let sc = h.open("c");
+    // The selected boundary (a hit is released at once) or the miss.
+    let selected = |h: &mut Harness, s| {
+        let q = query(s, 1, 50, &[0, 1], 4, 4 * PAGE + 1, false);
+        match h.step(vec![q]).remove(0) {
+            Event::QueryResult {
+                selected,
+                miss,
+                operation,
+                ..
+            } => {
+                if selected.is_some() {
+                    h.step(vec![Command::Release {
+                        session: s,
+                        operation,
+                    }]);
+                }
+                (selected, miss)
+            }
+            e => panic!("{e:?}"),
+        }
+    };
+    assert_eq!(selected(&mut h, sw), (Some(4 * PAGE), None));
+    assert_eq!(
+        selected(&mut h, sc),
+        (None, Some(MissReason::NotFound)),
+        "a checkpoint group must never read window pages"
+    );
+    // Re-registered with a wider window once its engine is gone: a new
+    // instance under a new namespace, and the old pages never hit.
+    h.step(vec![Command::CloseSession { session: sw }]);
+    let e = h.one(register_cmd("w", ID_A, window(200), 1, &[0, 1]));
+    let Event::InstanceRegistered {
+        namespaces,
+        existing: false,
+        ..
+    } = e
+    else {
+        panic!("{e:?}");
+    };
+    assert_ne!(namespaces[0], ns_w);
+    let sw = h.open("w");
+    assert_eq!(selected(&mut h, sw), (None, Some(MissReason::NotFound)));
+    h.assert_idle();
 }
 
 #[test]

@@ -391,6 +391,7 @@ def compute_identity(
     hub_revision: Optional[str] = None,
     active_adapters: Optional[Sequence[str]] = None,
     layout: Optional[Mapping[str, _JSON]] = None,
+    groups: Optional[Sequence[Mapping[str, _JSON]]] = None,
 ) -> Dict[str, Any]:
     """The computation identity, as an adapter computes it at startup
     (``docs/identity.md``). Reads ``config.json`` and, unless
@@ -402,8 +403,13 @@ def compute_identity(
         ``1`` and ``1.0`` are different values.
     :param representation: cache representation; non-empty, no ``None``.
     :param layout: a storage layout (``{"slots": [...],
-        "pool_capacity_pages": int}``); when given the identity is sealed
-        into a namespace.
+        "pool_capacity_pages": int}``); given with ``groups``, the identity
+        is sealed into a namespace.
+    :param groups: the cache groups' shapes, as registration declares them
+        (``[{"id": 0, "rule": "prefix", "components": ["attention_kv"]},
+        ...]``): each group's rule (with its window) and component kinds are
+        sealed, so instances that read a group differently never share
+        pages. Required with ``layout``.
     :returns: ``{"identity": HEX64, "namespace": HEX64 or None, "inputs":
         [{"name": ..., ...}, ...], "bytes_hashed": int}``.
     :raises IdentityError: any input that cannot be established.

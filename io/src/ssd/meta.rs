@@ -16,6 +16,11 @@ pub(crate) fn segment_name(id: u64) -> String {
     format!("seg-{id:016x}.okv")
 }
 
+/// The largest segment id the store creates or adopts. Ids grow by one per
+/// segment, so this is never reached in use; a file named with a larger id
+/// was not written by us, and adopting it would make the next id wrap.
+pub(crate) const MAX_SEGMENT_ID: u64 = (1 << 63) - 1;
+
 /// The id of a segment file name, `None` for anything else.
 pub(crate) fn parse_segment_name(name: &str) -> Option<u64> {
     let hex = name.strip_prefix("seg-")?.strip_suffix(".okv")?;

@@ -106,10 +106,18 @@
 //! sequence wins. Segments without a valid record are removed. The scan
 //! reads all data (O(stored bytes)); a checkpointed index is future work.
 //!
+//! Entries named like segments that are not regular files (a FIFO, a
+//! device, a directory, a symlink) are never opened: they are skipped with
+//! a warning (`OpenScan::skipped_files`), as are ids past
+//! `MAX_SEGMENT_ID` (2^63 - 1), so the next id never wraps onto a file that
+//! exists.
+//!
 //! # Capacity
 //!
-//! At most `capacity_bytes / segment_bytes` segment files exist. When a new
-//! one is needed beyond that, the oldest sealed segment is dropped whole
+//! Segment files hold at most `capacity_bytes`, counted in bytes (each file
+//! at its own size, so segments written under another `segment_bytes`
+//! count as what they are). When a new one would pass that, the oldest
+//! sealed segment is dropped whole
 //! (FIFO) with all its records (eviction reason `capacity`), but only once
 //! nothing is in flight against it: reads pin their segment until reaped.
 //! If creating a segment fails with ENOSPC the oldest segment is dropped

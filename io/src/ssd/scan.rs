@@ -2,9 +2,9 @@
 //! checksum is verified; torn, partial or corrupt records are skipped and
 //! counted.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
 use super::format::{BLOCK, HEADER_BLOCK, HeaderError, RecordHeader};
@@ -52,9 +52,26 @@ impl Window<'_> {
     }
 }
 
+/// Opens a segment file for reading, refusing anything but a regular file
+/// without ever blocking: a FIFO or device named like a segment would hang
+/// a plain open (or a read) forever, and a symlink points outside the store.
+pub(crate) fn open_regular(path: &Path, flags: i32) -> io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(flags | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok(file)
+}
+
 /// Scans segment `id` at `path` (buffered reads; the file is not written).
 pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
-    let file = File::open(path)?;
+    let file = open_regular(path, 0)?;
     let file_len = file.metadata()?.len();
     let mut w = Window {
         file: &file,

@@ -13,8 +13,10 @@ use super::blocking::BlockingEngine;
 use super::buf::{AlignedBuf, BufPool};
 use super::engine::{Completion, Engine, Request};
 use super::format::{BLOCK, HEADER_BLOCK, RecordHeader, record_bytes, round_up};
-use super::meta::{self, Meta, MetaDone, MetaReq, parse_segment_name, segment_name};
-use super::scan::scan_segment;
+use super::meta::{
+    self, MAX_SEGMENT_ID, Meta, MetaDone, MetaReq, parse_segment_name, segment_name,
+};
+use super::scan::{open_regular, scan_segment};
 use super::types::*;
 use super::uring::UringEngine;
 use crate::checksum::page_checksum;
@@ -186,6 +188,53 @@ fn strerror(errno: i32) -> String {
     std::io::Error::from_raw_os_error(errno).to_string()
 }
 
+/// What `list_segments` found.
+struct Listing {
+    /// Segment files to scan, ascending.
+    ids: Vec<u64>,
+    /// Entries named like segments that were skipped (with a warning):
+    /// anything but a regular file, and ids past [`MAX_SEGMENT_ID`].
+    skipped: u64,
+    /// The first id no entry uses (skipped ones included, so a new segment
+    /// never collides with a name that is taken).
+    next_id: u64,
+}
+
+fn list_segments(dir: &Path) -> Result<Listing, SsdError> {
+    let mut ids = Vec::new();
+    let mut skipped = 0;
+    let mut next_id = 0;
+    let entries = std::fs::read_dir(dir).map_err(|e| SsdError::from_io("list", dir, e))?;
+    for ent in entries {
+        let ent = ent.map_err(|e| SsdError::from_io("list", dir, e))?;
+        let Some(id) = ent.file_name().to_str().and_then(parse_segment_name) else {
+            continue;
+        };
+        if id <= MAX_SEGMENT_ID {
+            next_id = next_id.max(id + 1);
+        }
+        // `file_type` does not follow symlinks.
+        let regular = ent.file_type().is_ok_and(|t| t.is_file());
+        if !regular || id > MAX_SEGMENT_ID {
+            let why = if regular {
+                "its id is past the largest this store uses"
+            } else {
+                "it is not a regular file"
+            };
+            tracing::warn!(path = %ent.path().display(), "skipping an entry named like an SSD segment: {why}");
+            skipped += 1;
+            continue;
+        }
+        ids.push(id);
+    }
+    ids.sort_unstable();
+    Ok(Listing {
+        ids,
+        skipped,
+        next_id,
+    })
+}
+
 /// The SSD tier. See the [module docs](super) for layout and policies.
 pub struct SsdStore {
     cfg: SsdConfig,
@@ -201,7 +250,6 @@ pub struct SsdStore {
     active: Option<u64>,
     spare: Option<u64>,
     creating: bool,
-    max_segments: usize,
     next_segment: u64,
     next_seq: u64,
     next_user: u64,
@@ -270,15 +318,11 @@ impl SsdStore {
         }
         let lock = lock_dir(&dir)?;
 
-        let mut ids = Vec::new();
-        let entries = std::fs::read_dir(&dir).map_err(|e| SsdError::from_io("list", &dir, e))?;
-        for ent in entries {
-            let ent = ent.map_err(|e| SsdError::from_io("list", &dir, e))?;
-            if let Some(id) = ent.file_name().to_str().and_then(parse_segment_name) {
-                ids.push(id);
-            }
-        }
-        ids.sort_unstable();
+        let Listing {
+            ids,
+            skipped: skipped_files,
+            next_id: first,
+        } = list_segments(&dir)?;
 
         let engine_cap = cfg.max_inflight_io + MAX_SYNCS;
         let engine: Box<dyn Engine> = match cfg.backend {
@@ -297,7 +341,6 @@ impl SsdStore {
         } else {
             0
         };
-        let first = ids.last().map_or(0, |m| m + 1);
         let mut direct = cfg.direct_io != DirectIo::Off;
         let mut first_seg = None;
         let mut backoff = None;
@@ -338,7 +381,6 @@ impl SsdStore {
         }
 
         let meta = Meta::spawn(dir.clone()).map_err(|e| SsdError::from_io("spawn", &dir, e))?;
-        let max_segments = (cfg.capacity_bytes / cfg.segment_bytes) as usize;
         let write_io_limit = cfg
             .max_inflight_io
             .saturating_sub(cfg.max_inflight_reads.min(cfg.max_inflight_io / 2))
@@ -384,7 +426,6 @@ impl SsdStore {
             active: None,
             spare: None,
             creating: false,
-            max_segments,
             next_segment: first + 1,
             next_seq: 0,
             next_user: 0,
@@ -416,14 +457,28 @@ impl SsdStore {
             store.segments.insert(id, seg);
             store.active = Some(id);
         }
-        // Over capacity (a smaller capacity than last time): oldest first.
-        while store.segments.len() > store.max_segments {
+        store.stats.open_scan.skipped_files = skipped_files;
+        // Over capacity (a smaller capacity or larger segments than last
+        // time): oldest first.
+        while store.disk_bytes() > store.cfg.capacity_bytes {
             if !store.evict_oldest(EvictReason::Capacity) {
                 break;
             }
             store.stats.open_scan.evicted_segments += 1;
         }
         Ok(store)
+    }
+
+    /// Bytes of every segment file held (their preallocated sizes).
+    fn disk_bytes(&self) -> u64 {
+        self.segments.values().map(|s| s.size).sum()
+    }
+
+    /// Whether one more segment of the configured size fits the capacity,
+    /// counted in bytes: segments written under another `segment_bytes`
+    /// count at their own size.
+    fn room_for_segment(&self) -> bool {
+        self.disk_bytes() + self.cfg.segment_bytes <= self.cfg.capacity_bytes
     }
 
     /// Scans segment `id` and indexes its valid records.
@@ -449,11 +504,7 @@ impl SsdStore {
             return;
         }
         let flags = if self.direct { libc::O_DIRECT } else { 0 };
-        let file = match OpenOptions::new()
-            .read(true)
-            .custom_flags(flags | libc::O_CLOEXEC)
-            .open(&path)
-        {
+        let file = match open_regular(&path, flags) {
             Ok(f) => f,
             Err(_) => {
                 self.stats.open_scan.unreadable_segments += 1;
@@ -544,7 +595,7 @@ impl SsdStore {
         s.records = self.index.len() as u64;
         s.bytes = self.indexed_bytes;
         s.segments = self.segments.len() as u64;
-        s.disk_bytes = self.segments.values().map(|g| g.size).sum();
+        s.disk_bytes = self.disk_bytes();
         s.reads_in_flight = self.reads_in_flight as u64;
         s.writes_pending = self.accepted_writes as u64;
         s.seen_once = self.seen.map.len() as u64;
@@ -870,7 +921,7 @@ impl SsdStore {
             let seg = self.segments.get_mut(&id)?;
             if seg.write_pos + rec <= seg.size {
                 let half = seg.write_pos > seg.size / 2;
-                if half && self.spare.is_none() && self.segments.len() < self.max_segments {
+                if half && self.spare.is_none() && self.room_for_segment() {
                     self.request_segment();
                 }
                 return Some(id);
@@ -901,12 +952,17 @@ impl SsdStore {
             }
             self.backoff = None;
         }
-        while self.segments.len() + 1 > self.max_segments {
+        while !self.room_for_segment() {
             if !self.evict_oldest(EvictReason::Capacity) {
                 return;
             }
         }
         let id = self.next_segment;
+        if id > MAX_SEGMENT_ID {
+            // Unreachable by counting; never wrap onto an existing file.
+            self.backoff = Some((u64::MAX, WriteRefused::Unavailable));
+            return;
+        }
         self.next_segment += 1;
         if self.meta.send(MetaReq::Create {
             id,

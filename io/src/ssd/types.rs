@@ -429,6 +429,10 @@ pub struct OpenScan {
     pub unreadable_segments: u64,
     /// Segments evicted at open because they exceeded `capacity_bytes`.
     pub evicted_segments: u64,
+    /// Entries named like segment files that are not ours to read: not a
+    /// regular file (a FIFO, device, directory or symlink), or an id past
+    /// the largest the store uses. Left alone, with a warning.
+    pub skipped_files: u64,
     pub bytes_read: u64,
 }
 

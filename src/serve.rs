@@ -420,7 +420,7 @@ impl Server {
                     Ok(cid)
                 }
                 Err(orbitkv_world::SubmitError::InboxFull(limit)) => Err(CommandError::Limit {
-                    name: "max_inbox".into(),
+                    name: orbitkv_components::api::LimitName::MaxInbox,
                     limit: limit as u64,
                 }),
             };
@@ -619,7 +619,7 @@ impl Server {
                 let result = match self.rt.submit(origin(id), submit.command) {
                     Ok(cid) => Ok(cid),
                     Err(orbitkv_world::SubmitError::InboxFull(limit)) => Err(CommandError::Limit {
-                        name: "max_inbox".into(),
+                        name: orbitkv_components::api::LimitName::MaxInbox,
                         limit: limit as u64,
                     }),
                 };

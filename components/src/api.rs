@@ -257,11 +257,12 @@ pub enum CommandError {
     InstanceConflict(String),
     #[error("unknown or finished operation {0:#x}")]
     UnknownOperation(u64),
-    #[error("operation {operation:#x} is {state}, not {expected}")]
+    #[error("operation {operation:#x} is {state}, not {}", one_of(expected))]
     WrongState {
         operation: u64,
-        state: String,
-        expected: String,
+        state: OperationState,
+        /// The states the command applies in.
+        expected: Vec<OperationState>,
     },
     #[error("unknown device region {0:#x}")]
     UnknownRegion(u64),
@@ -270,7 +271,7 @@ pub enum CommandError {
     #[error("invalid command: {0}")]
     Invalid(String),
     #[error("limit {name} ({limit}) exceeded")]
-    Limit { name: String, limit: u64 },
+    Limit { name: LimitName, limit: u64 },
     #[error("load does not cover the required range exactly: {0}")]
     LoadInvalid(String),
     #[error("copy engine: {0}")]
@@ -281,6 +282,107 @@ pub enum CommandError {
         "the command names a session, operation, device region or device page of another origin"
     )]
     NotOwner,
+}
+
+/// Where an operation is. A recovery goes discover → validate → selected →
+/// admit → reading → ready → restore_pending → restoring; a publish goes
+/// publish_pending → publishing; both end finishing (draining submitted I/O
+/// before their leases, bytes and pins return).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OperationState {
+    /// Query submitted; discovery runs this tick.
+    Discover,
+    /// Candidates found; boundaries computed this tick.
+    Validate,
+    /// Boundary selected; waiting for `Prepare`.
+    Selected,
+    /// Waiting for byte-budget admission.
+    Admit,
+    /// Reading missing pages and leasing complete groups.
+    Reading,
+    /// Every required page is leased.
+    Ready,
+    /// Restore accepted; its copies are resolved this tick.
+    RestorePending,
+    /// Device copies submitted (or waiting for copy room); leases held.
+    Restoring,
+    /// Publish accepted; DRAM slots are allocated this tick or later.
+    PublishPending,
+    /// Device → DRAM copies submitted (or waiting for copy room).
+    Publishing,
+    /// Retiring: waits until its submitted I/O drained, then releases.
+    Finishing,
+}
+
+impl OperationState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OperationState::Discover => "discover",
+            OperationState::Validate => "validate",
+            OperationState::Selected => "selected",
+            OperationState::Admit => "admit",
+            OperationState::Reading => "reading",
+            OperationState::Ready => "ready",
+            OperationState::RestorePending => "restore_pending",
+            OperationState::Restoring => "restoring",
+            OperationState::PublishPending => "publish_pending",
+            OperationState::Publishing => "publishing",
+            OperationState::Finishing => "finishing",
+        }
+    }
+}
+
+impl std::fmt::Display for OperationState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+fn one_of(states: &[OperationState]) -> String {
+    let names: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+    match names.split_last() {
+        None => "in any state".into(),
+        Some((last, [])) => (*last).to_owned(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
+/// A named bound (`Limits` in the runtime's config, or the manager's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitName {
+    MaxInbox,
+    MaxRanks,
+    MaxGroups,
+    MaxInstances,
+    MaxSessions,
+    MaxOperations,
+    MaxQueryPages,
+    MaxPublishPages,
+    MaxRegionSlots,
+}
+
+impl LimitName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitName::MaxInbox => "max_inbox",
+            LimitName::MaxRanks => "max_ranks",
+            LimitName::MaxGroups => "max_groups",
+            LimitName::MaxInstances => "max_instances",
+            LimitName::MaxSessions => "max_sessions",
+            LimitName::MaxOperations => "max_operations",
+            LimitName::MaxQueryPages => "max_query_pages",
+            LimitName::MaxPublishPages => "max_publish_pages",
+            LimitName::MaxRegionSlots => "max_region_slots",
+        }
+    }
+}
+
+impl std::fmt::Display for LimitName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl CommandError {
@@ -458,14 +560,14 @@ mod tests {
             CommandError::UnknownOperation(1),
             CommandError::WrongState {
                 operation: 1,
-                state: "ready".into(),
-                expected: "selected".into(),
+                state: OperationState::Ready,
+                expected: vec![OperationState::Selected],
             },
             CommandError::UnknownRegion(1),
             CommandError::SlotInUse { region: 1, slot: 2 },
             CommandError::Invalid("x".into()),
             CommandError::Limit {
-                name: "max_inbox".into(),
+                name: LimitName::MaxInbox,
                 limit: 1,
             },
             CommandError::LoadInvalid("x".into()),
@@ -476,6 +578,32 @@ mod tests {
         for e in all {
             let v = serde_json::to_value(&e).unwrap();
             assert_eq!(v["error"], e.kind(), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn typed_error_fields_keep_their_wire_names() {
+        let e = CommandError::WrongState {
+            operation: 7,
+            state: OperationState::RestorePending,
+            expected: vec![
+                OperationState::Selected,
+                OperationState::Admit,
+                OperationState::Ready,
+            ],
+        };
+        assert_eq!(
+            serde_json::to_value(&e).unwrap(),
+            serde_json::json!({"error": "wrong_state", "detail": {"operation": 7,
+                "state": "restore_pending", "expected": ["selected", "admit", "ready"]}})
+        );
+        assert_eq!(
+            e.to_string(),
+            "operation 0x7 is restore_pending, not selected, admit or ready"
+        );
+        for name in [LimitName::MaxInbox, LimitName::MaxRegionSlots] {
+            let v = serde_json::to_value(CommandError::Limit { name, limit: 3 }).unwrap();
+            assert_eq!(v["detail"]["name"], name.as_str());
         }
     }
 

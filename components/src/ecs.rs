@@ -3,6 +3,14 @@
 //! Transfer, DevicePage, plus DeviceRegion). Systems in `orbitkv-systems`
 //! change them; nothing else does.
 //!
+//! Ownership is bevy relationships (end of this file): group → instance,
+//! session → instance, operation → session, transfer → operation, lease →
+//! page and → operation, region → session, device page → region. The ECS
+//! keeps each target's list of sources, so "how many leases does this page
+//! have" or "has this operation I/O in flight" is never a counter kept by
+//! hand, and despawning an owner despawns what it owns where that is
+//! right (an operation's leases, a region's pages, a session's regions).
+//!
 //! Cross-references are `Entity` values. An `Entity` carries a generation, so
 //! a reference to a despawned entity never resolves to its successor: that is
 //! the page-generation fence.
@@ -10,7 +18,8 @@
 use bevy_ecs::prelude::*;
 
 use crate::api::{
-    CommandId, GroupHashes, MissReason, Origin, PagePos, Rank, RestoreTarget, SessionHandle,
+    CommandId, GroupHashes, MissReason, OperationState, Origin, PagePos, Rank, RestoreTarget,
+    SessionHandle,
 };
 use crate::contract::{RecoveryContract, RequiredRange};
 use crate::encoding::Digest32;
@@ -61,16 +70,16 @@ impl Instance {
     }
 }
 
+/// One cache group of an instance (`GroupOf` its instance, which despawns
+/// its groups with it).
 #[derive(Component, Debug, Clone)]
 pub struct Group {
-    pub instance: Entity,
     pub id: u32,
     pub page_bytes: u64,
 }
 
 #[derive(Component, Debug, Clone)]
 pub struct Session {
-    pub instance: Entity,
     /// The origin that opened it: the only one whose commands may name the
     /// session, its operations, regions and device pages, and the addressee
     /// of their events.
@@ -88,6 +97,8 @@ pub struct Residency {
     pub dram_offset: u64,
 }
 
+/// A stored page. Its live leases are its `Leases` (kept by the ECS); a
+/// leased page is never evicted.
 #[derive(Component, Debug, Clone)]
 pub struct Page {
     pub key: StateKey,
@@ -96,73 +107,104 @@ pub struct Page {
     /// Format digest of the rank that wrote it (see `RankState`).
     pub format: Digest32,
     pub residency: Residency,
-    /// Live leases on this page; a leased page is never evicted.
-    pub leases: u32,
 }
 
-#[derive(Component, Debug, Clone, Copy)]
-pub struct Lease {
-    pub page: Entity,
-    pub operation: Entity,
-}
+/// A pin of one page (`LeaseOf`) for one operation (`HeldBy`), until the
+/// operation retires: despawning the operation returns its leases.
+#[derive(Component, Debug, Clone, Copy, Default)]
+pub struct Lease;
 
-/// Where an operation is. Transitions only move forward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OpState {
-    /// Query submitted; discovery runs this tick.
-    Discover,
-    /// Candidates found; boundaries computed this tick.
-    Validate,
-    /// Boundary selected; waiting for `Prepare`.
-    Selected,
-    /// Waiting for byte-budget admission.
-    Admit,
-    /// Reading missing pages and leasing complete groups.
-    Reading,
-    /// Every required page is leased.
-    Ready,
-    /// Restore accepted; copies are submitted this tick.
-    RestorePending,
-    /// Device copies in flight; leases held until the fence.
-    Restoring,
-    /// Publish accepted; copies are submitted this tick.
-    PublishPending,
-    /// Device → DRAM copies in flight.
-    Publishing,
-    /// Retiring: waits until its submitted I/O drained, then releases.
-    Finishing,
-}
+/// Where an operation is (see `OperationState`). Each state is also a marker
+/// component on the operation (`at::Reading`, ...), so a stage queries
+/// only the operations it works on; `Operation::state` names it for errors
+/// and reports. Only the transition helpers of `orbitkv-systems` change
+/// either, together.
+pub type OpState = OperationState;
 
-impl OpState {
-    pub fn name(self) -> &'static str {
-        match self {
-            OpState::Discover => "discover",
-            OpState::Validate => "validate",
-            OpState::Selected => "selected",
-            OpState::Admit => "admit",
-            OpState::Reading => "reading",
-            OpState::Ready => "ready",
-            OpState::RestorePending => "restore_pending",
-            OpState::Restoring => "restoring",
-            OpState::PublishPending => "publish_pending",
-            OpState::Publishing => "publishing",
-            OpState::Finishing => "finishing",
-        }
+/// The state markers, one per `OpState`.
+pub mod at {
+    use bevy_ecs::prelude::*;
+
+    macro_rules! markers {
+        ($($name:ident),*) => {
+            $(
+                #[derive(Component, Debug, Clone, Copy, Default)]
+                pub struct $name;
+            )*
+            /// Every marker: removing this bundle clears the state.
+            pub type Any = ($($name,)*);
+        };
     }
+    markers!(
+        Discover,
+        Validate,
+        Selected,
+        Admit,
+        Reading,
+        Ready,
+        RestorePending,
+        Restoring,
+        PublishPending,
+        Publishing,
+        Finishing
+    );
+}
 
-    /// States the preparation deadline applies to: everything before the
-    /// restore's copies are submitted.
-    pub fn before_restore(self) -> bool {
-        matches!(
-            self,
-            OpState::Discover
-                | OpState::Validate
-                | OpState::Selected
-                | OpState::Admit
-                | OpState::Reading
-                | OpState::Ready
-        )
+/// Something a state marker can be put on: deferred (`EntityCommands`) or
+/// at once (`EntityWorldMut`, in the exclusive ingest stage).
+pub trait MarkerTarget {
+    fn put<M: Component>(&mut self, marker: M);
+    fn clear_markers(&mut self);
+}
+
+impl MarkerTarget for EntityCommands<'_> {
+    fn put<M: Component>(&mut self, marker: M) {
+        self.insert(marker);
     }
+    fn clear_markers(&mut self) {
+        self.remove::<at::Any>();
+    }
+}
+
+impl MarkerTarget for EntityWorldMut<'_> {
+    fn put<M: Component>(&mut self, marker: M) {
+        self.insert(marker);
+    }
+    fn clear_markers(&mut self) {
+        self.remove::<at::Any>();
+    }
+}
+
+/// Replaces the state marker with the one of `state`.
+pub fn mark_state(entity: &mut impl MarkerTarget, state: OpState) {
+    entity.clear_markers();
+    match state {
+        OpState::Discover => entity.put(at::Discover),
+        OpState::Validate => entity.put(at::Validate),
+        OpState::Selected => entity.put(at::Selected),
+        OpState::Admit => entity.put(at::Admit),
+        OpState::Reading => entity.put(at::Reading),
+        OpState::Ready => entity.put(at::Ready),
+        OpState::RestorePending => entity.put(at::RestorePending),
+        OpState::Restoring => entity.put(at::Restoring),
+        OpState::PublishPending => entity.put(at::PublishPending),
+        OpState::Publishing => entity.put(at::Publishing),
+        OpState::Finishing => entity.put(at::Finishing),
+    }
+}
+
+/// States the preparation deadline applies to: everything before the
+/// restore's copies are resolved.
+pub fn before_restore(state: OpState) -> bool {
+    matches!(
+        state,
+        OpState::Discover
+            | OpState::Validate
+            | OpState::Selected
+            | OpState::Admit
+            | OpState::Reading
+            | OpState::Ready
+    )
 }
 
 /// How a finishing operation ends.
@@ -176,27 +218,67 @@ pub enum Outcome {
     Published,
 }
 
+/// One query/recovery or publish. Owned by a session (`OperationOf`); its
+/// in-flight I/O is its `Transfers`, its leases its `HeldLeases`, both
+/// kept by the ECS.
 #[derive(Component, Debug, Clone)]
 pub struct Operation {
     pub command: CommandId,
-    pub session: Entity,
     /// The owning session's origin (it never changes): where the
     /// operation's events go.
     pub origin: Origin,
     pub instance: Entity,
     pub request: u64,
-    pub state: OpState,
+    state: OpState,
     pub deadline_us: u64,
     pub bytes_reserved: u64,
     pub speculative: bool,
-    /// Transfers submitted for this operation and not yet fenced.
-    pub in_flight: u32,
     /// Set once; decided when the operation retires.
     pub outcome: Option<Outcome>,
     /// Whether a `Loading` reply was sent.
     pub loading_sent: bool,
     /// Whether the final reply was already sent (a query that missed).
     pub reported: bool,
+}
+
+impl Operation {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        command: CommandId,
+        origin: Origin,
+        instance: Entity,
+        request: u64,
+        state: OpState,
+        deadline_us: u64,
+        speculative: bool,
+    ) -> Self {
+        Operation {
+            command,
+            origin,
+            instance,
+            request,
+            state,
+            deadline_us,
+            bytes_reserved: 0,
+            speculative,
+            outcome: None,
+            loading_sent: false,
+            reported: false,
+        }
+    }
+
+    pub fn state(&self) -> OpState {
+        self.state
+    }
+
+    /// Records a new state; returns whether it changed. Only the transition
+    /// helpers call this, and they move the marker with it.
+    #[doc(hidden)]
+    pub fn record_state(&mut self, state: OpState) -> bool {
+        let changed = self.state != state;
+        self.state = state;
+        changed
+    }
 }
 
 /// Progress of one required page of a recovery.
@@ -330,11 +412,11 @@ pub enum TransferKind {
     Publish { items: Vec<usize> },
 }
 
-/// One in-flight I/O. It owns its buffers until completion, whatever happens
-/// to its operation meanwhile.
+/// One in-flight I/O (`TransferOf` its operation). It owns its buffers
+/// until completion, whatever happens to its operation meanwhile: an
+/// operation retires only once it has no `Transfers`.
 #[derive(Component, Debug, Clone)]
 pub struct Transfer {
-    pub operation: Entity,
     pub token: u64,
     pub kind: TransferKind,
     pub submitted_us: u64,
@@ -353,9 +435,10 @@ impl TransferKind {
     }
 }
 
+/// A device KV pool of one session (`RegionOf`), for one (rank, group). Its
+/// live pages are its `RegionPages`; despawning it despawns them.
 #[derive(Component, Debug, Clone)]
 pub struct DeviceRegion {
-    pub session: Entity,
     /// The owning session's origin: where its pages' events go.
     pub origin: Origin,
     pub rank: u32,
@@ -364,19 +447,100 @@ pub struct DeviceRegion {
     pub page_bytes: u64,
     /// The copy engine's region id.
     pub engine_region: u32,
-    /// Live device page per slot.
-    pub live: Vec<Option<Entity>>,
+    /// The live device page of each allocated slot: an index over
+    /// `RegionPages`, as large as what is allocated (not the slot count).
+    pub by_slot: std::collections::HashMap<u32, Entity>,
 }
 
+/// One engine page slot (`PageOf` its region), respawned with a new
+/// generation whenever the engine reuses the slot.
 #[derive(Component, Debug, Clone)]
 pub struct DevicePage {
-    pub region: Entity,
     pub slot: u32,
-    /// Transfers targeting or reading this page.
+    /// Copies that target or read this page, planned or in flight: the page
+    /// is not despawned while any does.
     pub pins: u32,
-    /// The engine freed it while pinned: despawn at the fence.
+    /// The engine freed it while pinned: despawn when the last pin goes.
     pub free_deferred: bool,
 }
+
+// Relationships: the source holds the target entity; the ECS keeps the
+// target's list of sources, and a `linked_spawn` target despawns its
+// sources with it.
+
+/// Group → Instance.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = Groups)]
+pub struct GroupOf(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = GroupOf, linked_spawn)]
+pub struct Groups(Vec<Entity>);
+
+/// Session → Instance.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = Sessions)]
+pub struct SessionOf(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = SessionOf)]
+pub struct Sessions(Vec<Entity>);
+
+/// Operation → Session. A session closes only once it has no
+/// `Operations`.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = Operations)]
+pub struct OperationOf(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = OperationOf)]
+pub struct Operations(Vec<Entity>);
+
+/// Transfer → Operation.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = Transfers)]
+pub struct TransferOf(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = TransferOf)]
+pub struct Transfers(Vec<Entity>);
+
+/// Lease → Page. A page with `Leases` is out of the LRU.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = Leases)]
+pub struct LeaseOf(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = LeaseOf)]
+pub struct Leases(Vec<Entity>);
+
+/// Lease → Operation: despawning the operation returns its leases.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = HeldLeases)]
+pub struct HeldBy(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = HeldBy, linked_spawn)]
+pub struct HeldLeases(Vec<Entity>);
+
+/// Device region → Session: a closed session's regions (and their pages)
+/// go with it.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = Regions)]
+pub struct RegionOf(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = RegionOf, linked_spawn)]
+pub struct Regions(Vec<Entity>);
+
+/// Device page → Device region.
+#[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]
+#[relationship(relationship_target = RegionPages)]
+pub struct PageOf(pub Entity);
+
+#[derive(Component, Debug, Default)]
+#[relationship_target(relationship = PageOf, linked_spawn)]
+pub struct RegionPages(Vec<Entity>);
 
 /// The session handle an entity answers to.
 pub fn session_handle(entity: Entity, epoch: u64, incarnation: u64) -> SessionHandle {

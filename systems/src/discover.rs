@@ -6,22 +6,22 @@ use bevy_ecs::prelude::*;
 use orbitkv_components::StateKey;
 use orbitkv_components::api::MissReason;
 use orbitkv_components::contract::Rule;
-use orbitkv_components::ecs::{Instance, OpState, Operation, Recovery};
+use orbitkv_components::ecs::{Instance, OpState, Operation, RankState, Recovery, at};
+use orbitkv_io::tier::BackingTier;
 
+use crate::lifecycle::set_state;
 use crate::resources::{Dram, Tiers};
 
 pub fn discover(
-    mut ops: Query<(&mut Operation, &mut Recovery)>,
+    mut commands: Commands,
+    mut ops: Query<(Entity, &mut Operation, &mut Recovery), With<at::Discover>>,
     instances: Query<&Instance>,
     dram: Res<Dram>,
     mut tiers: ResMut<Tiers>,
 ) {
     let tiers = tiers.0.get_mut();
-    for (mut op, mut rec) in &mut ops {
-        if op.state != OpState::Discover {
-            continue;
-        }
-        op.state = OpState::Validate;
+    for (entity, mut op, mut rec) in &mut ops {
+        set_state(&mut commands, entity, &mut op, OpState::Validate);
         let Ok(instance) = instances.get(op.instance) else {
             rec.miss = Some(MissReason::Namespace);
             continue;
@@ -33,41 +33,52 @@ pub fn discover(
             rec.miss = Some(MissReason::Namespace);
             continue;
         }
-        let page = instance.page_tokens;
-        let first = rec.origin / page;
         let mut candidates = Vec::new();
-        for (rank_index, rank) in instance.ranks.iter().enumerate() {
-            // Groups are sorted, so the prefix group 0 comes first; pages past
-            // its contiguous run can never be part of a legal boundary.
-            let mut last = rec.end / page;
-            for group in rank.contract.groups() {
-                let hashes = &rec
-                    .groups
-                    .iter()
-                    .find(|g| g.group == group.id)
-                    .expect("validated at ingest")
-                    .hashes;
-                let mut ends = Vec::new();
-                for index in first..last {
-                    let key = StateKey {
-                        namespace: rank.namespace,
-                        group: group.id,
-                        native: hashes[index as usize],
-                    };
-                    let present = dram.index.contains_key(&key)
-                        || tiers.iter().any(|t| t.lookup(&key).is_some());
-                    if present {
-                        ends.push((index + 1) * page);
-                    } else if group.rule == Rule::Prefix {
-                        break;
-                    }
-                }
-                if group.id == 0 {
-                    last = ends.last().map_or(first, |e| e / page);
-                }
-                candidates.push((rank_index as u32, group.id, ends));
-            }
+        for (index, rank) in instance.ranks.iter().enumerate() {
+            let found = rank_candidates(&rec, instance.page_tokens, rank, &dram, tiers);
+            candidates.extend(found.into_iter().map(|(g, ends)| (index as u32, g, ends)));
         }
         rec.candidates = candidates;
     }
+}
+
+/// Page ends present for each group of one rank, ascending.
+fn rank_candidates(
+    rec: &Recovery,
+    page: u64,
+    rank: &RankState,
+    dram: &Dram,
+    tiers: &[Box<dyn BackingTier>],
+) -> Vec<(u32, Vec<u64>)> {
+    let first = rec.origin / page;
+    // Groups are sorted, so the prefix group 0 comes first; pages past its
+    // contiguous run can never be part of a legal boundary.
+    let mut last = rec.end / page;
+    let mut out = Vec::new();
+    for group in rank.contract.groups() {
+        let hashes = &rec
+            .groups
+            .iter()
+            .find(|g| g.group == group.id)
+            .expect("validated at ingest")
+            .hashes;
+        let mut ends = Vec::new();
+        for index in first..last {
+            let key = StateKey {
+                namespace: rank.namespace,
+                group: group.id,
+                native: hashes[index as usize],
+            };
+            if dram.index.contains_key(&key) || tiers.iter().any(|t| t.lookup(&key).is_some()) {
+                ends.push((index + 1) * page);
+            } else if group.rule == Rule::Prefix {
+                break;
+            }
+        }
+        if group.id == 0 {
+            last = ends.last().map_or(first, |e| e / page);
+        }
+        out.push((group.id, ends));
+    }
+    out
 }

@@ -5,13 +5,13 @@
 //! is counted by reason, and the page is dropped either way.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::ecs::Page;
+use orbitkv_components::ecs::{Leases, Page};
 
 use crate::resources::{Clock, Dram, EvictReason, Limits, Metrics, Tiers};
 
 pub fn evict(
     mut commands: Commands,
-    pages: Query<&Page>,
+    pages: Query<(&Page, Has<Leases>)>,
     mut dram: ResMut<Dram>,
     mut tiers: ResMut<Tiers>,
     mut metrics: ResMut<Metrics>,
@@ -27,8 +27,8 @@ pub fn evict(
             let Some(victim) = dram.lru.get_mut(&class).and_then(|lru| lru.pop_oldest()) else {
                 break; // nothing evictable in this class
             };
-            let page = pages.get(victim).expect("the LRU holds live pages");
-            debug_assert_eq!(page.leases, 0, "a leased page was evictable");
+            let (page, leased) = pages.get(victim).expect("the LRU holds live pages");
+            assert!(!leased, "a leased page was evictable");
             if let Some(bytes) = dram.slot_bytes(page.residency.dram_slot, page.bytes) {
                 let outcome = tiers
                     .iter_mut()

@@ -4,11 +4,13 @@
 //! Each stage is a plain function over queries and resources; its signature
 //! says what it reads and writes. Structural changes go through `Commands`.
 
+pub mod copies;
 pub mod discover;
 pub mod evict;
 pub mod fence;
 pub mod ingest;
 pub mod lifecycle;
+pub mod publish;
 pub mod read;
 pub mod resources;
 pub mod restore;

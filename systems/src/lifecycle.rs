@@ -1,92 +1,112 @@
-//! Small state transitions several stages share: finishing an operation,
-//! taking and returning leases, and unpinning device pages.
+//! State transitions several stages share: moving an operation to another
+//! state (its field and its marker together), finishing it, taking leases,
+//! unpinning device pages, and the observers that keep the LRU to exactly
+//! the unleased pages.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::Event;
-use orbitkv_components::ecs::{DevicePage, DeviceRegion, Lease, OpState, Operation, Outcome, Page};
+use orbitkv_components::ecs::{
+    DevicePage, DeviceRegion, HeldBy, Lease, LeaseOf, Leases, OpState, Operation, Outcome, Page,
+    PageOf, mark_state,
+};
 
-use crate::resources::{Dram, Outbox};
+use crate::resources::{Dram, Outbox, decrement};
 
-/// Moves an operation to `Finishing`. The first outcome wins: a restore whose
-/// copies already landed stays restored even if a cancel arrives later.
-pub fn finish(op: &mut Operation, outcome: Outcome) {
-    if op.outcome.is_none() {
-        op.outcome = Some(outcome);
+/// Moves an operation to `to`: the field now, the marker when the stage's
+/// commands apply (before the next stage runs).
+pub fn set_state(commands: &mut Commands, entity: Entity, op: &mut Operation, to: OpState) {
+    if op.record_state(to) {
+        mark_state(&mut commands.entity(entity), to);
     }
-    op.state = OpState::Finishing;
 }
 
-/// Pins `page` for `operation` and returns the lease entity.
-pub fn take_lease(
-    commands: &mut Commands,
-    dram: &mut Dram,
-    page_entity: Entity,
-    page: &mut Page,
-    operation: Entity,
-) -> Entity {
-    if page.leases == 0 {
-        dram.pin(page_entity, page.residency.dram_slot);
+/// `set_state` for the exclusive ingest stage: both at once.
+pub fn set_state_now(world: &mut World, entity: Entity, to: OpState) {
+    let mut e = world.entity_mut(entity);
+    let changed = e
+        .get_mut::<Operation>()
+        .expect("a live operation")
+        .record_state(to);
+    if changed {
+        mark_state(&mut e, to);
     }
-    page.leases += 1;
+}
+
+/// Moves an operation to `Finishing`. The first outcome wins: a restore
+/// whose copies already landed stays restored even if a cancel arrives
+/// later.
+pub fn finish(commands: &mut Commands, entity: Entity, op: &mut Operation, outcome: Outcome) {
+    op.outcome.get_or_insert(outcome);
+    set_state(commands, entity, op, OpState::Finishing);
+}
+
+/// Pins `page` for `operation` and returns the lease. The page leaves the
+/// LRU when the lease lands (`on_leased`); despawning the operation returns
+/// it.
+pub fn take_lease(commands: &mut Commands, page: Entity, operation: Entity) -> Entity {
     commands
-        .spawn(Lease {
-            page: page_entity,
-            operation,
-        })
+        .spawn((Lease, LeaseOf(page), HeldBy(operation)))
         .id()
 }
 
-/// Returns a lease; the page becomes evictable when its last lease goes.
-pub fn return_lease(
-    commands: &mut Commands,
-    dram: &mut Dram,
-    lease: Entity,
-    page_entity: Entity,
-    page: &mut Page,
-) {
-    page.leases -= 1;
-    if page.leases == 0 {
-        dram.make_evictable(page_entity, page.residency.dram_slot);
+/// Observer: a page's first lease takes it out of the LRU.
+pub fn on_leased(event: On<Add<Leases>>, pages: Query<&Page>, mut dram: ResMut<Dram>) {
+    let entity = event.event().entity;
+    if let Ok(page) = pages.get(entity) {
+        dram.pin(entity, page.residency.dram_slot);
     }
-    commands.entity(lease).despawn();
 }
 
-/// Drops one transfer's pin on a device page. A free that arrived while the
-/// page was pinned takes effect now.
+/// Observer: once its last lease is gone, a page may be evicted, least
+/// recent first. (An evicted page leaves the index first, and is never
+/// leased then.)
+pub fn on_unleased(event: On<Remove<Leases>>, pages: Query<&Page>, mut dram: ResMut<Dram>) {
+    let entity = event.event().entity;
+    if let Ok(page) = pages.get(entity)
+        && dram.index.get(&page.key) == Some(&entity)
+    {
+        dram.make_evictable(entity, page.residency.dram_slot);
+    }
+}
+
+/// Drops one pin on a device page. A free that arrived while the page was
+/// pinned takes effect with the last pin.
 pub fn unpin_device_page(
     commands: &mut Commands,
     regions: &mut Query<&mut DeviceRegion>,
     outbox: &mut Outbox,
     entity: Entity,
     page: &mut DevicePage,
+    of: PageOf,
 ) {
-    page.pins -= 1;
-    if page.pins == 0 && page.free_deferred {
-        let Some(owner) = regions.get(page.region).ok().map(|r| r.origin) else {
-            unreachable!("a pinned device page keeps its region");
-        };
-        release_device_page(commands, regions, entity, page);
-        outbox.push(
-            owner,
-            Event::DevicePageFreed {
-                device_page: entity.to_bits(),
-                deferred: true,
-            },
-        );
+    decrement(&mut page.pins, 1, "device page pins");
+    if page.pins > 0 || !page.free_deferred {
+        return;
     }
+    let Ok(mut region) = regions.get_mut(of.0) else {
+        unreachable!("a pinned device page keeps its region");
+    };
+    let owner = region.origin;
+    release_device_page(commands, &mut region, entity, page);
+    outbox.push(
+        owner,
+        Event::DevicePageFreed {
+            device_page: entity.to_bits(),
+            deferred: true,
+        },
+    );
 }
 
-/// Despawns a device page and clears its slot.
+/// Despawns a device page and frees its slot in the region's index.
 pub fn release_device_page(
     commands: &mut Commands,
-    regions: &mut Query<&mut DeviceRegion>,
+    region: &mut DeviceRegion,
     entity: Entity,
     page: &DevicePage,
 ) {
-    if let Ok(mut region) = regions.get_mut(page.region)
-        && region.live.get(page.slot as usize) == Some(&Some(entity))
-    {
-        region.live[page.slot as usize] = None;
+    assert_eq!(page.pins, 0, "a pinned device page is never released");
+    if region.by_slot.get(&page.slot) == Some(&entity) {
+        region.by_slot.remove(&page.slot);
     }
     commands.entity(entity).despawn();
 }

@@ -1,195 +1,91 @@
 //! Stage 4, read: for the selected boundary only, admit the operation against
-//! the byte budget, lease what DRAM already holds, and read the rest from
-//! lower tiers into DRAM slots, at most `max_reads_per_group` at a time per
-//! group. A group is complete when every page of its range is leased; the
-//! operation is `Ready` when every group is.
+//! the byte budget (`admit`), then lease what DRAM already holds and read
+//! the rest from lower tiers into DRAM slots, at most `max_reads_per_group`
+//! at a time per group (`read`). A group is complete when every page of its
+//! range is leased; the operation is `Ready` when every group is.
 
 use bevy_ecs::prelude::*;
+use bevy_ecs::system::SystemParam;
 use orbitkv_components::StateKey;
 use orbitkv_components::api::{Event, LeaseInfo, MissReason, PagePos};
 use orbitkv_components::ecs::{
     Instance, NeedState, OpState, Operation, Outcome, Page, PageNeed, Recovery, Transfer,
-    TransferKind,
+    TransferKind, TransferOf, at,
 };
+use orbitkv_io::tier::{BackingTier, TierError};
 
-use crate::lifecycle::{finish, take_lease};
+use crate::lifecycle::{finish, set_state, take_lease};
 use crate::resources::{Budget, Clock, Dram, Limits, Metrics, Outbox, Tiers, TransferIndex};
 
-#[allow(clippy::too_many_arguments)]
-pub fn read(
+/// Admission in arrival order, so an early large query is not starved by
+/// later small ones slipping past it forever.
+pub fn admit(
     mut commands: Commands,
-    mut ops: Query<(Entity, &mut Operation, &mut Recovery)>,
+    mut ops: Query<(Entity, &mut Operation, &mut Recovery), With<at::Admit>>,
     mut instances: Query<&mut Instance>,
-    mut pages: Query<&mut Page>,
-    mut dram: ResMut<Dram>,
-    mut tiers: ResMut<Tiers>,
     mut budget: ResMut<Budget>,
-    mut transfers: ResMut<TransferIndex>,
-    mut outbox: ResMut<Outbox>,
-    mut metrics: ResMut<Metrics>,
-    limits: Res<Limits>,
-    clock: Res<Clock>,
 ) {
-    // Admission in arrival order, so an early large query is not starved by
-    // later small ones slipping past it forever.
-    let mut waiting: Vec<(u64, Entity)> = ops
-        .iter()
-        .filter(|(_, op, _)| op.state == OpState::Admit)
-        .map(|(e, op, _)| (op.command, e))
-        .collect();
+    let mut waiting: Vec<(u64, Entity)> = ops.iter().map(|(e, op, _)| (op.command, e)).collect();
     waiting.sort_unstable();
     for (_, entity) in waiting {
         let (_, mut op, mut rec) = ops.get_mut(entity).expect("collected above");
         let Ok(mut instance) = instances.get_mut(op.instance) else {
-            finish(&mut op, Outcome::Miss(MissReason::Namespace));
+            finish(
+                &mut commands,
+                entity,
+                &mut op,
+                Outcome::Miss(MissReason::Namespace),
+            );
             continue;
         };
-        admit(&mut op, &mut rec, &mut instance, &mut budget);
-    }
-
-    let tiers = tiers.0.get_mut();
-    for (entity, mut op, mut rec) in &mut ops {
-        if op.state != OpState::Reading {
-            continue;
-        }
-        let instance_formats: Vec<[u8; 32]> = instances
-            .get(op.instance)
-            .map(|i| i.ranks.iter().map(|r| r.format_digest).collect())
-            .unwrap_or_default();
-        if instance_formats.is_empty() {
-            finish(&mut op, Outcome::Miss(MissReason::Namespace));
-            continue;
-        }
-        let mut reads_in_flight: usize = tiers.iter().map(|t| t.in_flight()).sum();
-        let mut failure = None;
-        // Per (rank, group): reads in flight, bounded independently.
-        let mut group_reads: Vec<((u32, u32), usize)> = Vec::new();
-        for need in &rec.needs {
-            if need.state == NeedState::Reading {
-                bump(&mut group_reads, (need.pos.rank, need.pos.group));
-            }
-        }
-        for need in rec.needs.iter_mut() {
-            if need.state != NeedState::Pending {
-                continue;
-            }
-            if let Some(&page_entity) = dram.index.get(&need.key) {
-                let Ok(mut page) = pages.get_mut(page_entity) else {
-                    continue; // inserted this tick; leased next tick
-                };
-                need.state = NeedState::Leased(take_lease(
+        let needs = page_needs(&rec, &instance);
+        let total: u64 = needs.iter().map(|n| n.bytes).sum();
+        match admission(&op, &instance, &budget, total) {
+            Admission::Never => {
+                finish(
                     &mut commands,
-                    &mut dram,
-                    page_entity,
-                    &mut page,
                     entity,
-                ));
-                need.residency = Some(page.residency);
-                continue;
+                    &mut op,
+                    Outcome::Miss(MissReason::Budget),
+                );
             }
-            if dram.reading.contains_key(&need.key) {
-                continue; // another operation's read brings it
+            // Over budget means wait (the deadline bounds it).
+            Admission::Wait => {}
+            Admission::Now => {
+                budget.reserve(total, op.speculative);
+                instance.bytes_reserved += total;
+                op.bytes_reserved = total;
+                rec.needs = needs;
+                set_state(&mut commands, entity, &mut op, OpState::Reading);
             }
-            let Some((tier, entry)) = tiers
-                .iter()
-                .enumerate()
-                .find_map(|(i, t)| t.lookup(&need.key).map(|e| (i, e)))
-            else {
-                // Discovery saw it; it is gone now.
-                failure = Some(MissReason::EvictedDuringRead);
-                break;
-            };
-            if entry.bytes != need.bytes {
-                failure = Some(MissReason::IncompleteGroup);
-                break;
-            }
-            let slot = (need.pos.rank, need.pos.group);
-            if count(&group_reads, slot) >= limits.max_reads_per_group
-                || reads_in_flight >= limits.max_inflight_reads
-            {
-                continue;
-            }
-            let Some((dram_slot, dram_offset)) = dram.alloc(need.bytes) else {
-                continue; // the evict stage makes room; retry next tick
-            };
-            match tiers[tier].submit_read(&need.key, dram_offset, need.bytes, clock.now_us) {
-                Ok(token) => {
-                    let transfer = commands
-                        .spawn(Transfer {
-                            operation: entity,
-                            token: token.0,
-                            submitted_us: clock.now_us,
-                            overdue: false,
-                            kind: TransferKind::TierRead {
-                                tier,
-                                key: need.key,
-                                format: instance_formats[need.pos.rank as usize],
-                                dram_slot,
-                                dram_offset,
-                                bytes: need.bytes,
-                                checksum: entry.checksum,
-                                pos: need.pos,
-                            },
-                        })
-                        .id();
-                    transfers.reads.insert((tier, token.0), transfer);
-                    dram.reading.insert(need.key, transfer);
-                    metrics.tier_reads += 1;
-                    op.in_flight += 1;
-                    need.state = NeedState::Reading;
-                    need.from_tier = true;
-                    bump(&mut group_reads, slot);
-                    reads_in_flight += 1;
-                }
-                Err(orbitkv_io::tier::TierError::QueueFull(..)) => dram.free(dram_slot),
-                Err(_) => {
-                    dram.free(dram_slot);
-                    failure = Some(MissReason::IoError);
-                    break;
-                }
-            }
-        }
-        if let Some(reason) = failure {
-            // A partial result is released (at retire) and becomes a miss.
-            finish(&mut op, Outcome::Miss(reason));
-            continue;
-        }
-        if rec
-            .needs
-            .iter()
-            .all(|n| matches!(n.state, NeedState::Leased(_)))
-        {
-            op.state = OpState::Ready;
-            outbox.push(op.origin, ready_event(entity, &rec));
-        } else if !op.loading_sent {
-            op.loading_sent = true;
-            outbox.push(
-                op.origin,
-                Event::Loading {
-                    operation: entity.to_bits(),
-                },
-            );
         }
     }
 }
 
-fn bump(counts: &mut Vec<((u32, u32), usize)>, key: (u32, u32)) {
-    match counts.iter_mut().find(|(k, _)| *k == key) {
-        Some((_, n)) => *n += 1,
-        None => counts.push((key, 1)),
+enum Admission {
+    Now,
+    Wait,
+    /// Larger than the budget can ever grant, or speculative work past its
+    /// share: waiting would not help.
+    Never,
+}
+
+fn admission(op: &Operation, instance: &Instance, budget: &Budget, total: u64) -> Admission {
+    if total > budget.global_limit.min(budget.instance_limit)
+        || (op.speculative && budget.speculative_reserved + total > budget.speculative_limit)
+    {
+        Admission::Never
+    } else if budget.reserved + total > budget.global_limit
+        || instance.bytes_reserved + total > budget.instance_limit
+    {
+        Admission::Wait
+    } else {
+        Admission::Now
     }
 }
 
-fn count(counts: &[((u32, u32), usize)], key: (u32, u32)) -> usize {
-    counts
-        .iter()
-        .find(|(k, _)| *k == key)
-        .map_or(0, |(_, n)| *n)
-}
-
-/// Builds the page needs of the selected ranges and reserves their bytes, or
-/// leaves the operation waiting, or misses with `budget`.
-fn admit(op: &mut Operation, rec: &mut Recovery, instance: &mut Instance, budget: &mut Budget) {
+/// One need per page of the selected ranges.
+fn page_needs(rec: &Recovery, instance: &Instance) -> Vec<PageNeed> {
     let page = instance.page_tokens;
     let mut needs = Vec::new();
     for (rank, range) in &rec.ranges {
@@ -220,28 +116,217 @@ fn admit(op: &mut Operation, rec: &mut Recovery, instance: &mut Instance, budget
             });
         }
     }
-    let total: u64 = needs.iter().map(|n| n.bytes).sum();
-    if total > budget.global_limit.min(budget.instance_limit)
-        || (op.speculative && budget.speculative_reserved + total > budget.speculative_limit)
-    {
-        // Larger than the budget can ever grant, or speculative work past
-        // its share: waiting would not help.
-        finish(op, Outcome::Miss(MissReason::Budget));
-        return;
+    needs
+}
+
+/// Lower tiers and the bounds on reading from them.
+#[derive(SystemParam)]
+pub struct Reads<'w> {
+    tiers: ResMut<'w, Tiers>,
+    index: ResMut<'w, TransferIndex>,
+    metrics: ResMut<'w, Metrics>,
+    limits: Res<'w, Limits>,
+    clock: Res<'w, Clock>,
+}
+
+pub fn read(
+    mut commands: Commands,
+    mut ops: Query<(Entity, &mut Operation, &mut Recovery), With<at::Reading>>,
+    instances: Query<&Instance>,
+    pages: Query<&Page>,
+    mut dram: ResMut<Dram>,
+    mut reads: Reads,
+    mut outbox: ResMut<Outbox>,
+) {
+    for (entity, mut op, mut rec) in &mut ops {
+        let Ok(instance) = instances.get(op.instance) else {
+            finish(
+                &mut commands,
+                entity,
+                &mut op,
+                Outcome::Miss(MissReason::Namespace),
+            );
+            continue;
+        };
+        let step = ReadStep { entity, instance };
+        let started = step.run(&mut commands, &mut rec, &pages, &mut dram, &mut reads);
+        if let Err(reason) = started {
+            // A partial result is released (at retire) and becomes a miss.
+            finish(&mut commands, entity, &mut op, Outcome::Miss(reason));
+            continue;
+        }
+        if rec
+            .needs
+            .iter()
+            .all(|n| matches!(n.state, NeedState::Leased(_)))
+        {
+            set_state(&mut commands, entity, &mut op, OpState::Ready);
+            outbox.push(op.origin, ready_event(entity, &rec));
+        } else if !op.loading_sent {
+            op.loading_sent = true;
+            let event = Event::Loading {
+                operation: entity.to_bits(),
+            };
+            outbox.push(op.origin, event);
+        }
     }
-    if budget.reserved + total > budget.global_limit
-        || instance.bytes_reserved + total > budget.instance_limit
-    {
-        return; // over budget means wait (the deadline bounds it)
+}
+
+/// One tick of reading for one operation.
+struct ReadStep<'a> {
+    entity: Entity,
+    instance: &'a Instance,
+}
+
+impl ReadStep<'_> {
+    /// Leases resident pages and starts the reads that fit; a page that
+    /// vanished or changed size since discovery is a miss.
+    fn run(
+        &self,
+        commands: &mut Commands,
+        rec: &mut Recovery,
+        pages: &Query<&Page>,
+        dram: &mut Dram,
+        reads: &mut Reads,
+    ) -> Result<(), MissReason> {
+        let mut budget = ReadBudget::new(rec, reads);
+        for need in rec.needs.iter_mut() {
+            if need.state != NeedState::Pending {
+                continue;
+            }
+            if let Some(&page) = dram.index.get(&need.key) {
+                let Ok(p) = pages.get(page) else {
+                    continue; // inserted this tick; leased next tick
+                };
+                need.state = NeedState::Leased(take_lease(commands, page, self.entity));
+                need.residency = Some(p.residency);
+                continue;
+            }
+            if dram.reading.contains_key(&need.key) {
+                continue; // another operation's read brings it
+            }
+            self.start_read(commands, need, dram, reads, &mut budget)?;
+        }
+        Ok(())
     }
-    budget.reserved += total;
-    instance.bytes_reserved += total;
-    if op.speculative {
-        budget.speculative_reserved += total;
+
+    fn start_read(
+        &self,
+        commands: &mut Commands,
+        need: &mut PageNeed,
+        dram: &mut Dram,
+        reads: &mut Reads,
+        budget: &mut ReadBudget,
+    ) -> Result<(), MissReason> {
+        let tiers = reads.tiers.0.get_mut();
+        let Some((tier, entry)) = tiers
+            .iter()
+            .enumerate()
+            .find_map(|(i, t)| t.lookup(&need.key).map(|e| (i, e)))
+        else {
+            return Err(MissReason::EvictedDuringRead); // discovery saw it
+        };
+        if entry.bytes != need.bytes {
+            return Err(MissReason::IncompleteGroup);
+        }
+        let group = (need.pos.rank, need.pos.group);
+        if !budget.allows(group, &reads.limits) {
+            return Ok(());
+        }
+        let Some((dram_slot, dram_offset)) = dram.alloc(need.bytes) else {
+            return Ok(()); // the evict stage makes room; retry next tick
+        };
+        let now_us = reads.clock.now_us;
+        let token = match submit(tiers[tier].as_mut(), need, dram_offset, now_us) {
+            Ok(token) => token,
+            Err(TierError::QueueFull(..)) => {
+                dram.free(dram_slot);
+                return Ok(());
+            }
+            Err(_) => {
+                dram.free(dram_slot);
+                return Err(MissReason::IoError);
+            }
+        };
+        let kind = TransferKind::TierRead {
+            tier,
+            key: need.key,
+            format: self.instance.ranks[need.pos.rank as usize].format_digest,
+            dram_slot,
+            dram_offset,
+            bytes: need.bytes,
+            checksum: entry.checksum,
+            pos: need.pos,
+        };
+        let transfer = Transfer {
+            token,
+            kind,
+            submitted_us: now_us,
+            overdue: false,
+        };
+        let t = commands.spawn((transfer, TransferOf(self.entity))).id();
+        reads.index.reads.insert((tier, token), t);
+        dram.reading.insert(need.key, t);
+        reads.metrics.tier_reads += 1;
+        need.state = NeedState::Reading;
+        need.from_tier = true;
+        budget.took(group);
+        Ok(())
     }
-    op.bytes_reserved = total;
-    rec.needs = needs;
-    op.state = OpState::Reading;
+}
+
+fn submit(
+    tier: &mut dyn BackingTier,
+    need: &PageNeed,
+    offset: u64,
+    now_us: u64,
+) -> Result<u64, TierError> {
+    tier.submit_read(&need.key, offset, need.bytes, now_us)
+        .map(|t| t.0)
+}
+
+/// Reads in flight: per (rank, group) of this operation, and in total.
+struct ReadBudget {
+    per_group: Vec<((u32, u32), usize)>,
+    total: usize,
+}
+
+impl ReadBudget {
+    fn new(rec: &Recovery, reads: &mut Reads) -> Self {
+        let total = reads.tiers.0.get_mut().iter().map(|t| t.in_flight()).sum();
+        let mut budget = ReadBudget {
+            per_group: Vec::new(),
+            total,
+        };
+        for need in rec.needs.iter().filter(|n| n.state == NeedState::Reading) {
+            budget.bump((need.pos.rank, need.pos.group));
+        }
+        budget.total = total;
+        budget
+    }
+
+    fn count(&self, key: (u32, u32)) -> usize {
+        self.per_group
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    fn bump(&mut self, key: (u32, u32)) {
+        match self.per_group.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, n)) => *n += 1,
+            None => self.per_group.push((key, 1)),
+        }
+    }
+
+    fn allows(&self, key: (u32, u32), limits: &Limits) -> bool {
+        self.count(key) < limits.max_reads_per_group && self.total < limits.max_inflight_reads
+    }
+
+    fn took(&mut self, key: (u32, u32)) {
+        self.bump(key);
+        self.total += 1;
+    }
 }
 
 pub fn ready_event(entity: Entity, rec: &Recovery) -> Event {
@@ -257,11 +342,11 @@ pub fn ready_event(entity: Entity, rec: &Recovery) -> Event {
             .iter()
             .map(|n| {
                 let at = n.residency.expect("leased needs record their residency");
+                let NeedState::Leased(lease) = n.state else {
+                    unreachable!("ready means every need is leased");
+                };
                 LeaseInfo {
-                    lease: match n.state {
-                        NeedState::Leased(l) => l.to_bits(),
-                        _ => unreachable!("ready means every need is leased"),
-                    },
+                    lease: lease.to_bits(),
                     pos: n.pos,
                     bytes: n.bytes,
                     slot: at.dram_slot,

@@ -212,7 +212,22 @@ impl Dram {
     }
 }
 
-/// Byte budget for recovery: reserved from admission until the fence.
+/// Subtracts `n` from a counter kept by hand, asserting it holds that much:
+/// a double return is a bug that must stop here, not wrap into a budget
+/// that is full forever.
+pub fn decrement<T>(counter: &mut T, n: T, what: &str)
+where
+    T: Copy + PartialOrd + std::ops::SubAssign + std::fmt::Debug,
+{
+    assert!(
+        *counter >= n,
+        "{what}: returning {n:?} of {:?} held",
+        *counter
+    );
+    *counter -= n;
+}
+
+/// Byte budget for recovery: reserved from admission until retire.
 #[derive(Resource, Debug, Clone, Default)]
 pub struct Budget {
     pub global_limit: u64,
@@ -223,7 +238,29 @@ pub struct Budget {
     pub speculative_reserved: u64,
 }
 
-/// Instances by name, and the identity of this manager incarnation.
+impl Budget {
+    pub fn reserve(&mut self, bytes: u64, speculative: bool) {
+        self.reserved += bytes;
+        if speculative {
+            self.speculative_reserved += bytes;
+        }
+    }
+
+    pub fn release(&mut self, bytes: u64, speculative: bool) {
+        decrement(&mut self.reserved, bytes, "budget.reserved");
+        if speculative {
+            decrement(
+                &mut self.speculative_reserved,
+                bytes,
+                "budget.speculative_reserved",
+            );
+        }
+    }
+}
+
+/// Instances by name, the identity of this manager incarnation, and the
+/// live session and operation counts `max_sessions` and `max_operations`
+/// bound (asserted on every decrement).
 #[derive(Resource, Debug, Default)]
 pub struct Registry {
     pub instances: HashMap<String, Entity>,

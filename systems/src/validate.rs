@@ -5,22 +5,20 @@
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Candidates, Event, MissReason};
 use orbitkv_components::contract::{GroupEvidence, StateBundle};
-use orbitkv_components::ecs::{Instance, OpState, Operation, Outcome, Recovery};
+use orbitkv_components::ecs::{Instance, OpState, Operation, Outcome, Recovery, at};
 use orbitkv_components::{common_boundaries, prompt_limit, select_boundary};
 
-use crate::lifecycle::finish;
+use crate::lifecycle::{finish, set_state};
 use crate::resources::{Metrics, Outbox};
 
 pub fn validate(
-    mut ops: Query<(Entity, &mut Operation, &mut Recovery)>,
+    mut commands: Commands,
+    mut ops: Query<(Entity, &mut Operation, &mut Recovery), With<at::Validate>>,
     instances: Query<&Instance>,
     mut outbox: ResMut<Outbox>,
     mut metrics: ResMut<Metrics>,
 ) {
     for (entity, mut op, mut rec) in &mut ops {
-        if op.state != OpState::Validate {
-            continue;
-        }
         metrics.queried_tokens += rec.end - rec.origin;
         let (selected, common, miss) = match (rec.miss, instances.get(op.instance)) {
             (Some(reason), _) => (None, Vec::new(), Some(reason)),
@@ -47,15 +45,17 @@ pub fn validate(
                 miss,
             },
         );
-        match miss {
+        let next = match miss {
             Some(reason) => {
                 metrics.miss(reason);
                 op.reported = true;
-                finish(&mut op, Outcome::Miss(reason));
+                finish(&mut commands, entity, &mut op, Outcome::Miss(reason));
+                continue;
             }
-            None if rec.prepare => op.state = OpState::Admit,
-            None => op.state = OpState::Selected,
-        }
+            None if rec.prepare => OpState::Admit,
+            None => OpState::Selected,
+        };
+        set_state(&mut commands, entity, &mut op, next);
     }
 }
 

@@ -1,42 +1,47 @@
-//! Invariants of the runtime's state, checked after every tick in debug
-//! builds and tests (and on demand). Each returns a readable violation.
+//! Invariants of the runtime's state, checked after every tick when
+//! `Config::check_invariants` is set (debug builds and tests by default;
+//! replays and the fuzzer always check, in release builds too). Each
+//! returns a readable violation.
+//!
+//! What the ECS keeps by itself (relationship lists) is not rechecked;
+//! what is kept by hand is: the LRU, the DRAM index and pool, reserved
+//! bytes, device-page pins, region slot indexes, registry counts, and that
+//! each operation carries exactly the marker of its state.
 
 use std::collections::{HashMap, HashSet};
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::ecs::{
-    DevicePage, DeviceRegion, Instance, Lease, NeedState, Operation, Page, Recovery, Transfer,
-    TransferKind,
+    DevicePage, DeviceRegion, HeldBy, Instance, LeaseOf, Leases, NeedState, Operation, Page,
+    PageOf, PublishJob, Recovery, RegionPages, Session, Transfer, TransferKind, TransferOf, at,
 };
 use orbitkv_io::dram::SlotKey;
-use orbitkv_systems::resources::{Budget, Dram};
+use orbitkv_systems::resources::{Budget, Dram, Registry};
 
 pub fn check(world: &mut World) -> Vec<String> {
     let mut v = Vec::new();
+    leases(world, &mut v);
+    pages(world, &mut v);
+    bytes(world, &mut v);
+    needs(world, &mut v);
+    pins(world, &mut v);
+    regions(world, &mut v);
+    states(world, &mut v);
+    counts(world, &mut v);
+    v
+}
 
-    // Every lease points to a live page and a live operation, and its page
-    // belongs to the operation's instance (a hit always has the querying
-    // instance's namespace).
-    let leases: Vec<(Entity, Lease)> = world
-        .query::<(Entity, &Lease)>()
-        .iter(world)
-        .map(|(e, l)| (e, *l))
-        .collect();
-    let mut per_page: HashMap<Entity, u32> = HashMap::new();
-    for (e, lease) in &leases {
-        *per_page.entry(lease.page).or_default() += 1;
-        let Some(page) = world.get::<Page>(lease.page) else {
-            v.push(format!(
-                "lease {e:?} points at a missing page {:?}",
-                lease.page
-            ));
+/// A lease pins a live page for a live operation of the page's instance
+/// (a hit always has the querying instance's namespace).
+fn leases(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<(Entity, &LeaseOf, &HeldBy)>();
+    for (e, page, op) in q.iter(world) {
+        let Some(page) = world.get::<Page>(page.0) else {
+            v.push(format!("lease {e:?} points at a missing page"));
             continue;
         };
-        let Some(op) = world.get::<Operation>(lease.operation) else {
-            v.push(format!(
-                "lease {e:?} points at a missing operation {:?}",
-                lease.operation
-            ));
+        let Some(op) = world.get::<Operation>(op.0) else {
+            v.push(format!("lease {e:?} is held by a missing operation"));
             continue;
         };
         match world.get::<Instance>(op.instance) {
@@ -46,31 +51,22 @@ pub fn check(world: &mut World) -> Vec<String> {
             )),
         }
     }
+}
 
-    // Page lease counts match, and exactly the unleased pages are evictable.
+/// Exactly the unleased pages are evictable; each sits alone in a live
+/// slot and is indexed under its key.
+fn pages(world: &mut World, v: &mut Vec<String>) {
     let mut slots = HashSet::new();
-    let pages: Vec<(Entity, Page)> = {
-        let mut q = world.query::<(Entity, &Page)>();
-        q.iter(world).map(|(e, p)| (e, p.clone())).collect()
-    };
+    let mut q = world.query::<(Entity, &Page, Has<Leases>)>();
     let dram = world.resource::<Dram>();
-    for (e, page) in &pages {
-        let leased = per_page.get(e).copied().unwrap_or(0);
-        if leased != page.leases {
-            v.push(format!(
-                "page {e:?} counts {} leases, {} exist",
-                page.leases, leased
-            ));
+    let mut count = 0;
+    for (e, page, leased) in q.iter(world) {
+        count += 1;
+        let in_lru = dram.lru.values().any(|l| l.contains(&e));
+        if in_lru == leased {
+            let (is, lru) = if leased { ("", "") } else { ("un", "not ") };
+            v.push(format!("page {e:?} is {is}leased and {lru}in the LRU"));
         }
-        let in_lru = dram.lru.values().any(|l| l.contains(e));
-        if in_lru != (page.leases == 0) {
-            v.push(format!(
-                "page {e:?} with {} leases is {}in the LRU",
-                page.leases,
-                if in_lru { "" } else { "not " }
-            ));
-        }
-        // No page is both free and resident.
         let key = SlotKey::from_bits(page.residency.dram_slot);
         if dram.pool.offset(key) != Some(page.residency.dram_offset) {
             v.push(format!(
@@ -80,53 +76,46 @@ pub fn check(world: &mut World) -> Vec<String> {
         if !slots.insert(page.residency.dram_slot) {
             v.push(format!("page {e:?} shares its DRAM slot"));
         }
-        if dram.index.get(&page.key) != Some(e) {
+        if dram.index.get(&page.key) != Some(&e) {
             v.push(format!("page {e:?} is not indexed under its key"));
         }
     }
-    if dram.index.len() != pages.len() {
-        v.push(format!(
-            "DRAM index has {} keys for {} pages",
-            dram.index.len(),
-            pages.len()
-        ));
+    if dram.index.len() != count {
+        let n = dram.index.len();
+        v.push(format!("DRAM index has {n} keys for {count} pages"));
     }
     if let Err(e) = dram.pool.check_invariants() {
         v.push(format!("host pool: {e}"));
     }
+}
 
-    // Reserved bytes equal the sum over live operations.
-    let ops: Vec<(Entity, Operation)> = world
-        .query::<(Entity, &Operation)>()
-        .iter(world)
-        .map(|(e, o)| (e, o.clone()))
-        .collect();
-    let reserved: u64 = ops.iter().map(|(_, o)| o.bytes_reserved).sum();
-    let budget = world.resource::<Budget>();
-    if budget.reserved != reserved {
+/// Reserved bytes equal the sum over live operations, globally and per
+/// instance.
+fn bytes(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<&Operation>();
+    let reserved: u64 = q.iter(world).map(|o| o.bytes_reserved).sum();
+    let budget = world.resource::<Budget>().reserved;
+    if budget != reserved {
         v.push(format!(
-            "budget reserves {} bytes, operations hold {reserved}",
-            budget.reserved
+            "budget reserves {budget} bytes, operations hold {reserved}"
         ));
     }
-    let by_instance: u64 = world
-        .query::<&Instance>()
-        .iter(world)
-        .map(|i| i.bytes_reserved)
-        .sum();
+    let mut q = world.query::<&Instance>();
+    let by_instance: u64 = q.iter(world).map(|i| i.bytes_reserved).sum();
     if by_instance != reserved {
         v.push(format!(
             "instances reserve {by_instance} bytes, operations hold {reserved}"
         ));
     }
+}
 
-    // Needs that claim a lease have one.
-    for (e, rec) in world.query::<(Entity, &Recovery)>().iter(world) {
+/// Needs that claim a lease have one, held by their operation.
+fn needs(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<(Entity, &Recovery)>();
+    for (e, rec) in q.iter(world) {
         for need in &rec.needs {
             if let NeedState::Leased(l) = need.state
-                && world
-                    .get::<Lease>(l)
-                    .is_none_or(|lease| lease.operation != e)
+                && world.get::<HeldBy>(l).is_none_or(|h| h.0 != e)
             {
                 v.push(format!(
                     "operation {e:?} claims a lease {l:?} it does not hold"
@@ -134,13 +123,16 @@ pub fn check(world: &mut World) -> Vec<String> {
             }
         }
     }
+}
 
-    // No device page is freed while a transfer targets it, and pins match.
+/// A device page's pins are exactly the copies that use it: restore
+/// batches in flight or waiting for room, and publish sources.
+fn pins(world: &mut World, v: &mut Vec<String>) {
     let mut pins: HashMap<Entity, u32> = HashMap::new();
-    let transfers: Vec<Transfer> = world.query::<&Transfer>().iter(world).cloned().collect();
-    for t in &transfers {
-        if world.get::<Operation>(t.operation).is_none() {
-            v.push(format!("transfer {} outlived its operation", t.token));
+    let mut q = world.query::<(&Transfer, Has<TransferOf>)>();
+    for (t, owned) in q.iter(world) {
+        if !owned {
+            v.push(format!("transfer {} belongs to no operation", t.token));
         }
         if let TransferKind::Restore { device_pages } = &t.kind {
             for dp in device_pages {
@@ -148,16 +140,14 @@ pub fn check(world: &mut World) -> Vec<String> {
             }
         }
     }
-    // Restore copies waiting for copy room pin their destinations too.
-    for rec in world.query::<&Recovery>().iter(world) {
+    let mut q = world.query::<&Recovery>();
+    for rec in q.iter(world) {
         for c in rec.copies.get(rec.copies_sent..).unwrap_or_default() {
             *pins.entry(c.device_page).or_default() += 1;
         }
     }
-    for job in world
-        .query::<&orbitkv_components::ecs::PublishJob>()
-        .iter(world)
-    {
+    let mut q = world.query::<&PublishJob>();
+    for job in q.iter(world) {
         for item in &job.items {
             *pins.entry(item.device_page).or_default() += 1;
         }
@@ -165,23 +155,90 @@ pub fn check(world: &mut World) -> Vec<String> {
     for (dp, n) in &pins {
         match world.get::<DevicePage>(*dp) {
             None => v.push(format!(
-                "device page {dp:?} was freed while {n} transfers target it"
+                "device page {dp:?} was freed while {n} copies use it"
             )),
-            Some(page) if page.pins != *n => v.push(format!(
-                "device page {dp:?} counts {} pins, {n} exist",
-                page.pins
-            )),
+            Some(p) if p.pins != *n => {
+                v.push(format!(
+                    "device page {dp:?} counts {} pins, {n} exist",
+                    p.pins
+                ));
+            }
             Some(_) => {}
         }
     }
-    for (e, page) in world.query::<(Entity, &DevicePage)>().iter(world) {
+    let mut q = world.query::<(Entity, &DevicePage)>();
+    for (e, page) in q.iter(world) {
         if page.pins > 0 && !pins.contains_key(&e) {
             v.push(format!("device page {e:?} is pinned by nothing"));
         }
-        match world.get::<DeviceRegion>(page.region) {
-            Some(r) if r.live.get(page.slot as usize) == Some(&Some(e)) => {}
-            _ => v.push(format!("device page {e:?} is not its region's live slot")),
+        if page.free_deferred && page.pins == 0 {
+            v.push(format!("device page {e:?} was freed but outlived its pins"));
         }
     }
-    v
+}
+
+/// A region's slot index lists exactly its pages, each at its slot.
+fn regions(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<(Entity, &DeviceRegion, Option<&RegionPages>)>();
+    for (e, region, pages) in q.iter(world) {
+        let listed = pages.map_or(0, |p| p.len());
+        if region.by_slot.len() != listed {
+            let n = region.by_slot.len();
+            v.push(format!("region {e:?} indexes {n} slots for {listed} pages"));
+        }
+        for (slot, page) in &region.by_slot {
+            let ok = world
+                .get::<DevicePage>(*page)
+                .is_some_and(|p| p.slot == *slot)
+                && world.get::<PageOf>(*page).is_some_and(|o| o.0 == e);
+            if !ok {
+                v.push(format!(
+                    "region {e:?} slot {slot} indexes {page:?}, not its page there"
+                ));
+            }
+        }
+    }
+}
+
+/// Each operation carries exactly one state marker: the one of its state.
+fn states(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<(Entity, &Operation)>();
+    let ops: Vec<(Entity, orbitkv_components::ecs::OpState)> =
+        q.iter(world).map(|(e, o)| (e, o.state())).collect();
+    for (e, state) in ops {
+        let entity = world.entity(e);
+        let marks = [
+            entity.contains::<at::Discover>(),
+            entity.contains::<at::Validate>(),
+            entity.contains::<at::Selected>(),
+            entity.contains::<at::Admit>(),
+            entity.contains::<at::Reading>(),
+            entity.contains::<at::Ready>(),
+            entity.contains::<at::RestorePending>(),
+            entity.contains::<at::Restoring>(),
+            entity.contains::<at::PublishPending>(),
+            entity.contains::<at::Publishing>(),
+            entity.contains::<at::Finishing>(),
+        ];
+        // `marks` lists the markers in `OperationState` order.
+        let set: Vec<usize> = (0..marks.len()).filter(|&i| marks[i]).collect();
+        if set != [state as usize] {
+            v.push(format!(
+                "operation {e:?} is {state} but carries state markers {set:?}"
+            ));
+        }
+    }
+}
+
+/// The registry's counts are the live sessions and operations.
+fn counts(world: &mut World, v: &mut Vec<String>) {
+    let sessions = world.query::<&Session>().iter(world).count();
+    let operations = world.query::<&Operation>().iter(world).count();
+    let r = world.resource::<Registry>();
+    if (r.sessions, r.operations) != (sessions, operations) {
+        v.push(format!(
+            "registry counts {} sessions and {} operations; {sessions} and {operations} live",
+            r.sessions, r.operations
+        ));
+    }
 }

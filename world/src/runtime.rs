@@ -4,7 +4,9 @@ use std::time::Instant;
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Addressed, Command, CommandId, Origin};
-use orbitkv_components::ecs::{DevicePage, Instance, Lease, Operation, Session, Transfer};
+use orbitkv_components::ecs::{
+    DevicePage, HeldLeases, Instance, Lease, Operation, Session, Transfer, TransferOf, Transfers,
+};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
 use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
@@ -169,6 +171,10 @@ impl Runtime {
         });
         world.insert_resource(TransferIndex::default());
         world.insert_resource(Metrics::default());
+        // The LRU holds exactly the unleased pages: leases come and go with
+        // the ECS's `Leases` lists.
+        world.add_observer(orbitkv_systems::lifecycle::on_leased);
+        world.add_observer(orbitkv_systems::lifecycle::on_unleased);
         Ok(Runtime {
             world,
             schedule: schedule::build(),
@@ -319,7 +325,7 @@ impl Runtime {
             operations_by_state: w.query::<&Operation>().iter(w).fold(
                 Default::default(),
                 |mut m, op| {
-                    *m.entry(op.state.name()).or_default() += 1;
+                    *m.entry(op.state().as_str()).or_default() += 1;
                     m
                 },
             ),
@@ -338,24 +344,21 @@ impl Runtime {
     pub fn operations(&mut self) -> Vec<OperationInfo> {
         let w = &mut self.world;
         let mut overdue: std::collections::HashMap<Entity, usize> = Default::default();
-        for t in w.query::<&Transfer>().iter(w).filter(|t| t.overdue) {
-            *overdue.entry(t.operation).or_default() += 1;
+        let mut q = w.query::<(&Transfer, &TransferOf)>();
+        for (_, of) in q.iter(w).filter(|(t, _)| t.overdue) {
+            *overdue.entry(of.0).or_default() += 1;
         }
-        let mut leases: std::collections::HashMap<Entity, usize> = Default::default();
-        for l in w.query::<&Lease>().iter(w) {
-            *leases.entry(l.operation).or_default() += 1;
-        }
-        let mut out: Vec<OperationInfo> = w
-            .query::<(Entity, &Operation)>()
+        let mut q = w.query::<(Entity, &Operation, Option<&Transfers>, Option<&HeldLeases>)>();
+        let mut out: Vec<OperationInfo> = q
             .iter(w)
-            .map(|(e, op)| OperationInfo {
+            .map(|(e, op, transfers, leases)| OperationInfo {
                 operation: e.to_bits(),
                 origin: op.origin,
-                state: op.state.name(),
+                state: op.state().as_str(),
                 deadline_us: op.deadline_us,
-                in_flight: op.in_flight,
+                in_flight: transfers.map_or(0, |t| t.len()) as u32,
                 overdue_transfers: overdue.get(&e).copied().unwrap_or(0),
-                leases: leases.get(&e).copied().unwrap_or(0),
+                leases: leases.map_or(0, |l| l.len()),
                 bytes_reserved: op.bytes_reserved,
             })
             .collect();

@@ -2,7 +2,7 @@
 
 use bevy_ecs::prelude::*;
 use bevy_ecs::schedule::SingleThreadedExecutor;
-use orbitkv_systems::{discover, evict, fence, ingest, read, restore, validate};
+use orbitkv_systems::{discover, evict, fence, ingest, publish, read, restore, validate};
 
 /// The seven stages, run in this order every tick.
 #[derive(SystemSet, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -33,17 +33,22 @@ pub fn build() -> Schedule {
         )
             .chain(),
     );
+    // Each system's commands apply before the next one runs (the chain
+    // inserts the sync points), so an operation a stage moves on is seen by
+    // the next stage in the same tick.
     schedule.add_systems((
         ingest::ingest.in_set(Stage::Ingest),
         discover::discover.in_set(Stage::Discover),
         validate::validate.in_set(Stage::Validate),
-        read::read.in_set(Stage::Read),
-        (restore::restore, restore::publish)
+        (read::admit, read::read).chain().in_set(Stage::Read),
+        (restore::restore, publish::publish)
             .chain()
             .in_set(Stage::Restore),
         (
-            fence::fence,
+            fence::land_reads,
+            fence::land_copies,
             fence::expire,
+            fence::settle,
             fence::retire,
             fence::close_sessions,
         )

@@ -1,0 +1,121 @@
+//! Device copies completing: a restore batch unpins its destinations; a
+//! publish batch checksums the pages that landed (in parallel: a publish is
+//! often hundreds of pages, and this is the tick's largest cost) and
+//! indexes them. Whether the operation is done is decided by `settle` once
+//! the batch's Transfer is gone.
+
+use bevy_ecs::prelude::*;
+use bevy_ecs::system::SystemParam;
+use orbitkv_components::api::MissReason;
+use orbitkv_components::ecs::{
+    ItemState, Operation, Outcome, Page, PublishJob, Residency, Transfer, TransferKind, TransferOf,
+};
+use orbitkv_gpu::Completion;
+use orbitkv_io::checksum::page_checksum;
+use rayon::prelude::*;
+
+use crate::copies::Devices;
+use crate::resources::{Clock, Copier, Dram, Metrics, TransferIndex};
+
+/// The copy engine and what its completions update.
+#[derive(SystemParam)]
+pub struct CopyLanding<'w> {
+    copier: ResMut<'w, Copier>,
+    index: ResMut<'w, TransferIndex>,
+    dram: ResMut<'w, Dram>,
+    metrics: ResMut<'w, Metrics>,
+    clock: Res<'w, Clock>,
+}
+
+pub fn land_copies(
+    mut commands: Commands,
+    mut ops: Query<(&mut Operation, Option<&mut PublishJob>)>,
+    transfers: Query<(&Transfer, &TransferOf)>,
+    mut devices: Devices,
+    mut landing: CopyLanding,
+) {
+    let mut done: Vec<Completion> = Vec::new();
+    let now_us = landing.clock.now_us;
+    landing.copier.0.get_mut().poll(now_us, &mut done);
+    for completion in done {
+        let Some(entity) = landing.index.copies.remove(&completion.token.0) else {
+            continue;
+        };
+        let (transfer, of) = transfers.get(entity).expect("indexed transfers are live");
+        commands.entity(entity).despawn();
+        let (mut op, job) = ops
+            .get_mut(of.0)
+            .expect("an operation retires only after its transfers");
+        let landed = completion.result.is_ok();
+        match &transfer.kind {
+            TransferKind::Restore { device_pages } => {
+                if !landed {
+                    op.outcome.get_or_insert(Outcome::Miss(MissReason::IoError));
+                }
+                for page in device_pages {
+                    devices.unpin(&mut commands, *page);
+                }
+            }
+            TransferKind::Publish { items } => {
+                // A failed batch drops its own pages; the others go on.
+                let mut job = job.expect("publish transfers belong to publish jobs");
+                landing.land(&mut commands, &mut job, items, landed);
+            }
+            TransferKind::TierRead { .. } => unreachable!("reads are indexed by tier"),
+        }
+    }
+}
+
+impl CopyLanding<'_> {
+    /// Indexes each landed page of the batch under its checksum; a failed
+    /// copy or a key indexed meanwhile gives its slot back.
+    fn land(
+        &mut self,
+        commands: &mut Commands,
+        job: &mut PublishJob,
+        items: &[usize],
+        landed: bool,
+    ) {
+        let sums: Vec<u64> = if landed {
+            let slices: Vec<&[u8]> = items
+                .iter()
+                .map(|&i| {
+                    let item = &job.items[i];
+                    let slot = item.dram_slot.expect("copying items own a slot");
+                    self.dram.slot_bytes(slot, item.bytes).expect("live slot")
+                })
+                .collect();
+            slices.par_iter().map(|b| page_checksum(b)).collect()
+        } else {
+            Vec::new()
+        };
+        for (n, &i) in items.iter().enumerate() {
+            let item = &mut job.items[i];
+            let slot = item.dram_slot.take().expect("copying items own a slot");
+            if !landed || self.dram.index.contains_key(&item.key) {
+                self.dram.free(slot);
+                item.state = if landed {
+                    ItemState::Duplicate
+                } else {
+                    ItemState::Dropped
+                };
+                continue;
+            }
+            let page = Page {
+                key: item.key,
+                bytes: item.bytes,
+                checksum: sums[n],
+                format: item.format,
+                residency: Residency {
+                    dram_slot: slot,
+                    dram_offset: item.dram_offset,
+                },
+            };
+            let entity = commands.spawn(page).id();
+            self.dram.index.insert(item.key, entity);
+            self.dram.make_evictable(entity, slot);
+            self.metrics.bytes_published += item.bytes;
+            item.state = ItemState::Inserted;
+        }
+    }
+}

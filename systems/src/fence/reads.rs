@@ -1,0 +1,189 @@
+//! Lower-tier reads landing in DRAM: verified against the checksum the
+//! tier indexed, then indexed and (if an operation still wants the page)
+//! leased at once, so eviction cannot take it before the read stage sees
+//! it. Also counts finished demotions.
+
+use bevy_ecs::prelude::*;
+use bevy_ecs::system::SystemParam;
+use orbitkv_components::api::MissReason;
+use orbitkv_components::ecs::{
+    NeedState, OpState, Operation, Outcome, Page, Recovery, Residency, Transfer, TransferKind,
+};
+use orbitkv_io::checksum::page_checksum;
+use orbitkv_io::tier::{ReadDone, TierError};
+
+use crate::lifecycle::{finish, take_lease};
+use crate::resources::{Clock, Dram, Metrics, Tiers, TransferIndex};
+
+/// The tiers and what their completions update.
+#[derive(SystemParam)]
+pub struct Landing<'w> {
+    tiers: ResMut<'w, Tiers>,
+    dram: ResMut<'w, Dram>,
+    index: ResMut<'w, TransferIndex>,
+    metrics: ResMut<'w, Metrics>,
+    clock: Res<'w, Clock>,
+}
+
+/// One landed page: what the read was for.
+struct Landed {
+    tier: usize,
+    operation: Entity,
+    key: orbitkv_components::StateKey,
+    page: Page,
+    pos: orbitkv_components::api::PagePos,
+}
+
+pub fn land_reads(
+    mut commands: Commands,
+    mut ops: Query<(&mut Operation, &mut Recovery)>,
+    transfers: Query<(&Transfer, &orbitkv_components::ecs::TransferOf)>,
+    mut landing: Landing,
+) {
+    for (tier, done) in landing.poll() {
+        let Some(entity) = landing.index.reads.remove(&(tier, done.token.0)) else {
+            continue; // not ours: a backend bug, reported by the invariants
+        };
+        let (transfer, of) = transfers.get(entity).expect("indexed transfers are live");
+        commands.entity(entity).despawn();
+        let Some(landed) = landed(tier, of.0, transfer) else {
+            continue;
+        };
+        landing.dram.reading.remove(&landed.key);
+        let mut op = ops.get_mut(landed.operation).ok();
+        if let Err(reason) = landing.verify(&landed, done) {
+            landing.dram.free(landed.page.residency.dram_slot);
+            if let Some((op, _)) = op.as_mut()
+                && op.state() == OpState::Reading
+            {
+                finish(&mut commands, landed.operation, op, Outcome::Miss(reason));
+            }
+            continue;
+        }
+        let wanted = op.and_then(|(op, rec)| (op.state() == OpState::Reading).then_some(rec));
+        landing.index_page(&mut commands, landed, wanted);
+    }
+}
+
+fn landed(tier: usize, operation: Entity, t: &Transfer) -> Option<Landed> {
+    let TransferKind::TierRead {
+        key,
+        format,
+        dram_slot,
+        dram_offset,
+        bytes,
+        checksum,
+        pos,
+        ..
+    } = t.kind
+    else {
+        return None;
+    };
+    let page = Page {
+        key,
+        bytes,
+        checksum,
+        format,
+        residency: Residency {
+            dram_slot,
+            dram_offset,
+        },
+    };
+    Some(Landed {
+        tier,
+        operation,
+        key,
+        page,
+        pos,
+    })
+}
+
+impl Landing<'_> {
+    /// Every tier's finished reads; finished demotions are counted.
+    fn poll(&mut self) -> Vec<(usize, ReadDone)> {
+        let now_us = self.clock.now_us;
+        let mut reads = Vec::new();
+        let mut demoted = Vec::new();
+        for (i, tier) in self.tiers.0.get_mut().iter_mut().enumerate() {
+            let mut done = Vec::new();
+            tier.poll(now_us, &mut done);
+            reads.extend(done.into_iter().map(|d| (i, d)));
+            tier.poll_demotions(now_us, &mut demoted);
+        }
+        for d in demoted {
+            let key = if d.is_ok() { "written" } else { "failed" };
+            *self.metrics.demotions.entry(key.to_owned()).or_default() += 1;
+        }
+        reads
+    }
+
+    /// Right after the read: a page is indexed only with the checksum it
+    /// was written with.
+    fn verify(&mut self, landed: &Landed, done: ReadDone) -> Result<(), MissReason> {
+        let p = &landed.page;
+        match done.result {
+            Ok(()) => match self.dram.slot_bytes(p.residency.dram_slot, p.bytes) {
+                Some(b) if page_checksum(b) == p.checksum => {}
+                _ => {
+                    self.metrics.checksum_failures += 1;
+                    return Err(MissReason::Checksum);
+                }
+            },
+            Err(TierError::NotFound) => return Err(MissReason::EvictedDuringRead),
+            // The tier's own header or checksum check failed: never served.
+            Err(TierError::Corrupt) => {
+                self.metrics.checksum_failures += 1;
+                return Err(MissReason::Checksum);
+            }
+            Err(_) => return Err(MissReason::IoError),
+        }
+        self.metrics.bytes_read += p.bytes;
+        if let Some(t) = self.tiers.0.get_mut().get(landed.tier) {
+            *self
+                .metrics
+                .bytes_read_by_tier
+                .entry(t.name().to_owned())
+                .or_default() += p.bytes;
+        }
+        Ok(())
+    }
+
+    /// Indexes a verified page, leased to the operation that read it if it
+    /// still wants it; evictable otherwise.
+    fn index_page(
+        &mut self,
+        commands: &mut Commands,
+        landed: Landed,
+        wanted: Option<Mut<Recovery>>,
+    ) {
+        let slot = landed.page.residency.dram_slot;
+        if self.dram.index.contains_key(&landed.key) {
+            // Published meanwhile: keep the indexed copy, and let the read
+            // stage lease that one.
+            self.dram.free(slot);
+            if let Some(mut rec) = wanted
+                && let Some(need) = rec.needs.iter_mut().find(|n| n.pos == landed.pos)
+                && need.state == NeedState::Reading
+            {
+                need.state = NeedState::Pending;
+            }
+            return;
+        }
+        let residency = landed.page.residency;
+        let page = commands.spawn(landed.page).id();
+        self.dram.index.insert(landed.key, page);
+        let need = wanted.and_then(|rec| {
+            let rec = rec.into_inner();
+            rec.needs
+                .iter_mut()
+                .find(|n| n.pos == landed.pos && n.state == NeedState::Reading)
+        });
+        match need {
+            Some(need) => {
+                need.state = NeedState::Leased(take_lease(commands, page, landed.operation));
+                need.residency = Some(residency);
+            }
+            None => self.dram.make_evictable(page, slot),
+        }
+    }
+}

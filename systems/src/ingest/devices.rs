@@ -1,0 +1,132 @@
+//! Device regions and pages: the engine's GPU page slots. A page handle is
+//! fresh on every allocation, so a stale one never reaches the slot's next
+//! page.
+
+use bevy_ecs::prelude::*;
+use orbitkv_components::api::{CommandError, Event, SessionHandle};
+use orbitkv_components::ecs::{DevicePage, DeviceRegion, Instance, PageOf, RegionOf};
+
+use super::resolve::{self, invalid};
+use super::{Ctx, Result, emit};
+use crate::resources::{Copier, Limits};
+
+pub(super) fn register_region(
+    world: &mut World,
+    ctx: Ctx,
+    handle: SessionHandle,
+    (rank, group): (u32, u32),
+    slots: u32,
+) -> Result<()> {
+    // Plan.
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let max = world.resource::<Limits>().max_region_slots;
+    if slots == 0 || slots > max {
+        return Err(invalid(format!(
+            "a region needs 1..={max} slots, got {slots}"
+        )));
+    }
+    let instance = world
+        .get::<Instance>(owned.instance)
+        .expect("sessions point at live instances");
+    let page_bytes = instance
+        .rank(rank)
+        .ok_or_else(|| invalid(format!("unknown rank index {rank}")))?
+        .page_bytes(group)
+        .ok_or_else(|| invalid(format!("unknown group {group}")))?;
+    let bytes = page_bytes
+        .checked_mul(u64::from(slots))
+        .ok_or_else(|| invalid("region size overflows"))?;
+    // Apply: the copy engine first, the one step that can still refuse.
+    let engine_region = world
+        .resource_mut::<Copier>()
+        .0
+        .get_mut()
+        .register_device_region(bytes)
+        .map_err(|e| CommandError::Copy(e.to_string()))?;
+    let region = DeviceRegion {
+        origin: ctx.origin,
+        rank,
+        group,
+        slots,
+        page_bytes,
+        engine_region,
+        by_slot: Default::default(),
+    };
+    let entity = world.spawn((region, RegionOf(owned.session))).id();
+    let event = Event::RegionRegistered {
+        command: ctx.id,
+        region: entity.to_bits(),
+        engine_region,
+        page_bytes,
+    };
+    emit(world, ctx.origin, event);
+    Ok(())
+}
+
+pub(super) fn alloc(
+    world: &mut World,
+    ctx: Ctx,
+    handle: SessionHandle,
+    region_bits: u64,
+    slot: u32,
+) -> Result<()> {
+    // Plan.
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let region_entity = resolve::region(world, owned.session, region_bits)?;
+    let region = world.get::<DeviceRegion>(region_entity).expect("resolved");
+    if slot >= region.slots {
+        return Err(invalid(format!(
+            "slot {slot} is outside the region's {} slots",
+            region.slots
+        )));
+    }
+    if region.by_slot.contains_key(&slot) {
+        return Err(CommandError::SlotInUse {
+            region: region_bits,
+            slot,
+        });
+    }
+    // Apply.
+    let page = DevicePage {
+        slot,
+        pins: 0,
+        free_deferred: false,
+    };
+    let page = world.spawn((page, PageOf(region_entity))).id();
+    world
+        .get_mut::<DeviceRegion>(region_entity)
+        .expect("resolved")
+        .by_slot
+        .insert(slot, page);
+    let event = Event::DevicePageAllocated {
+        command: ctx.id,
+        device_page: page.to_bits(),
+    };
+    emit(world, ctx.origin, event);
+    Ok(())
+}
+
+pub(super) fn free(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64) -> Result<()> {
+    // Plan.
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let (entity, region) = resolve::device_page(world, owned.session, bits)?;
+    // Apply.
+    let mut page = world.get_mut::<DevicePage>(entity).expect("resolved");
+    if page.pins > 0 {
+        // A copy still uses it: it is freed with the last pin.
+        page.free_deferred = true;
+        return Ok(());
+    }
+    let slot = page.slot;
+    world.despawn(entity);
+    let mut region = world.get_mut::<DeviceRegion>(region).expect("resolved");
+    if region.by_slot.get(&slot) == Some(&entity) {
+        region.by_slot.remove(&slot);
+    }
+    let event = Event::DevicePageFreed {
+        device_page: bits,
+        deferred: false,
+    };
+    emit(world, ctx.origin, event);
+    Ok(())
+}

@@ -1,0 +1,270 @@
+//! Recoveries: query (discovery and boundary selection follow in this
+//! tick), prepare, restore, release and cancel.
+
+use std::collections::HashSet;
+
+use bevy_ecs::prelude::*;
+use orbitkv_components::api::{
+    CommandError, GroupHashes, LimitName, PagePos, RestoreTarget, SessionHandle,
+};
+use orbitkv_components::ecs::{Instance, OpState, Operation, OperationOf, Outcome, Recovery, at};
+use orbitkv_components::{Namespace, StateKey};
+
+use super::resolve::{self, Owned, invalid, limit, wrong_state};
+use super::sessions::{self, finish_now};
+use super::{Ctx, Result};
+use crate::lifecycle::set_state_now;
+use crate::resources::{Clock, Limits, Metrics, Registry};
+
+pub(super) struct QueryArgs {
+    pub request: u64,
+    pub groups: Vec<GroupHashes>,
+    pub origin: u64,
+    pub prompt_len: u64,
+    pub expect_namespaces: Vec<Namespace>,
+    pub prepare: bool,
+    pub speculative: bool,
+}
+
+pub(super) fn query(
+    world: &mut World,
+    ctx: Ctx,
+    handle: SessionHandle,
+    q: QueryArgs,
+) -> Result<()> {
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let (q, end) = plan_query(world, owned, q)?;
+    // Apply.
+    let now = world.resource::<Clock>().now_us;
+    let deadline = now.saturating_add(world.resource::<Limits>().prepare_deadline_us);
+    world.resource_mut::<Registry>().operations += 1;
+    world.resource_mut::<Metrics>().queries += 1;
+    let op = Operation::new(
+        ctx.id,
+        ctx.origin,
+        owned.instance,
+        q.request,
+        OpState::Discover,
+        deadline,
+        q.speculative,
+    );
+    let recovery = Recovery {
+        miss: None,
+        groups: q.groups,
+        origin: q.origin,
+        end,
+        prompt_len: q.prompt_len,
+        expect_namespaces: q.expect_namespaces,
+        prepare: q.prepare,
+        candidates: Vec::new(),
+        selected: None,
+        ranges: Vec::new(),
+        needs: Vec::new(),
+        restore: Vec::new(),
+        retained: Vec::new(),
+        copies: Vec::new(),
+        copies_sent: 0,
+    };
+    world.spawn((op, at::Discover, OperationOf(owned.session), recovery));
+    Ok(())
+}
+
+/// Checks the hashes against the instance's groups and bounds; returns the
+/// query with its groups sorted, and the hashed span's end.
+fn plan_query(world: &World, owned: Owned, mut q: QueryArgs) -> Result<(QueryArgs, u64)> {
+    let limits = world.resource::<Limits>();
+    if world.resource::<Registry>().operations >= limits.max_operations {
+        return Err(limit(LimitName::MaxOperations, limits.max_operations));
+    }
+    let instance = world
+        .get::<Instance>(owned.instance)
+        .expect("sessions point at live instances");
+    q.groups.sort_by_key(|g| g.group);
+    let declared: Vec<u32> = instance.ranks[0]
+        .contract
+        .groups()
+        .iter()
+        .map(|g| g.id)
+        .collect();
+    let given: Vec<u32> = q.groups.iter().map(|g| g.group).collect();
+    if declared != given {
+        return Err(invalid(format!(
+            "query gives hashes for groups {given:?}; the instance has {declared:?}"
+        )));
+    }
+    let pages = q.groups[0].hashes.len();
+    if q.groups.iter().any(|g| g.hashes.len() != pages) {
+        return Err(invalid(
+            "every group must give the same number of page hashes",
+        ));
+    }
+    if pages > limits.max_query_pages {
+        return Err(limit(LimitName::MaxQueryPages, limits.max_query_pages));
+    }
+    let page = instance.page_tokens;
+    let end = pages as u64 * page;
+    if !q.origin.is_multiple_of(page) || q.origin > end {
+        return Err(invalid(format!(
+            "origin {} must be page-aligned and within the {end} hashed tokens",
+            q.origin
+        )));
+    }
+    if !q.expect_namespaces.is_empty() && q.expect_namespaces.len() != instance.ranks.len() {
+        return Err(invalid(
+            "expect_namespaces must give one namespace per rank",
+        ));
+    }
+    Ok((q, end))
+}
+
+pub(super) fn prepare(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64) -> Result<()> {
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let op = resolve::operation(world, owned.session, bits)?;
+    let state = resolve::state_of(world, op);
+    if state != OpState::Selected {
+        return Err(wrong_state(op, state, &[OpState::Selected]));
+    }
+    set_state_now(world, op, OpState::Admit);
+    Ok(())
+}
+
+pub(super) fn restore(
+    world: &mut World,
+    ctx: Ctx,
+    handle: SessionHandle,
+    bits: u64,
+    targets: Vec<RestoreTarget>,
+    retained: Vec<PagePos>,
+) -> Result<()> {
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let op = resolve::operation(world, owned.session, bits)?;
+    // A destination that is live but another session's is refused here; a
+    // dead one fails the restore when its copies are resolved
+    // (`stale_generation`), as it may die between now and then anyway.
+    for t in &targets {
+        if let Err(CommandError::NotOwner) =
+            resolve::device_page(world, owned.session, t.device_page)
+        {
+            return Err(CommandError::NotOwner);
+        }
+    }
+    let state = resolve::state_of(world, op);
+    if state != OpState::Ready {
+        return Err(wrong_state(op, state, &[OpState::Ready]));
+    }
+    let rec = world
+        .get::<Recovery>(op)
+        .ok_or_else(|| invalid("operation is not a recovery"))?;
+    let instance = world
+        .get::<Instance>(owned.instance)
+        .expect("sessions point at live instances");
+    check_load(instance, rec, &targets, &retained)?;
+    // Apply.
+    let deadline = world
+        .resource::<Clock>()
+        .now_us
+        .saturating_add(world.resource::<Limits>().restore_deadline_us);
+    let mut rec = world.get_mut::<Recovery>(op).expect("checked");
+    rec.restore = targets;
+    rec.retained = retained;
+    world.get_mut::<Operation>(op).expect("checked").deadline_us = deadline;
+    set_state_now(world, op, OpState::RestorePending);
+    Ok(())
+}
+
+/// The transferred and retained keys must exactly cover every required
+/// range (`validate_load`), no target twice, nothing outside the ranges.
+fn check_load(
+    instance: &Instance,
+    rec: &Recovery,
+    targets: &[RestoreTarget],
+    retained: &[PagePos],
+) -> Result<()> {
+    let mut seen = HashSet::new();
+    if let Some(t) = targets.iter().find(|t| !seen.insert(t.device_page)) {
+        return Err(invalid(format!(
+            "device page {:#x} is targeted twice",
+            t.device_page
+        )));
+    }
+    let page = instance.page_tokens;
+    for (rank, range) in &rec.ranges {
+        let state = &instance.ranks[*rank as usize];
+        let key_at = |p: &PagePos| -> Result<StateKey> {
+            let native = rec
+                .hash_at(p.group, p.page_end, page)
+                .ok_or_else(|| invalid(format!("no hash for page ending at {}", p.page_end)))?;
+            Ok(StateKey {
+                namespace: state.namespace,
+                group: p.group,
+                native,
+            })
+        };
+        let in_range = |p: &&PagePos| p.rank == *rank && p.group == range.group;
+        let range_keys = (range.start / page..range.end / page)
+            .map(|i| {
+                key_at(&PagePos {
+                    rank: *rank,
+                    group: range.group,
+                    page_end: (i + 1) * page,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let moved: Vec<StateKey> = targets
+            .iter()
+            .map(|t| &t.pos)
+            .filter(in_range)
+            .map(key_at)
+            .collect::<Result<_>>()?;
+        let kept: Vec<StateKey> = retained
+            .iter()
+            .filter(in_range)
+            .map(key_at)
+            .collect::<Result<_>>()?;
+        state
+            .contract
+            .validate_load(range, &range_keys, &moved, &kept)
+            .map_err(|e| CommandError::LoadInvalid(e.to_string()))?;
+    }
+    // Positions outside every range were not counted above.
+    let covered = |p: &PagePos| {
+        rec.ranges.iter().any(|(r, g)| {
+            *r == p.rank && g.group == p.group && p.page_end > g.start && p.page_end <= g.end
+        })
+    };
+    match targets
+        .iter()
+        .map(|t| &t.pos)
+        .chain(retained)
+        .find(|p| !covered(p))
+    {
+        Some(p) => Err(CommandError::LoadInvalid(format!(
+            "page {p:?} is outside the required ranges"
+        ))),
+        None => Ok(()),
+    }
+}
+
+pub(super) fn release(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64) -> Result<()> {
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let op = resolve::operation(world, owned.session, bits)?;
+    const RELEASABLE: [OpState; 4] = [
+        OpState::Selected,
+        OpState::Admit,
+        OpState::Reading,
+        OpState::Ready,
+    ];
+    let state = resolve::state_of(world, op);
+    if !RELEASABLE.contains(&state) {
+        return Err(wrong_state(op, state, &RELEASABLE));
+    }
+    finish_now(world, op, Outcome::Released);
+    Ok(())
+}
+
+pub(super) fn cancel(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64) -> Result<()> {
+    let owned = resolve::session(world, ctx.origin, handle)?;
+    let op = resolve::operation(world, owned.session, bits)?;
+    sessions::cancel(world, op);
+    Ok(())
+}

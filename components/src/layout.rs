@@ -30,6 +30,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::api::Rank;
 use crate::contract::{ComponentKind, GroupSpec, Rule};
 use crate::encoding::{Digest32, Frame, put_str, put_u32, put_u64};
 use crate::namespace::Namespace;
@@ -173,6 +174,39 @@ impl StorageLayout {
             s.encode_into(&mut out);
         }
         Ok(out)
+    }
+
+    /// One slot per rank and group (layer = the group's position), each page
+    /// `page_bytes` of bfloat16 in `NHD`: the layout of test engines,
+    /// benchmarks and simulated scenarios.
+    pub fn uniform(
+        ranks: &[Rank],
+        groups: &[GroupSpec],
+        page_tokens: u64,
+        page_bytes: u64,
+    ) -> Self {
+        let mut slots = Vec::with_capacity(ranks.len() * groups.len());
+        for rank in ranks {
+            for (layer, g) in groups.iter().enumerate() {
+                slots.push(StorageSlot {
+                    layer: layer as u32,
+                    group: g.id,
+                    tp_rank: rank.tp,
+                    pp_rank: rank.pp,
+                    segment_bytes: page_bytes,
+                    padded_page_bytes: page_bytes,
+                    page_tokens: page_tokens as u32,
+                    dtype: "bfloat16".into(),
+                    layout: "NHD".into(),
+                    strides: vec![128, 1],
+                    device_addr: 0,
+                });
+            }
+        }
+        StorageLayout {
+            slots,
+            pool_capacity_pages: 0,
+        }
     }
 
     /// The layout restricted to one (tp_rank, pp_rank): what one worker holds.

@@ -81,21 +81,60 @@ pub trait BackingTier: Send {
 
     /// Demotion: keep a page DRAM is evicting. The payload is copied before
     /// this returns, so the caller frees its DRAM slot at once. A refusal
-    /// names its reason (`not_writable`, `queue_full`, `admission_policy`,
-    /// ...), which the runtime counts: nothing is dropped silently.
+    /// is typed, and the runtime counts it by reason: nothing is dropped
+    /// silently.
     fn demote(
         &mut self,
         _key: &StateKey,
         _format: [u8; 32],
         _payload: &[u8],
         _now_us: u64,
-    ) -> Result<(), &'static str> {
-        Err("not_writable")
+    ) -> Result<(), DemoteRefused> {
+        Err(DemoteRefused::NotWritable)
     }
 
     /// Demotions that finished since the last call: `Ok` once visible to
     /// `lookup` (and durable per the tier's policy), or why they failed.
     fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), String>>) {}
+}
+
+/// Why a tier did not take a page DRAM is evicting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, thiserror::Error)]
+pub enum DemoteRefused {
+    /// The tier takes no writes (a remote store filled out of band): the
+    /// next tier is asked.
+    #[error("the tier takes no writes")]
+    NotWritable,
+    #[error("the write queue is full")]
+    QueueFull,
+    #[error("the admission policy declined the page")]
+    AdmissionPolicy,
+    #[error("the page is larger than the tier stores")]
+    TooLarge,
+    #[error("the page is empty")]
+    Empty,
+    #[error("the key is already stored or being written")]
+    Duplicate,
+    #[error("the tier is out of space")]
+    NoSpace,
+    #[error("the tier is unavailable")]
+    Unavailable,
+}
+
+impl DemoteRefused {
+    /// The reason's name in metrics and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DemoteRefused::NotWritable => "not_writable",
+            DemoteRefused::QueueFull => "queue_full",
+            DemoteRefused::AdmissionPolicy => "admission_policy",
+            DemoteRefused::TooLarge => "too_large",
+            DemoteRefused::Empty => "empty",
+            DemoteRefused::Duplicate => "duplicate",
+            DemoteRefused::NoSpace => "no_space",
+            DemoteRefused::Unavailable => "unavailable",
+        }
+    }
 }
 
 struct PoolPtr(*mut u8, u64);
@@ -354,9 +393,9 @@ impl BackingTier for MemoryTier {
         _format: [u8; 32],
         payload: &[u8],
         _now_us: u64,
-    ) -> Result<(), &'static str> {
+    ) -> Result<(), DemoteRefused> {
         if !self.writable {
-            return Err("not_writable");
+            return Err(DemoteRefused::NotWritable);
         }
         let sum = page_checksum(payload);
         self.pages().pages.insert(*key, (payload.to_vec(), sum));

@@ -7,6 +7,8 @@
 use bevy_ecs::prelude::*;
 use orbitkv_components::ecs::{Leases, Page};
 
+use orbitkv_io::tier::DemoteRefused;
+
 use crate::resources::{Clock, Dram, EvictReason, Limits, Metrics, Tiers};
 
 pub fn evict(
@@ -33,10 +35,10 @@ pub fn evict(
                 let outcome = tiers
                     .iter_mut()
                     .map(|t| t.demote(&page.key, page.format, bytes, clock.now_us))
-                    .find(|r| *r != Err("not_writable"));
+                    .find(|r| *r != Err(DemoteRefused::NotWritable));
                 let key = match outcome {
                     Some(Ok(())) => "submitted",
-                    Some(Err(reason)) => reason,
+                    Some(Err(reason)) => reason.as_str(),
                     None => "no_writable_tier",
                 };
                 *metrics.demotions.entry(key.to_owned()).or_default() += 1;

@@ -1,7 +1,10 @@
 //! Stage 5, restore: DRAM → device copies. Every destination handle is
 //! checked live when the restore's copies are resolved; a stale one fails
 //! the restore and nothing is copied. Destinations stay pinned (device side)
-//! and sources leased (DRAM side) until the fence sees their copy complete.
+//! and sources leased (DRAM side) until the restore retires, after its
+//! last copy: an engine that frees a destination meanwhile hears of the
+//! free only after the restore's reply, so it can never reuse a page the
+//! reply still counts as restored.
 //!
 //! A restore needing more copy batches than there is room for starts in
 //! pieces: each tick submits what `max_inflight_copies` (and the engine's
@@ -59,7 +62,7 @@ pub fn restore(
                 rec: &mut rec,
                 in_flight: in_flight.map_or(0, |t| t.len()),
             };
-            job.send(&mut commands, &mut devices, &mut copies);
+            job.send(&mut commands, &mut copies);
         }
     }
 }
@@ -117,9 +120,9 @@ struct RestoreJob<'a> {
 
 impl RestoreJob<'_> {
     /// Submits the next batches while there is room. Past its deadline, or
-    /// once it failed, the rest is abandoned (unpinned); the fence finishes
-    /// it once what was sent drained.
-    fn send(&mut self, commands: &mut Commands, devices: &mut Devices, copies: &mut Copies) {
+    /// once it failed, the rest is abandoned; the fence finishes it once
+    /// what was sent drained, and retiring unpins every destination.
+    fn send(&mut self, commands: &mut Commands, copies: &mut Copies) {
         let (op, rec) = (&mut *self.op, &mut *self.rec);
         if op.outcome.is_none() && copies.now_us() >= op.deadline_us {
             op.outcome = Some(Outcome::Miss(MissReason::Deadline));
@@ -143,9 +146,6 @@ impl RestoreJob<'_> {
         }
         // Failed, cancelled or out of time: what was not submitted never
         // will be.
-        for c in rec.copies.drain(rec.copies_sent..) {
-            devices.unpin(commands, c.device_page);
-        }
         rec.copies_sent = rec.copies.len();
         if self.in_flight == 0 && op.outcome.is_some() {
             set_state(commands, self.entity, op, OpState::Finishing);

@@ -125,25 +125,30 @@ fn needs(world: &mut World, v: &mut Vec<String>) {
     }
 }
 
-/// A device page's pins are exactly the copies that use it: restore
-/// batches in flight or waiting for room, and publish sources.
+/// A device page's pins are exactly the live operations that use it: as a
+/// restore destination (planned, in flight or landed: until the restore
+/// retires) or a publish source. A restore batch copies only into pinned
+/// destinations.
 fn pins(world: &mut World, v: &mut Vec<String>) {
     let mut pins: HashMap<Entity, u32> = HashMap::new();
+    let mut q = world.query::<&Recovery>();
+    for rec in q.iter(world) {
+        for c in &rec.copies {
+            *pins.entry(c.device_page).or_default() += 1;
+        }
+    }
     let mut q = world.query::<(&Transfer, Has<TransferOf>)>();
     for (t, owned) in q.iter(world) {
         if !owned {
             v.push(format!("transfer {} belongs to no operation", t.token));
         }
-        if let TransferKind::Restore { device_pages } = &t.kind {
-            for dp in device_pages {
-                *pins.entry(*dp).or_default() += 1;
-            }
-        }
-    }
-    let mut q = world.query::<&Recovery>();
-    for rec in q.iter(world) {
-        for c in rec.copies.get(rec.copies_sent..).unwrap_or_default() {
-            *pins.entry(c.device_page).or_default() += 1;
+        if let TransferKind::Restore { device_pages } = &t.kind
+            && let Some(dp) = device_pages.iter().find(|dp| !pins.contains_key(dp))
+        {
+            v.push(format!(
+                "restore transfer {} copies into unpinned {dp:?}",
+                t.token
+            ));
         }
     }
     let mut q = world.query::<&PublishJob>();

@@ -3,6 +3,7 @@
 //! for events. There is no other way to change the runtime's state.
 
 pub mod config;
+pub mod driver;
 pub mod invariants;
 pub mod record;
 pub mod runtime;
@@ -10,4 +11,6 @@ pub mod schedule;
 
 pub use config::{Config, ConfigError};
 pub use orbitkv_components::api::{Command, CommandError, CommandId, Event, MissReason};
-pub use runtime::{Backends, OperationInfo, Runtime, RuntimeError, Stats, SubmitError};
+pub use runtime::{
+    Backends, OperationInfo, Runtime, RuntimeError, RuntimeWorld, Stats, SubmitError,
+};

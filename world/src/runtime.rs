@@ -80,8 +80,103 @@ pub struct OperationInfo {
     pub bytes_reserved: u64,
 }
 
-pub struct Runtime {
+/// The runtime's `World`: every resource built from a config, the LRU
+/// observers registered, and the backends registered with the DRAM pool.
+/// The stages run on it (`Runtime::tick`, or one at a time with
+/// `RunSystemOnce` in the stage tests). Dropping it drains the backends
+/// before the pool is unmapped.
+pub struct RuntimeWorld {
     world: World,
+}
+
+impl std::ops::Deref for RuntimeWorld {
+    type Target = World;
+    fn deref(&self) -> &World {
+        &self.world
+    }
+}
+
+impl std::ops::DerefMut for RuntimeWorld {
+    fn deref_mut(&mut self) -> &mut World {
+        &mut self.world
+    }
+}
+
+impl Drop for RuntimeWorld {
+    fn drop(&mut self) {
+        // Backends go first: dropping them finishes submitted I/O, which
+        // writes into the pool the world still owns.
+        drop(self.world.remove_resource::<Copier>());
+        drop(self.world.remove_resource::<Tiers>());
+    }
+}
+
+impl RuntimeWorld {
+    pub fn build(
+        config: &Config,
+        mut backends: Backends,
+    ) -> Result<(RuntimeWorld, Option<FirstTouchReport>), RuntimeError> {
+        config.validate()?;
+        let mut pool = HostPool::new(HostPoolConfig {
+            capacity_bytes: config.dram.capacity_bytes,
+            extent_bytes: config.dram.extent_bytes,
+            slot_align: config.dram.slot_align_bytes,
+            shared: config.dram.shared,
+        })
+        .map_err(|e| ConfigError::Pool(e.to_string()))?;
+        let first_touch = config.dram.first_touch.then(|| pool.first_touch());
+        let (base, len) = (pool.base_ptr(), pool.capacity());
+        // SAFETY: the pool's mapping lives in the `Dram` resource and never
+        // moves; `Drop for RuntimeWorld` drops the engine and tiers
+        // (draining their I/O) before the world drops the pool. Slots under
+        // I/O are owned by Transfer entities, so nothing else touches them.
+        unsafe {
+            let copy = &mut backends.copy;
+            copy.register_host_pool(base, len)
+                .map_err(|e| RuntimeError::Register {
+                    backend: copy.name().to_owned(),
+                    reason: e.to_string(),
+                })?;
+            for tier in backends.tiers.iter_mut() {
+                tier.register_host_pool(base, len)
+                    .map_err(|e| RuntimeError::Register {
+                        backend: tier.name().to_owned(),
+                        reason: e.to_string(),
+                    })?;
+            }
+        }
+        let mut world = World::new();
+        world.insert_resource(Clock::default());
+        world.insert_resource(SimulatedClock(backends.simulated_clock));
+        world.insert_resource(config.limits.clone());
+        world.insert_resource(Inbox::default());
+        world.insert_resource(Outbox::default());
+        world.insert_resource(Dram::new(pool));
+        world.insert_resource(Copier(Exclusive::new(backends.copy)));
+        world.insert_resource(Tiers(Exclusive::new(backends.tiers)));
+        world.insert_resource(Budget {
+            global_limit: config.query_budget(),
+            instance_limit: config.instance_budget(),
+            speculative_limit: config.speculative_budget(),
+            reserved: 0,
+            speculative_reserved: 0,
+        });
+        world.insert_resource(Registry {
+            incarnation: config.incarnation,
+            ..Default::default()
+        });
+        world.insert_resource(TransferIndex::default());
+        world.insert_resource(Metrics::default());
+        // The LRU holds exactly the unleased pages: leases come and go with
+        // the ECS's `Leases` lists.
+        world.add_observer(orbitkv_systems::lifecycle::on_leased);
+        world.add_observer(orbitkv_systems::lifecycle::on_unleased);
+        Ok((RuntimeWorld { world }, first_touch))
+    }
+}
+
+pub struct Runtime {
+    world: RuntimeWorld,
     schedule: Schedule,
     started: Instant,
     simulated: bool,
@@ -116,70 +211,14 @@ impl Runtime {
         )
     }
 
-    pub fn with_backends(config: Config, mut backends: Backends) -> Result<Self, RuntimeError> {
-        config.validate()?;
-        let mut pool = HostPool::new(HostPoolConfig {
-            capacity_bytes: config.dram.capacity_bytes,
-            extent_bytes: config.dram.extent_bytes,
-            slot_align: config.dram.slot_align_bytes,
-            shared: config.dram.shared,
-        })
-        .map_err(|e| ConfigError::Pool(e.to_string()))?;
-        let first_touch = config.dram.first_touch.then(|| pool.first_touch());
-        let base = pool.base_ptr();
-        let len = pool.capacity();
-        // SAFETY: the pool's mapping lives in the `Dram` resource and never
-        // moves; `Drop for Runtime` drops the engine and tiers (draining
-        // their I/O) before the world drops the pool. Slots under I/O are
-        // owned by Transfer entities, so nothing else touches them.
-        unsafe {
-            backends
-                .copy
-                .register_host_pool(base, len)
-                .map_err(|e| RuntimeError::Register {
-                    backend: backends.copy.name().to_owned(),
-                    reason: e.to_string(),
-                })?;
-            for tier in backends.tiers.iter_mut() {
-                tier.register_host_pool(base, len)
-                    .map_err(|e| RuntimeError::Register {
-                        backend: tier.name().to_owned(),
-                        reason: e.to_string(),
-                    })?;
-            }
-        }
-        let query_budget = config.query_budget();
-        let mut world = World::new();
-        world.insert_resource(Clock::default());
-        world.insert_resource(SimulatedClock(backends.simulated_clock));
-        world.insert_resource(config.limits.clone());
-        world.insert_resource(Inbox::default());
-        world.insert_resource(Outbox::default());
-        world.insert_resource(Dram::new(pool));
-        world.insert_resource(Copier(Exclusive::new(backends.copy)));
-        world.insert_resource(Tiers(Exclusive::new(backends.tiers)));
-        world.insert_resource(Budget {
-            global_limit: query_budget,
-            instance_limit: config.instance_budget(),
-            speculative_limit: config.speculative_budget(),
-            reserved: 0,
-            speculative_reserved: 0,
-        });
-        world.insert_resource(Registry {
-            incarnation: config.incarnation,
-            ..Default::default()
-        });
-        world.insert_resource(TransferIndex::default());
-        world.insert_resource(Metrics::default());
-        // The LRU holds exactly the unleased pages: leases come and go with
-        // the ECS's `Leases` lists.
-        world.add_observer(orbitkv_systems::lifecycle::on_leased);
-        world.add_observer(orbitkv_systems::lifecycle::on_unleased);
+    pub fn with_backends(config: Config, backends: Backends) -> Result<Self, RuntimeError> {
+        let simulated = backends.simulated_clock;
+        let (world, first_touch) = RuntimeWorld::build(&config, backends)?;
         Ok(Runtime {
             world,
             schedule: schedule::build(),
             started: Instant::now(),
-            simulated: backends.simulated_clock,
+            simulated,
             check: config.check_invariants,
             next_command: 0,
             max_inbox: config.limits.max_inbox,
@@ -409,9 +448,6 @@ impl Drop for Runtime {
         if let Some(r) = &mut self.recorder {
             r.flush();
         }
-        // Backends go first: dropping them finishes submitted I/O, which
-        // writes into the pool the world still owns.
-        drop(self.world.remove_resource::<Copier>());
-        drop(self.world.remove_resource::<Tiers>());
+        // The world drains its backends as it drops.
     }
 }

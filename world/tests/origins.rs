@@ -21,8 +21,8 @@ const B: Origin = Origin(2);
 /// Submits one command from `origin`, ticks, and returns the reply, which
 /// must be addressed to `origin`; other events of the tick are returned too.
 fn ask(h: &mut Harness, origin: Origin, command: Command) -> (Event, Vec<Addressed>) {
-    let id = h.rt.submit(origin, command).unwrap();
-    let events = h.rt.tick();
+    let id = h.rt().submit(origin, command).unwrap();
+    let events = h.rt().tick();
     let reply = events
         .iter()
         .find(|a| a.event.command() == Some(id))
@@ -41,9 +41,10 @@ fn until(
     pred: impl Fn(&Addressed) -> bool,
 ) -> Addressed {
     for _ in 0..10_000 {
-        h.rt.submit(Origin::EMBEDDED, Command::AdvanceClock { us: TICK_US })
+        h.rt()
+            .submit(Origin::EMBEDDED, Command::AdvanceClock { us: TICK_US })
             .unwrap();
-        let events = h.rt.tick();
+        let events = h.rt().tick();
         let found = events.iter().find(|a| pred(a)).cloned();
         seen.extend(events);
         if let Some(a) = found {
@@ -132,9 +133,10 @@ impl Engine {
             pages.push((0, native, dp));
         }
         let sources = pages.iter().map(|p| p.2).collect();
-        let id =
-            h.rt.submit(self.origin, publish_cmd(self.s, seed, 0, pages))
-                .unwrap();
+        let id = h
+            .rt()
+            .submit(self.origin, publish_cmd(self.s, seed, 0, pages))
+            .unwrap();
         let mut seen = Vec::new();
         let done = until(
             h,
@@ -188,7 +190,7 @@ fn snapshot(
     u64,
     BTreeMap<&'static str, usize>,
 ) {
-    let s = h.rt.stats();
+    let s = h.rt().stats();
     (
         s.sessions,
         s.operations,
@@ -331,8 +333,8 @@ fn every_cross_origin_command_is_refused_without_effect() {
         ),
     ];
     for (what, command) in attempts {
-        let id = h.rt.submit(B, command).unwrap();
-        let events = h.rt.tick();
+        let id = h.rt().submit(B, command).unwrap();
+        let events = h.rt().tick();
         assert_eq!(
             events,
             vec![Addressed {
@@ -349,7 +351,7 @@ fn every_cross_origin_command_is_refused_without_effect() {
 
     // A's state is intact: its recovery restores exact bytes into its own
     // page, and its device pages are still its own to free.
-    let id = h.rt.submit(A, restore(a.s, op_a, target_a)).unwrap();
+    let id = h.rt().submit(A, restore(a.s, op_a, target_a)).unwrap();
     let mut seen = Vec::new();
     let done = until(&mut h, &mut seen, "restore", |x| {
         matches!(x.event, Event::RestoreDone { .. } | Event::Miss { .. })
@@ -378,9 +380,9 @@ fn every_cross_origin_command_is_refused_without_effect() {
             session: a.s,
             device_page: dp,
         };
-        h.rt.submit(A, free).unwrap();
+        h.rt().submit(A, free).unwrap();
         assert_eq!(
-            h.rt.tick(),
+            h.rt().tick(),
             vec![Addressed {
                 to: A,
                 event: Event::DevicePageFreed {
@@ -395,9 +397,9 @@ fn every_cross_origin_command_is_refused_without_effect() {
         session: b.s,
         operation: op_b,
     };
-    h.rt.submit(B, release).unwrap();
+    h.rt().submit(B, release).unwrap();
     assert_eq!(
-        h.rt.tick(),
+        h.rt().tick(),
         vec![Addressed {
             to: B,
             event: Event::Released { operation: op_b }
@@ -434,16 +436,16 @@ fn ten_thousand_commands_before_one_tick_are_all_answered_to_their_origin() {
             (e.s, false)
         };
         let command = query(session, i, 1000 + i, &[0], 1, PAGE + 1, false);
-        let id = h.rt.submit(e.origin, command).unwrap();
+        let id = h.rt().submit(e.origin, command).unwrap();
         expected.insert(id, (e.origin, refused));
     }
     assert!(
-        h.rt.limits().max_commands_per_tick < 10_000,
+        h.rt().limits().max_commands_per_tick < 10_000,
         "the inbox must take more than one tick to drain"
     );
     let mut answered: BTreeMap<CommandId, Addressed> = BTreeMap::new();
     for _ in 0..10 {
-        for a in h.rt.tick() {
+        for a in h.rt().tick() {
             let id = a.event.command().expect("only replies: every query missed");
             assert!(answered.insert(id, a).is_none(), "two replies to {id}");
         }
@@ -483,12 +485,12 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
         targets: vec![target(0, 0, PAGE, dp)],
         retained: (2..=4).map(|i| pos(i * PAGE)).collect(),
     };
-    h.rt.submit(A, restore).unwrap();
-    assert_eq!(h.rt.tick(), vec![]);
-    assert_eq!(h.rt.stats().transfers, 1);
+    h.rt().submit(A, restore).unwrap();
+    assert_eq!(h.rt().tick(), vec![]);
+    assert_eq!(h.rt().stats().transfers, 1);
 
-    h.rt.close_origin(A);
-    let events = h.rt.tick();
+    h.rt().close_origin(A);
+    let events = h.rt().tick();
     // The recovery without I/O retires at once, and its leases go back; the
     // one with a copy in flight keeps its leases, device page and session.
     assert_eq!(
@@ -501,7 +503,7 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
             }
         }]
     );
-    let s = h.rt.stats();
+    let s = h.rt().stats();
     assert_eq!((s.sessions, s.operations, s.transfers), (2, 2, 1), "{s:#?}");
     assert!(s.device_pages > 0);
     // A's session refuses new work meanwhile.
@@ -544,7 +546,7 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
     );
     assert!(seen.iter().all(|x| x.to == A), "{seen:?}");
     // Only B's recovery is left, with its own leases and bytes.
-    let s = h.rt.stats();
+    let s = h.rt().stats();
     assert_eq!(
         (
             s.sessions,
@@ -557,14 +559,14 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
         "{s:#?}"
     );
     assert_eq!(s.bytes_reserved, 4 * PAGE_BYTES);
-    h.rt.check_invariants().unwrap();
+    h.rt().check_invariants().unwrap();
     let release = Command::Release {
         session: b.s,
         operation: op_b,
     };
-    h.rt.submit(B, release).unwrap();
+    h.rt().submit(B, release).unwrap();
     assert_eq!(
-        h.rt.tick(),
+        h.rt().tick(),
         vec![Addressed {
             to: B,
             event: Event::Released { operation: op_b }
@@ -578,15 +580,16 @@ fn close_origin_leaves_other_origins_and_later_sessions_alone() {
     let (mut h, a, b) = two_engines();
     // Commands queued before the close apply first: the session this open
     // creates is closed by it too. A session opened after it stays open.
-    h.rt.submit(
-        A,
-        Command::OpenSession {
-            instance: "llama".into(),
-        },
-    )
-    .unwrap();
-    h.rt.close_origin(A);
-    let events = h.rt.tick();
+    h.rt()
+        .submit(
+            A,
+            Command::OpenSession {
+                instance: "llama".into(),
+            },
+        )
+        .unwrap();
+    h.rt().close_origin(A);
+    let events = h.rt().tick();
     let opened: Vec<SessionHandle> = events
         .iter()
         .filter_map(|x| match x.event {
@@ -610,7 +613,7 @@ fn close_origin_leaves_other_origins_and_later_sessions_alone() {
     want.sort();
     assert_eq!(closed, want, "{events:?}");
     let again = open(&mut h, A);
-    let s = h.rt.stats();
+    let s = h.rt().stats();
     assert_eq!(s.sessions, 2, "B's and A's new session: {s:#?}");
     // Both still work.
     for (origin, session) in [(A, again), (B, b.s)] {

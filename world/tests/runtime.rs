@@ -169,7 +169,7 @@ fn publish_query_restore_round_trip_exact_bytes() {
     let slots = d.restore(op, 4, 10);
     d.assert_restored(1, &slots);
     d.h.assert_idle();
-    let m = d.h.rt.stats().metrics;
+    let m = d.h.rt().stats().metrics;
     assert_eq!(
         (m.hits, m.hit_tokens, m.bytes_restored),
         (1, 4 * PAGE, 4 * PAGE_BYTES)
@@ -208,7 +208,7 @@ fn lower_tier_pages_are_read_then_restored() {
         ev.iter().any(|e| matches!(e, Event::Loading { .. })),
         "{ev:?}"
     );
-    assert_eq!(d.h.rt.stats().metrics.tier_reads, 6);
+    assert_eq!(d.h.rt().stats().metrics.tier_reads, 6);
     let op = match &ev[0] {
         Event::QueryResult {
             operation,
@@ -223,7 +223,7 @@ fn lower_tier_pages_are_read_then_restored() {
     assert!(matches!(ready, Event::Ready { .. }), "{ready:?}");
     let slots = d.restore(op, 6, 20);
     d.assert_restored(3, &slots);
-    assert_eq!(d.h.rt.stats().pages, 6, "read pages stay cached in DRAM");
+    assert_eq!(d.h.rt().stats().pages, 6, "read pages stay cached in DRAM");
     d.h.assert_idle();
 }
 
@@ -239,10 +239,10 @@ fn reads_per_group_are_bounded() {
         h.tier.insert(key(ns, 0, native), payload(&ns, 0, &native));
     }
     h.step(vec![query(s, 4, 4, &[0], 11, 11 * PAGE, true)]);
-    assert_eq!(h.rt.stats().transfers, 3);
+    assert_eq!(h.rt().stats().transfers, 3);
     let ready = h.until("ready", |e| matches!(e, Event::Ready { .. }));
     assert!(matches!(ready, Event::Ready { ref leases, .. } if leases.len() == 10));
-    assert_eq!(h.rt.stats().metrics.tier_reads, 10);
+    assert_eq!(h.rt().stats().metrics.tier_reads, 10);
 }
 
 #[test]
@@ -268,8 +268,8 @@ fn checksum_mismatch_is_a_miss_and_nothing_is_indexed() {
         ),
         "{miss:?}"
     );
-    assert_eq!(d.h.rt.stats().metrics.checksum_failures, 1);
-    assert_eq!(d.h.rt.stats().pages, 2, "only verified pages are indexed");
+    assert_eq!(d.h.rt().stats().metrics.checksum_failures, 1);
+    assert_eq!(d.h.rt().stats().pages, 2, "only verified pages are indexed");
     d.h.assert_idle();
 }
 
@@ -541,7 +541,7 @@ fn free_while_a_copy_targets_the_page_is_deferred_to_the_fence() {
         device_page: src,
     }]);
     assert!(ev.is_empty(), "free must wait for the copy: {ev:?}");
-    h.rt.check_invariants().unwrap();
+    h.rt().check_invariants().unwrap();
     let mut order = Vec::new();
     for _ in 0..1000 {
         for e in h.advance() {
@@ -588,7 +588,7 @@ fn free_while_a_copy_targets_the_page_is_deferred_to_the_fence() {
     }));
     assert_eq!(h.read_slot(engine, 5), payload(&ns, 0, &native));
     h.assert_idle();
-    assert_eq!(h.rt.stats().device_pages, 0);
+    assert_eq!(h.rt().stats().device_pages, 0);
 }
 
 #[test]
@@ -605,8 +605,8 @@ fn cancel_mid_read_drains_then_releases() {
         Event::QueryResult { operation, .. } => *operation,
         e => panic!("{e:?}"),
     };
-    assert_eq!(h.rt.stats().transfers, 8);
-    let reserved = h.rt.stats().bytes_reserved;
+    assert_eq!(h.rt().stats().transfers, 8);
+    let reserved = h.rt().stats().bytes_reserved;
     assert_eq!(reserved, 8 * PAGE_BYTES);
     let ev = h.step(vec![Command::Cancel {
         session: s,
@@ -614,7 +614,7 @@ fn cancel_mid_read_drains_then_releases() {
     }]);
     assert!(ev.is_empty(), "submitted reads must drain first: {ev:?}");
     assert_eq!(
-        h.rt.stats().bytes_reserved,
+        h.rt().stats().bytes_reserved,
         reserved,
         "bytes stay reserved until the reads land"
     );
@@ -628,7 +628,7 @@ fn cancel_mid_read_drains_then_releases() {
     );
     h.assert_idle();
     assert_eq!(
-        h.rt.stats().metrics.tier_reads,
+        h.rt().stats().metrics.tier_reads,
         8,
         "no read was started after the cancel"
     );
@@ -661,7 +661,7 @@ fn session_close_mid_read_retires_everything() {
     );
     h.until("closed", |e| matches!(e, Event::SessionClosed { .. }));
     h.assert_idle();
-    let st = h.rt.stats();
+    let st = h.rt().stats();
     assert_eq!((st.sessions, st.device_pages), (0, 0));
     // The copy engine forgot the session's device region.
     assert!(matches!(
@@ -692,7 +692,7 @@ fn budget_waits_and_oversized_queries_miss() {
     d.publish(22, 8, 8);
     // First recovery holds 4 pages of a 6-page budget.
     let (op1, _) = d.prepare(20, 5, 5 * PAGE);
-    assert_eq!(d.h.rt.stats().bytes_reserved, 4 * PAGE_BYTES);
+    assert_eq!(d.h.rt().stats().bytes_reserved, 4 * PAGE_BYTES);
     // The second needs 4 more: it waits (no Ready, no Miss).
     let ev = d.h.step(vec![query(d.s, 21, 21, &[0], 5, 5 * PAGE, true)]);
     let op2 = match &ev[0] {
@@ -727,7 +727,7 @@ fn budget_waits_and_oversized_queries_miss() {
     d.h.until("released", |e| matches!(e, Event::Released { .. }));
     d.h.assert_idle();
     assert_eq!(
-        d.h.rt.stats().metrics.misses.get(&MissReason::Budget),
+        d.h.rt().stats().metrics.misses.get(&MissReason::Budget),
         Some(&1)
     );
 }
@@ -785,7 +785,7 @@ fn speculative_share_is_exact() {
         panic!("4 pages are exactly the speculative share: {e:?}");
     };
     assert_eq!(leases.len(), 4);
-    assert_eq!(d.h.rt.stats().bytes_reserved, 16_384);
+    assert_eq!(d.h.rt().stats().bytes_reserved, 16_384);
     d.h.step(vec![Command::Release {
         session: d.s,
         operation,
@@ -898,9 +898,9 @@ fn accepted_restore_gives_up_its_unsent_batches_at_its_deadline() {
             .collect(),
         retained: vec![],
     }]);
-    assert_eq!(d.h.rt.stats().transfers, 1, "one batch fits");
+    assert_eq!(d.h.rt().stats().transfers, 1, "one batch fits");
     d.h.step(vec![Command::AdvanceClock { us: 2_000 }]);
-    let s = d.h.rt.stats();
+    let s = d.h.rt().stats();
     assert_eq!(
         (s.transfers, s.operations),
         (1, 1),
@@ -935,6 +935,68 @@ fn accepted_restore_gives_up_its_unsent_batches_at_its_deadline() {
     d.h.assert_idle();
 }
 
+/// A destination the engine frees while its restore is still copying other
+/// batches stays the restore's until the reply: the free is reported after
+/// `RestoreDone`, and the slot cannot be reallocated before (a fuzzer
+/// finding: with per-batch unpinning the engine reused a slot that the
+/// reply then counted as restored).
+#[test]
+fn a_destination_freed_mid_restore_is_released_after_the_reply() {
+    let mut c = config(16 << 20);
+    c.limits.max_copy_batch_pages = 1;
+    c.limits.max_inflight_copies = 1;
+    let mut d = dense_setup_with(c);
+    let sources = d.publish(35, 2, 0);
+    d.free(&sources);
+    let (op, _) = d.prepare(35, 2, 2 * PAGE + 1);
+    let targets: Vec<u64> = (0..2).map(|i| d.h.alloc(d.s, d.region, 10 + i)).collect();
+    d.h.step(vec![Command::Restore {
+        session: d.s,
+        operation: op,
+        targets: targets
+            .iter()
+            .enumerate()
+            .map(|(i, dp)| target(0, 0, (i as u64 + 1) * PAGE, *dp))
+            .collect(),
+        retained: vec![],
+    }]);
+    // The first batch lands (20 µs), the second is not sent yet: the
+    // engine frees the first page at once.
+    d.h.advance();
+    d.h.advance();
+    let ops = d.h.rt().operations();
+    assert_eq!(
+        (ops.len(), ops[0].state, ops[0].in_flight),
+        (1, "restoring", 0)
+    );
+    let ev = d.h.step(vec![Command::DevicePageFree {
+        session: d.s,
+        device_page: targets[0],
+    }]);
+    assert!(ev.is_empty(), "deferred while the restore holds it: {ev:?}");
+    assert!(matches!(
+        d.h.try_alloc(d.s, d.region, 10),
+        Err(CommandError::SlotInUse { slot: 10, .. })
+    ));
+    let mut order = Vec::new();
+    d.h.until("reply and free", |e| {
+        matches!(e, Event::DevicePageFreed { .. })
+    });
+    for e in &d.h.events {
+        match e {
+            Event::RestoreDone { operation, .. } if *operation == op => order.push("done"),
+            Event::DevicePageFreed {
+                device_page,
+                deferred: true,
+            } if *device_page == targets[0] => order.push("freed"),
+            _ => {}
+        }
+    }
+    assert_eq!(order, ["done", "freed"]);
+    d.assert_restored(35, &[10, 11]);
+    d.h.assert_idle();
+}
+
 #[test]
 fn preparation_deadline_retires_with_deadline() {
     let mut d = dense_setup(16 << 20);
@@ -947,9 +1009,9 @@ fn preparation_deadline_retires_with_deadline() {
             ..
         }
     ));
-    assert_eq!(d.h.rt.stats().operations, 1);
+    assert_eq!(d.h.rt().stats().operations, 1);
     d.h.step(vec![Command::AdvanceClock { us: 4_999_000 }]);
-    assert_eq!(d.h.rt.stats().operations, 1);
+    assert_eq!(d.h.rt().stats().operations, 1);
     let e = d.h.until("deadline", |e| matches!(e, Event::Miss { .. }));
     assert!(
         matches!(
@@ -988,7 +1050,7 @@ fn eviction_skips_leased_pages() {
     d.publish(31, 4, 4); // fills DRAM
     // 4 more pages need room: only seed 31's (unleased) pages may go.
     d.publish(32, 4, 8);
-    let st = d.h.rt.stats();
+    let st = d.h.rt().stats();
     assert_eq!(st.metrics.evictions.values().sum::<u64>(), 4);
     let slots = d.restore(op, 4, 20);
     d.assert_restored(30, &slots);
@@ -1065,7 +1127,7 @@ fn namespace_mismatch_is_never_a_hit() {
         "{ev:?}"
     );
     h.assert_idle();
-    let m = h.rt.stats().metrics;
+    let m = h.rt().stats().metrics;
     assert_eq!(
         (
             m.hits,
@@ -1204,7 +1266,7 @@ fn registration_is_idempotent_and_conflicts_are_typed() {
         ),
         "{e:?}"
     );
-    assert_eq!(h.rt.stats().instances, 1);
+    assert_eq!(h.rt().stats().instances, 1);
     let e = h.one(register_cmd("y", ID_A, hybrid(), 1, &[0]));
     assert!(
         matches!(
@@ -1461,7 +1523,7 @@ fn multi_rank_publish_pins_every_source_until_one_reply() {
         request: 7,
         pages,
     }]);
-    assert_eq!(h.rt.stats().transfers, 2, "one copy per rank");
+    assert_eq!(h.rt().stats().transfers, 2, "one copy per rank");
     // Rank 0's worker frees its block while rank 1's copy may still run.
     let ev = h.step(vec![Command::DevicePageFree {
         session: s,
@@ -1490,7 +1552,7 @@ fn multi_rank_publish_pins_every_source_until_one_reply() {
         "freed after the reply"
     );
     h.assert_idle();
-    assert_eq!(h.rt.stats().pages, 2);
+    assert_eq!(h.rt().stats().pages, 2);
 }
 
 #[test]
@@ -1539,7 +1601,7 @@ fn a_lost_copy_completion_is_reported_but_ownership_stays_held() {
     for _ in 0..100 {
         d.h.advance();
     }
-    let st = d.h.rt.stats();
+    let st = d.h.rt().stats();
     assert_eq!(
         (st.leases, st.transfers, st.bytes_reserved),
         (2, 1, 2 * PAGE_BYTES)
@@ -1561,5 +1623,5 @@ fn a_lost_copy_completion_is_reported_but_ownership_stays_held() {
         ),
         "{e:?}"
     );
-    d.h.rt.check_invariants().unwrap();
+    d.h.rt().check_invariants().unwrap();
 }

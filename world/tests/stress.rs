@@ -343,11 +343,11 @@ fn mark(used: &mut HashMap<(u32, u32), Vec<Option<u64>>>, k: (u32, u32), slot: u
 fn drain(h: &mut Harness) {
     for _ in 0..2_000 {
         h.step(vec![Command::AdvanceClock { us: 1_000 }]);
-        if h.rt.stats().operations == 0 && h.rt.stats().transfers == 0 {
+        if h.rt().stats().operations == 0 && h.rt().stats().transfers == 0 {
             return;
         }
     }
-    panic!("runtime did not drain: {:#?}", h.rt.stats());
+    panic!("runtime did not drain: {:#?}", h.rt().stats());
 }
 
 proptest! {

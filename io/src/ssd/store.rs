@@ -20,7 +20,7 @@ use super::scan::{open_regular, scan_segment};
 use super::types::*;
 use super::uring::UringEngine;
 use crate::checksum::page_checksum;
-use crate::tier::{BackingTier, ReadDone, ReadToken, TierEntry, TierError};
+use crate::tier::{BackingTier, DemoteRefused, ReadDone, ReadToken, TierEntry, TierError};
 
 /// Fdatasync operations in flight at once (one per segment at most).
 const MAX_SYNCS: usize = 4;
@@ -1458,10 +1458,10 @@ impl BackingTier for SsdStore {
         format: [u8; 32],
         payload: &[u8],
         now_us: u64,
-    ) -> Result<(), &'static str> {
+    ) -> Result<(), DemoteRefused> {
         self.submit_write(key, format, payload, now_us)
             .map(|_| ())
-            .map_err(|r| r.reason())
+            .map_err(DemoteRefused::from)
     }
 
     fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), String>>) {

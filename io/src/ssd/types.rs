@@ -257,6 +257,21 @@ impl WriteRefused {
     }
 }
 
+impl From<WriteRefused> for crate::tier::DemoteRefused {
+    fn from(r: WriteRefused) -> Self {
+        use crate::tier::DemoteRefused as D;
+        match r {
+            WriteRefused::QueueFull => D::QueueFull,
+            WriteRefused::AdmissionPolicy => D::AdmissionPolicy,
+            WriteRefused::TooLarge => D::TooLarge,
+            WriteRefused::Empty => D::Empty,
+            WriteRefused::Duplicate => D::Duplicate,
+            WriteRefused::NoSpace => D::NoSpace,
+            WriteRefused::Unavailable => D::Unavailable,
+        }
+    }
+}
+
 /// Why an accepted write failed. Counted in [`SsdStats::write_failures`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {

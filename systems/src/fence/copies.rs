@@ -1,5 +1,6 @@
-//! Device copies completing: a restore batch unpins its destinations; a
-//! publish batch checksums the pages that landed (in parallel: a publish is
+//! Device copies completing: a restore batch records a failure (its
+//! destinations stay pinned until the restore retires); a publish batch
+//! checksums the pages that landed (in parallel: a publish is
 //! often hundreds of pages, and this is the tick's largest cost) and
 //! indexes them. Whether the operation is done is decided by `settle` once
 //! the batch's Transfer is gone.
@@ -14,7 +15,6 @@ use orbitkv_gpu::Completion;
 use orbitkv_io::checksum::page_checksum;
 use rayon::prelude::*;
 
-use crate::copies::Devices;
 use crate::resources::{Clock, Copier, Dram, Metrics, TransferIndex};
 
 /// The copy engine and what its completions update.
@@ -31,7 +31,6 @@ pub fn land_copies(
     mut commands: Commands,
     mut ops: Query<(&mut Operation, Option<&mut PublishJob>)>,
     transfers: Query<(&Transfer, &TransferOf)>,
-    mut devices: Devices,
     mut landing: CopyLanding,
 ) {
     let mut done: Vec<Completion> = Vec::new();
@@ -48,12 +47,9 @@ pub fn land_copies(
             .expect("an operation retires only after its transfers");
         let landed = completion.result.is_ok();
         match &transfer.kind {
-            TransferKind::Restore { device_pages } => {
+            TransferKind::Restore { .. } => {
                 if !landed {
                     op.outcome.get_or_insert(Outcome::Miss(MissReason::IoError));
-                }
-                for page in device_pages {
-                    devices.unpin(&mut commands, *page);
                 }
             }
             TransferKind::Publish { items } => {

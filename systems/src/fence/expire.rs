@@ -69,10 +69,7 @@ type DrainedCopying = (
 
 /// Restores and publishes with no transfer left: finished once nothing is
 /// left to send (a restore keeps an earlier failure as its outcome).
-pub fn settle(
-    mut commands: Commands,
-    mut ops: Query<Draining, DrainedCopying>,
-) {
+pub fn settle(mut commands: Commands, mut ops: Query<Draining, DrainedCopying>) {
     for (entity, mut op, rec, job) in &mut ops {
         let unsent = rec.is_some_and(|r| r.copies_sent < r.copies.len())
             || job.is_some_and(|j| j.items.iter().any(|i| i.state == ItemState::Waiting));

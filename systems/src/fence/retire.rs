@@ -41,11 +41,15 @@ pub fn retire(
         let event = match (rec, job) {
             (Some(rec), _) => {
                 return_leases(&mut commands, rec);
-                returns.recovery_reply(entity, op, rec)
+                let reply = returns.recovery_reply(entity, op, rec);
+                let pages = rec.copies.iter().map(|c| c.device_page);
+                devices.reply_then_unpin(&mut commands, op.origin, reply, pages);
+                None
             }
             (None, Some(mut job)) => {
-                let reply = returns.publish_reply(op, &mut job);
-                devices.reply_then_unpin(&mut commands, op.origin, reply, &job);
+                let reply = Some(returns.publish_reply(op, &mut job));
+                let sources = job.items.iter().map(|i| i.device_page);
+                devices.reply_then_unpin(&mut commands, op.origin, reply, sources);
                 None
             }
             (None, None) => unreachable!("an operation is a recovery or a publish"),
@@ -151,18 +155,20 @@ impl Returns<'_, '_> {
 }
 
 impl Devices<'_, '_> {
-    /// Publish sources stay pinned until the reply: a deferred free is
-    /// reported after it.
+    /// Restore destinations and publish sources stay pinned until the
+    /// reply: a deferred free is reported after it.
     fn reply_then_unpin(
         &mut self,
         commands: &mut Commands,
         to: orbitkv_components::api::Origin,
-        reply: Event,
-        job: &PublishJob,
+        reply: Option<Event>,
+        pages: impl Iterator<Item = Entity>,
     ) {
-        self.outbox().push(to, reply);
-        for item in &job.items {
-            self.unpin(commands, item.device_page);
+        if let Some(reply) = reply {
+            self.outbox().push(to, reply);
+        }
+        for page in pages {
+            self.unpin(commands, page);
         }
     }
 }

@@ -1,24 +1,30 @@
 //! A deterministic harness: simulated clock, simulated copy engine, and an
 //! in-memory lower tier, so every test controls exactly when I/O completes.
+//! The engine side is the shared driver (`orbitkv_world::driver`).
 #![allow(dead_code)]
 
 use orbitkv_components::api::{
-    Addressed, Command, CommandError, Event, GroupHashes, Origin, PagePos, PublishPage, Rank,
-    RestoreTarget, SessionHandle,
+    Addressed, Command, CommandError, Event, GroupHashes, Origin, PublishPage, SessionHandle,
 };
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{Namespace, NativeHash, StateKey, StorageLayout, StorageSlot};
+use orbitkv_components::{Namespace, NativeHash, StateKey};
 use orbitkv_gpu::host::DeviceArena;
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
 use orbitkv_io::tier::{MemoryTier, MemoryTierHandle};
+#[allow(unused_imports)]
+pub use orbitkv_world::driver::target;
+use orbitkv_world::driver::{Driver, DriverError, Embedded, register_command};
 use orbitkv_world::{Backends, Config, Runtime};
 
 pub const PAGE: u64 = 64;
 pub const PAGE_BYTES: u64 = 4096;
 pub const TICK_US: u64 = 10;
 
+/// The deterministic runtime, driven by the shared engine-side driver
+/// (`orbitkv_world::driver`) as the embedded caller, plus the test's own
+/// log of events.
 pub struct Harness {
-    pub rt: Runtime,
+    pub d: Driver<Embedded>,
     pub arena: DeviceArena,
     pub tier: MemoryTierHandle,
     pub copies: orbitkv_gpu::sim::SimCopyControl,
@@ -61,8 +67,14 @@ impl Harness {
             },
         )
         .expect("runtime");
-        Harness {
+        let port = Embedded {
             rt,
+            origin: Origin::EMBEDDED,
+            advance_us: Some(TICK_US),
+            ticks: 0,
+        };
+        Harness {
+            d: Driver::new(port),
             arena,
             tier: handle,
             copies,
@@ -71,31 +83,42 @@ impl Harness {
         }
     }
 
+    pub fn rt(&mut self) -> &mut Runtime {
+        &mut self.d.port.rt
+    }
+
+    /// Keeps what the driver's last steps produced in the test's log.
+    fn log(&mut self) -> Vec<Event> {
+        let ev = std::mem::take(&mut self.d.pending);
+        self.events.extend(ev.clone());
+        self.last = ev.clone();
+        ev
+    }
+
     /// Submits as the embedded caller, ticks once, and returns that tick's
     /// events (also kept). Every event must be addressed to the embedded
     /// caller: it owns every session these tests open.
     pub fn step(&mut self, commands: Vec<Command>) -> Vec<Event> {
         for c in commands {
-            self.rt.submit(Origin::EMBEDDED, c).expect("inbox has room");
+            self.d.submit(c).expect("inbox has room");
         }
-        let ev = embedded(self.rt.tick());
-        self.events.extend(ev.clone());
-        self.last = ev.clone();
-        ev
+        self.d.tick().expect("tick");
+        self.log()
     }
 
     /// Submits each command from its origin, ticks once, and returns the
     /// tick's events with their addressees.
     pub fn step_from(&mut self, commands: Vec<(Origin, Command)>) -> Vec<Addressed> {
         for (origin, c) in commands {
-            self.rt.submit(origin, c).expect("inbox has room");
+            self.rt().submit(origin, c).expect("inbox has room");
         }
-        self.rt.tick()
+        self.rt().tick()
     }
 
     /// Advances simulated time one tick and runs it.
     pub fn advance(&mut self) -> Vec<Event> {
-        self.step(vec![Command::AdvanceClock { us: TICK_US }])
+        self.d.advance().expect("tick");
+        self.log()
     }
 
     /// The first event matching `pred` from the latest tick on, advancing
@@ -128,20 +151,20 @@ impl Harness {
         groups: Vec<GroupSpec>,
         ranks: u32,
     ) -> Vec<Namespace> {
-        let ids: Vec<u32> = groups.iter().map(|g| g.id).collect();
-        match self.one(register_cmd(name, identity, groups, ranks, &ids)) {
-            Event::InstanceRegistered { namespaces, .. } => namespaces,
-            e => panic!("register: {e:?}"),
-        }
+        let ns = self
+            .d
+            .register(register_command(
+                name, identity, groups, ranks, PAGE, PAGE_BYTES,
+            ))
+            .expect("register");
+        self.log();
+        ns
     }
 
     pub fn open(&mut self, name: &str) -> SessionHandle {
-        match self.one(Command::OpenSession {
-            instance: name.into(),
-        }) {
-            Event::SessionOpened { session, .. } => session,
-            e => panic!("open: {e:?}"),
-        }
+        let s = self.d.open(name).expect("open");
+        self.log();
+        s
     }
 
     /// Registers a region and returns (region handle, engine region id).
@@ -152,30 +175,16 @@ impl Harness {
         group: u32,
         slots: u32,
     ) -> (u64, u32) {
-        match self.one(Command::RegisterDeviceRegion {
-            session,
-            rank,
-            group,
-            slots,
-        }) {
-            Event::RegionRegistered {
-                region,
-                engine_region,
-                ..
-            } => (region, engine_region),
-            e => panic!("region: {e:?}"),
-        }
+        let r = self
+            .d
+            .region(session, (rank, group), slots)
+            .expect("region");
+        self.log();
+        (r.region, r.engine_region)
     }
 
     pub fn alloc(&mut self, session: SessionHandle, region: u64, slot: u32) -> u64 {
-        match self.one(Command::DevicePageAlloc {
-            session,
-            region,
-            slot,
-        }) {
-            Event::DevicePageAllocated { device_page, .. } => device_page,
-            e => panic!("alloc: {e:?}"),
-        }
+        self.try_alloc(session, region, slot).expect("alloc")
     }
 
     /// Like `alloc`, but a refusal is returned, and other events of the tick
@@ -186,31 +195,13 @@ impl Harness {
         region: u64,
         slot: u32,
     ) -> Result<u64, CommandError> {
-        let id = self
-            .rt
-            .submit(
-                Origin::EMBEDDED,
-                Command::DevicePageAlloc {
-                    session,
-                    region,
-                    slot,
-                },
-            )
-            .unwrap();
-        let ev = embedded(self.rt.tick());
-        self.events.extend(ev.clone());
-        self.last = ev.clone();
-        for e in ev {
-            match e {
-                Event::DevicePageAllocated {
-                    command,
-                    device_page,
-                } if command == id => return Ok(device_page),
-                Event::Rejected { command, error } if command == id => return Err(error),
-                _ => {}
-            }
+        let page = self.d.alloc(session, region, slot);
+        self.log();
+        match page {
+            Ok(page) => Ok(page),
+            Err(DriverError::Rejected { error, .. }) => Err(error),
+            Err(e) => panic!("alloc: {e}"),
         }
-        panic!("no reply to alloc command {id}");
     }
 
     pub fn write_slot(&self, engine_region: u32, slot: u32, bytes: &[u8]) {
@@ -227,8 +218,8 @@ impl Harness {
 
     /// Asserts nothing leaked: no operations, leases, transfers or bytes.
     pub fn assert_idle(&mut self) {
-        self.rt.check_invariants().unwrap();
-        let s = self.rt.stats();
+        self.rt().check_invariants().unwrap();
+        let s = self.rt().stats();
         assert_eq!(
             (s.operations, s.leases, s.transfers, s.bytes_reserved),
             (0, 0, 0, 0),
@@ -249,6 +240,8 @@ pub fn embedded(events: Vec<Addressed>) -> Vec<Event> {
         .collect()
 }
 
+/// A register command whose layout has slots only for `group_ids` (the
+/// others' slots are missing: registration must refuse it).
 pub fn register_cmd(
     name: &str,
     identity: [u8; 32],
@@ -256,35 +249,11 @@ pub fn register_cmd(
     ranks: u32,
     group_ids: &[u32],
 ) -> Command {
-    let mut slots = Vec::new();
-    for tp in 0..ranks {
-        for (layer, g) in group_ids.iter().enumerate() {
-            slots.push(StorageSlot {
-                layer: layer as u32,
-                group: *g,
-                tp_rank: tp,
-                pp_rank: 0,
-                segment_bytes: PAGE_BYTES,
-                padded_page_bytes: PAGE_BYTES,
-                page_tokens: PAGE as u32,
-                dtype: "bfloat16".into(),
-                layout: "NHD".into(),
-                strides: vec![64, 1],
-                device_addr: 0,
-            });
-        }
+    let mut c = register_command(name, identity, groups, ranks, PAGE, PAGE_BYTES);
+    if let Command::RegisterInstance { layout, .. } = &mut c {
+        layout.slots.retain(|s| group_ids.contains(&s.group));
     }
-    Command::RegisterInstance {
-        instance: name.into(),
-        identity,
-        layout: StorageLayout {
-            slots,
-            pool_capacity_pages: 0,
-        },
-        page_tokens: PAGE,
-        groups,
-        ranks: (0..ranks).map(|tp| Rank { tp, pp: 0 }).collect(),
-    }
+    c
 }
 
 pub fn dense() -> Vec<GroupSpec> {
@@ -396,16 +365,5 @@ pub fn publish_cmd(
                 device_page,
             })
             .collect(),
-    }
-}
-
-pub fn target(rank: u32, group: u32, page_end: u64, device_page: u64) -> RestoreTarget {
-    RestoreTarget {
-        pos: PagePos {
-            rank,
-            group,
-            page_end,
-        },
-        device_page,
     }
 }

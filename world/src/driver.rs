@@ -1,0 +1,410 @@
+//! The engine side, written once: what an engine (or a test, benchmark,
+//! replay or example standing in for one) sends and waits for. A
+//! [`Driver`] speaks through a [`Port`]: the embedded runtime
+//! ([`Embedded`]), or anything else that takes commands and hands back
+//! events (a manager connection).
+//!
+//! Every wait is bounded (`Driver::max_steps`), and a refusal is a typed
+//! `DriverError::Rejected`, never a panic.
+
+use orbitkv_components::api::{
+    Candidates, Command, CommandError, CommandId, Event, Origin, PagePos, PublishPage, Rank,
+    RestoreTarget, SessionHandle,
+};
+use orbitkv_components::contract::GroupSpec;
+use orbitkv_components::{Namespace, StorageLayout};
+
+use crate::runtime::{Runtime, SubmitError};
+
+/// Where commands go and events come from.
+pub trait Port {
+    type Error: std::fmt::Debug;
+    /// Queues one command; returns the id its reply carries.
+    fn submit(&mut self, command: Command) -> std::result::Result<CommandId, Self::Error>;
+    /// Lets the runtime work once (a tick; or a wait for a connection's
+    /// events) and appends this engine's events. With `advance`, time
+    /// moves first (a simulated clock by its step; a wall clock yields):
+    /// a driver advances while it waits, not when it only collects the
+    /// replies of what it just submitted.
+    fn step(
+        &mut self,
+        advance: bool,
+        events: &mut Vec<Event>,
+    ) -> std::result::Result<(), Self::Error>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError<E: std::fmt::Debug> {
+    #[error("port: {0:?}")]
+    Port(E),
+    #[error("command {command} was refused: {error}")]
+    Rejected {
+        command: CommandId,
+        error: CommandError,
+    },
+    #[error("no {what} after {steps} steps")]
+    Timeout { what: &'static str, steps: usize },
+    #[error("{what}: unexpected reply {event:?}")]
+    Unexpected {
+        what: &'static str,
+        event: Box<Event>,
+    },
+}
+
+pub type Driven<T, E> = std::result::Result<T, DriverError<E>>;
+
+/// A registered device region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    pub region: u64,
+    /// The copy engine's id for it (the simulated arena's, in tests).
+    pub engine_region: u32,
+    pub page_bytes: u64,
+}
+
+/// How a publish ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Published {
+    pub command: CommandId,
+    pub inserted: u64,
+    pub duplicates: u64,
+    pub dropped: u64,
+}
+
+/// A query's reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueryReply {
+    pub command: CommandId,
+    pub operation: u64,
+    pub candidates: Vec<Candidates>,
+    pub common: Vec<u64>,
+    pub selected: Option<u64>,
+    pub miss: Option<orbitkv_components::api::MissReason>,
+}
+
+/// The register command of a test engine: `ranks` tensor ranks, one layer
+/// per group per rank, `page_bytes` per page (`StorageLayout::uniform`).
+pub fn register_command(
+    instance: &str,
+    identity: [u8; 32],
+    groups: Vec<GroupSpec>,
+    ranks: u32,
+    page_tokens: u64,
+    page_bytes: u64,
+) -> Command {
+    let ranks: Vec<Rank> = (0..ranks).map(|tp| Rank { tp, pp: 0 }).collect();
+    Command::RegisterInstance {
+        instance: instance.into(),
+        identity,
+        layout: StorageLayout::uniform(&ranks, &groups, page_tokens, page_bytes),
+        page_tokens,
+        groups,
+        ranks,
+    }
+}
+
+/// A restore target: page `page_end` of (rank, group) into `device_page`.
+pub fn target(rank: u32, group: u32, page_end: u64, device_page: u64) -> RestoreTarget {
+    RestoreTarget {
+        pos: PagePos {
+            rank,
+            group,
+            page_end,
+        },
+        device_page,
+    }
+}
+
+pub struct Driver<P: Port> {
+    pub port: P,
+    /// Events that arrived and were not consumed by a wait yet, in order.
+    pub pending: Vec<Event>,
+    /// The most steps one wait takes before `Timeout`.
+    pub max_steps: usize,
+}
+
+impl<P: Port> Driver<P> {
+    pub fn new(port: P) -> Self {
+        Driver {
+            port,
+            pending: Vec::new(),
+            max_steps: 100_000,
+        }
+    }
+
+    pub fn submit(&mut self, command: Command) -> Driven<CommandId, P::Error> {
+        self.port.submit(command).map_err(DriverError::Port)
+    }
+
+    /// Runs one tick without moving time; returns its events (also kept
+    /// pending).
+    pub fn tick(&mut self) -> Driven<&[Event], P::Error> {
+        self.step(false)
+    }
+
+    /// Moves time one step and ticks; returns the events (also kept
+    /// pending).
+    pub fn advance(&mut self) -> Driven<&[Event], P::Error> {
+        self.step(true)
+    }
+
+    fn step(&mut self, advance: bool) -> Driven<&[Event], P::Error> {
+        let start = self.pending.len();
+        self.port
+            .step(advance, &mut self.pending)
+            .map_err(DriverError::Port)?;
+        Ok(&self.pending[start..])
+    }
+
+    /// Removes and returns the first pending event matching `pred`,
+    /// advancing until one arrives.
+    pub fn wait(
+        &mut self,
+        what: &'static str,
+        pred: impl Fn(&Event) -> bool,
+    ) -> Driven<Event, P::Error> {
+        for _ in 0..=self.max_steps {
+            if let Some(i) = self.pending.iter().position(&pred) {
+                return Ok(self.pending.remove(i));
+            }
+            self.advance()?;
+        }
+        Err(DriverError::Timeout {
+            what,
+            steps: self.max_steps,
+        })
+    }
+
+    /// The reply to command `id`; a refusal is `Rejected`.
+    pub fn reply(&mut self, what: &'static str, id: CommandId) -> Driven<Event, P::Error> {
+        match self.wait(what, |e| e.command() == Some(id))? {
+            Event::Rejected { command, error } => Err(DriverError::Rejected { command, error }),
+            event => Ok(event),
+        }
+    }
+
+    /// Submits, ticks once, and returns the reply.
+    pub fn call(&mut self, what: &'static str, command: Command) -> Driven<Event, P::Error> {
+        let id = self.submit(command)?;
+        self.tick()?;
+        self.reply(what, id)
+    }
+
+    pub fn register(&mut self, command: Command) -> Driven<Vec<Namespace>, P::Error> {
+        match self.call("register", command)? {
+            Event::InstanceRegistered { namespaces, .. } => Ok(namespaces),
+            event => unexpected("register", event),
+        }
+    }
+
+    pub fn open(&mut self, instance: &str) -> Driven<SessionHandle, P::Error> {
+        let open = Command::OpenSession {
+            instance: instance.into(),
+        };
+        match self.call("open", open)? {
+            Event::SessionOpened { session, .. } => Ok(session),
+            event => unexpected("open", event),
+        }
+    }
+
+    pub fn region(
+        &mut self,
+        session: SessionHandle,
+        (rank, group): (u32, u32),
+        slots: u32,
+    ) -> Driven<Region, P::Error> {
+        let command = Command::RegisterDeviceRegion {
+            session,
+            rank,
+            group,
+            slots,
+        };
+        match self.call("region", command)? {
+            Event::RegionRegistered {
+                region,
+                engine_region,
+                page_bytes,
+                ..
+            } => Ok(Region {
+                region,
+                engine_region,
+                page_bytes,
+            }),
+            event => unexpected("region", event),
+        }
+    }
+
+    pub fn alloc(
+        &mut self,
+        session: SessionHandle,
+        region: u64,
+        slot: u32,
+    ) -> Driven<u64, P::Error> {
+        Ok(self.alloc_many(session, region, [slot])?[0])
+    }
+
+    /// Allocates device pages for `slots` of `region`, submitted together.
+    pub fn alloc_many(
+        &mut self,
+        session: SessionHandle,
+        region: u64,
+        slots: impl IntoIterator<Item = u32>,
+    ) -> Driven<Vec<u64>, P::Error> {
+        let mut ids = Vec::new();
+        for slot in slots {
+            let alloc = Command::DevicePageAlloc {
+                session,
+                region,
+                slot,
+            };
+            ids.push(self.submit(alloc)?);
+        }
+        self.tick()?;
+        ids.into_iter()
+            .map(|id| match self.reply("alloc", id)? {
+                Event::DevicePageAllocated { device_page, .. } => Ok(device_page),
+                event => unexpected("alloc", event),
+            })
+            .collect()
+    }
+
+    /// Publishes and waits for its `PublishDone`.
+    pub fn publish(
+        &mut self,
+        session: SessionHandle,
+        request: u64,
+        pages: Vec<PublishPage>,
+    ) -> Driven<Published, P::Error> {
+        let publish = Command::Publish {
+            session,
+            request,
+            pages,
+        };
+        match self.call("publish", publish)? {
+            Event::PublishDone {
+                command,
+                inserted,
+                duplicates,
+                dropped,
+                ..
+            } => Ok(Published {
+                command,
+                inserted,
+                duplicates,
+                dropped,
+            }),
+            event => unexpected("publish", event),
+        }
+    }
+
+    /// Sends a query and returns its reply.
+    pub fn query(&mut self, query: Command) -> Driven<QueryReply, P::Error> {
+        match self.call("query", query)? {
+            Event::QueryResult {
+                command,
+                operation,
+                candidates,
+                common,
+                selected,
+                miss,
+                ..
+            } => Ok(QueryReply {
+                command,
+                operation,
+                candidates,
+                common,
+                selected,
+                miss,
+            }),
+            event => unexpected("query", event),
+        }
+    }
+
+    /// Waits for the operation's `Ready` or `Miss`.
+    pub fn ready(&mut self, operation: u64) -> Driven<Event, P::Error> {
+        self.wait("ready", |e| {
+            matches!(e, Event::Ready { operation: o, .. } | Event::Miss { operation: o, .. }
+                if *o == operation)
+        })
+    }
+
+    /// Restores and waits for the operation's `RestoreDone` or `Miss`.
+    pub fn restore(
+        &mut self,
+        session: SessionHandle,
+        operation: u64,
+        targets: Vec<RestoreTarget>,
+        retained: Vec<PagePos>,
+    ) -> Driven<Event, P::Error> {
+        let restore = Command::Restore {
+            session,
+            operation,
+            targets,
+            retained,
+        };
+        let id = self.submit(restore)?;
+        self.tick()?;
+        self.wait("restore", |e| match e {
+            Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } => {
+                *o == operation
+            }
+            Event::Rejected { command, .. } => *command == id,
+            _ => false,
+        })
+        .and_then(|e| match e {
+            Event::Rejected { command, error } => Err(DriverError::Rejected { command, error }),
+            e => Ok(e),
+        })
+    }
+}
+
+fn unexpected<T, E: std::fmt::Debug>(what: &'static str, event: Event) -> Driven<T, E> {
+    Err(DriverError::Unexpected {
+        what,
+        event: Box::new(event),
+    })
+}
+
+/// The embedded runtime as a port, for one origin. With a simulated clock,
+/// each step first moves time by `advance_us` (`AdvanceClock`); with a wall
+/// clock it yields the thread.
+pub struct Embedded {
+    pub rt: Runtime,
+    pub origin: Origin,
+    /// Simulated time per step; `None` on a wall clock.
+    pub advance_us: Option<u64>,
+    /// Ticks run through this port.
+    pub ticks: u64,
+}
+
+impl Port for Embedded {
+    type Error = SubmitError;
+
+    fn submit(&mut self, command: Command) -> std::result::Result<CommandId, SubmitError> {
+        self.rt.submit(self.origin, command)
+    }
+
+    fn step(
+        &mut self,
+        advance: bool,
+        events: &mut Vec<Event>,
+    ) -> std::result::Result<(), SubmitError> {
+        match self.advance_us {
+            Some(us) if advance && us > 0 => {
+                self.rt.submit(self.origin, Command::AdvanceClock { us })?;
+            }
+            None if advance => std::thread::yield_now(),
+            _ => {}
+        }
+        let origin = self.origin;
+        self.ticks += 1;
+        events.extend(
+            self.rt
+                .tick()
+                .into_iter()
+                .filter(|a| a.to == origin)
+                .map(|a| a.event),
+        );
+        Ok(())
+    }
+}

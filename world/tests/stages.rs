@@ -1,0 +1,625 @@
+//! One stage at a time: each test builds a runtime `World`, spawns by hand
+//! the entities a stage works on, runs that one system with
+//! `RunSystemOnce`, and checks exactly what it changed.
+
+use bevy_ecs::prelude::*;
+use bevy_ecs::system::RunSystemOnce;
+use orbitkv_components::api::{
+    Addressed, Command, CommandError, Event, GroupHashes, MissReason, Origin, PagePos, Rank,
+    RestoreTarget,
+};
+use orbitkv_components::contract::{
+    ComponentKind, ContractSpec, GroupSpec, RecoveryContract, Rule,
+};
+use orbitkv_components::ecs::{
+    DevicePage, DeviceRegion, HeldBy, Instance, Lease, LeaseOf, Leases, NeedState, OpState,
+    Operation, OperationOf, Outcome, Page, PageNeed, PageOf, RankState, Recovery, RegionOf,
+    Residency, Session, SessionOf, Transfer, TransferKind, TransferOf, at, mark_state,
+};
+use orbitkv_components::{Namespace, NativeHash, RequiredRange, StateKey, StorageLayout, seal};
+use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
+use orbitkv_io::tier::{MemoryTier, MemoryTierHandle};
+use orbitkv_systems::resources::{
+    Budget, Clock, Copier, Dram, Inbound, Inbox, Metrics, Outbox, Registry, decrement,
+};
+use orbitkv_systems::{discover, evict, fence, ingest, read, restore, validate};
+use orbitkv_world::{Backends, Config, RuntimeWorld};
+
+const PAGE: u64 = 16;
+const BYTES: u64 = 4096;
+const ORIGIN: Origin = Origin(7);
+
+struct Bench {
+    w: RuntimeWorld,
+    tier: MemoryTierHandle,
+    ns: Namespace,
+    instance: Entity,
+    session: Entity,
+}
+
+fn bench(tune: impl FnOnce(&mut Config)) -> Bench {
+    let mut c = Config::default();
+    c.dram.capacity_bytes = 64 * BYTES;
+    c.dram.extent_bytes = 64 << 10;
+    c.dram.first_touch = false;
+    tune(&mut c);
+    let copy = SimCopyEngine::new(SimCopyConfig {
+        latency_us: 10,
+        bytes_per_us: 0,
+        max_in_flight_batches: 64,
+    });
+    let tier = MemoryTier::new("sim", 10, 64).writable();
+    let handle = tier.handle();
+    let backends = Backends {
+        copy: Box::new(copy),
+        tiers: vec![Box::new(tier)],
+        simulated_clock: true,
+    };
+    let (mut w, _) = RuntimeWorld::build(&c, backends).unwrap();
+    let (instance, ns) = spawn_instance(&mut w);
+    let session = Session {
+        origin: ORIGIN,
+        epoch: 1,
+        closing: false,
+    };
+    let session = w.spawn((session, SessionOf(instance))).id();
+    w.resource_mut::<Registry>().sessions = 1;
+    Bench {
+        w,
+        tier: handle,
+        ns,
+        instance,
+        session,
+    }
+}
+
+/// A one-rank dense instance "m", spawned as ingest would.
+fn spawn_instance(w: &mut World) -> (Entity, Namespace) {
+    let groups = vec![GroupSpec {
+        id: 0,
+        rule: Rule::Prefix,
+        components: vec![ComponentKind::AttentionKv],
+    }];
+    let layout = StorageLayout::uniform(&[Rank { tp: 0, pp: 0 }], &groups, PAGE, BYTES);
+    let namespace = seal(&[1; 32], &layout, &groups).unwrap();
+    let contract = RecoveryContract::compile(&ContractSpec {
+        namespace,
+        page_tokens: PAGE,
+        groups: groups.clone(),
+    })
+    .unwrap();
+    let rank = RankState {
+        rank: Rank { tp: 0, pp: 0 },
+        namespace,
+        contract,
+        page_bytes: vec![(0, BYTES)],
+        format_digest: [2; 32],
+    };
+    let instance = Instance {
+        name: "m".into(),
+        identity: [1; 32],
+        layout,
+        page_tokens: PAGE,
+        ranks: vec![rank],
+        groups,
+        bytes_reserved: 0,
+        retired: false,
+    };
+    let e = w.spawn(instance).id();
+    w.resource_mut::<Registry>().instances.insert("m".into(), e);
+    (e, namespace)
+}
+
+fn key(ns: Namespace, i: u64) -> StateKey {
+    StateKey {
+        namespace: ns,
+        group: 0,
+        native: NativeHash::from_u64(100 + i),
+    }
+}
+
+impl Bench {
+    /// Page `i` resident in DRAM and unleased (so in the LRU).
+    fn resident(&mut self, i: u64) -> Entity {
+        let key = key(self.ns, i);
+        let (slot, offset) = self.w.resource_mut::<Dram>().alloc(BYTES).unwrap();
+        let page = Page {
+            key,
+            bytes: BYTES,
+            checksum: 0,
+            format: [2; 32],
+            residency: Residency {
+                dram_slot: slot,
+                dram_offset: offset,
+            },
+        };
+        let e = self.w.spawn(page).id();
+        let mut dram = self.w.resource_mut::<Dram>();
+        dram.index.insert(key, e);
+        dram.make_evictable(e, slot);
+        e
+    }
+
+    fn op(&mut self, command: u64, state: OpState, rec: Recovery) -> Entity {
+        let op = Operation::new(command, ORIGIN, self.instance, 9, state, u64::MAX, false);
+        let e = self.w.spawn((op, OperationOf(self.session), rec)).id();
+        mark_state(&mut self.w.entity_mut(e), state);
+        self.w.resource_mut::<Registry>().operations += 1;
+        e
+    }
+
+    fn lease(&mut self, page: Entity, op: Entity) -> Entity {
+        self.w.spawn((Lease, LeaseOf(page), HeldBy(op))).id()
+    }
+
+    /// A region of `slots` pages, all allocated.
+    fn region(&mut self, slots: u32) -> (Entity, Vec<Entity>) {
+        let engine_region = self
+            .w
+            .resource_mut::<Copier>()
+            .0
+            .get_mut()
+            .register_device_region(u64::from(slots) * BYTES)
+            .unwrap();
+        let region = DeviceRegion {
+            origin: ORIGIN,
+            rank: 0,
+            group: 0,
+            slots,
+            page_bytes: BYTES,
+            engine_region,
+            by_slot: Default::default(),
+        };
+        let r = self.w.spawn((region, RegionOf(self.session))).id();
+        let mut pages = Vec::new();
+        for slot in 0..slots {
+            let page = DevicePage {
+                slot,
+                pins: 0,
+                free_deferred: false,
+            };
+            let p = self.w.spawn((page, PageOf(r))).id();
+            let mut region = self.w.get_mut::<DeviceRegion>(r).unwrap();
+            region.by_slot.insert(slot, p);
+            pages.push(p);
+        }
+        (r, pages)
+    }
+
+    fn run<M>(&mut self, system: impl IntoSystem<(), (), M>) {
+        self.w.run_system_once(system).unwrap();
+    }
+
+    fn events(&mut self) -> Vec<Addressed> {
+        std::mem::take(&mut self.w.resource_mut::<Outbox>().0)
+    }
+
+    fn state(&self, op: Entity) -> OpState {
+        self.w.get::<Operation>(op).unwrap().state()
+    }
+
+    fn in_lru(&self, page: Entity) -> bool {
+        self.w
+            .resource::<Dram>()
+            .lru
+            .values()
+            .any(|l| l.contains(&page))
+    }
+
+    fn check(&mut self) {
+        let v = orbitkv_world::invariants::check(&mut self.w);
+        assert!(v.is_empty(), "{v:#?}");
+    }
+}
+
+fn recovery(pages: u64) -> Recovery {
+    Recovery {
+        miss: None,
+        groups: vec![GroupHashes {
+            group: 0,
+            hashes: (0..pages).map(|i| NativeHash::from_u64(100 + i)).collect(),
+        }],
+        origin: 0,
+        end: pages * PAGE,
+        prompt_len: pages * PAGE + 1,
+        expect_namespaces: Vec::new(),
+        prepare: false,
+        candidates: Vec::new(),
+        selected: None,
+        ranges: Vec::new(),
+        needs: Vec::new(),
+        restore: Vec::new(),
+        retained: Vec::new(),
+        copies: Vec::new(),
+        copies_sent: 0,
+    }
+}
+
+fn pos(page_end: u64) -> PagePos {
+    PagePos {
+        rank: 0,
+        group: 0,
+        page_end,
+    }
+}
+
+fn need(ns: Namespace, i: u64, state: NeedState) -> PageNeed {
+    PageNeed {
+        pos: pos((i + 1) * PAGE),
+        key: key(ns, i),
+        bytes: BYTES,
+        state,
+        from_tier: false,
+        residency: None,
+    }
+}
+
+#[test]
+fn ingest_refuses_a_conflicting_registration_without_effect() {
+    let mut b = bench(|_| {});
+    let groups = b.w.get::<Instance>(b.instance).unwrap().groups.clone();
+    let ranks = [Rank { tp: 0, pp: 0 }];
+    let command = Command::RegisterInstance {
+        instance: "m".into(),
+        identity: [9; 32],
+        layout: StorageLayout::uniform(&ranks, &groups, PAGE, BYTES),
+        page_tokens: PAGE,
+        groups,
+        ranks: ranks.to_vec(),
+    };
+    let inbound = Inbound::Command {
+        id: 5,
+        origin: ORIGIN,
+        command,
+    };
+    b.w.resource_mut::<Inbox>().0.push_back(inbound);
+    b.run(ingest::ingest);
+    let events = b.events();
+    assert!(
+        matches!(
+            &events[..],
+            [Addressed {
+                to: ORIGIN,
+                event: Event::Rejected {
+                    command: 5,
+                    error: CommandError::InstanceConflict(_)
+                }
+            }]
+        ),
+        "{events:?}"
+    );
+    // The open session keeps its instance, still registered and live.
+    assert_eq!(b.w.resource::<Registry>().instances["m"], b.instance);
+    assert!(!b.w.get::<Instance>(b.instance).unwrap().retired);
+}
+
+#[test]
+fn discover_stops_a_prefix_at_its_first_gap() {
+    let mut b = bench(|_| {});
+    b.resident(0);
+    b.resident(1);
+    // Page 2 is missing; page 3 (in a tier) cannot extend the prefix.
+    b.tier.insert(key(b.ns, 3), vec![0; BYTES as usize]);
+    let op = b.op(1, OpState::Discover, recovery(4));
+    b.run(discover::discover);
+    assert_eq!(b.state(op), OpState::Validate);
+    assert!(b.w.entity(op).contains::<at::Validate>());
+    let rec = b.w.get::<Recovery>(op).unwrap();
+    assert_eq!(rec.candidates, vec![(0, 0, vec![PAGE, 2 * PAGE])]);
+    b.check();
+}
+
+#[test]
+fn validate_selects_below_the_prompt_limit_and_replies_to_the_owner() {
+    let mut b = bench(|_| {});
+    let mut rec = recovery(4);
+    rec.candidates = vec![(0, 0, vec![PAGE, 2 * PAGE, 3 * PAGE, 4 * PAGE])];
+    rec.prompt_len = 4 * PAGE; // the final token must be computed
+    let op = b.op(1, OpState::Validate, rec);
+    b.run(validate::validate);
+    assert_eq!(b.state(op), OpState::Selected);
+    let events = b.events();
+    assert!(
+        matches!(
+            &events[..],
+            [Addressed {
+                to: ORIGIN,
+                event: Event::QueryResult {
+                    selected: Some(48),
+                    miss: None,
+                    ..
+                }
+            }]
+        ),
+        "{events:?}"
+    );
+    let rec = b.w.get::<Recovery>(op).unwrap();
+    let want = RequiredRange {
+        group: 0,
+        start: 0,
+        end: 48,
+    };
+    assert_eq!(rec.ranges, vec![(0, want)]);
+}
+
+#[test]
+fn admit_reserves_in_arrival_order_and_refuses_what_can_never_fit() {
+    let mut b = bench(|c| c.budget.query_budget_bytes = Some(3 * BYTES));
+    let ranged = |pages| {
+        let mut rec = recovery(pages);
+        rec.selected = Some(pages * PAGE);
+        let range = RequiredRange {
+            group: 0,
+            start: 0,
+            end: pages * PAGE,
+        };
+        rec.ranges = vec![(0, range)];
+        rec
+    };
+    // Spawned out of order: admission goes by command id.
+    let second = b.op(2, OpState::Admit, ranged(2));
+    let first = b.op(1, OpState::Admit, ranged(2));
+    let huge = b.op(3, OpState::Admit, ranged(4));
+    b.run(read::admit);
+    assert_eq!(b.state(first), OpState::Reading);
+    assert_eq!(
+        b.w.get::<Operation>(first).unwrap().bytes_reserved,
+        2 * BYTES
+    );
+    assert_eq!(b.w.get::<Recovery>(first).unwrap().needs.len(), 2);
+    assert_eq!(b.state(second), OpState::Admit, "waits for budget");
+    assert_eq!(b.state(huge), OpState::Finishing);
+    let outcome = b.w.get::<Operation>(huge).unwrap().outcome;
+    assert_eq!(outcome, Some(Outcome::Miss(MissReason::Budget)));
+    assert_eq!(b.w.resource::<Budget>().reserved, 2 * BYTES);
+    assert_eq!(
+        b.w.get::<Instance>(b.instance).unwrap().bytes_reserved,
+        2 * BYTES
+    );
+}
+
+#[test]
+fn read_leases_resident_pages_and_reads_the_rest_from_a_tier() {
+    let mut b = bench(|_| {});
+    let resident = b.resident(0);
+    b.tier.insert(key(b.ns, 1), vec![7; BYTES as usize]);
+    let mut rec = recovery(2);
+    rec.needs = vec![
+        need(b.ns, 0, NeedState::Pending),
+        need(b.ns, 1, NeedState::Pending),
+    ];
+    let op = b.op(1, OpState::Reading, rec);
+    assert!(b.in_lru(resident));
+    b.run(read::read);
+    let rec = b.w.get::<Recovery>(op).unwrap();
+    let NeedState::Leased(lease) = rec.needs[0].state else {
+        panic!("{:?}", rec.needs[0]);
+    };
+    assert_eq!(rec.needs[1].state, NeedState::Reading);
+    assert_eq!(b.w.get::<LeaseOf>(lease), Some(&LeaseOf(resident)));
+    assert_eq!(b.w.get::<HeldBy>(lease), Some(&HeldBy(op)));
+    // Leased: out of the LRU (the observer saw the page's first lease).
+    assert!(b.w.get::<Leases>(resident).is_some());
+    assert!(!b.in_lru(resident));
+    let mut reads = b.w.query::<(&Transfer, &TransferOf)>();
+    let reads: Vec<_> = reads.iter(&b.w).collect();
+    assert_eq!(reads.len(), 1);
+    assert_eq!(reads[0].1, &TransferOf(op));
+    assert!(matches!(reads[0].0.kind, TransferKind::TierRead { .. }));
+    assert_eq!(
+        b.events(),
+        vec![Addressed {
+            to: ORIGIN,
+            event: Event::Loading {
+                operation: op.to_bits()
+            }
+        }]
+    );
+    b.check();
+}
+
+/// A ready recovery of 3 resident pages, restoring into a 3-page region.
+fn restoring(b: &mut Bench) -> (Entity, Vec<Entity>) {
+    let pages: Vec<Entity> = (0..3).map(|i| b.resident(i)).collect();
+    let (_, targets) = b.region(3);
+    let mut rec = recovery(3);
+    rec.selected = Some(3 * PAGE);
+    let op = b.op(1, OpState::RestorePending, rec);
+    let mut needs = Vec::new();
+    for (i, page) in pages.iter().enumerate() {
+        let lease = b.lease(*page, op);
+        let mut n = need(b.ns, i as u64, NeedState::Leased(lease));
+        n.residency = Some(b.w.get::<Page>(*page).unwrap().residency);
+        needs.push(n);
+    }
+    let mut rec = b.w.get_mut::<Recovery>(op).unwrap();
+    rec.needs = needs;
+    rec.restore = targets
+        .iter()
+        .enumerate()
+        .map(|(i, dp)| RestoreTarget {
+            pos: pos((i as u64 + 1) * PAGE),
+            device_page: dp.to_bits(),
+        })
+        .collect();
+    (op, targets)
+}
+
+#[test]
+fn restore_pins_every_destination_and_sends_what_the_copy_limit_allows() {
+    let mut b = bench(|c| {
+        c.limits.max_copy_batch_pages = 1;
+        c.limits.max_inflight_copies = 2;
+    });
+    let (op, targets) = restoring(&mut b);
+    b.run(restore::restore);
+    assert_eq!(b.state(op), OpState::Restoring);
+    for dp in &targets {
+        assert_eq!(b.w.get::<DevicePage>(*dp).unwrap().pins, 1, "pinned once");
+    }
+    assert_eq!(b.w.get::<Recovery>(op).unwrap().copies_sent, 2);
+    assert_eq!(b.w.query::<&Transfer>().iter(&b.w).count(), 2);
+    // No room: nothing more this tick.
+    b.run(restore::restore);
+    assert_eq!(b.w.get::<Recovery>(op).unwrap().copies_sent, 2);
+    b.check();
+}
+
+#[test]
+fn settle_finishes_a_restore_once_all_drained_and_retire_unpins_after_the_reply() {
+    let mut b = bench(|c| {
+        c.limits.max_copy_batch_pages = 2;
+        c.limits.max_inflight_copies = 1;
+    });
+    let (op, targets) = restoring(&mut b);
+    b.run(restore::restore);
+    for round in 0..2 {
+        b.w.resource_mut::<Clock>().now_us += 100;
+        b.run(fence::land_copies);
+        b.run(fence::settle);
+        if round == 0 {
+            assert_eq!(b.state(op), OpState::Restoring, "a batch is still unsent");
+            b.run(restore::restore);
+        }
+        // Landed or not, destinations stay pinned until the restore retires.
+        assert!(
+            targets
+                .iter()
+                .all(|dp| b.w.get::<DevicePage>(*dp).unwrap().pins == 1)
+        );
+    }
+    assert_eq!(b.state(op), OpState::Finishing);
+    let outcome = b.w.get::<Operation>(op).unwrap().outcome;
+    assert_eq!(outcome, Some(Outcome::Restored));
+    b.check();
+    // The engine freed a destination meanwhile: the free takes effect, and
+    // is reported, only after the restore's reply.
+    b.w.get_mut::<DevicePage>(targets[0]).unwrap().free_deferred = true;
+    b.run(fence::retire);
+    let events: Vec<Event> = b.events().into_iter().map(|a| a.event).collect();
+    assert!(
+        matches!(
+            &events[..],
+            [
+                Event::RestoreDone { pages: 3, .. },
+                Event::DevicePageFreed { deferred: true, .. }
+            ]
+        ),
+        "{events:?}"
+    );
+    assert!(b.w.get_entity(targets[0]).is_err());
+    assert!(
+        targets[1..]
+            .iter()
+            .all(|dp| b.w.get::<DevicePage>(*dp).unwrap().pins == 0)
+    );
+    b.check();
+}
+
+#[test]
+fn expire_misses_a_preparation_past_its_deadline_only() {
+    let mut b = bench(|_| {});
+    let selected = b.op(1, OpState::Selected, recovery(1));
+    let restoring = b.op(2, OpState::Restoring, recovery(1));
+    for op in [selected, restoring] {
+        b.w.get_mut::<Operation>(op).unwrap().deadline_us = 5;
+    }
+    b.w.resource_mut::<Clock>().now_us = 10;
+    b.run(fence::expire);
+    assert_eq!(b.state(selected), OpState::Finishing);
+    let outcome = b.w.get::<Operation>(selected).unwrap().outcome;
+    assert_eq!(outcome, Some(Outcome::Miss(MissReason::Deadline)));
+    assert_eq!(b.state(restoring), OpState::Restoring, "copies drain first");
+}
+
+#[test]
+fn retire_returns_leases_and_bytes_and_replies() {
+    let mut b = bench(|_| {});
+    let page = b.resident(0);
+    let op = b.op(1, OpState::Finishing, recovery(1));
+    b.lease(page, op);
+    {
+        let mut o = b.w.get_mut::<Operation>(op).unwrap();
+        o.outcome = Some(Outcome::Released);
+        o.bytes_reserved = BYTES;
+    }
+    b.w.resource_mut::<Budget>().reserve(BYTES, false);
+    b.w.get_mut::<Instance>(b.instance).unwrap().bytes_reserved = BYTES;
+    assert!(!b.in_lru(page));
+    b.run(fence::retire);
+    assert!(b.w.get_entity(op).is_err(), "despawned");
+    assert_eq!(b.w.query::<&Lease>().iter(&b.w).count(), 0);
+    assert!(b.in_lru(page), "unleased again");
+    assert_eq!(b.w.resource::<Budget>().reserved, 0);
+    assert_eq!(b.w.get::<Instance>(b.instance).unwrap().bytes_reserved, 0);
+    assert_eq!(b.w.resource::<Registry>().operations, 0);
+    assert_eq!(
+        b.events(),
+        vec![Addressed {
+            to: ORIGIN,
+            event: Event::Released {
+                operation: op.to_bits()
+            }
+        }]
+    );
+    b.check();
+}
+
+#[test]
+fn a_closed_session_goes_with_its_regions_and_device_pages() {
+    let mut b = bench(|_| {});
+    let (region, pages) = b.region(4);
+    b.w.get_mut::<Session>(b.session).unwrap().closing = true;
+    b.run(fence::close_sessions);
+    for e in [b.session, region].iter().chain(&pages) {
+        assert!(b.w.get_entity(*e).is_err(), "{e:?} is despawned");
+    }
+    assert_eq!(b.w.resource::<Registry>().sessions, 0);
+    let events = b.events();
+    assert!(
+        matches!(
+            &events[..],
+            [Addressed {
+                to: ORIGIN,
+                event: Event::SessionClosed { .. }
+            }]
+        ),
+        "{events:?}"
+    );
+    b.check();
+}
+
+#[test]
+fn evict_demotes_the_least_recent_unleased_page() {
+    let mut b = bench(|_| {});
+    let old = b.resident(0);
+    let leased = b.resident(1);
+    let young = b.resident(2);
+    let op = b.op(1, OpState::Ready, recovery(1));
+    b.lease(leased, op);
+    b.w.resource_mut::<Dram>().pressure.insert(BYTES, 2);
+    b.run(evict::evict);
+    assert!(b.w.get_entity(old).is_err());
+    assert!(b.w.get_entity(young).is_err());
+    assert!(
+        b.w.get_entity(leased).is_ok(),
+        "a leased page is never evicted"
+    );
+    let m = b.w.resource::<Metrics>();
+    assert_eq!(m.demotions.get("submitted"), Some(&2));
+    assert!(b.tier.contains(&key(b.ns, 0)));
+    b.check();
+}
+
+#[test]
+#[should_panic(expected = "budget.reserved: returning 1 of 0 held")]
+fn returning_bytes_never_reserved_stops_at_the_assertion() {
+    Budget::default().release(1, false);
+}
+
+#[test]
+#[should_panic(expected = "device page pins")]
+fn unpinning_an_unpinned_page_stops_at_the_assertion() {
+    let mut pins = 0u32;
+    decrement(&mut pins, 1, "device page pins");
+}

@@ -4,11 +4,12 @@
 use std::path::Path;
 
 use anyhow::Result;
+use orbitkv_components::api::Rank;
 use orbitkv_components::value::{CanonicalMap, CanonicalValue};
 use orbitkv_components::{
-    ComponentKind, ContractSpec, GroupEvidence, GroupSpec, IdentityInputs, RecoveryContract, Rule,
-    StateBundle, StateKey, StorageLayout, StorageSlot, common_boundaries, prompt_limit, seal,
-    select_boundary, vllm_window_past_tokens,
+    ContractSpec, GroupEvidence, GroupSpec, IdentityInputs, RecoveryContract, StateBundle,
+    StateKey, StorageLayout, common_boundaries, prompt_limit, seal, select_boundary,
+    vllm_window_past_tokens,
 };
 
 const PAGE: u64 = 64;
@@ -34,25 +35,9 @@ fn inputs(dir: &Path, engine: &str, release: &str) -> IdentityInputs {
     }
 }
 
-fn layout(tp_rank: u32) -> StorageLayout {
-    StorageLayout {
-        slots: (0..3)
-            .map(|group| StorageSlot {
-                layer: group,
-                group,
-                tp_rank,
-                pp_rank: 0,
-                segment_bytes: 16384,
-                padded_page_bytes: 16384,
-                page_tokens: PAGE as u32,
-                dtype: "bfloat16".into(),
-                layout: "NHD".into(),
-                strides: vec![256, 1],
-                device_addr: 0,
-            })
-            .collect(),
-        pool_capacity_pages: 4096,
-    }
+/// One rank's layout: one 16 KiB slot per group.
+fn layout(tp_rank: u32, groups: &[GroupSpec]) -> StorageLayout {
+    StorageLayout::uniform(&[Rank { tp: tp_rank, pp: 0 }], groups, PAGE, 16384)
 }
 
 fn ends(from: u64, to: u64) -> Vec<u64> {
@@ -86,34 +71,18 @@ pub fn run() -> Result<()> {
     let window = vllm_window_past_tokens(101)?;
     let groups = |window| {
         vec![
-            GroupSpec {
-                id: 0,
-                rule: Rule::Prefix,
-                components: vec![ComponentKind::AttentionKv],
-            },
-            GroupSpec {
-                id: 1,
-                rule: Rule::Window {
-                    past_tokens: window,
-                },
-                components: vec![ComponentKind::SlidingWindowKv],
-            },
-            GroupSpec {
-                id: 2,
-                rule: Rule::Checkpoint,
-                components: vec![
-                    ComponentKind::RecurrentCheckpoint,
-                    ComponentKind::ConvolutionState,
-                ],
-            },
+            GroupSpec::attention(0),
+            GroupSpec::sliding_window(1, window),
+            GroupSpec::recurrent(2),
         ]
     };
     println!(
         "\n2. Sealing: identity + storage layout + group shapes = namespace (one per TP rank)"
     );
-    let ns0 = seal(&vllm.digest, &layout(0), &groups(window))?;
-    let ns1 = seal(&vllm.digest, &layout(1), &groups(window))?;
-    let other_window = seal(&vllm.digest, &layout(0), &groups(window + PAGE))?;
+    let (shape, wider) = (groups(window), groups(window + PAGE));
+    let ns0 = seal(&vllm.digest, &layout(0, &shape), &shape)?;
+    let ns1 = seal(&vllm.digest, &layout(1, &shape), &shape)?;
+    let other_window = seal(&vllm.digest, &layout(0, &wider), &wider)?;
     println!("   rank 0 namespace {}", &ns0.to_hex()[..16]);
     println!("   rank 1 namespace {}", &ns1.to_hex()[..16]);
     println!(

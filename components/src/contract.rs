@@ -137,6 +137,38 @@ pub struct GroupSpec {
     pub components: Vec<ComponentKind>,
 }
 
+impl GroupSpec {
+    /// Full attention KV: a prefix.
+    pub fn attention(id: u32) -> Self {
+        GroupSpec {
+            id,
+            rule: Rule::Prefix,
+            components: vec![ComponentKind::AttentionKv],
+        }
+    }
+
+    /// Sliding-window KV keeping `past_tokens` tokens.
+    pub fn sliding_window(id: u32, past_tokens: u64) -> Self {
+        GroupSpec {
+            id,
+            rule: Rule::Window { past_tokens },
+            components: vec![ComponentKind::SlidingWindowKv],
+        }
+    }
+
+    /// A recurrent checkpoint with its convolution state.
+    pub fn recurrent(id: u32) -> Self {
+        GroupSpec {
+            id,
+            rule: Rule::Checkpoint,
+            components: vec![
+                ComponentKind::RecurrentCheckpoint,
+                ComponentKind::ConvolutionState,
+            ],
+        }
+    }
+}
+
 /// A declared contract (the contract JSON of `orbitkv contract`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

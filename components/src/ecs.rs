@@ -339,6 +339,28 @@ pub struct PlannedCopy {
 }
 
 impl Recovery {
+    /// A query's recovery before discovery: the hashes (sorted by group),
+    /// the HBM origin, the hashed span's end and the prompt's length.
+    pub fn new(groups: Vec<GroupHashes>, origin: u64, end: u64, prompt_len: u64) -> Self {
+        Recovery {
+            miss: None,
+            groups,
+            origin,
+            end,
+            prompt_len,
+            expect_namespaces: Vec::new(),
+            prepare: false,
+            candidates: Vec::new(),
+            selected: None,
+            ranges: Vec::new(),
+            needs: Vec::new(),
+            restore: Vec::new(),
+            retained: Vec::new(),
+            copies: Vec::new(),
+            copies_sent: 0,
+        }
+    }
+
     /// The key of page `page_end` of `group` on rank `rank`.
     pub fn hash_at(
         &self,

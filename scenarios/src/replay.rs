@@ -9,14 +9,15 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use orbitkv_components::api::{
-    Addressed, Command, CommandId, Event, GroupHashes, Origin, PagePos, PublishPage, Rank,
-    RestoreTarget, SessionHandle,
+    Addressed, Command, CommandId, Event, GroupHashes, Origin, PagePos, PublishPage, RestoreTarget,
+    SessionHandle,
 };
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{Namespace, NativeHash, StateKey, StorageLayout, StorageSlot};
+use orbitkv_components::contract::{GroupSpec, Rule};
+use orbitkv_components::{Namespace, NativeHash, StateKey};
 use orbitkv_gpu::host::DeviceArena;
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyControl, SimCopyEngine};
 use orbitkv_io::tier::{BackingTier, MemoryTier, MemoryTierHandle};
+use orbitkv_world::driver::register_command;
 use orbitkv_world::{Backends, Config, OperationInfo, Runtime};
 use serde_json::Value;
 
@@ -964,36 +965,15 @@ impl<'o> Replay<'o> {
 
     fn register(&mut self, line: usize, r: &Register) -> Result<(), ReplayError> {
         let groups = model_groups(r.model, r.window);
-        let mut slots = Vec::new();
-        for tp in 0..r.ranks {
-            for (layer, g) in groups.iter().enumerate() {
-                slots.push(StorageSlot {
-                    layer: layer as u32,
-                    group: g.id,
-                    tp_rank: tp,
-                    pp_rank: 0,
-                    segment_bytes: r.page_bytes,
-                    padded_page_bytes: r.page_bytes,
-                    page_tokens: r.page_tokens as u32,
-                    dtype: "bfloat16".into(),
-                    layout: "NHD".into(),
-                    strides: vec![128, 1],
-                    device_addr: 0,
-                });
-            }
-        }
         let identity = orbitkv_components::encoding::sha256(r.identity.as_bytes());
-        let command = Command::RegisterInstance {
-            instance: r.instance.clone(),
+        let command = register_command(
+            &r.instance,
             identity,
-            layout: StorageLayout {
-                slots,
-                pool_capacity_pages: 0,
-            },
-            page_tokens: r.page_tokens,
-            groups: groups.clone(),
-            ranks: (0..r.ranks).map(|tp| Rank { tp, pp: 0 }).collect(),
-        };
+            groups.clone(),
+            r.ranks,
+            r.page_tokens,
+            r.page_bytes,
+        );
         let id = self.submit(command);
         let events = self.tick_with(Vec::new());
         match events.iter().find(|(c, _)| *c == id) {
@@ -1766,31 +1746,15 @@ impl<'o> Replay<'o> {
 }
 
 fn model_groups(model: Model, window: u64) -> Vec<GroupSpec> {
-    let prefix = GroupSpec {
-        id: 0,
-        rule: Rule::Prefix,
-        components: vec![ComponentKind::AttentionKv],
-    };
-    let swa = GroupSpec {
-        id: 1,
-        rule: Rule::Window {
-            past_tokens: window.max(1),
-        },
-        components: vec![ComponentKind::SlidingWindowKv],
-    };
-    let ckpt = |id| GroupSpec {
-        id,
-        rule: Rule::Checkpoint,
-        components: vec![
-            ComponentKind::RecurrentCheckpoint,
-            ComponentKind::ConvolutionState,
-        ],
-    };
+    let (prefix, swa) = (
+        GroupSpec::attention(0),
+        GroupSpec::sliding_window(1, window.max(1)),
+    );
     match model {
         Model::Dense => vec![prefix],
         Model::Swa => vec![prefix, swa],
-        Model::Hybrid => vec![prefix, ckpt(1)],
-        Model::HybridSwa => vec![prefix, swa, ckpt(2)],
+        Model::Hybrid => vec![prefix, GroupSpec::recurrent(1)],
+        Model::HybridSwa => vec![prefix, swa, GroupSpec::recurrent(2)],
     }
 }
 

@@ -17,19 +17,33 @@ use orbitkv_io::tier::{BackingTier, TierError};
 use crate::lifecycle::{finish, set_state, take_lease};
 use crate::resources::{Budget, Clock, Dram, Limits, Metrics, Outbox, Tiers, TransferIndex};
 
-/// Admission in arrival order, so an early large query is not starved by
-/// later small ones slipping past it forever.
-pub fn admit(
+type Recoveries<'a> = (Entity, &'a mut Operation, &'a mut Recovery);
+type AdmitOrRead = Or<(With<at::Admit>, With<at::Reading>)>;
+
+/// The byte budget and the instances' shares of it.
+#[derive(SystemParam)]
+pub struct Admission<'w, 's> {
+    instances: Query<'w, 's, &'static mut Instance>,
+    budget: ResMut<'w, Budget>,
+}
+
+/// Admits waiting recoveries, then reads for every admitted one (those
+/// admitted now included: both in one system, so an admitted recovery
+/// starts reading in the same tick).
+pub fn read(
     mut commands: Commands,
-    mut ops: Query<(Entity, &mut Operation, &mut Recovery), With<at::Admit>>,
-    mut instances: Query<&mut Instance>,
-    mut budget: ResMut<Budget>,
+    mut ops: Query<Recoveries, AdmitOrRead>,
+    mut admission: Admission,
+    pages: Query<&Page>,
+    mut dram: ResMut<Dram>,
+    mut reads: Reads,
 ) {
-    let mut waiting: Vec<(u64, Entity)> = ops.iter().map(|(e, op, _)| (op.command, e)).collect();
-    waiting.sort_unstable();
-    for (_, entity) in waiting {
-        let (_, mut op, mut rec) = ops.get_mut(entity).expect("collected above");
-        let Ok(mut instance) = instances.get_mut(op.instance) else {
+    admit(&mut commands, &mut ops, &mut admission);
+    for (entity, mut op, mut rec) in &mut ops {
+        if op.state() != OpState::Reading {
+            continue;
+        }
+        let Ok(instance) = admission.instances.get(op.instance) else {
             finish(
                 &mut commands,
                 entity,
@@ -38,31 +52,75 @@ pub fn admit(
             );
             continue;
         };
+        let step = ReadStep { entity, instance };
+        let started = step.run(&mut commands, &mut rec, &pages, &mut dram, &mut reads);
+        if let Err(reason) = started {
+            // A partial result is released (at retire) and becomes a miss.
+            finish(&mut commands, entity, &mut op, Outcome::Miss(reason));
+            continue;
+        }
+        if rec
+            .needs
+            .iter()
+            .all(|n| matches!(n.state, NeedState::Leased(_)))
+        {
+            set_state(&mut commands, entity, &mut op, OpState::Ready);
+            reads.outbox.push(op.origin, ready_event(entity, &rec));
+        } else if !op.loading_sent {
+            op.loading_sent = true;
+            let event = Event::Loading {
+                operation: entity.to_bits(),
+            };
+            reads.outbox.push(op.origin, event);
+        }
+    }
+}
+
+/// Admission in arrival order, so an early large query is not starved by
+/// later small ones slipping past it forever.
+fn admit(
+    commands: &mut Commands,
+    ops: &mut Query<Recoveries, AdmitOrRead>,
+    admission: &mut Admission,
+) {
+    let mut waiting: Vec<(u64, Entity)> = ops
+        .iter()
+        .filter(|(_, op, _)| op.state() == OpState::Admit)
+        .map(|(e, op, _)| (op.command, e))
+        .collect();
+    waiting.sort_unstable();
+    let Admission { instances, budget } = admission;
+    for (_, entity) in waiting {
+        let (_, mut op, mut rec) = ops.get_mut(entity).expect("collected above");
+        let Ok(mut instance) = instances.get_mut(op.instance) else {
+            finish(
+                commands,
+                entity,
+                &mut op,
+                Outcome::Miss(MissReason::Namespace),
+            );
+            continue;
+        };
         let needs = page_needs(&rec, &instance);
         let total: u64 = needs.iter().map(|n| n.bytes).sum();
-        match admission(&op, &instance, &budget, total) {
-            Admission::Never => {
-                finish(
-                    &mut commands,
-                    entity,
-                    &mut op,
-                    Outcome::Miss(MissReason::Budget),
-                );
+        match decide(&op, &instance, budget, total) {
+            Decision::Never => {
+                finish(commands, entity, &mut op, Outcome::Miss(MissReason::Budget));
             }
             // Over budget means wait (the deadline bounds it).
-            Admission::Wait => {}
-            Admission::Now => {
+            Decision::Wait => {}
+            Decision::Now => {
                 budget.reserve(total, op.speculative);
                 instance.bytes_reserved += total;
                 op.bytes_reserved = total;
                 rec.needs = needs;
-                set_state(&mut commands, entity, &mut op, OpState::Reading);
+                set_state(commands, entity, &mut op, OpState::Reading);
             }
         }
     }
 }
 
-enum Admission {
+enum Decision {
     Now,
     Wait,
     /// Larger than the budget can ever grant, or speculative work past its
@@ -70,17 +128,17 @@ enum Admission {
     Never,
 }
 
-fn admission(op: &Operation, instance: &Instance, budget: &Budget, total: u64) -> Admission {
+fn decide(op: &Operation, instance: &Instance, budget: &Budget, total: u64) -> Decision {
     if total > budget.global_limit.min(budget.instance_limit)
         || (op.speculative && budget.speculative_reserved + total > budget.speculative_limit)
     {
-        Admission::Never
+        Decision::Never
     } else if budget.reserved + total > budget.global_limit
         || instance.bytes_reserved + total > budget.instance_limit
     {
-        Admission::Wait
+        Decision::Wait
     } else {
-        Admission::Now
+        Decision::Now
     }
 }
 
@@ -125,51 +183,9 @@ pub struct Reads<'w> {
     tiers: ResMut<'w, Tiers>,
     index: ResMut<'w, TransferIndex>,
     metrics: ResMut<'w, Metrics>,
+    outbox: ResMut<'w, Outbox>,
     limits: Res<'w, Limits>,
     clock: Res<'w, Clock>,
-}
-
-pub fn read(
-    mut commands: Commands,
-    mut ops: Query<(Entity, &mut Operation, &mut Recovery), With<at::Reading>>,
-    instances: Query<&Instance>,
-    pages: Query<&Page>,
-    mut dram: ResMut<Dram>,
-    mut reads: Reads,
-    mut outbox: ResMut<Outbox>,
-) {
-    for (entity, mut op, mut rec) in &mut ops {
-        let Ok(instance) = instances.get(op.instance) else {
-            finish(
-                &mut commands,
-                entity,
-                &mut op,
-                Outcome::Miss(MissReason::Namespace),
-            );
-            continue;
-        };
-        let step = ReadStep { entity, instance };
-        let started = step.run(&mut commands, &mut rec, &pages, &mut dram, &mut reads);
-        if let Err(reason) = started {
-            // A partial result is released (at retire) and becomes a miss.
-            finish(&mut commands, entity, &mut op, Outcome::Miss(reason));
-            continue;
-        }
-        if rec
-            .needs
-            .iter()
-            .all(|n| matches!(n.state, NeedState::Leased(_)))
-        {
-            set_state(&mut commands, entity, &mut op, OpState::Ready);
-            outbox.push(op.origin, ready_event(entity, &rec));
-        } else if !op.loading_sent {
-            op.loading_sent = true;
-            let event = Event::Loading {
-                operation: entity.to_bits(),
-            };
-            outbox.push(op.origin, event);
-        }
-    }
 }
 
 /// One tick of reading for one operation.

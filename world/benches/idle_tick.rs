@@ -85,21 +85,21 @@ fn filled(pages: u64, capacity_bytes: u64) -> Driver {
         d.tick();
     }
     d.clear();
-    let st = d.rt.stats();
+    let st = d.rt().stats();
     assert_eq!(st.pages as u64, pages, "{st:#?}");
     assert_eq!(
         (st.operations, st.leases, st.transfers, st.bytes_reserved),
         (0, 0, 0, 0),
         "{st:#?}"
     );
-    assert!(d.rt.is_idle());
+    assert!(d.rt().is_idle());
     d
 }
 
 fn idle_ticks(d: &mut Driver, n: u64) -> Duration {
     let start = Instant::now();
     for _ in 0..n {
-        let ev = d.rt.tick();
+        let ev = d.rt().tick();
         debug_assert!(ev.is_empty());
         black_box(ev);
     }
@@ -112,8 +112,8 @@ fn main() {
     let mut large = filled(1 << 20, 600 << 20);
     eprintln!("idle_tick: setup took {:.1} s", secs(t0));
     // Idle ticks produce no events.
-    assert!(small.rt.tick().is_empty());
-    assert!(large.rt.tick().is_empty());
+    assert!(small.rt().tick().is_empty());
+    assert!(large.rt().tick().is_empty());
 
     let mut c = Criterion::default()
         .sample_size(10)
@@ -122,8 +122,8 @@ fn main() {
         .configure_from_args();
     {
         let mut group = c.benchmark_group("idle_tick");
-        group.bench_function("1K_pages", |b| b.iter(|| black_box(small.rt.tick())));
-        group.bench_function("1M_pages", |b| b.iter(|| black_box(large.rt.tick())));
+        group.bench_function("1K_pages", |b| b.iter(|| black_box(small.rt().tick())));
+        group.bench_function("1M_pages", |b| b.iter(|| black_box(large.rt().tick())));
         group.finish();
     }
     c.final_summary();
@@ -136,12 +136,12 @@ fn main() {
     );
     println!(
         "idle tick with 1K pages ({} stored): {:.0} ns/tick ({ns} ticks per round)",
-        small.rt.stats().pages,
+        small.rt().stats().pages,
         small_ns
     );
     println!(
         "idle tick with 1M pages ({} stored): {:.0} ns/tick ({nl} ticks per round)",
-        large.rt.stats().pages,
+        large.rt().stats().pages,
         large_ns
     );
     println!(

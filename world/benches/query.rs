@@ -68,7 +68,7 @@ fn setup() -> Setup {
         }
     }
     d.clear();
-    let st = d.rt.stats();
+    let st = d.rt().stats();
     assert_eq!(st.pages as u64, GROUPS.len() as u64 * PAGES, "{st:#?}");
     assert_eq!(st.operations, 0);
     let query = Command::Query {
@@ -109,10 +109,10 @@ fn setup() -> Setup {
 fn query_once(s: &mut Setup, check: bool) -> Duration {
     let cmd = s.query.clone();
     let start = Instant::now();
-    s.d.rt
+    s.d.rt()
         .submit(Origin::EMBEDDED, cmd)
         .expect("inbox has room");
-    let ev = s.d.rt.tick();
+    let ev = s.d.rt().tick();
     let t = start.elapsed();
     let op = match ev.as_slice() {
         [
@@ -139,7 +139,7 @@ fn query_once(s: &mut Setup, check: bool) -> Duration {
         }
         other => panic!("query tick: {other:?}"),
     };
-    s.d.rt
+    s.d.rt()
         .submit(
             Origin::EMBEDDED,
             Command::Release {
@@ -148,7 +148,7 @@ fn query_once(s: &mut Setup, check: bool) -> Duration {
             },
         )
         .expect("inbox has room");
-    let ev = s.d.rt.tick();
+    let ev = s.d.rt().tick();
     assert!(
         matches!(ev.as_slice(), [Addressed { event: Event::Released { operation }, .. }] if *operation == op),
         "release tick: {ev:?}"
@@ -169,7 +169,7 @@ fn main() {
     let mut s = setup();
     eprintln!(
         "query: setup ({} pages) took {:.2} s",
-        s.d.rt.stats().pages,
+        s.d.rt().stats().pages,
         secs(t0)
     );
     query_once(&mut s, true);
@@ -210,7 +210,7 @@ fn main() {
             start.elapsed()
         },
     );
-    let st = s.d.rt.stats();
+    let st = s.d.rt().stats();
     assert_eq!((st.operations, st.leases), (0, 0), "{st:#?}");
     println!(
         "query tick (2049 pages x 3 groups, submit+tick, release tick excluded): {:.1} us/query ({nq} per round)",

@@ -132,7 +132,7 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
     let mut ticks = Ticks::default();
 
     // Publish N pages from the source slots.
-    let t = s.d.ticks;
+    let t = s.d.ticks();
     let phase = Instant::now();
     let pages = (0..N)
         .map(|i| PublishPage {
@@ -144,11 +144,11 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
         .collect();
     let inserted = s.d.publish(session, seed, pages);
     assert_eq!(inserted, N);
-    ticks.publish = s.d.ticks - t;
+    ticks.publish = s.d.ticks() - t;
     ticks.publish_us = phase.elapsed().as_secs_f64() * 1e6;
 
     // Query + prepare, with the restore targets allocated in the same tick.
-    let t = s.d.ticks;
+    let t = s.d.ticks();
     let phase = Instant::now();
     let q = s.d.submit(Command::Query {
         session,
@@ -184,11 +184,11 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
         } if boundary == N * PAGE_TOKENS && leases.len() as u64 == N => {}
         e => panic!("prepare: {e:?}"),
     }
-    ticks.query = s.d.ticks - t;
+    ticks.query = s.d.ticks() - t;
     ticks.query_us = phase.elapsed().as_secs_f64() * 1e6;
 
     // Restore into the target slots.
-    let t = s.d.ticks;
+    let t = s.d.ticks();
     let phase = Instant::now();
     s.d.submit(Command::Restore {
         session,
@@ -214,7 +214,7 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
         Event::RestoreDone { pages, bytes, .. } if pages == N && bytes == N * PAGE_BYTES => {}
         e => panic!("restore: {e:?}"),
     }
-    ticks.restore = s.d.ticks - t;
+    ticks.restore = s.d.ticks() - t;
     ticks.restore_us = phase.elapsed().as_secs_f64() * 1e6;
 
     if verify {
@@ -323,7 +323,7 @@ fn main() {
     c.final_summary();
 
     // Past the first 16 iterations the pool is full: steady state evicts.
-    let evictions_before = s.d.rt.stats().metrics.evictions.values().sum::<u64>();
+    let evictions_before = s.d.rt().stats().metrics.evictions.values().sum::<u64>();
     let mut last = Ticks::default();
     let (rt_ns, mc_ns, nr, nm) = interleaved(
         5,
@@ -345,7 +345,7 @@ fn main() {
     );
     // And once more at the end, in steady state.
     iteration(&mut s, true);
-    let st = s.d.rt.stats();
+    let st = s.d.rt().stats();
     assert_eq!(
         (st.operations, st.leases, st.transfers, st.bytes_reserved),
         (0, 0, 0, 0),

@@ -82,6 +82,21 @@ pub struct QueryReply {
     pub miss: Option<orbitkv_components::api::MissReason>,
 }
 
+/// A dense model: full attention only.
+pub fn dense() -> Vec<GroupSpec> {
+    vec![GroupSpec::attention(0)]
+}
+
+/// A hybrid model: full attention, a sliding window of 100 past tokens and
+/// a recurrent checkpoint.
+pub fn hybrid() -> Vec<GroupSpec> {
+    vec![
+        GroupSpec::attention(0),
+        GroupSpec::sliding_window(1, 100),
+        GroupSpec::recurrent(2),
+    ]
+}
+
 /// The register command of a test engine: `ranks` tensor ranks, one layer
 /// per group per rank, `page_bytes` per page (`StorageLayout::uniform`).
 pub fn register_command(

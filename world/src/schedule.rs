@@ -1,7 +1,10 @@
 //! The stage order, declared once.
 
 use bevy_ecs::prelude::*;
+use bevy_ecs::query::QueryFilter;
 use bevy_ecs::schedule::SingleThreadedExecutor;
+use orbitkv_components::ecs::{Operation, Session, at};
+use orbitkv_systems::resources::{Dram, Inbox};
 use orbitkv_systems::{discover, evict, fence, ingest, publish, read, restore, validate};
 
 /// The seven stages, run in this order every tick.
@@ -36,25 +39,58 @@ pub fn build() -> Schedule {
     // Each system's commands apply before the next one runs (the chain
     // inserts the sync points), so an operation a stage moves on is seen by
     // the next stage in the same tick.
+    //
+    // A system whose work is marked runs only when something carries its
+    // marker: an idle tick costs the polling of backends (`land`) and little
+    // else, however much is stored.
     schedule.add_systems((
-        ingest::ingest.in_set(Stage::Ingest),
-        discover::discover.in_set(Stage::Discover),
-        validate::validate.in_set(Stage::Validate),
-        (read::admit, read::read).chain().in_set(Stage::Read),
-        (restore::restore, publish::publish)
+        ingest::ingest.run_if(commands_queued).in_set(Stage::Ingest),
+        discover::discover
+            .run_if(any_with_component::<at::Discover>)
+            .in_set(Stage::Discover),
+        validate::validate
+            .run_if(any_with_component::<at::Validate>)
+            .in_set(Stage::Validate),
+        read::read
+            .run_if(any::<Or<(With<at::Admit>, With<at::Reading>)>>)
+            .in_set(Stage::Read),
+        (
+            restore::restore.run_if(any::<Or<(With<at::RestorePending>, With<at::Restoring>)>>),
+            publish::publish.run_if(any::<Or<(With<at::PublishPending>, With<at::Publishing>)>>),
+        )
             .chain()
             .in_set(Stage::Restore),
         (
-            fence::land_reads,
-            fence::land_copies,
-            fence::expire,
-            fence::settle,
-            fence::retire,
-            fence::close_sessions,
+            fence::land,
+            fence::expire.run_if(any_with_component::<Operation>),
+            fence::retire.run_if(
+                any::<
+                    Or<(
+                        With<at::Finishing>,
+                        With<at::Restoring>,
+                        With<at::Publishing>,
+                    )>,
+                >,
+            ),
+            fence::close_sessions.run_if(any_with_component::<Session>),
         )
             .chain()
             .in_set(Stage::Fence),
-        evict::evict.in_set(Stage::Evict),
+        evict::evict.run_if(pressure).in_set(Stage::Evict),
     ));
     schedule
+}
+
+/// Run condition: some entity matches `F`.
+fn any<F: QueryFilter>(q: Query<(), F>) -> bool {
+    !q.is_empty()
+}
+
+fn commands_queued(inbox: Res<Inbox>) -> bool {
+    !inbox.0.is_empty()
+}
+
+/// An allocation failed this tick: the evict stage has work.
+fn pressure(dram: Res<Dram>) -> bool {
+    !dram.pressure.is_empty()
 }

@@ -8,9 +8,7 @@ use orbitkv_components::api::{
     Addressed, Command, CommandError, Event, GroupHashes, MissReason, Origin, PagePos, Rank,
     RestoreTarget,
 };
-use orbitkv_components::contract::{
-    ComponentKind, ContractSpec, GroupSpec, RecoveryContract, Rule,
-};
+use orbitkv_components::contract::{ContractSpec, GroupSpec, RecoveryContract};
 use orbitkv_components::ecs::{
     DevicePage, DeviceRegion, HeldBy, Instance, Lease, LeaseOf, Leases, NeedState, OpState,
     Operation, OperationOf, Outcome, Page, PageNeed, PageOf, RankState, Recovery, RegionOf,
@@ -75,11 +73,7 @@ fn bench(tune: impl FnOnce(&mut Config)) -> Bench {
 
 /// A one-rank dense instance "m", spawned as ingest would.
 fn spawn_instance(w: &mut World) -> (Entity, Namespace) {
-    let groups = vec![GroupSpec {
-        id: 0,
-        rule: Rule::Prefix,
-        components: vec![ComponentKind::AttentionKv],
-    }];
+    let groups = vec![GroupSpec::attention(0)];
     let layout = StorageLayout::uniform(&[Rank { tp: 0, pp: 0 }], &groups, PAGE, BYTES);
     let namespace = seal(&[1; 32], &layout, &groups).unwrap();
     let contract = RecoveryContract::compile(&ContractSpec {
@@ -213,26 +207,11 @@ impl Bench {
 }
 
 fn recovery(pages: u64) -> Recovery {
-    Recovery {
-        miss: None,
-        groups: vec![GroupHashes {
-            group: 0,
-            hashes: (0..pages).map(|i| NativeHash::from_u64(100 + i)).collect(),
-        }],
-        origin: 0,
-        end: pages * PAGE,
-        prompt_len: pages * PAGE + 1,
-        expect_namespaces: Vec::new(),
-        prepare: false,
-        candidates: Vec::new(),
-        selected: None,
-        ranges: Vec::new(),
-        needs: Vec::new(),
-        restore: Vec::new(),
-        retained: Vec::new(),
-        copies: Vec::new(),
-        copies_sent: 0,
-    }
+    let hashes = GroupHashes {
+        group: 0,
+        hashes: (0..pages).map(|i| NativeHash::from_u64(100 + i)).collect(),
+    };
+    Recovery::new(vec![hashes], 0, pages * PAGE, pages * PAGE + 1)
 }
 
 fn pos(page_end: u64) -> PagePos {
@@ -343,7 +322,7 @@ fn validate_selects_below_the_prompt_limit_and_replies_to_the_owner() {
 }
 
 #[test]
-fn admit_reserves_in_arrival_order_and_refuses_what_can_never_fit() {
+fn read_admits_in_arrival_order_and_refuses_what_can_never_fit() {
     let mut b = bench(|c| c.budget.query_budget_bytes = Some(3 * BYTES));
     let ranged = |pages| {
         let mut rec = recovery(pages);
@@ -356,12 +335,15 @@ fn admit_reserves_in_arrival_order_and_refuses_what_can_never_fit() {
         rec.ranges = vec![(0, range)];
         rec
     };
+    b.resident(0);
+    b.resident(1);
     // Spawned out of order: admission goes by command id.
     let second = b.op(2, OpState::Admit, ranged(2));
     let first = b.op(1, OpState::Admit, ranged(2));
     let huge = b.op(3, OpState::Admit, ranged(4));
-    b.run(read::admit);
-    assert_eq!(b.state(first), OpState::Reading);
+    b.run(read::read);
+    // Admitted and read in the same run: both pages were resident.
+    assert_eq!(b.state(first), OpState::Ready);
     assert_eq!(
         b.w.get::<Operation>(first).unwrap().bytes_reserved,
         2 * BYTES
@@ -445,12 +427,17 @@ fn restoring(b: &mut Bench) -> (Entity, Vec<Entity>) {
     (op, targets)
 }
 
+/// A bench with `batch` pages per copy batch and `in_flight` batches.
+fn copy_limited(batch: usize, in_flight: usize) -> Bench {
+    bench(|c| {
+        c.limits.max_copy_batch_pages = batch;
+        c.limits.max_inflight_copies = in_flight;
+    })
+}
+
 #[test]
 fn restore_pins_every_destination_and_sends_what_the_copy_limit_allows() {
-    let mut b = bench(|c| {
-        c.limits.max_copy_batch_pages = 1;
-        c.limits.max_inflight_copies = 2;
-    });
+    let mut b = copy_limited(1, 2);
     let (op, targets) = restoring(&mut b);
     b.run(restore::restore);
     assert_eq!(b.state(op), OpState::Restoring);
@@ -466,36 +453,31 @@ fn restore_pins_every_destination_and_sends_what_the_copy_limit_allows() {
 }
 
 #[test]
-fn settle_finishes_a_restore_once_all_drained_and_retire_unpins_after_the_reply() {
-    let mut b = bench(|c| {
-        c.limits.max_copy_batch_pages = 2;
-        c.limits.max_inflight_copies = 1;
-    });
+fn retire_settles_a_drained_restore_and_unpins_after_the_reply() {
+    let mut b = copy_limited(2, 1);
     let (op, targets) = restoring(&mut b);
     b.run(restore::restore);
-    for round in 0..2 {
-        b.w.resource_mut::<Clock>().now_us += 100;
-        b.run(fence::land_copies);
-        b.run(fence::settle);
-        if round == 0 {
-            assert_eq!(b.state(op), OpState::Restoring, "a batch is still unsent");
-            b.run(restore::restore);
-        }
-        // Landed or not, destinations stay pinned until the restore retires.
-        assert!(
-            targets
-                .iter()
-                .all(|dp| b.w.get::<DevicePage>(*dp).unwrap().pins == 1)
-        );
-    }
-    assert_eq!(b.state(op), OpState::Finishing);
-    let outcome = b.w.get::<Operation>(op).unwrap().outcome;
-    assert_eq!(outcome, Some(Outcome::Restored));
+    b.w.resource_mut::<Clock>().now_us += 100;
+    b.run(fence::land);
+    b.run(fence::retire);
+    assert_eq!(b.state(op), OpState::Restoring, "a batch is still unsent");
+    // Landed or not, destinations stay pinned until the restore retires.
+    let pinned = |b: &Bench| {
+        targets
+            .iter()
+            .all(|dp| b.w.get::<DevicePage>(*dp).unwrap().pins == 1)
+    };
+    assert!(pinned(&b));
+    b.run(restore::restore);
+    b.w.resource_mut::<Clock>().now_us += 100;
+    b.run(fence::land);
+    assert!(pinned(&b));
     b.check();
     // The engine freed a destination meanwhile: the free takes effect, and
     // is reported, only after the restore's reply.
     b.w.get_mut::<DevicePage>(targets[0]).unwrap().free_deferred = true;
     b.run(fence::retire);
+    assert!(b.w.get_entity(op).is_err(), "settled and retired");
     let events: Vec<Event> = b.events().into_iter().map(|a| a.event).collect();
     assert!(
         matches!(

@@ -6,32 +6,19 @@
 //! the batch's Transfer is gone.
 
 use bevy_ecs::prelude::*;
-use bevy_ecs::system::SystemParam;
 use orbitkv_components::api::MissReason;
-use orbitkv_components::ecs::{
-    ItemState, Operation, Outcome, Page, PublishJob, Residency, Transfer, TransferKind, TransferOf,
-};
+use orbitkv_components::ecs::{ItemState, Outcome, Page, PublishJob, Residency, TransferKind};
 use orbitkv_gpu::Completion;
 use orbitkv_io::checksum::page_checksum;
 use rayon::prelude::*;
 
-use crate::resources::{Clock, Copier, Dram, Metrics, TransferIndex};
+use super::{Landing, Ops, Transfers};
 
-/// The copy engine and what its completions update.
-#[derive(SystemParam)]
-pub struct CopyLanding<'w> {
-    copier: ResMut<'w, Copier>,
-    index: ResMut<'w, TransferIndex>,
-    dram: ResMut<'w, Dram>,
-    metrics: ResMut<'w, Metrics>,
-    clock: Res<'w, Clock>,
-}
-
-pub fn land_copies(
-    mut commands: Commands,
-    mut ops: Query<(&mut Operation, Option<&mut PublishJob>)>,
-    transfers: Query<(&Transfer, &TransferOf)>,
-    mut landing: CopyLanding,
+pub(super) fn land_copies(
+    commands: &mut Commands,
+    ops: &mut Query<Ops>,
+    transfers: &Query<Transfers>,
+    landing: &mut Landing,
 ) {
     let mut done: Vec<Completion> = Vec::new();
     let now_us = landing.clock.now_us;
@@ -42,7 +29,7 @@ pub fn land_copies(
         };
         let (transfer, of) = transfers.get(entity).expect("indexed transfers are live");
         commands.entity(entity).despawn();
-        let (mut op, job) = ops
+        let (mut op, _, job) = ops
             .get_mut(of.0)
             .expect("an operation retires only after its transfers");
         let landed = completion.result.is_ok();
@@ -55,14 +42,14 @@ pub fn land_copies(
             TransferKind::Publish { items } => {
                 // A failed batch drops its own pages; the others go on.
                 let mut job = job.expect("publish transfers belong to publish jobs");
-                landing.land(&mut commands, &mut job, items, landed);
+                landing.land(commands, &mut job, items, landed);
             }
             TransferKind::TierRead { .. } => unreachable!("reads are indexed by tier"),
         }
     }
 }
 
-impl CopyLanding<'_> {
+impl Landing<'_> {
     /// Indexes each landed page of the batch under its checksum; a failed
     /// copy or a key indexed meanwhile gives its slot back.
     fn land(

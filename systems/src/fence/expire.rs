@@ -1,13 +1,9 @@
-//! Time and drained I/O: `expire` reports overdue transfers and ends
-//! operations whose deadline passed before their copies started; `settle`
-//! finishes restores and publishes whose every copy was sent and drained.
+//! Time: `expire` reports overdue transfers and ends operations whose
+//! deadline passed before their copies started.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Event, MissReason};
-use orbitkv_components::ecs::{
-    ItemState, OpState, Operation, Outcome, PublishJob, Recovery, Transfer, TransferOf, Transfers,
-    at, before_restore,
-};
+use orbitkv_components::ecs::{OpState, Operation, Outcome, Transfer, TransferOf, before_restore};
 
 use crate::lifecycle::finish;
 use crate::resources::{Clock, Limits, Metrics, Outbox};
@@ -49,37 +45,6 @@ pub fn expire(
             s if before_restore(s) => Outcome::Miss(MissReason::Deadline),
             OpState::PublishPending => Outcome::Published,
             _ => continue,
-        };
-        finish(&mut commands, entity, &mut op, outcome);
-    }
-}
-
-type Draining<'a> = (
-    Entity,
-    &'a mut Operation,
-    Option<&'a Recovery>,
-    Option<&'a PublishJob>,
-);
-
-/// Restoring or publishing, with nothing in flight.
-type DrainedCopying = (
-    Or<(With<at::Restoring>, With<at::Publishing>)>,
-    Without<Transfers>,
-);
-
-/// Restores and publishes with no transfer left: finished once nothing is
-/// left to send (a restore keeps an earlier failure as its outcome).
-pub fn settle(mut commands: Commands, mut ops: Query<Draining, DrainedCopying>) {
-    for (entity, mut op, rec, job) in &mut ops {
-        let unsent = rec.is_some_and(|r| r.copies_sent < r.copies.len())
-            || job.is_some_and(|j| j.items.iter().any(|i| i.state == ItemState::Waiting));
-        if unsent {
-            continue; // the copy stages send it, or abandon it
-        }
-        let outcome = if rec.is_some() {
-            Outcome::Restored
-        } else {
-            Outcome::Published
         };
         finish(&mut commands, entity, &mut op, outcome);
     }

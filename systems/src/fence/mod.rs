@@ -4,15 +4,50 @@
 //! stage that returns leases and byte reservations, and only once an
 //! operation has no `Transfers` left.
 //!
-//! Systems, in this order: `land_reads`, `land_copies`, `expire`,
-//! `settle`, `retire`, `close_sessions`.
+//! Systems, in this order: `land` (tier reads, then device copies),
+//! `expire`, `retire` (settling drained restores and publishes first),
+//! `close_sessions`.
 
 mod copies;
 mod expire;
 mod reads;
 mod retire;
 
-pub use copies::land_copies;
-pub use expire::{expire, settle};
-pub use reads::land_reads;
+use bevy_ecs::prelude::*;
+use bevy_ecs::system::SystemParam;
+use orbitkv_components::ecs::{Operation, PublishJob, Recovery, Transfer, TransferOf};
+
+pub use expire::expire;
 pub use retire::{close_sessions, retire};
+
+use crate::resources::{Clock, Copier, Dram, Metrics, Tiers, TransferIndex};
+
+type Ops<'a> = (
+    &'a mut Operation,
+    Option<&'a mut Recovery>,
+    Option<&'a mut PublishJob>,
+);
+type Transfers<'a> = (&'a Transfer, &'a TransferOf);
+
+/// The backends and what their completions update.
+#[derive(SystemParam)]
+pub struct Landing<'w> {
+    tiers: ResMut<'w, Tiers>,
+    copier: ResMut<'w, Copier>,
+    dram: ResMut<'w, Dram>,
+    index: ResMut<'w, TransferIndex>,
+    metrics: ResMut<'w, Metrics>,
+    clock: Res<'w, Clock>,
+}
+
+/// Applies every completion the backends report: tier reads, then device
+/// copies.
+pub fn land(
+    mut commands: Commands,
+    mut ops: Query<Ops>,
+    transfers: Query<Transfers>,
+    mut landing: Landing,
+) {
+    reads::land_reads(&mut commands, &mut ops, &transfers, &mut landing);
+    copies::land_copies(&mut commands, &mut ops, &transfers, &mut landing);
+}

@@ -4,26 +4,15 @@
 //! it. Also counts finished demotions.
 
 use bevy_ecs::prelude::*;
-use bevy_ecs::system::SystemParam;
 use orbitkv_components::api::MissReason;
 use orbitkv_components::ecs::{
-    NeedState, OpState, Operation, Outcome, Page, Recovery, Residency, Transfer, TransferKind,
+    NeedState, OpState, Outcome, Page, Recovery, Residency, Transfer, TransferKind,
 };
 use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::tier::{ReadDone, TierError};
 
+use super::{Landing, Ops, Transfers};
 use crate::lifecycle::{finish, take_lease};
-use crate::resources::{Clock, Dram, Metrics, Tiers, TransferIndex};
-
-/// The tiers and what their completions update.
-#[derive(SystemParam)]
-pub struct Landing<'w> {
-    tiers: ResMut<'w, Tiers>,
-    dram: ResMut<'w, Dram>,
-    index: ResMut<'w, TransferIndex>,
-    metrics: ResMut<'w, Metrics>,
-    clock: Res<'w, Clock>,
-}
 
 /// One landed page: what the read was for.
 struct Landed {
@@ -34,11 +23,11 @@ struct Landed {
     pos: orbitkv_components::api::PagePos,
 }
 
-pub fn land_reads(
-    mut commands: Commands,
-    mut ops: Query<(&mut Operation, &mut Recovery)>,
-    transfers: Query<(&Transfer, &orbitkv_components::ecs::TransferOf)>,
-    mut landing: Landing,
+pub(super) fn land_reads(
+    commands: &mut Commands,
+    ops: &mut Query<Ops>,
+    transfers: &Query<Transfers>,
+    landing: &mut Landing,
 ) {
     for (tier, done) in landing.poll() {
         let Some(entity) = landing.index.reads.remove(&(tier, done.token.0)) else {
@@ -53,15 +42,15 @@ pub fn land_reads(
         let mut op = ops.get_mut(landed.operation).ok();
         if let Err(reason) = landing.verify(&landed, done) {
             landing.dram.free(landed.page.residency.dram_slot);
-            if let Some((op, _)) = op.as_mut()
+            if let Some((op, ..)) = op.as_mut()
                 && op.state() == OpState::Reading
             {
-                finish(&mut commands, landed.operation, op, Outcome::Miss(reason));
+                finish(commands, landed.operation, op, Outcome::Miss(reason));
             }
             continue;
         }
-        let wanted = op.and_then(|(op, rec)| (op.state() == OpState::Reading).then_some(rec));
-        landing.index_page(&mut commands, landed, wanted);
+        let wanted = op.and_then(|(op, rec, _)| rec.filter(|_| op.state() == OpState::Reading));
+        landing.index_page(commands, landed, wanted);
     }
 }
 

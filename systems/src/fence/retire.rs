@@ -1,17 +1,20 @@
-//! Retiring: a finished operation whose I/O drained sends its final reply,
-//! returns its bytes and unpins its publish sources, and is despawned (its
-//! leases with it, and the pages they held become evictable). A closing
+//! Retiring: a restore or publish with nothing left to send or drain is
+//! finished (settled); a finished operation whose I/O drained sends its
+//! final reply, returns its bytes, unpins its device pages, and is
+//! despawned (its leases with it, and the pages they held become
+//! evictable). A closing
 //! session with no operation left goes, with its regions and device pages.
 
 use bevy_ecs::prelude::*;
 use bevy_ecs::system::SystemParam;
 use orbitkv_components::api::Event;
 use orbitkv_components::ecs::{
-    DeviceRegion, Instance, ItemState, NeedState, Operation, Operations, Outcome, PublishJob,
-    Recovery, Regions, Session, SessionOf, Sessions, Transfers, at, session_handle,
+    DeviceRegion, Instance, ItemState, NeedState, OpState, Operation, Operations, Outcome,
+    PublishJob, Recovery, Regions, Session, SessionOf, Sessions, Transfers, at, session_handle,
 };
 
 use crate::copies::Devices;
+use crate::lifecycle::finish;
 use crate::resources::{Budget, Copier, Dram, Metrics, Outbox, Registry, decrement};
 
 /// What retiring returns things to.
@@ -26,18 +29,36 @@ pub struct Returns<'w, 's> {
 
 type Retiring<'a> = (
     Entity,
-    &'a Operation,
+    &'a mut Operation,
     Option<&'a Recovery>,
     Option<&'a mut PublishJob>,
 );
 
+/// Finished, restoring or publishing, with nothing in flight.
+type Drained = (
+    Or<(
+        With<at::Finishing>,
+        With<at::Restoring>,
+        With<at::Publishing>,
+    )>,
+    Without<Transfers>,
+);
+
 pub fn retire(
     mut commands: Commands,
-    mut ops: Query<Retiring, (With<at::Finishing>, Without<Transfers>)>,
+    mut ops: Query<Retiring, Drained>,
     mut devices: Devices,
     mut returns: Returns,
 ) {
-    for (entity, op, rec, job) in &mut ops {
+    for (entity, mut op, rec, job) in &mut ops {
+        if op.state() != OpState::Finishing {
+            let Some(outcome) = settled(rec, job.as_deref()) else {
+                continue; // the copy stages send it, or abandon it
+            };
+            // A restore keeps an earlier failure as its outcome.
+            finish(&mut commands, entity, &mut op, outcome);
+        }
+        let op = &*op;
         let event = match (rec, job) {
             (Some(rec), _) => {
                 return_leases(&mut commands, rec);
@@ -61,6 +82,19 @@ pub fn retire(
         decrement(&mut returns.registry.operations, 1, "registry.operations");
         // Its leases go with it (`HeldLeases` despawns them).
         commands.entity(entity).despawn();
+    }
+}
+
+/// How a restore or publish with nothing in flight ends, once nothing is
+/// left to send either.
+fn settled(rec: Option<&Recovery>, job: Option<&PublishJob>) -> Option<Outcome> {
+    match (rec, job) {
+        (Some(rec), _) => (rec.copies_sent == rec.copies.len()).then_some(Outcome::Restored),
+        (None, Some(job)) => {
+            let waiting = job.items.iter().any(|i| i.state == ItemState::Waiting);
+            (!waiting).then_some(Outcome::Published)
+        }
+        (None, None) => unreachable!("an operation is a recovery or a publish"),
     }
 }
 

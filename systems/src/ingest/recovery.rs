@@ -49,21 +49,9 @@ pub(super) fn query(
         q.speculative,
     );
     let recovery = Recovery {
-        miss: None,
-        groups: q.groups,
-        origin: q.origin,
-        end,
-        prompt_len: q.prompt_len,
         expect_namespaces: q.expect_namespaces,
         prepare: q.prepare,
-        candidates: Vec::new(),
-        selected: None,
-        ranges: Vec::new(),
-        needs: Vec::new(),
-        restore: Vec::new(),
-        retained: Vec::new(),
-        copies: Vec::new(),
-        copies_sent: 0,
+        ..Recovery::new(q.groups, q.origin, end, q.prompt_len)
     };
     world.spawn((op, at::Discover, OperationOf(owned.session), recovery));
     Ok(())

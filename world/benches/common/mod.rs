@@ -1,18 +1,16 @@
 //! Shared setup for the runtime benchmarks: instance registration with a
-//! chosen page size, deterministic hashes, a small command/event driver for
-//! the simulated and wall-clock runtimes, and interleaved own timing.
+//! chosen page size, deterministic hashes, the shared engine-side driver
+//! for the simulated and wall-clock runtimes, and interleaved own timing.
 #![allow(dead_code)]
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use orbitkv_components::api::{
-    Command, CommandId, Event, Origin, PublishPage, Rank, SessionHandle,
-};
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{Namespace, NativeHash, StorageLayout, StorageSlot};
+use orbitkv_components::api::{Command, CommandId, Event, Origin, PublishPage, SessionHandle};
+use orbitkv_components::contract::GroupSpec;
+use orbitkv_components::{Namespace, NativeHash};
 use orbitkv_gpu::host::DeviceArena;
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
+use orbitkv_world::driver::{self, Embedded, register_command};
 use orbitkv_world::{Backends, Config, Runtime};
 
 pub const IDENTITY: [u8; 32] = [0x5a; 32];
@@ -28,37 +26,8 @@ pub fn config(capacity_bytes: u64, slot_align_bytes: u64, extent_bytes: u64) -> 
     c
 }
 
-pub fn dense() -> Vec<GroupSpec> {
-    vec![GroupSpec {
-        id: 0,
-        rule: Rule::Prefix,
-        components: vec![ComponentKind::AttentionKv],
-    }]
-}
-
-/// Full attention + sliding window (100 past tokens) + recurrent checkpoint.
-pub fn hybrid() -> Vec<GroupSpec> {
-    vec![
-        GroupSpec {
-            id: 0,
-            rule: Rule::Prefix,
-            components: vec![ComponentKind::AttentionKv],
-        },
-        GroupSpec {
-            id: 1,
-            rule: Rule::Window { past_tokens: 100 },
-            components: vec![ComponentKind::SlidingWindowKv],
-        },
-        GroupSpec {
-            id: 2,
-            rule: Rule::Checkpoint,
-            components: vec![
-                ComponentKind::RecurrentCheckpoint,
-                ComponentKind::ConvolutionState,
-            ],
-        },
-    ]
-}
+#[allow(unused_imports)]
+pub use orbitkv_world::driver::{dense, hybrid};
 
 /// One layer per group per rank, each `page_bytes` per page, so a group's
 /// page is exactly `page_bytes`.
@@ -69,35 +38,7 @@ pub fn register_cmd(
     page_tokens: u64,
     page_bytes: u64,
 ) -> Command {
-    let mut slots = Vec::new();
-    for tp in 0..ranks {
-        for (layer, g) in groups.iter().enumerate() {
-            slots.push(StorageSlot {
-                layer: layer as u32,
-                group: g.id,
-                tp_rank: tp,
-                pp_rank: 0,
-                segment_bytes: page_bytes,
-                padded_page_bytes: page_bytes,
-                page_tokens: page_tokens as u32,
-                dtype: "bfloat16".into(),
-                layout: "NHD".into(),
-                strides: vec![64, 1],
-                device_addr: 0,
-            });
-        }
-    }
-    Command::RegisterInstance {
-        instance: name.into(),
-        identity: IDENTITY,
-        layout: StorageLayout {
-            slots,
-            pool_capacity_pages: 0,
-        },
-        page_tokens,
-        groups,
-        ranks: (0..ranks).map(|tp| Rank { tp, pp: 0 }).collect(),
-    }
+    register_command(name, IDENTITY, groups, ranks, page_tokens, page_bytes)
 }
 
 /// The engine's chained hash of page `i` of prompt `seed` in `group`.
@@ -118,16 +59,14 @@ pub fn payload(seed: u64, slot: u64, len: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Drives a runtime: submits commands, ticks, and finds events. With a
-/// simulated clock, waiting advances time; with a wall clock, it yields.
+/// The shared engine-side driver (`orbitkv_world::driver`) on the
+/// embedded runtime, with the copy engine's device memory. With a
+/// simulated clock, waiting advances time by 1 µs a step; with a wall
+/// clock, it yields. Benchmarks want a refusal to stop them, so these
+/// unwrap.
 pub struct Driver {
-    pub rt: Runtime,
+    pub d: driver::Driver<Embedded>,
     pub arena: DeviceArena,
-    pub simulated: bool,
-    /// Ticks run so far.
-    pub ticks: u64,
-    /// Events not yet consumed by `wait`.
-    pending: Vec<Event>,
 }
 
 impl Driver {
@@ -149,101 +88,60 @@ impl Driver {
             },
         )
         .expect("runtime");
-        Driver {
-            rt,
-            arena,
-            simulated: true,
-            ticks: 0,
-            pending: Vec::new(),
-        }
+        Self::new(rt, arena, true)
     }
 
     pub fn new(rt: Runtime, arena: DeviceArena, simulated: bool) -> Self {
-        Driver {
+        let port = Embedded {
             rt,
-            arena,
-            simulated,
+            origin: Origin::EMBEDDED,
+            advance_us: simulated.then_some(1),
             ticks: 0,
-            pending: Vec::new(),
+        };
+        Driver {
+            d: driver::Driver::new(port),
+            arena,
         }
+    }
+
+    pub fn rt(&mut self) -> &mut Runtime {
+        &mut self.d.port.rt
+    }
+
+    /// Ticks run so far.
+    pub fn ticks(&self) -> u64 {
+        self.d.port.ticks
     }
 
     pub fn submit(&mut self, c: Command) -> CommandId {
-        self.rt.submit(Origin::EMBEDDED, c).expect("inbox has room")
+        self.d.submit(c).expect("inbox has room")
     }
 
-    /// Ticks once and keeps the events for `wait`.
-    pub fn tick(&mut self) -> &[Event] {
-        let start = self.pending.len();
-        self.ticks += 1;
-        let ev = self.rt.tick();
-        self.pending.extend(ev.into_iter().map(|a| a.event));
-        &self.pending[start..]
+    pub fn tick(&mut self) {
+        self.d.tick().expect("tick");
     }
 
-    /// Removes and returns the first pending event matching `pred`, ticking
-    /// (and advancing simulated time, or yielding) until one arrives.
-    pub fn wait(&mut self, what: &str, pred: impl Fn(&Event) -> bool) -> Event {
-        for round in 0..10_000_000u64 {
-            if let Some(i) = self.pending.iter().position(&pred) {
-                return self.pending.remove(i);
-            }
-            if let Some(e) = self
-                .pending
-                .iter()
-                .find(|e| matches!(e, Event::Rejected { .. }))
-            {
-                panic!("waiting for {what}: {e:?}");
-            }
-            if self.simulated {
-                assert!(round < 100_000, "no event for {what} after 100000 ticks");
-                self.submit(Command::AdvanceClock { us: 1 });
-            } else {
-                std::thread::yield_now();
-            }
-            self.ticks += 1;
-            let ev = self.rt.tick();
-            self.pending.extend(ev.into_iter().map(|a| a.event));
-        }
-        panic!(
-            "no event for {what}; pending: {:?}",
-            self.pending.iter().rev().take(5).collect::<Vec<_>>()
-        );
+    pub fn wait(&mut self, what: &'static str, pred: impl Fn(&Event) -> bool) -> Event {
+        self.d.wait(what, pred).expect(what)
     }
 
     /// Drops events nobody waits for; panics on a rejection among them.
     pub fn clear(&mut self) {
-        if let Some(e) = self
+        let rejected = self
+            .d
             .pending
             .iter()
-            .find(|e| matches!(e, Event::Rejected { .. }))
-        {
-            panic!("a command was rejected: {e:?}");
-        }
-        self.pending.clear();
-    }
-
-    /// Submits `c`, ticks, and returns the event answering it.
-    pub fn one(&mut self, c: Command) -> Event {
-        let id = self.submit(c);
-        self.tick();
-        self.wait("reply", |e| command_of(e) == Some(id))
+            .find(|e| matches!(e, Event::Rejected { .. }));
+        assert!(rejected.is_none(), "a command was rejected: {rejected:?}");
+        self.d.pending.clear();
     }
 
     pub fn register(&mut self, c: Command) -> Vec<Namespace> {
-        match self.one(c) {
-            Event::InstanceRegistered { namespaces, .. } => namespaces,
-            e => panic!("register: {e:?}"),
-        }
+        self.d.register(c).expect("register")
     }
 
     pub fn open(&mut self, name: &str) -> SessionHandle {
-        match self.one(Command::OpenSession {
-            instance: name.into(),
-        }) {
-            Event::SessionOpened { session, .. } => session,
-            e => panic!("open: {e:?}"),
-        }
+        self.d.open(name).expect("open")
     }
 
     /// (region handle, engine region id, page bytes).
@@ -254,20 +152,11 @@ impl Driver {
         group: u32,
         slots: u32,
     ) -> (u64, u32, u64) {
-        match self.one(Command::RegisterDeviceRegion {
-            session,
-            rank,
-            group,
-            slots,
-        }) {
-            Event::RegionRegistered {
-                region,
-                engine_region,
-                page_bytes,
-                ..
-            } => (region, engine_region, page_bytes),
-            e => panic!("region: {e:?}"),
-        }
+        let r = self
+            .d
+            .region(session, (rank, group), slots)
+            .expect("region");
+        (r.region, r.engine_region, r.page_bytes)
     }
 
     /// Allocates device pages for `slots` of `region` in one tick.
@@ -277,35 +166,7 @@ impl Driver {
         region: u64,
         slots: impl IntoIterator<Item = u32>,
     ) -> Vec<u64> {
-        let ids: Vec<CommandId> = slots
-            .into_iter()
-            .map(|slot| {
-                self.submit(Command::DevicePageAlloc {
-                    session,
-                    region,
-                    slot,
-                })
-            })
-            .collect();
-        self.tick();
-        let mut by_id: HashMap<CommandId, u64> = HashMap::with_capacity(ids.len());
-        let mut rest = Vec::new();
-        for e in self.pending.drain(..) {
-            match e {
-                Event::DevicePageAllocated {
-                    command,
-                    device_page,
-                } => {
-                    by_id.insert(command, device_page);
-                }
-                Event::Rejected { .. } => panic!("alloc: {e:?}"),
-                e => rest.push(e),
-            }
-        }
-        self.pending = rest;
-        ids.iter()
-            .map(|id| *by_id.get(id).expect("every alloc answered in its tick"))
-            .collect()
+        self.d.alloc_many(session, region, slots).expect("alloc")
     }
 
     /// Publishes and waits for `PublishDone`; returns `inserted`.
@@ -315,37 +176,9 @@ impl Driver {
         request: u64,
         pages: Vec<PublishPage>,
     ) -> u64 {
-        let id = self.submit(Command::Publish {
-            session,
-            request,
-            pages,
-        });
-        self.tick();
-        match self.wait("publish", |e| {
-            matches!(e, Event::PublishDone { command, .. } if *command == id)
-                || matches!(e, Event::Rejected { command, .. } if *command == id)
-        }) {
-            Event::PublishDone {
-                inserted,
-                duplicates: 0,
-                dropped: 0,
-                ..
-            } => inserted,
-            e => panic!("publish: {e:?}"),
-        }
-    }
-}
-
-pub fn command_of(e: &Event) -> Option<CommandId> {
-    match e {
-        Event::Rejected { command, .. }
-        | Event::InstanceRegistered { command, .. }
-        | Event::SessionOpened { command, .. }
-        | Event::RegionRegistered { command, .. }
-        | Event::DevicePageAllocated { command, .. }
-        | Event::QueryResult { command, .. }
-        | Event::PublishDone { command, .. } => Some(*command),
-        _ => None,
+        let done = self.d.publish(session, request, pages).expect("publish");
+        assert_eq!((done.duplicates, done.dropped), (0, 0), "{done:?}");
+        done.inserted
     }
 }
 

@@ -6,7 +6,7 @@
 use orbitkv_components::api::{
     Addressed, Command, CommandError, Event, GroupHashes, Origin, PublishPage, SessionHandle,
 };
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
+use orbitkv_components::contract::GroupSpec;
 use orbitkv_components::{Namespace, NativeHash, StateKey};
 use orbitkv_gpu::host::DeviceArena;
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
@@ -256,37 +256,8 @@ pub fn register_cmd(
     c
 }
 
-pub fn dense() -> Vec<GroupSpec> {
-    vec![GroupSpec {
-        id: 0,
-        rule: Rule::Prefix,
-        components: vec![ComponentKind::AttentionKv],
-    }]
-}
-
-/// Full attention + sliding window (100 past tokens) + recurrent checkpoint.
-pub fn hybrid() -> Vec<GroupSpec> {
-    vec![
-        GroupSpec {
-            id: 0,
-            rule: Rule::Prefix,
-            components: vec![ComponentKind::AttentionKv],
-        },
-        GroupSpec {
-            id: 1,
-            rule: Rule::Window { past_tokens: 100 },
-            components: vec![ComponentKind::SlidingWindowKv],
-        },
-        GroupSpec {
-            id: 2,
-            rule: Rule::Checkpoint,
-            components: vec![
-                ComponentKind::RecurrentCheckpoint,
-                ComponentKind::ConvolutionState,
-            ],
-        },
-    ]
-}
+#[allow(unused_imports)]
+pub use orbitkv_world::driver::{dense, hybrid};
 
 /// The engine's chained hash of page `i` of a prompt: distinct per prompt
 /// seed, group and page.

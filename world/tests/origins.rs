@@ -212,6 +212,23 @@ fn two_engines() -> (Harness, Engine, Engine) {
     (h, a, b)
 }
 
+/// Releases `op`, the last operation alive, and checks nothing is left.
+fn release_last(h: &mut Harness, e: &Engine, op: u64) {
+    let release = Command::Release {
+        session: e.s,
+        operation: op,
+    };
+    h.rt().submit(e.origin, release).unwrap();
+    assert_eq!(
+        h.rt().tick(),
+        vec![Addressed {
+            to: e.origin,
+            event: Event::Released { operation: op }
+        }]
+    );
+    h.assert_idle();
+}
+
 #[test]
 fn every_cross_origin_command_is_refused_without_effect() {
     let (mut h, a, b) = two_engines();
@@ -393,19 +410,7 @@ fn every_cross_origin_command_is_refused_without_effect() {
         );
     }
     // B's recovery was never touched either.
-    let release = Command::Release {
-        session: b.s,
-        operation: op_b,
-    };
-    h.rt().submit(B, release).unwrap();
-    assert_eq!(
-        h.rt().tick(),
-        vec![Addressed {
-            to: B,
-            event: Event::Released { operation: op_b }
-        }]
-    );
-    h.assert_idle();
+    release_last(&mut h, &b, op_b);
 }
 
 fn pos(page_end: u64) -> orbitkv_components::api::PagePos {
@@ -560,19 +565,7 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
     );
     assert_eq!(s.bytes_reserved, 4 * PAGE_BYTES);
     h.rt().check_invariants().unwrap();
-    let release = Command::Release {
-        session: b.s,
-        operation: op_b,
-    };
-    h.rt().submit(B, release).unwrap();
-    assert_eq!(
-        h.rt().tick(),
-        vec![Addressed {
-            to: B,
-            event: Event::Released { operation: op_b }
-        }]
-    );
-    h.assert_idle();
+    release_last(&mut h, &b, op_b);
 }
 
 #[test]

@@ -762,6 +762,27 @@ fn speculative_work_is_capped_at_a_quarter() {
     h.assert_idle();
 }
 
+/// A dense setup whose copies go `batch` pages at a time, `in_flight`
+/// batches at most, with `pages` pages of prompt `seed` published and a
+/// recovery of them ready: (setup, operation).
+fn ready_under_copy_limits(
+    seed: u64,
+    pages: u64,
+    (batch, in_flight): (usize, usize),
+    tune: impl FnOnce(&mut orbitkv_world::Config),
+) -> (Dense, u64) {
+    let mut c = config(16 << 20);
+    c.limits.max_copy_batch_pages = batch;
+    c.limits.max_inflight_copies = in_flight;
+    tune(&mut c);
+    let mut d = dense_setup_with(c);
+    let sources = d.publish(seed, pages, 0);
+    d.free(&sources);
+    let (op, ready) = d.prepare(seed, pages, pages * PAGE + 1);
+    assert!(matches!(ready, Event::Ready { .. }), "{ready:?}");
+    (d, op)
+}
+
 /// Issue 10, finding 3: a speculative recovery of exactly its share (25%
 /// of a 65,536-byte budget = 16,384 bytes = 4 pages) is admitted.
 #[test]
@@ -800,14 +821,7 @@ fn speculative_share_is_exact() {
 /// recovery of 32,769 pages per rank under the default limits).
 #[test]
 fn jobs_larger_than_the_copy_limits_run_in_pieces() {
-    let mut c = config(16 << 20);
-    c.limits.max_copy_batch_pages = 1;
-    c.limits.max_inflight_copies = 2;
-    let mut d = dense_setup_with(c);
-    let sources = d.publish(32, 4, 0);
-    d.free(&sources);
-    let (op, ready) = d.prepare(32, 4, 4 * PAGE + 1);
-    assert!(matches!(ready, Event::Ready { .. }), "{ready:?}");
+    let (mut d, op) = ready_under_copy_limits(32, 4, (1, 2), |_| {});
     let slots = d.restore(op, 4, 10);
     d.assert_restored(32, &slots);
     d.h.assert_idle();
@@ -878,14 +892,9 @@ fn jobs_larger_than_the_copy_limits_run_in_pieces() {
 /// drains, and the leases, bytes and device pins all return.
 #[test]
 fn accepted_restore_gives_up_its_unsent_batches_at_its_deadline() {
-    let mut c = config(16 << 20);
-    c.limits.max_copy_batch_pages = 1;
-    c.limits.max_inflight_copies = 1;
-    c.limits.restore_deadline_us = 1_000;
-    let mut d = dense_setup_with(c);
-    let sources = d.publish(34, 3, 0);
-    d.free(&sources);
-    let (op, _) = d.prepare(34, 3, 3 * PAGE + 1);
+    let (mut d, op) = ready_under_copy_limits(34, 3, (1, 1), |c| {
+        c.limits.restore_deadline_us = 1_000;
+    });
     let targets: Vec<u64> = (0..3).map(|i| d.h.alloc(d.s, d.region, 10 + i)).collect();
     d.h.copies.hold(true);
     d.h.step(vec![Command::Restore {
@@ -942,13 +951,7 @@ fn accepted_restore_gives_up_its_unsent_batches_at_its_deadline() {
 /// reply then counted as restored).
 #[test]
 fn a_destination_freed_mid_restore_is_released_after_the_reply() {
-    let mut c = config(16 << 20);
-    c.limits.max_copy_batch_pages = 1;
-    c.limits.max_inflight_copies = 1;
-    let mut d = dense_setup_with(c);
-    let sources = d.publish(35, 2, 0);
-    d.free(&sources);
-    let (op, _) = d.prepare(35, 2, 2 * PAGE + 1);
+    let (mut d, op) = ready_under_copy_limits(35, 2, (1, 1), |_| {});
     let targets: Vec<u64> = (0..2).map(|i| d.h.alloc(d.s, d.region, 10 + i)).collect();
     d.h.step(vec![Command::Restore {
         session: d.s,

@@ -188,6 +188,15 @@ impl Bench {
         std::mem::take(&mut self.w.resource_mut::<Outbox>().0)
     }
 
+    /// The one event of the run, which must go to the owner.
+    fn only_event(&mut self) -> Event {
+        let mut events = self.events();
+        assert_eq!(events.len(), 1, "{events:?}");
+        let a = events.remove(0);
+        assert_eq!(a.to, ORIGIN, "{a:?}");
+        a.event
+    }
+
     fn state(&self, op: Entity) -> OpState {
         self.w.get::<Operation>(op).unwrap().state()
     }
@@ -253,19 +262,16 @@ fn ingest_refuses_a_conflicting_registration_without_effect() {
     };
     b.w.resource_mut::<Inbox>().0.push_back(inbound);
     b.run(ingest::ingest);
-    let events = b.events();
+    let e = b.only_event();
     assert!(
         matches!(
-            &events[..],
-            [Addressed {
-                to: ORIGIN,
-                event: Event::Rejected {
-                    command: 5,
-                    error: CommandError::InstanceConflict(_)
-                }
-            }]
+            e,
+            Event::Rejected {
+                command: 5,
+                error: CommandError::InstanceConflict(_)
+            }
         ),
-        "{events:?}"
+        "{e:?}"
     );
     // The open session keeps its instance, still registered and live.
     assert_eq!(b.w.resource::<Registry>().instances["m"], b.instance);
@@ -297,20 +303,17 @@ fn validate_selects_below_the_prompt_limit_and_replies_to_the_owner() {
     let op = b.op(1, OpState::Validate, rec);
     b.run(validate::validate);
     assert_eq!(b.state(op), OpState::Selected);
-    let events = b.events();
+    let e = b.only_event();
     assert!(
         matches!(
-            &events[..],
-            [Addressed {
-                to: ORIGIN,
-                event: Event::QueryResult {
-                    selected: Some(48),
-                    miss: None,
-                    ..
-                }
-            }]
+            e,
+            Event::QueryResult {
+                selected: Some(48),
+                miss: None,
+                ..
+            }
         ),
-        "{events:?}"
+        "{e:?}"
     );
     let rec = b.w.get::<Recovery>(op).unwrap();
     let want = RequiredRange {
@@ -557,17 +560,8 @@ fn a_closed_session_goes_with_its_regions_and_device_pages() {
         assert!(b.w.get_entity(*e).is_err(), "{e:?} is despawned");
     }
     assert_eq!(b.w.resource::<Registry>().sessions, 0);
-    let events = b.events();
-    assert!(
-        matches!(
-            &events[..],
-            [Addressed {
-                to: ORIGIN,
-                event: Event::SessionClosed { .. }
-            }]
-        ),
-        "{events:?}"
-    );
+    let e = b.only_event();
+    assert!(matches!(e, Event::SessionClosed { .. }), "{e:?}");
     b.check();
 }
 

@@ -4,14 +4,14 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use orbitkv_components::api::{
-    Addressed, Command, Event, GroupHashes, Origin, PublishPage, Rank, RestoreTarget,
+    Addressed, Command, Event, GroupHashes, Origin, PublishPage, RestoreTarget,
 };
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{NativeHash, StateKey, StorageLayout, StorageSlot};
+use orbitkv_components::{NativeHash, StateKey};
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
 use orbitkv_io::tier::MemoryTier;
 use orbitkv_scenarios::payload::payload;
 use orbitkv_scenarios::replay::Replay;
+use orbitkv_world::driver::{dense, register_command};
 use orbitkv_world::{Backends, Config, Runtime};
 
 #[derive(Clone, Default)]
@@ -82,37 +82,10 @@ fn recorded_trace_replays_to_the_same_events() {
     rt.record(Box::new(buf.clone()), 10).unwrap();
     let mut log = Vec::new();
 
-    let groups = vec![GroupSpec {
-        id: 0,
-        rule: Rule::Prefix,
-        components: vec![ComponentKind::AttentionKv],
-    }];
-    let slot = StorageSlot {
-        layer: 0,
-        group: 0,
-        tp_rank: 0,
-        pp_rank: 0,
-        segment_bytes: BYTES,
-        padded_page_bytes: BYTES,
-        page_tokens: PAGE as u32,
-        dtype: "bf16".into(),
-        layout: "NHD".into(),
-        strides: vec![1],
-        device_addr: 0,
-    };
+    let register = register_command("m", [3; 32], dense(), 1, PAGE, BYTES);
     let ns = reply(
         &mut rt,
-        Command::RegisterInstance {
-            instance: "m".into(),
-            identity: [3; 32],
-            layout: StorageLayout {
-                slots: vec![slot],
-                pool_capacity_pages: 0,
-            },
-            page_tokens: PAGE,
-            groups,
-            ranks: vec![Rank { tp: 0, pp: 0 }],
-        },
+        register,
         |e| match e {
             Event::InstanceRegistered { namespaces, .. } => Some(namespaces[0]),
             _ => None,

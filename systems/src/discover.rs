@@ -37,8 +37,10 @@ pub fn discover(
         let first = rec.origin / page;
         let mut candidates = Vec::new();
         for (rank_index, rank) in instance.ranks.iter().enumerate() {
-            // Groups are sorted, so the prefix group 0 comes first; pages past
-            // its contiguous run can never be part of a legal boundary.
+            // Groups are sorted, so group 0 comes first (the prefix group when
+            // there is one); every rule needs the page ending at a legal
+            // boundary, so pages past group 0's last found page can never be
+            // part of one.
             let mut last = rec.end / page;
             for group in rank.contract.groups() {
                 let hashes = &rec

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 import transformers
-from transformers import AutoConfig, DynamicCache
+from transformers import DynamicCache
 from transformers import cache_utils as cu
 
 import orbitkv
@@ -536,7 +536,11 @@ class Store:
 
     def _check_config(self) -> None:
         """The in-memory configuration must be the one the identity hashes."""
-        on_disk = AutoConfig.from_pretrained(str(self.model_dir)).to_dict()
+        path = self.model_dir / "config.json"
+        if not path.is_file():
+            raise orbitkv.IdentityError(f"{path} does not exist: the identity needs the model directory")
+        # Read locally only: this never resolves a name on a model hub.
+        on_disk = type(self.config).from_json_file(str(path)).to_dict()
         live = self.config.to_dict()
         volatile = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "_attn_implementation_autoset"}
         differ = sorted(k for k in set(on_disk) | set(live) if k not in volatile and on_disk.get(k) != live.get(k))

@@ -35,5 +35,9 @@ VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" \
     "$TORCH_VENV/bin/maturin" develop "${release[@]}" -m bridge/Cargo.toml
 echo "maturin develop took $((SECONDS - start))s"
 
+echo "== cargo build --bin orbitkv ($PROFILE): the manager the Client tests start"
+cargo build -q --bin orbitkv "${release[@]}"
+export ORBITKV_BIN="${ORBITKV_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/$PROFILE/orbitkv}"
+
 echo "== pytest bridge/tests_models"
 "$VENV/bin/python" -m pytest -q bridge/tests_models "$@"

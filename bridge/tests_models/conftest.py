@@ -9,6 +9,7 @@ passes explicit ``position_ids``.
 from __future__ import annotations
 
 import copy
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -74,6 +75,27 @@ CONFIGS: Dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 MODELS = list(CONFIGS)
 HYBRIDS = ["qwen3next", "falconh1", "bamba", "zamba2"]
+
+#: Seconds one test may run (the whole suite takes about two minutes on two
+#: cores).
+TEST_LIMIT_S = 300
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    """Fails a test that runs past TEST_LIMIT_S, so teardown still runs."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"test ran past {TEST_LIMIT_S}s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(TEST_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
 
 #: (test, model) -> {"boundary": int, "max_abs_dlogit": float, ...}; printed
 #: at the end of the session.

@@ -186,6 +186,8 @@ def test_page_corrupted_on_ssd_is_a_checksum_miss(saved, tmp_path, name):
             m = rt.stats()["metrics"]["demotions"]
             if m.get("written", 0) + m.get("failed", 0) >= m.get("submitted", 0):
                 break
+        failed = rt.stats()["metrics"]["demotions"].get("failed", 0)
+        assert failed == 0, f"{failed} SSD writes failed (is {ssd} full?)"
         found = _segment_offset(ssd, payload[:512])
         if found:
             break

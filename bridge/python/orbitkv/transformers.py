@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,87 +86,105 @@ class UnsupportedModel(ValueError):
 # ---------------------------------------------------------------------------
 
 
-class _RuntimeDriver:
-    """Drives an embedded :class:`orbitkv.Runtime`: this process ticks it."""
+class _Mailbox:
+    """Events fetched from one backend object and not yet claimed. Shared by
+    every store on that runtime or client: whichever store ticks (or reads
+    the connection) may receive another's events, so each claims its own by
+    command id, operation or device page."""
 
-    def __init__(self, rt: orbitkv.Runtime, timeout_s: float):
-        if rt.simulated_clock:
-            raise ValueError(
-                "orbitkv.transformers needs a wall-clock Runtime (simulated_clock=False): "
-                "it reads and writes device regions through Runtime.device_view"
-            )
-        self.rt = rt
-        self.timeout_s = timeout_s
-        self.pending: List[dict] = []
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: List[dict] = []
+        self.users = 0
 
-    def _tick(self) -> None:
-        events = self.rt.tick()
-        if events:
-            self.pending.extend(events)
+    def claim(self, match: Callable[[dict], bool]) -> Optional[dict]:
+        with self.lock:
+            for i, e in enumerate(self.events):
+                if match(e):
+                    return self.events.pop(i)
+        return None
+
+    def add(self, events: List[dict]) -> None:
+        # Nobody waits for these; keeping them would only grow the box.
+        kept = [e for e in events if e.get("event") not in _UNCLAIMED]
+        if kept:
+            with self.lock:
+                self.events.extend(kept)
+
+
+#: Events no store waits for.
+_UNCLAIMED = {"released"}
+_MAILBOXES: Dict[int, _Mailbox] = {}
+_MAILBOXES_LOCK = threading.Lock()
+
+
+class _Driver:
+    """The same calls on an embedded runtime (this process ticks it) and on
+    a manager client (the manager ticks; events arrive on the connection)."""
+
+    def __init__(self, backend: Union[orbitkv.Runtime, orbitkv.Client], timeout_s: float):
+        if isinstance(backend, orbitkv.Runtime):
+            if backend.simulated_clock:
+                raise ValueError(
+                    "orbitkv.transformers needs a wall-clock Runtime (simulated_clock=False): "
+                    "it reads and writes device regions through Runtime.device_view"
+                )
+            self.runtime: Optional[orbitkv.Runtime] = backend
+            self.client: Optional[orbitkv.Client] = None
+        elif isinstance(backend, orbitkv.Client):
+            self.runtime, self.client = None, backend
         else:
-            # Copies and reads run on other threads; give them the core.
-            time.sleep(0)
+            raise TypeError(f"backend must be an orbitkv.Runtime or orbitkv.Client, not {type(backend).__name__}")
+        self.backend = backend
+        self.timeout_s = timeout_s
+        # The backend stays alive while this driver holds it, so its id
+        # cannot be reused for another object meanwhile.
+        with _MAILBOXES_LOCK:
+            self.mailbox = _MAILBOXES.setdefault(id(backend), _Mailbox())
+            self.mailbox.users += 1
+
+    def close(self) -> None:
+        with _MAILBOXES_LOCK:
+            self.mailbox.users -= 1
+            if self.mailbox.users == 0:
+                _MAILBOXES.pop(id(self.backend), None)
 
     def submit(self, cmd: dict) -> int:
-        return self.rt.submit(cmd)
+        return self.backend.submit(cmd)
 
     def call(self, cmd: dict) -> dict:
-        cid = self.rt.submit(cmd)
+        """Submits a command and returns the event that answers it."""
+        cid = self.backend.submit(cmd)
         return self.next(match=lambda e: e.get("command") == cid and "event" in e, what=cmd["command"])
 
-    def next(self, *, match: Callable[[dict], bool], what: str, kind: Optional[str] = None,
-             operation: Optional[int] = None) -> dict:
+    def next(self, *, match: Callable[[dict], bool], what: str) -> dict:
+        """The first event matching ``match``, waiting at most
+        ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            for i, e in enumerate(self.pending):
-                if match(e):
-                    del self.pending[i]
-                    return e
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"orbitkv: no event for {what} within {self.timeout_s} s")
-            self._tick()
-
-    def drop(self, match: Callable[[dict], bool]) -> None:
-        self.pending = [e for e in self.pending if not match(e)]
-
-    def view(self, region_event: dict) -> memoryview:
-        return self.rt.device_view(region_event["engine_region"])
-
-
-class _ClientDriver:
-    """Drives a :class:`orbitkv.Client` of ``orbitkv serve``: the manager
-    ticks by itself; events are routed to this connection."""
-
-    def __init__(self, client: orbitkv.Client, timeout_s: float):
-        self.client = client
-        self.timeout_s = timeout_s
-        self.pending: List[dict] = []
-
-    def submit(self, cmd: dict) -> int:
-        return self.client.submit(cmd)
-
-    def call(self, cmd: dict) -> dict:
-        return self.client.call(cmd, self.timeout_s)
-
-    def next(self, *, match: Callable[[dict], bool], what: str, kind: Optional[str] = None,
-             operation: Optional[int] = None) -> dict:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            for i, e in enumerate(self.pending):
-                if match(e):
-                    del self.pending[i]
-                    return e
+            e = self.mailbox.claim(match)
+            if e is not None:
+                return e
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"orbitkv: no event for {what} within {self.timeout_s} s")
-            e = self.client.wait_event(left, kind=kind, operation=operation)
-            if e is not None:
-                self.pending.append(e)
-
-    def drop(self, match: Callable[[dict], bool]) -> None:
-        self.pending = [e for e in self.pending if not match(e)]
+            if self.runtime is not None:
+                events = self.runtime.tick()
+                if not events:
+                    # Copies and reads run on other threads; let them run.
+                    time.sleep(0)
+                self.mailbox.add(events)
+            else:
+                # Short slices, so another store's event does not keep this
+                # one waiting in the client for the whole timeout.
+                e = self.client.wait_event(min(left, 0.05))
+                if e is not None:
+                    self.mailbox.add([e])
 
     def view(self, region_event: dict) -> memoryview:
+        """A writable view of a device region this session registered."""
+        if self.runtime is not None:
+            return self.runtime.device_view(region_event["engine_region"])
         return self.client.region(region_event["region"])
 
 
@@ -488,6 +507,7 @@ class Store:
         if model_type in _REFUSED_MODEL_TYPES:
             raise UnsupportedModel(f"{model_type}: {_REFUSED_MODEL_TYPES[model_type]}")
         self.model_dir = Path(model_dir)
+        self._driver = _Driver(backend, timeout_s)
         self._check_config()
         self.page_tokens = page_tokens
         self.max_pages = max_tokens // page_tokens
@@ -520,12 +540,6 @@ class Store:
             layout=layout,
         )
         self.namespace: str = self.identity["namespace"]
-        if isinstance(backend, orbitkv.Runtime):
-            self._driver: Any = _RuntimeDriver(backend, timeout_s)
-        elif isinstance(backend, orbitkv.Client):
-            self._driver = _ClientDriver(backend, timeout_s)
-        else:
-            raise TypeError(f"backend must be an orbitkv.Runtime or orbitkv.Client, not {type(backend).__name__}")
         self.instance = f"transformers/{self.namespace[:16]}"
         self._request = 0
         self._session: Optional[dict] = None
@@ -602,10 +616,13 @@ class Store:
             s, self._session = self._session, None
             self._driver.submit({"command": "close_session", "session": s})
             try:
-                self._driver.next(match=lambda e: e.get("event") == "session_closed", what="close_session",
-                                  kind="session_closed")
+                self._driver.next(
+                    match=lambda e: e.get("event") == "session_closed" and e["session"] == s, what="close_session"
+                )
             except (TimeoutError, orbitkv.ConnectionError):
                 pass
+            finally:
+                self._driver.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -838,7 +855,6 @@ class Store:
             e = self._driver.next(
                 match=lambda e: e.get("event") == "device_page_freed" and e["device_page"] in left,
                 what="device_page_free",
-                kind="device_page_freed",
             )
             left.discard(e["device_page"])
 
@@ -874,13 +890,15 @@ class Store:
         op = q["operation"]
         if q["miss"] is not None:
             return Restored(None, 0, q["miss"])
-        ready = self._operation_event(op, ("ready", "miss"))
-        t_ready = time.perf_counter()
-        if ready["event"] == "miss":
-            return Restored(None, 0, ready["reason"])
-        boundary = ready["boundary"]
-        keys = sorted((lease["pos"]["group"], lease["pos"]["page_end"] // p - 1) for lease in ready["leases"])
+        finished = False
         try:
+            ready = self._operation_event(op, ("ready", "miss"))
+            t_ready = time.perf_counter()
+            if ready["event"] == "miss":
+                finished = True
+                return Restored(None, 0, ready["reason"])
+            boundary = ready["boundary"]
+            keys = sorted((lease["pos"]["group"], lease["pos"]["page_end"] // p - 1) for lease in ready["leases"])
             with self._device_pages(keys) as handles:
                 self._driver.submit(
                     {
@@ -895,13 +913,16 @@ class Store:
                     }
                 )
                 done = self._operation_event(op, ("restore_done", "miss"))
+                finished = True
                 t_copied = time.perf_counter()
                 if done["event"] == "miss":
                     return Restored(None, 0, done["reason"])
                 cache = self._build_cache(boundary, keys)
-        except BaseException:
-            self._release(op)
-            raise
+        finally:
+            if not finished:
+                # Leases and reserved bytes go back; a copy in flight keeps
+                # its device pages until it drains.
+                self._release(op)
         t_built = time.perf_counter()
         return Restored(
             cache,
@@ -919,7 +940,7 @@ class Store:
 
     def _operation_event(self, op: int, kinds: Tuple[str, ...]) -> dict:
         while True:
-            e = self._driver.next(match=lambda e: e.get("operation") == op, what=f"operation {op}", operation=op)
+            e = self._driver.next(match=lambda e: e.get("operation") == op, what=f"operation {op}")
             if e["event"] in kinds:
                 return e
             if e["event"] == "transfer_overdue":
@@ -928,8 +949,8 @@ class Store:
     def _release(self, op: int) -> None:
         try:
             self._driver.submit({"command": "release", "session": self._session, "operation": op})
-        except Exception:
-            pass
+        except (orbitkv.QueueFull, orbitkv.ConnectionError, ValueError):
+            pass  # the session's close returns them
 
     def _build_cache(self, boundary: int, keys: List[Tuple[int, int]]) -> DynamicCache:
         """A fresh cache holding the restored pages' state at ``boundary``."""
@@ -940,12 +961,14 @@ class Store:
             by_group.setdefault(g, []).append(k)
         for g in self.groups:
             ks = by_group.get(g.id, [])
+            # The runtime leased exactly the contract's ranges: the page
+            # ending at the boundary, and for attention a run up to it.
+            last = boundary // p - 1
+            if not ks or ks[-1] != last or ks != list(range(ks[0], last + 1)) or (g.kind == "checkpoint" and len(ks) != 1):
+                raise OrbitKVError("unexpected_leases", {"group": g.id, "pages": ks, "boundary": boundary})
             if g.kind == "checkpoint":
-                assert ks == [boundary // p - 1], (g.id, ks)
-                self._load_checkpoint(cache, boundary // p - 1)
+                self._load_checkpoint(cache, last)
                 continue
-            # Attention pages: a contiguous run ending at the boundary.
-            assert ks and ks[-1] == boundary // p - 1 and ks == list(range(ks[0], ks[-1] + 1)), (g.id, ks)
             keep = boundary if g.kind == "prefix" else min(boundary, g.past_tokens)
             for s in g.slots:
                 kv = []
@@ -990,9 +1013,14 @@ class Store:
         ids = _tokens(input_ids)
         restored = self.restore(ids)
         cache = restored.cache if restored.cache is not None else self.new_cache()
-        logits, staged = self.prefill(ids, cache, restored.boundary, publish=publish)
+        logits, staged = self.prefill(ids, cache, restored.boundary, publish=False)
         nxt = int(logits[0, -1].argmax())
         first_token_s = time.perf_counter() - t0
+        # Published after the first token, off its latency. Decoding does not
+        # touch what was staged: prefix pages are the cache's first tokens,
+        # window pages and checkpoints were copied as they passed.
+        if publish:
+            self.publish(staged)
         new = [nxt]
         pos = ids.shape[1]
         while len(new) < max_new_tokens:

@@ -119,3 +119,49 @@ def test_close_returns_everything(saved, rt):
     store.close()
     st = rt.stats()
     assert (st["sessions"], st["device_pages"], st["leases"], st["bytes_reserved"]) == (0, 0, 0, 0), json.dumps(st)
+
+
+def test_stores_share_a_runtime_across_threads(saved, rt):
+    """Two models' stores on one runtime, each driven from its own thread:
+    whichever ticks hands the other its events."""
+    import threading
+
+    from conftest import Live, continue_logits, max_delta
+
+    errors = []
+
+    def work(name, seed):
+        try:
+            model, model_dir = saved(name)
+            store = Store(model, model_dir, rt, page_tokens=PAGE, max_tokens=256)
+            a, b = prompts(seed=seed)
+            for _ in range(2):
+                live = Live(store, a, publish=True)
+                r = store.restore(b)
+                assert (r.miss, r.boundary) == (None, 96), r
+                ref = continue_logits(model, live.at(96), b, 96)
+                assert max_delta(ref, continue_logits(model, r.cache, b, 96)) == 0.0
+            store.close()
+        except BaseException as e:  # reported below
+            errors.append((name, repr(e)))
+
+    # Build both first: saving models is not thread-safe in the fixture.
+    saved("llama")
+    saved("bamba")
+    threads = [threading.Thread(target=work, args=(n, s)) for n, s in (("llama", 21), ("bamba", 22))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    st = rt.stats()
+    assert (st["sessions"], st["operations"], st["leases"], st["device_pages"]) == (0, 0, 0, 0)
+
+
+def test_a_closed_store_refuses_work(saved, rt):
+    model, model_dir = saved("llama")
+    store = Store(model, model_dir, rt, page_tokens=PAGE, max_tokens=256)
+    store.close()
+    a, _ = prompts()
+    with pytest.raises(RuntimeError, match="the store is closed"):
+        store.restore(a)

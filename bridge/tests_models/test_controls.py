@@ -12,6 +12,8 @@ more than MEASURABLE: the control can fail.
 from __future__ import annotations
 
 import copy
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,7 @@ def test_dropped_checkpoint_selects_an_earlier_boundary(saved, rt, name):
     store = new_store(model, model_dir, rt)
     a, b = prompts(seed=5)
     live = Live(store, a, publish=False)
-    live.staged.discard(store.checkpoint.id, PROMPT_A, PAGE)
+    live.staged.discard(store.checkpoint.id, PROMPT_A)
     store.publish(live.staged)
 
     # Every other page is there; without the checkpoint at 96 the contract
@@ -74,7 +76,7 @@ def test_dropped_window_page_selects_an_earlier_boundary(saved, rt):
     assert window.id == 0 and store.prefix is None and window.past_tokens == 39
     a, b = prompts(seed=6)
     live = Live(store, a, publish=False)
-    live.staged.discard(window.id, 64, PAGE)
+    live.staged.discard(window.id, 64)
     store.publish(live.staged)
 
     # 39 past tokens round up to three pages: boundaries 64, 80 and 96 each
@@ -181,11 +183,15 @@ def test_page_corrupted_on_ssd_is_a_checksum_miss(saved, tmp_path, name):
     for seed in range(100, 140):
         filler = torch.randint(0, 256, (1, PROMPT_A), generator=torch.Generator().manual_seed(seed))
         store.prefill(filler)
-        for _ in range(200):
+        # Demotions become visible (indexed) once written and synced.
+        deadline = time.monotonic() + 10
+        while True:
             assert rt.tick() == []
             m = rt.stats()["metrics"]["demotions"]
             if m.get("written", 0) + m.get("failed", 0) >= m.get("submitted", 0):
                 break
+            assert time.monotonic() < deadline, f"demotions never completed: {m}"
+            time.sleep(0.001)
         failed = rt.stats()["metrics"]["demotions"].get("failed", 0)
         assert failed == 0, f"{failed} SSD writes failed (is {ssd} full?)"
         found = _segment_offset(ssd, payload[:512])
@@ -201,7 +207,7 @@ def test_page_corrupted_on_ssd_is_a_checksum_miss(saved, tmp_path, name):
             f.write(bytes([byte ^ 0x80]))
 
     r = store.restore(b)
-    assert (r.miss, r.boundary, r.cache) == ("checksum", 0, None), r
+    assert (r.miss, r.boundary, r.cache) == ("checksum", 0, None), (r, json.dumps(rt.stats()))
     assert rt.stats()["metrics"]["checksum_failures"] == 1
     # The corrupt record left the index: the next restore avoids it.
     again = store.restore(b)

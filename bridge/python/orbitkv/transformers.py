@@ -40,12 +40,14 @@ from transformers import cache_utils as cu
 import orbitkv
 
 __all__ = [
+    "PAGE_FORMAT",
     "Generation",
     "OrbitKVError",
     "Restored",
     "Staged",
     "Store",
     "UnsupportedModel",
+    "page_hashes",
 ]
 
 #: Version of the page byte format below; part of every identity.
@@ -122,19 +124,22 @@ class _Driver:
     """The same calls on an embedded runtime (this process ticks it) and on
     a manager client (the manager ticks; events arrive on the connection)."""
 
-    def __init__(self, backend: Union[orbitkv.Runtime, orbitkv.Client], timeout_s: float):
+    @staticmethod
+    def check(backend: Any) -> None:
+        """Raises unless ``backend`` can carry a store."""
         if isinstance(backend, orbitkv.Runtime):
             if backend.simulated_clock:
                 raise ValueError(
                     "orbitkv.transformers needs a wall-clock Runtime (simulated_clock=False): "
                     "it reads and writes device regions through Runtime.device_view"
                 )
-            self.runtime: Optional[orbitkv.Runtime] = backend
-            self.client: Optional[orbitkv.Client] = None
-        elif isinstance(backend, orbitkv.Client):
-            self.runtime, self.client = None, backend
-        else:
+        elif not isinstance(backend, orbitkv.Client):
             raise TypeError(f"backend must be an orbitkv.Runtime or orbitkv.Client, not {type(backend).__name__}")
+
+    def __init__(self, backend: Union[orbitkv.Runtime, orbitkv.Client], timeout_s: float):
+        self.check(backend)
+        self.runtime = backend if isinstance(backend, orbitkv.Runtime) else None
+        self.client = backend if isinstance(backend, orbitkv.Client) else None
         self.backend = backend
         self.timeout_s = timeout_s
         # The backend stays alive while this driver holds it, so its id
@@ -441,7 +446,8 @@ class Staged:
     were copied when their boundary passed (the cache no longer holds
     them)."""
 
-    def __init__(self, hashes: List[str], cache: DynamicCache, pages: Dict[Tuple[int, int], bool]):
+    def __init__(self, hashes: List[str], cache: DynamicCache, pages: Dict[Tuple[int, int], bool], page_tokens: int):
+        self.page_tokens = page_tokens
         self.hashes = hashes
         self.cache = cache
         #: (group, page index) of every staged page.
@@ -450,10 +456,10 @@ class Staged:
         #: before).
         self.inserted: Optional[int] = None
 
-    def discard(self, group: int, page_end: int, page_tokens: int) -> None:
+    def discard(self, group: int, page_end: int) -> None:
         """Drops one staged page (the page of ``group`` ending at token
         ``page_end``) so it is not published."""
-        key = (group, page_end // page_tokens - 1)
+        key = (group, page_end // self.page_tokens - 1)
         if key not in self.pages:
             raise KeyError(f"no staged page of group {group} ends at {page_end}")
         del self.pages[key]
@@ -507,7 +513,7 @@ class Store:
         if model_type in _REFUSED_MODEL_TYPES:
             raise UnsupportedModel(f"{model_type}: {_REFUSED_MODEL_TYPES[model_type]}")
         self.model_dir = Path(model_dir)
-        self._driver = _Driver(backend, timeout_s)
+        _Driver.check(backend)
         self._check_config()
         self.page_tokens = page_tokens
         self.max_pages = max_tokens // page_tokens
@@ -544,7 +550,12 @@ class Store:
         self._request = 0
         self._session: Optional[dict] = None
         self._regions: Dict[int, Tuple[dict, torch.Tensor]] = {}
-        self._open(layout)
+        self._driver: Optional[_Driver] = _Driver(backend, timeout_s)
+        try:
+            self._open(layout)
+        except BaseException:
+            self.close()
+            raise
 
     # -- setup ------------------------------------------------------------
 
@@ -564,8 +575,13 @@ class Store:
                 "save the model (or pass the directory it was loaded from)"
             )
 
+    def _d(self) -> _Driver:
+        if self._driver is None:
+            raise RuntimeError("the store is closed")
+        return self._driver
+
     def _reply(self, cmd: dict, want: str) -> dict:
-        e = self._driver.call(cmd)
+        e = self._d().call(cmd)
         if e["event"] == "rejected":
             err = e["error"]
             raise OrbitKVError(err["error"], err.get("detail"), cmd)
@@ -605,24 +621,28 @@ class Store:
             )
             if ev["page_bytes"] != g.page_bytes:
                 raise OrbitKVError("page_bytes_mismatch", {"runtime": ev["page_bytes"], "adapter": g.page_bytes})
-            view = self._driver.view(ev)
+            view = self._d().view(ev)
             region = torch.frombuffer(view, dtype=torch.uint8).view(self.max_pages, g.page_bytes)
             self._regions[g.id] = (ev, region)
 
     def close(self) -> None:
-        """Closes the session: the runtime returns its leases and device
-        pages. Idempotent."""
-        if self._session is not None:
-            s, self._session = self._session, None
-            self._driver.submit({"command": "close_session", "session": s})
-            try:
-                self._driver.next(
-                    match=lambda e: e.get("event") == "session_closed" and e["session"] == s, what="close_session"
+        """Closes the session: the runtime returns its leases, reservations
+        and device pages. Idempotent."""
+        session, self._session = self._session, None
+        driver, self._driver = self._driver, None
+        if driver is None:
+            return
+        try:
+            if session is not None:
+                driver.submit({"command": "close_session", "session": session})
+                driver.next(
+                    match=lambda e: e.get("event") == "session_closed" and e["session"] == session,
+                    what="close_session",
                 )
-            except (TimeoutError, orbitkv.ConnectionError):
-                pass
-            finally:
-                self._driver.close()
+        except (TimeoutError, orbitkv.ConnectionError, orbitkv.QueueFull):
+            pass  # the runtime closes it when the process or connection goes
+        finally:
+            driver.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -755,7 +775,7 @@ class Store:
         if self.prefix:
             for k in range(start // p, min(total // p, self.max_pages)):
                 staged[(self.prefix.id, k)] = True
-        result = Staged(hashes, cache, staged)
+        result = Staged(hashes, cache, staged, p)
         if publish:
             self.publish(result)
         return logits, result
@@ -785,7 +805,7 @@ class Store:
         if self.checkpoint and length % (p * self.checkpoint_interval) == 0 and 0 < length // p <= self.max_pages:
             self._stage_checkpoint(cache, length // p - 1)
             staged[(self.checkpoint.id, length // p - 1)] = True
-        return self.publish(Staged(page_hashes(ids[0, :length], p), cache, staged))
+        return self.publish(Staged(page_hashes(ids[0, :length], p), cache, staged, p))
 
     def publish(self, staged: Staged) -> int:
         """Publishes staged pages (prefix pages are copied from the staged
@@ -849,10 +869,10 @@ class Store:
         if not handles or self._session is None:
             return
         for h in handles:
-            self._driver.submit({"command": "device_page_free", "session": self._session, "device_page": h})
+            self._d().submit({"command": "device_page_free", "session": self._session, "device_page": h})
         left = set(handles)
         while left:
-            e = self._driver.next(
+            e = self._d().next(
                 match=lambda e: e.get("event") == "device_page_freed" and e["device_page"] in left,
                 what="device_page_free",
             )
@@ -900,7 +920,7 @@ class Store:
             boundary = ready["boundary"]
             keys = sorted((lease["pos"]["group"], lease["pos"]["page_end"] // p - 1) for lease in ready["leases"])
             with self._device_pages(keys) as handles:
-                self._driver.submit(
+                self._d().submit(
                     {
                         "command": "restore",
                         "session": self._session,
@@ -940,7 +960,7 @@ class Store:
 
     def _operation_event(self, op: int, kinds: Tuple[str, ...]) -> dict:
         while True:
-            e = self._driver.next(match=lambda e: e.get("operation") == op, what=f"operation {op}")
+            e = self._d().next(match=lambda e: e.get("operation") == op, what=f"operation {op}")
             if e["event"] in kinds:
                 return e
             if e["event"] == "transfer_overdue":
@@ -948,7 +968,7 @@ class Store:
 
     def _release(self, op: int) -> None:
         try:
-            self._driver.submit({"command": "release", "session": self._session, "operation": op})
+            self._d().submit({"command": "release", "session": self._session, "operation": op})
         except (orbitkv.QueueFull, orbitkv.ConnectionError, ValueError):
             pass  # the session's close returns them
 

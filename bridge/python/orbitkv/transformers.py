@@ -672,8 +672,11 @@ class Store:
             layer = cache.layers[s.layer]
             for part in s.parts:
                 src = getattr(layer, part.name)[0, :, token0 : token0 + count * p, :]
-                if src.shape[1] != count * p:
-                    raise AssertionError(f"layer {s.layer} holds too few tokens for {count} pages at {token0}")
+                if src.shape[1] != count * p or token0 < 0:
+                    raise OrbitKVError("short_cache", f"layer {s.layer} holds no {count} pages at token {token0}")
+                if src.dtype != part.dtype:
+                    # copy_ would convert silently; the namespace names the dtype.
+                    raise UnsupportedModel(f"layer {s.layer}: {part.name} is {src.dtype}, registered {part.dtype}")
                 heads, _, dim = part.shape
                 dst = self._part_view(g, part, first, count)
                 dst.copy_(src.reshape(heads, count, p, dim).transpose(0, 1))

@@ -853,17 +853,26 @@ class Store:
         callers wait for ``publish_done`` / ``restore_done`` first)."""
         handles: Dict[Tuple[int, int], int] = {}
         try:
+            # All submitted first: the runtime answers them in one tick.
+            sent = []
             for g, k in keys:
-                e = self._reply(
-                    {
-                        "command": "device_page_alloc",
-                        "session": self._session,
-                        "region": self._regions[g][0]["region"],
-                        "slot": k,
-                    },
-                    "device_page_allocated",
-                )
-                handles[(g, k)] = e["device_page"]
+                cmd = {
+                    "command": "device_page_alloc",
+                    "session": self._session,
+                    "region": self._regions[g][0]["region"],
+                    "slot": k,
+                }
+                sent.append(((g, k), cmd, self._d().submit(cmd)))
+            failure = None
+            for key, cmd, cid in sent:
+                e = self._d().next(match=lambda e: e.get("command") == cid and "event" in e, what="device_page_alloc")
+                if e["event"] == "device_page_allocated":
+                    handles[key] = e["device_page"]
+                elif failure is None:
+                    err = e.get("error") or {}
+                    failure = OrbitKVError(err.get("error", e["event"]), err.get("detail"), cmd)
+            if failure is not None:
+                raise failure
             yield handles
         finally:
             self._free(list(handles.values()))

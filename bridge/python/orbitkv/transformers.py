@@ -523,6 +523,7 @@ class Store:
         self.windows = [g for g in self.groups if g.kind == "window"]
         self.checkpoint_interval = checkpoint_interval if self.checkpoint else 1
         layout = _storage_layout(self.groups, page_tokens)
+        contract_groups = [{"id": g.id, "rule": g.rule, "components": g.components} for g in self.groups]
         self.identity = orbitkv.compute_identity(
             str(self.model_dir),
             engine="transformers",
@@ -544,6 +545,7 @@ class Store:
                 ],
             },
             layout=layout,
+            groups=contract_groups,
         )
         self.namespace: str = self.identity["namespace"]
         self.instance = f"transformers/{self.namespace[:16]}"
@@ -552,7 +554,7 @@ class Store:
         self._regions: Dict[int, Tuple[dict, torch.Tensor]] = {}
         self._driver: Optional[_Driver] = _Driver(backend, timeout_s)
         try:
-            self._open(layout)
+            self._open(layout, contract_groups)
         except BaseException:
             self.close()
             raise
@@ -589,8 +591,7 @@ class Store:
             raise OrbitKVError("unexpected_event", e, cmd)
         return e
 
-    def _open(self, layout: dict) -> None:
-        contract_groups = [{"id": g.id, "rule": g.rule, "components": g.components} for g in self.groups]
+    def _open(self, layout: dict, contract_groups: List[dict]) -> None:
         e = self._reply(
             {
                 "command": "register_instance",

@@ -1,6 +1,6 @@
 //! Zero-copy views of shared memory for Python: [`Mapping`], a second
 //! mapping of pages the IPC client mapped (the manager's pool, a device
-//! region), and `orbitkv.SharedBuffer`, a buffer-protocol exporter over a
+//! region) or of an embedded runtime's device region file, and `orbitkv.SharedBuffer`, a buffer-protocol exporter over a
 //! byte range of one. [`memoryview`] wraps an exporter in a `memoryview`.
 //!
 //! Why a hand-built type: the package is abi3 for Python 3.9+, and the
@@ -63,6 +63,42 @@ impl Mapping {
         }
         Ok(Mapping {
             ptr: NonNull::new(p as *mut u8).expect("mremap returned a null mapping"),
+            len,
+        })
+    }
+
+    /// A new shared, writable mapping of the first `len` bytes of the
+    /// memory file `fd` (a device region's memfd). The mapping holds the
+    /// pages on its own: closing `fd`, or the owner unmapping its mapping,
+    /// leaves it valid.
+    pub fn map_shared(fd: std::os::fd::BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        use std::os::fd::AsRawFd;
+        if len == 0 {
+            return Ok(Mapping {
+                ptr: NonNull::dangling(),
+                len: 0,
+            });
+        }
+        // SAFETY: a fresh mapping chosen by the kernel; nothing else is at
+        // the returned address. The file is a shared-memory file whose
+        // writers (the copy engine) and readers agree through the
+        // runtime's pins and leases, as with device memory.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: NonNull::new(p as *mut u8)
+                .ok_or_else(|| io::Error::other("mmap returned null"))?,
             len,
         })
     }
@@ -168,7 +204,7 @@ unsafe extern "C" fn refuse_new(
     unsafe {
         ffi::PyErr_SetString(
             ffi::PyExc_TypeError,
-            c"orbitkv.SharedBuffer cannot be created directly; use Client.page or Client.region"
+            c"orbitkv.SharedBuffer cannot be created directly; use Client.page, Client.region or Runtime.device_view"
                 .as_ptr(),
         )
     };
@@ -196,7 +232,7 @@ pub fn shared_buffer_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
             ffi::PyType_Slot {
                 slot: ffi::Py_tp_doc,
                 pfunc: c"Shared memory of an orbitkv.Client (the manager's pool or a device \
-                         region), exported zero-copy through the buffer protocol; wrap it in \
+                         region) or of an orbitkv.Runtime's device region, exported zero-copy through the buffer protocol; wrap it in \
                          memoryview() or numpy.frombuffer()."
                     .as_ptr() as *mut c_void,
             },

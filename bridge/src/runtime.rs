@@ -1,7 +1,9 @@
 //! `orbitkv.Runtime`: the embedded runtime, driven in-process.
 
 use std::borrow::Cow;
+use std::os::fd::AsFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -15,6 +17,7 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
 
+use crate::buffer::{Mapping, memoryview};
 use crate::convert::{deserialize_dict, serialize};
 use crate::{InvariantError, QueueFull};
 
@@ -162,10 +165,13 @@ impl PyRuntime {
                 (Box::new(engine), arena, Vec::new())
             } else {
                 // What `Runtime::new` builds, with the arena kept.
+                // Shared-memory regions, so `device_view` can hand out a
+                // zero-copy view of them (an engine's tensors write and read
+                // the region directly, as they would GPU memory).
                 let engine = HostCopyEngine::new(HostCopyConfig {
                     workers: config.copy.workers,
                     max_in_flight_batches: config.copy.max_in_flight_batches,
-                    ..HostCopyConfig::default()
+                    shared_regions: true,
                 });
                 let arena = engine.arena();
                 let mut tiers: Vec<Box<dyn BackingTier>> = Vec::new();
@@ -288,6 +294,32 @@ impl PyRuntime {
             .detach(|| arena.read(region, offset, length))
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// A writable, zero-copy `memoryview` of a whole device region (its
+    /// `engine_region`), as an engine sees its GPU memory: slot `s` starts
+    /// at `s * page_bytes`. The view keeps its own mapping, so it stays
+    /// valid memory after the region's session closes or the runtime goes.
+    /// Host copy engine only (`simulated_clock=False`).
+    fn device_view<'py>(&self, py: Python<'py>, region: u32) -> PyResult<Bound<'py, PyAny>> {
+        if self.simulated {
+            return Err(PyValueError::new_err(
+                "device_view needs the host copy engine (simulated_clock=False); \
+                 use device_read/device_write on a simulated clock",
+            ));
+        }
+        let arena = &self.arena;
+        let map = py.detach(|| -> PyResult<Mapping> {
+            let unknown = || PyValueError::new_err(format!("unknown device region {region}"));
+            let len = arena.region_len(region).ok_or_else(unknown)?;
+            let fd = arena.region_fd(region).ok_or_else(unknown)?;
+            let len = usize::try_from(len)
+                .map_err(|_| PyValueError::new_err("region larger than the address space"))?;
+            Mapping::map_shared(fd.as_fd(), len)
+                .map_err(|e| PyOSError::new_err(format!("mapping device region {region}: {e}")))
+        })?;
+        let len = map.len();
+        memoryview(py, Arc::new(map), 0, len, false)
     }
 
     fn __repr__(&self) -> String {

@@ -74,8 +74,13 @@ def test_required_ranges_errors():
         ({"groups": []}, "contract declares no groups"),
         ({"namespace": "00" * 32}, "empty"),
         (
-            {"groups": [{"id": 0, "rule": "checkpoint", "components": ["recurrent_checkpoint"]}]},
-            "group 0 must use the prefix rule, not checkpoint",
+            {
+                "groups": [
+                    {"id": 0, "rule": "checkpoint", "components": ["recurrent_checkpoint"]},
+                    {"id": 1, "rule": "prefix", "components": ["attention_kv"]},
+                ]
+            },
+            "group 0 must be a prefix group, not checkpoint",
         ),
         (
             {"groups": [{"id": 0, "rule": "prefix", "components": ["attention_kv", "dsa"]}]},

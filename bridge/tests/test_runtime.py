@@ -276,3 +276,37 @@ def test_ssd_tier_from_config(tmp_path):
     rt.check_invariants()
     with pytest.raises(ValueError, match="simulated clock runs without lower tiers"):
         orbitkv.Runtime(small_config(ssd=ssd), simulated_clock=True)
+
+
+def test_device_view_is_the_region_zero_copy():
+    """Pages written through the view are what publish saves; a restore's
+    bytes are visible through it; the view outlives the runtime."""
+    rt = orbitkv.Runtime(small_config())
+    eng = Engine(rt)
+    eng.register("llama", IDENTITY_A, DENSE)
+    s = eng.open("llama")
+    _, engine_region = eng.region(s, 0, 0, 4)
+    view = rt.device_view(engine_region)
+    assert isinstance(view, memoryview) and not view.readonly
+    assert len(view) == 4 * PAGE_BYTES
+    region = np.frombuffer(view, dtype=np.uint8)
+    region[PAGE_BYTES : 2 * PAGE_BYTES] = np.frombuffer(payload(3, 0), dtype=np.uint8)
+    assert rt.device_read(engine_region, PAGE_BYTES, PAGE_BYTES) == payload(3, 0)
+    rt.device_write(engine_region, 3 * PAGE_BYTES, b"\x07\x08")
+    assert bytes(view[3 * PAGE_BYTES : 3 * PAGE_BYTES + 2]) == b"\x07\x08"
+    # A second view maps the same memory.
+    assert bytes(rt.device_view(engine_region)[PAGE_BYTES : 2 * PAGE_BYTES]) == payload(3, 0)
+    del rt, eng
+    assert bytes(view[PAGE_BYTES : PAGE_BYTES + 16]) == payload(3, 0)[:16]
+
+
+def test_device_view_errors(sim_rt):
+    eng = Engine(sim_rt)
+    eng.register("llama", IDENTITY_A, DENSE)
+    s = eng.open("llama")
+    _, engine_region = eng.region(s, 0, 0, 2)
+    with pytest.raises(ValueError, match="host copy engine"):
+        sim_rt.device_view(engine_region)
+    rt = orbitkv.Runtime(small_config())
+    with pytest.raises(ValueError, match="unknown device region 5"):
+        rt.device_view(5)

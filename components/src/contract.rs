@@ -224,9 +224,9 @@ pub enum ContractError {
     DuplicateGroup(u32),
     #[error("group {group} lists component {kind} twice")]
     DuplicateComponent { group: u32, kind: ComponentKind },
-    #[error("contract has no group 0; group 0 must be the prefix (full attention) group")]
+    #[error("contract has no group 0; group 0 leads (the prefix group, when there is one)")]
     MissingGroupZero,
-    #[error("group 0 must use the prefix rule, not {0}")]
+    #[error("a group uses the prefix rule, so group 0 must be a prefix group, not {0}")]
     GroupZeroNotPrefix(RuleKind),
     #[error("group {0}: a window must keep at least one past token")]
     ZeroWindow(u32),
@@ -313,7 +313,7 @@ pub struct CompiledGroup {
 }
 
 /// A compiled, validated contract. Groups are sorted by id; group 0 is the
-/// prefix group.
+/// prefix group whenever any group uses the prefix rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecoveryContract {
     namespace: Namespace,
@@ -387,12 +387,18 @@ impl RecoveryContract {
                 demand,
             });
         }
+        // Group 0 leads: discovery stops every later group at group 0's last
+        // page, which is sound for every rule (each needs the page ending at
+        // the boundary). A model with full-attention state keeps it in group
+        // 0; one without (every attention layer sliding, or recurrent state
+        // only) has a window or checkpoint group 0.
         match groups.first() {
-            Some(g) if g.id == 0 && g.rule != Rule::Prefix => {
+            Some(g) if g.id != 0 => return Err(ContractError::MissingGroupZero),
+            None => return Err(ContractError::MissingGroupZero),
+            Some(g) if g.rule != Rule::Prefix && groups.iter().any(|o| o.rule == Rule::Prefix) => {
                 return Err(ContractError::GroupZeroNotPrefix(g.rule.kind()));
             }
-            Some(g) if g.id == 0 => {}
-            _ => return Err(ContractError::MissingGroupZero),
+            Some(_) => {}
         }
         Ok(RecoveryContract {
             namespace: spec.namespace,

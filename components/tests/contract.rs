@@ -380,11 +380,10 @@ fn compile_rejects_duplicate_group_ids() {
 fn compile_rejects_group_zero_not_prefix() {
     let s = spec(
         64,
-        vec![group(
-            0,
-            Rule::Window { past_tokens: 100 },
-            &[SlidingWindowKv],
-        )],
+        vec![
+            group(0, Rule::Window { past_tokens: 100 }, &[SlidingWindowKv]),
+            group(1, Rule::Prefix, &[AttentionKv]),
+        ],
     );
     assert_eq!(
         compile_err(&s),
@@ -651,6 +650,57 @@ fn checkpoint_needs_the_page_ending_exactly_at_the_boundary() {
     assert_eq!(c.restorable_boundaries(&b).unwrap(), vec![256, 448]);
     let b = bundle(128, 512, &[(0, &full), (1, &full), (2, &[])]);
     assert_eq!(c.restorable_boundaries(&b).unwrap(), Vec::<u64>::new());
+}
+
+/// A model without full attention (Mistral: every layer sliding; a pure
+/// recurrent model) leads with its window or checkpoint group.
+#[test]
+fn window_or_checkpoint_group_zero_without_a_prefix_group() {
+    let window_only = RecoveryContract::compile(&spec(
+        64,
+        vec![group(
+            0,
+            Rule::Window { past_tokens: 100 },
+            &[SlidingWindowKv],
+        )],
+    ))
+    .unwrap();
+    assert_eq!(
+        window_only.required_ranges(ns(), 0, 512).unwrap(),
+        vec![rr(0, 384, 512)]
+    );
+    // Window pages without the page 192..256: boundaries 256 and 320 need
+    // it, 128 and 384.. do not.
+    let b = bundle(0, 512, &[(0, &[64, 128, 192, 320, 384, 448, 512])]);
+    assert_eq!(
+        window_only.restorable_boundaries(&b).unwrap(),
+        vec![64, 128, 192, 384, 448, 512]
+    );
+
+    let mut recurrent = spec(
+        64,
+        vec![group(
+            0,
+            Rule::Checkpoint,
+            &[RecurrentCheckpoint, ConvolutionState],
+        )],
+    );
+    let c = RecoveryContract::compile(&recurrent).unwrap();
+    assert_eq!(
+        c.required_ranges(ns(), 0, 512).unwrap(),
+        vec![rr(0, 448, 512)]
+    );
+    let b = bundle(0, 512, &[(0, &[128, 448])]);
+    assert_eq!(c.restorable_boundaries(&b).unwrap(), vec![128, 448]);
+    // With a window group 1 beside it, still legal: no group is a prefix.
+    recurrent.groups.push(group(
+        1,
+        Rule::Window { past_tokens: 64 },
+        &[SlidingWindowKv],
+    ));
+    let c = RecoveryContract::compile(&recurrent).unwrap();
+    let b = bundle(0, 512, &[(0, &[128, 448]), (1, &[128, 512])]);
+    assert_eq!(c.restorable_boundaries(&b).unwrap(), vec![128]);
 }
 
 #[test]

@@ -51,8 +51,9 @@ fn rank_candidates(
     tiers: &[Box<dyn BackingTier>],
 ) -> Vec<(u32, Vec<u64>)> {
     let first = rec.origin / page;
-    // Groups are sorted, so the prefix group 0 comes first; pages past its
-    // contiguous run can never be part of a legal boundary.
+    // Groups are sorted, so group 0 comes first (the prefix group when there
+    // is one); every rule needs the page ending at a legal boundary, so pages
+    // past group 0's last found page can never be part of one.
     let mut last = rec.end / page;
     let mut out = Vec::new();
     for group in rank.contract.groups() {

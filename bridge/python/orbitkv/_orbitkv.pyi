@@ -200,6 +200,20 @@ class Runtime:
         :raises ValueError: unknown region, or out of bounds.
         """
 
+    def device_view(self, region: int) -> memoryview:
+        """A writable, zero-copy view of a whole device region (its
+        ``engine_region``), as an engine sees its GPU memory: slot ``s``
+        starts at ``s * page_bytes``. Write pages there before publishing
+        them, read them after ``restore_done``; ``torch.frombuffer`` and
+        ``numpy.frombuffer`` wrap it without a copy. The view holds its own
+        mapping, so it stays valid memory after the session closes or the
+        runtime is dropped. Host copy engine only.
+
+        :raises ValueError: a simulated clock (use :meth:`device_read` /
+            :meth:`device_write`), or an unknown region.
+        :raises OSError: the region could not be mapped.
+        """
+
 @final
 class Client:
     """A connection to a standalone manager (``orbitkv serve``) over its
@@ -333,9 +347,10 @@ class Client:
 @final
 class SharedBuffer:
     """Shared memory of a :class:`Client` (the manager's pool or a device
-    region), exported zero-copy through the buffer protocol: the ``obj`` of
-    the views :meth:`Client.page` and :meth:`Client.region` return. Not
-    instantiable."""
+    region) or a :class:`Runtime`'s device region, exported zero-copy
+    through the buffer protocol: the ``obj`` of the views
+    :meth:`Client.page`, :meth:`Client.region` and
+    :meth:`Runtime.device_view` return. Not instantiable."""
 
 def _uds_roundtrip(iterations: int, message_bytes: int = 16) -> List[float]:
     """Benchmark helper: round trips over a Unix socket pair between two

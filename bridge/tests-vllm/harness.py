@@ -14,6 +14,7 @@ loaded from OrbitKV that is not what the producer computed fails there.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 from unittest.mock import MagicMock, patch
@@ -305,16 +306,20 @@ class Engine:
         self.check_running()
         return so
 
-    def run(self, limit: int = 400, until: Optional[Callable[[], bool]] = None) -> None:
+    def run(self, limit_s: float = 60.0, until: Optional[Callable[[], bool]] = None) -> None:
         """Steps until every request is done and every delayed free came
-        back (or `until()` holds); fails after `limit` steps."""
-        for _ in range(limit):
+        back (or `until()` holds); fails after `limit_s` seconds. Steps that
+        schedule nothing (requests waiting for a load) pause 1 ms."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
             if until is not None and until():
                 return
             if until is None and not self.sched.requests:
                 return
-            self.step()
-        raise AssertionError(f"no progress after {limit} steps: {list(self.sched.requests)}")
+            so = self.step()
+            if not so.total_num_scheduled_tokens:
+                time.sleep(0.001)
+        raise AssertionError(f"no progress in {limit_s}s: {list(self.sched.requests)}")
 
     # the oracle
 

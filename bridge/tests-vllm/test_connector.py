@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import shutil
+import time
+
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -14,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.config import KVTransferConfig
 
 import orbitkv.vllm as ov
-from harness import Engine, engine
+import serve_support as ss
+from harness import HEAD, HEADS, LAYERS, Engine, engine, value
 
 PROMPT = [10 + i for i in range(70)]
 
@@ -171,3 +175,163 @@ def test_tensor_parallel_missing_page_takes_the_intersection(model, manager):
         assert e.workers[0].worker.stats.pages_loaded == 2
         assert w1.stats.pages_loaded == 2
     no_leaks(manager)
+
+
+def hit_then_fail(e: Engine, prompt, when_allocated):
+    """Like produce_then_consume, but calls `when_allocated()` right after
+    the scheduler counted B's tokens as external (before any worker load)."""
+    e.add("A", prompt)
+    e.run()
+    assert e.sched.reset_prefix_cache()
+    e.wipe()
+    sched = e.connector.scheduler
+    real = sched.update_state_after_alloc
+
+    def hook(request, blocks, n):
+        real(request, blocks, n)
+        if n > 0:
+            when_allocated()
+
+    sched.update_state_after_alloc = hook
+    before = e.stats.hit_tokens
+    e.add("B", list(prompt) + [99, 98])
+    e.run()
+    sched.update_state_after_alloc = real
+    return e.stats.hit_tokens - before
+
+
+def test_killed_manager_recomputes_then_reconnects(model, manager):
+    with engine(model, manager.socket, extra={"reconnect_interval_s": 0.05}) as e:
+        w = e.workers[0].worker
+        promised = hit_then_fail(e, PROMPT, lambda: manager.proc.kill())
+        # The scheduler counted 64 tokens; the load failed, vLLM recomputed
+        # them (the oracle checked every position B attended to).
+        assert promised == 64
+        assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
+        assert "B" in e.finished
+        manager.proc.wait(10)
+        manager.start()
+        # The worker notices the closed socket and finds the new manager by
+        # itself (the scheduler at its next lookup).
+        deadline = time.monotonic() + 10
+        while w.link.connects < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.link.connects == 2, w.link.last_error
+        # A new manager: both roles reconnect with new sessions, save again
+        # and hit again (A2 recomputes: B's blocks are dropped first).
+        assert e.sched.reset_prefix_cache()
+        e.add("A2", PROMPT)
+        e.run()
+        assert e.sched.reset_prefix_cache()
+        e.wipe()
+        before = e.stats.hit_tokens
+        e.add("B2", PROMPT + [99, 98])
+        e.run()
+        assert e.stats.hit_tokens - before == 64, e.stats
+        assert w.link.connects == 2 and e.connector.scheduler.link.connects == 2
+    no_leaks(manager)
+
+
+def test_expired_leases_are_never_used(model, orbitkv_bin):
+    # The manager expires a prepared operation after 300 ms; the worker's
+    # copy takes longer. The release that ends the load is refused, so the
+    # load counts as failed and B recomputes, although the copy completed.
+    m = ss.Manager(orbitkv_bin, dram="64MiB", config=ss.CONFIG + "[limits]\nprepare_deadline_us = 300000\n")
+    try:
+        m.start()
+        with engine(model, m.socket) as e:
+            w = e.workers[0].worker
+            real = w.mover.restore
+
+            def slow(gid, pages):
+                time.sleep(0.6)
+                return real(gid, pages)
+
+            w.mover.restore = slow
+            promised = produce_then_consume(e, PROMPT)
+            assert promised == 64
+            # The manager's miss usually arrives first; the refused release
+            # is the backstop when it has not.
+            assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
+            assert set(w.stats.failures_by_reason) <= {"miss_deadline", "lease_lost"}, w.stats
+        no_leaks(m)
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("window", [None, 32], ids=["one_group", "hybrid"])
+def test_copy_error_recomputes(model, manager, window):
+    # A load whose copy fails half way (garbage in the first block) is
+    # reported: by block with one group, by request with two. vLLM
+    # recomputes and the garbage never reaches attention (the oracle).
+    with engine(model, manager.socket, sliding_window=window) as e:
+        w = e.workers[0].worker
+
+        def broken(gid, pages):
+            _, _, block = pages[0]
+            for _, view in w.mover.blocks.layers[gid]:
+                view[block].fill_(0x5A)
+            raise OSError("injected copy failure")
+
+        w.mover.restore = broken
+        promised = produce_then_consume(e, PROMPT)
+        assert promised == 64
+        assert w.stats.loads_failed == 1, w.stats
+        assert "B" in e.finished
+    no_leaks(manager)
+
+
+def test_corrupt_page_on_ssd_is_a_miss(model, orbitkv_bin, tmp_path):
+    # A's pages are demoted to the SSD tier (a 256 KiB pool), then one is
+    # corrupted on disk. The scheduler's lookup still finds them (metadata);
+    # the worker's read fails its checksum, and B recomputes.
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    config = (
+        f'[serve]\nidle_tick_us = 100\nssd = "{ssd}:256MiB"\n'
+        "[dram]\nfirst_touch = false\nextent_bytes = 65536\n"
+    )
+    m = ss.Manager(orbitkv_bin, dram="256KiB", config=config)
+    try:
+        m.start()
+        with engine(model, m.socket, extra={"staging_pages": 8}) as e:
+            e.add("A", PROMPT)
+            e.run()
+            for k in range(10):  # 40 more pages push A's 4 out of 32
+                e.add(f"F{k}", [300 + k * 17 + i for i in range(70)])
+                e.run()
+            page = page_bytes(e, PROMPT, 1)
+            hits = 0
+            for seg in sorted(ssd.glob("seg-*.okv")):
+                data = bytearray(seg.read_bytes())
+                at = data.find(page)
+                if at >= 0:
+                    data[at + len(page) // 2] ^= 0xFF
+                    seg.write_bytes(bytes(data))
+                    hits += 1
+            assert hits == 1, "page 1 of A should be on the SSD once"
+            assert e.sched.reset_prefix_cache()
+            e.wipe()
+            w = e.workers[0].worker
+            e.add("B", PROMPT + [99, 98])
+            e.run()
+            assert w.stats.failures_by_reason == {"miss_checksum": 1}, w.stats
+            m.wait_metric("checksum_failures_total", 1)
+        no_leaks(m)
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
+
+
+def page_bytes(e: Engine, tokens, page: int) -> bytes:
+    """The bytes OrbitKV stores for page `page` of `tokens` (one group):
+    each layer's block, [N, H, C] in the LBNHC layout, float32."""
+    import struct
+
+    out = b""
+    for li in range(len(LAYERS)):
+        for pos in range(page * e.bs, (page + 1) * e.bs):
+            v = value(li, tokens[pos], pos)
+            out += struct.pack("<f", v) * (HEADS * 2 * HEAD)
+    return out

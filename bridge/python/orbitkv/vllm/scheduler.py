@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .engine import EngineSpec
 from .link import LINK_ERRORS, ManagerLink, Unavailable
@@ -32,6 +32,11 @@ class _Request:
     saves_sent: bool = False
     """Some save of this request went to the workers: its blocks are freed
     only once the workers report the saves done."""
+    loading: Set[int] = field(default_factory=set)
+    """Blocks of the load in flight (to recognise a block-level failure)."""
+    load_failed: bool = False
+    """A load of this request failed: it is not offered another one (the
+    retry could fail the same way, forever)."""
 
 
 @dataclass
@@ -70,6 +75,9 @@ class SchedulerSide:
         state.origin = num_computed_tokens
         if not self.settings.load:
             return 0, False
+        if state.load_failed:
+            self.stats.miss("load_failed_before")
+            return 0, False
         page = self.spec.page_tokens
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // page)
         if usable * page <= num_computed_tokens or num_computed_tokens % page:
@@ -97,6 +105,8 @@ class SchedulerSide:
             ]
             ids += [NULL_BLOCK] * (pages - len(ids))
             per_group.append(ids)
+        if state is not None:
+            state.loading = {b for ids in per_group for b in ids if b != NULL_BLOCK}
         self.pending_loads.append(
             LoadSpec(
                 req_id=rid,
@@ -118,8 +128,16 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: Any) -> None:
-        failed = getattr(output, "failed_recving", None) or ()
-        self.stats.load_failures += len(failed)
+        failed = set(getattr(output, "failed_recving", None) or ())
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        for rid in set(getattr(output, "finished_recving", None) or ()) | failed:
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            if rid in failed or (invalid and state.loading & invalid):
+                state.load_failed = True
+                self.stats.load_failures += 1
+            state.loading = set()
 
     def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
         state = self.requests.pop(request.request_id, None)

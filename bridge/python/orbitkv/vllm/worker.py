@@ -281,6 +281,7 @@ class WorkerSide:
             with self._lock:
                 if not self._connected:
                     self.stats.pages_dropped += len(pages)
+                    self._io_q.put(("connect",))
                     continue
                 free = self._free_slots.get(group.id, [])
                 take = min(len(pages), len(free))
@@ -325,6 +326,10 @@ class WorkerSide:
                     items.append(self._io_q.get_nowait())
                 except queue.Empty:
                     break
+            if not self.link.up:
+                # Keep trying a manager that went away (rate-limited by the
+                # link), so saves resume without waiting for a load.
+                items.insert(0, ("connect",))
             for item in items:
                 if item is None:
                     io.abandon("shutdown")
@@ -456,6 +461,7 @@ class _IoState:
 
     def pump(self) -> None:
         if not self.busy():
+            self.check_alive()
             return
         try:
             client, _ = self.client()
@@ -470,6 +476,16 @@ class _IoState:
         except LINK_ERRORS as e:
             self.lost(f"{type(e).__name__}: {e}")
         self.expire()
+
+    def check_alive(self) -> None:
+        """While idle, notices a manager that went away (a closed socket),
+        so the worker reconnects before the next save needs it."""
+        if not self.w.link.up:
+            return
+        try:
+            self.w.link.client.poll_events()
+        except LINK_ERRORS as e:
+            self.lost(f"{type(e).__name__}: {e}")
 
     def dispatch(self, ev: Dict[str, Any]) -> None:
         kind = ev.get("event")

@@ -53,6 +53,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.kv_connector import get_kv_connector
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from tiny_models import make_llama
+
 EOS = 2
 HEADS = 2
 HEAD = 16
@@ -60,43 +62,8 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
 def make_model(path: Path, seed: int = 0) -> Path:
-    """A tiny random Llama directory (config, weights, tokenizer): what the
-    identity reads. Different seeds are different weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=HEADS,
-        head_dim=HEAD,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    save_tokenizer(path, cfg.vocab_size)
-    return path
-
-
-def save_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer built locally (no hub): `tok<i>` is token i."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    while len(vocab) < vocab_size:
-        vocab[f"tok{len(vocab)}"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(path)
+    """A tiny random Llama directory: what the identity reads."""
+    return make_llama(path, seed, hidden=64, heads=4, kv_heads=HEADS, head_dim=HEAD)
 
 
 def value(layer: int, token: int, pos: int) -> float:

@@ -71,6 +71,71 @@ def value(layer: int, token: int, pos: int) -> float:
     return float(layer * 1_000_000 + token * 1000 + pos)
 
 
+def build_config(
+    model: Path,
+    socket: str,
+    *,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    max_batched: int = 64,
+    async_scheduling: bool = False,
+    sliding_window: Optional[int] = None,
+    tp: int = 1,
+    extra: Optional[Dict[str, Any]] = None,
+    hash_algo: str = "sha256",
+    failure_policy: str = "recompute",
+    layout: str = "LBNHC",
+):
+    """(VllmConfig, KVCacheConfig, groups) of a CPU engine with the
+    connector configured."""
+    mc = ModelConfig(model=str(model), dtype="float32", seed=0)
+    sc = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=max_batched,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+    )
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cc.prefix_caching_hash_algo = hash_algo
+    cc.kv_cache_layout = layout
+    kvt = KVTransferConfig(
+        kv_connector="OrbitKVConnector",
+        kv_connector_module_path="orbitkv.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy=failure_policy,
+        kv_connector_extra_config={"socket": socket, "timeout_s": 5.0, **(extra or {})},
+    )
+    vc = VllmConfig(
+        scheduler_config=sc,
+        model_config=mc,
+        cache_config=cc,
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+        attention_config=AttentionConfig(),
+    )
+    vc.parallel_config.tensor_parallel_size = tp
+    full = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    if sliding_window is not None:
+        swa = SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=HEADS,
+            head_size=HEAD,
+            dtype=torch.float32,
+            sliding_window=sliding_window,
+        )
+        groups = [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], swa)]
+    else:
+        groups = [KVCacheGroupSpec(list(LAYERS), full)]
+    kcc = get_kv_cache_config_from_groups(
+        vc, groups, available_memory=full.page_size_bytes * num_blocks * 2
+    )
+    return vc, kcc, groups
+
+
 class Engine:
     """One engine: a scheduler and `tp` workers sharing one process (as
     vLLM's own connector tests do); the roles still share nothing but the
@@ -100,50 +165,18 @@ class Engine:
             self._platform.start()
         else:
             self._platform = None
-        mc = ModelConfig(model=str(model), dtype="float32", seed=0)
-        sc = SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=max_batched,
-            max_model_len=2048,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
+        self.vc, self.kcc, self.groups = build_config(
+            model,
+            socket,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_batched=max_batched,
             async_scheduling=async_scheduling,
-        )
-        cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-        cc.prefix_caching_hash_algo = hash_algo
-        cc.kv_cache_layout = "LBNHC"
-        kvt = KVTransferConfig(
-            kv_connector="OrbitKVConnector",
-            kv_connector_module_path="orbitkv.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy=failure_policy,
-            kv_connector_extra_config={"socket": socket, "timeout_s": 5.0, **(extra or {})},
-        )
-        self.vc = VllmConfig(
-            scheduler_config=sc,
-            model_config=mc,
-            cache_config=cc,
-            kv_transfer_config=kvt,
-            device_config=DeviceConfig("cpu"),
-            attention_config=AttentionConfig(),
-        )
-        self.vc.parallel_config.tensor_parallel_size = tp
-        full = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
-        )
-        if sliding_window is not None:
-            swa = SlidingWindowSpec(
-                block_size=block_size,
-                num_kv_heads=HEADS,
-                head_size=HEAD,
-                dtype=torch.float32,
-                sliding_window=sliding_window,
-            )
-            self.groups = [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], swa)]
-        else:
-            self.groups = [KVCacheGroupSpec(list(LAYERS), full)]
-        self.kcc = get_kv_cache_config_from_groups(
-            self.vc, self.groups, available_memory=full.page_size_bytes * num_blocks * 2
+            sliding_window=sliding_window,
+            tp=tp,
+            extra=extra,
+            hash_algo=hash_algo,
+            failure_policy=failure_policy,
         )
         self.vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
         sched_cls = AsyncScheduler if async_scheduling else Scheduler

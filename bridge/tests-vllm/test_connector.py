@@ -203,13 +203,16 @@ def hit_then_fail(e: Engine, prompt, when_allocated):
 def test_killed_manager_recomputes_then_reconnects(model, manager):
     with engine(model, manager.socket, extra={"reconnect_interval_s": 0.05}) as e:
         w = e.workers[0].worker
-        promised = hit_then_fail(e, PROMPT, lambda: manager.proc.kill())
+        def kill():
+            manager.proc.kill()
+            manager.proc.wait(10)  # dead before any worker asks it
+
+        promised = hit_then_fail(e, PROMPT, kill)
         # The scheduler counted 64 tokens; the load failed, vLLM recomputed
         # them (the oracle checked every position B attended to).
         assert promised == 64
         assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
         assert "B" in e.finished
-        manager.proc.wait(10)
         manager.start()
         # The worker notices the closed socket and finds the new manager by
         # itself (the scheduler at its next lookup).

@@ -64,6 +64,7 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self.stats = SchedulerStats()
         self._next_request = 0
+        self._late: Set[int] = set()
 
     # vLLM hooks -----------------------------------------------------------
 
@@ -171,11 +172,7 @@ class SchedulerSide:
         self.stats.queries += 1
         self.stats.queried_tokens += pages * page - origin
         try:
-            client.poll_events()  # releases' answers; nothing to act on
-            reply = client.call(query, self.settings.query_timeout_s)
-        except TimeoutError:
-            self.stats.miss("timeout")
-            return None
+            reply = self._call(client, session, query)
         except LINK_ERRORS as e:
             self.link.drop(f"{type(e).__name__}: {e}")
             self.stats.miss("unavailable")
@@ -194,6 +191,30 @@ class SchedulerSide:
         except LINK_ERRORS as e:
             self.link.drop(f"{type(e).__name__}: {e}")
         return reply.get("selected")
+
+    def _call(self, client: Any, session: Dict[str, Any], query: Dict[str, Any]) -> Dict[str, Any]:
+        """Submits the query and waits (bounded) for its answer. Other events
+        are answers to releases (nothing to do) and late answers to queries
+        that timed out, whose operations are released then."""
+        deadline = time.monotonic() + self.settings.query_timeout_s
+        cid = client.submit(query)
+        while True:
+            left = deadline - time.monotonic()
+            ev = client.wait_event(max(left, 0.0)) if left > 0 else None
+            if ev is None:
+                self._late.add(cid)
+                if len(self._late) > 1024:  # answers that never came
+                    self._late.clear()
+                return {"event": "timeout", "error": {"error": "timeout"}}
+            got = ev.get("command")
+            if got == cid:
+                return ev
+            if got in self._late:
+                self._late.discard(got)
+                if ev.get("event") == "query_result" and ev.get("miss") is None:
+                    client.submit(
+                        {"command": "release", "session": session, "operation": ev["operation"]}
+                    )
 
     def _plan_save(self, rid: str, scheduled: int) -> Optional[SaveSpec]:
         state = self.requests.get(rid)
@@ -224,7 +245,3 @@ class SchedulerSide:
         state.saves_sent = True
         self.stats.pages_saved += len(items)
         return SaveSpec(req_id=rid, items=items)
-
-
-def now() -> float:
-    return time.monotonic()

@@ -134,13 +134,12 @@ def main() -> None:
     import serve_support as ss
 
     os.environ.setdefault("ORBITKV_BIN", str(ss.orbitkv_binary("release")))
+    import harness
     import torch  # noqa: F401
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
-
-    import harness
 
     manager = ss.Manager(Path(os.environ["ORBITKV_BIN"]), dram="1GiB")
     tmp = Path(manager.dir)
@@ -215,8 +214,12 @@ def main() -> None:
 
     if results["debug_extension"]:
         print("WARNING: the orbitkv extension is a debug build; build it with --release")
-    print(f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}")
-    print(f"{'loop':10} {'us/request':>11} {'ratio':>7} {'lookup us':>10} {'lookups':>8} {'meta us':>8} {'hit tokens':>11}")
+    print(
+        f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}"
+    )
+    print(
+        f"{'loop':10} {'us/request':>11} {'ratio':>7} {'lookup us':>10} {'lookups':>8} {'meta us':>8} {'hit tokens':>11}"
+    )
     for name in ("baseline", "miss", "hit"):
         r = results[name]
         print(

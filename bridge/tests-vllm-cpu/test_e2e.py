@@ -66,7 +66,7 @@ def runs(models, orbitkv_bin, tmp_path_factory):
 
 def test_second_run_takes_its_prefix_from_orbitkv(runs):
     hits = []
-    for r1, r2 in zip(runs["first"]["results"], runs["second"]["results"]):
+    for r1, r2 in zip(runs["first"]["results"], runs["second"]["results"], strict=True):
         assert r1["num_cached_tokens"] == 0, r1
         assert r2["num_cached_tokens"] == expected_hit(r2["prompt_tokens"]), r2
         hits.append(r2["num_cached_tokens"])
@@ -78,7 +78,7 @@ def test_second_run_takes_its_prefix_from_orbitkv(runs):
 
 def test_same_greedy_tokens(runs):
     for r1, r2, r0 in zip(
-        runs["first"]["results"], runs["second"]["results"], runs["plain"]["results"]
+        runs["first"]["results"], runs["second"]["results"], runs["plain"]["results"], strict=True
     ):
         assert r2["tokens"] == r1["tokens"] == r0["tokens"], (r0, r1, r2)
 

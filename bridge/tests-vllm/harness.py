@@ -190,15 +190,21 @@ class Engine:
         tp_group = MagicMock()
         tp_group.broadcast_object.side_effect = lambda v, src=0: v
         # Worker 0 through vLLM's own path: the global agent and the glue.
-        with patch("vllm.distributed.parallel_state.get_tp_group", return_value=tp_group), patch(
-            "orbitkv.vllm.connector._tp_rank", return_value=0
+        with (
+            patch("vllm.distributed.parallel_state.get_tp_group", return_value=tp_group),
+            patch("orbitkv.vllm.connector._tp_rank", return_value=0),
         ):
             ensure_kv_transfer_initialized(self.vc, self.kcc)
         self.kv: List[Dict[str, torch.Tensor]] = []
         with set_current_vllm_config(self.vc):
             for _ in range(tp):
                 self.kv.append(
-                    allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout.LBNHC, [block_size] * len(self.groups))
+                    allocate_kv_cache(
+                        self.kcc,
+                        torch.device("cpu"),
+                        KVCacheLayout.LBNHC,
+                        [block_size] * len(self.groups),
+                    )
                 )
         for kv in self.kv:
             for t in kv.values():
@@ -289,7 +295,9 @@ class Engine:
             req_id_to_index={r: i for i, r in enumerate(ids)},
             # A chunk that ends inside the prompt samples nothing.
             sampled_token_ids=[
-                [7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
+                [7]
+                if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens
+                else []
                 for r in ids
             ],
             logprobs=None,
@@ -367,7 +375,9 @@ class Engine:
             self._platform.stop()
 
 
-def _aggregate(outputs: List[Optional[KVConnectorOutput]], world: int, pending: Dict[str, Dict[str, int]]) -> KVConnectorOutput:
+def _aggregate(
+    outputs: List[Optional[KVConnectorOutput]], world: int, pending: Dict[str, Dict[str, int]]
+) -> KVConnectorOutput:
     """What vLLM's KVOutputAggregator does across workers: a request is
     finished sending/receiving once every worker reported it."""
     out = KVConnectorOutput(finished_sending=set(), finished_recving=set(), invalid_block_ids=set())

@@ -26,7 +26,9 @@ SOCKET = "/nonexistent/orbitkv.sock"
 
 def spec_of(model, **kw):
     vc, kcc, _ = build_config(model, SOCKET, **kw)
-    settings = ov.ConnectorSettings.from_extra_config(vc.kv_transfer_config.kv_connector_extra_config)
+    settings = ov.ConnectorSettings.from_extra_config(
+        vc.kv_transfer_config.kv_connector_extra_config
+    )
     return ov.resolve_engine(vc, kcc, settings)
 
 
@@ -112,8 +114,14 @@ def test_unknown_group_kinds_are_refused(model):
     chunked = ChunkedLocalAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32, attention_chunk_size=64
     )
-    refused(model, "ChunkedLocalAttentionSpec, which OrbitKV has no recovery rule", mutate=_groups_with(chunked))
-    mamba = MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    refused(
+        model,
+        "ChunkedLocalAttentionSpec, which OrbitKV has no recovery rule",
+        mutate=_groups_with(chunked),
+    )
+    mamba = MambaSpec(
+        block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
     refused(model, "Mamba group", mutate=_groups_with(mamba))
 
 

@@ -203,6 +203,7 @@ def hit_then_fail(e: Engine, prompt, when_allocated):
 def test_killed_manager_recomputes_then_reconnects(model, manager):
     with engine(model, manager.socket, extra={"reconnect_interval_s": 0.05}) as e:
         w = e.workers[0].worker
+
         def kill():
             manager.proc.kill()
             manager.proc.wait(10)  # dead before any worker asks it
@@ -239,7 +240,9 @@ def test_expired_leases_are_never_used(model, orbitkv_bin):
     # The manager expires a prepared operation after 300 ms; the worker's
     # copy takes longer. The release that ends the load is refused, so the
     # load counts as failed and B recomputes, although the copy completed.
-    m = ss.Manager(orbitkv_bin, dram="64MiB", config=ss.CONFIG + "[limits]\nprepare_deadline_us = 300000\n")
+    m = ss.Manager(
+        orbitkv_bin, dram="64MiB", config=ss.CONFIG + "[limits]\nprepare_deadline_us = 300000\n"
+    )
     try:
         m.start()
         with engine(model, m.socket) as e:

@@ -22,7 +22,9 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
     ).save_pretrained(path)
 
 
-def make_llama(path: Path, seed: int, *, hidden: int, heads: int, kv_heads: int, head_dim: int) -> Path:
+def make_llama(
+    path: Path, seed: int, *, hidden: int, heads: int, kv_heads: int, head_dim: int
+) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -112,7 +112,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             self.scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(
+        self, request: Any, block_ids: Any
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 
@@ -156,7 +158,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.queue_saves()
 
-    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+    def get_finished(
+        self, finished_req_ids: Set[str]
+    ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         assert self.worker is not None
         sending, recving, _failed = self.worker.transfer_results(set(finished_req_ids))
         return sending or None, recving or None

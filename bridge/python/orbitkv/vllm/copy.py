@@ -17,14 +17,13 @@ as the KV cache layout stores them.
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-from .engine import EngineSpec, GroupPlan
+from .engine import EngineSpec
 from .settings import ConfigError
 
 
@@ -247,7 +246,3 @@ class HostPageMover(PageMover):
             for at, view in self.blocks.layers[gid]:
                 width = view.shape[1]
                 view[block].copy_(page[at : at + width])
-
-
-def prod(xs: Sequence[int]) -> int:
-    return math.prod(xs)

@@ -215,9 +215,9 @@ def _check_supported(vllm_config: Any) -> None:
     if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
         raise ConfigError(
             "kv_transfer_config.kv_load_failure_policy is "
-            f"{kvt.kv_load_failure_policy!r}: OrbitKV needs \"recompute\" (a cache miss "
+            f'{kvt.kv_load_failure_policy!r}: OrbitKV needs "recompute" (a cache miss '
             "discovered during a load must recompute, not fail the request); add "
-            "\"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config"
+            '"kv_load_failure_policy": "recompute" to --kv-transfer-config'
         )
     if getattr(vllm_config, "lora_config", None) is not None:
         raise ConfigError(

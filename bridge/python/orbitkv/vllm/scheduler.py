@@ -68,7 +68,9 @@ class SchedulerSide:
 
     # vLLM hooks -----------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[int, bool]:
         rid = request.request_id
         state = self.requests.get(rid)
         if state is None:
@@ -101,9 +103,7 @@ class SchedulerSide:
         pages = boundary // page
         per_group = []
         for group_blocks in blocks.blocks:
-            ids = [
-                NULL_BLOCK if b.is_null else b.block_id for b in list(group_blocks)[:pages]
-            ]
+            ids = [NULL_BLOCK if b.is_null else b.block_id for b in list(group_blocks)[:pages]]
             ids += [NULL_BLOCK] * (pages - len(ids))
             per_group.append(ids)
         if state is not None:
@@ -187,7 +187,9 @@ class SchedulerSide:
             self.stats.miss(str(reply["miss"]))
             return None
         try:
-            client.submit({"command": "release", "session": session, "operation": reply["operation"]})
+            client.submit(
+                {"command": "release", "session": session, "operation": reply["operation"]}
+            )
         except LINK_ERRORS as e:
             self.link.drop(f"{type(e).__name__}: {e}")
         return reply.get("selected")
@@ -238,7 +240,9 @@ class SchedulerSide:
                 ids.append(NULL_BLOCK if b is None or b.is_null else b.block_id)
             if all(i == NULL_BLOCK for i in ids):
                 continue
-            items.append(SaveItem(page=p, hash=bytes(request.block_hashes[p]), block_ids=tuple(ids)))
+            items.append(
+                SaveItem(page=p, hash=bytes(request.block_hashes[p]), block_ids=tuple(ids))
+            )
         state.saved_pages = done
         if not items:
             return None

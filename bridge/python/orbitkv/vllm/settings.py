@@ -95,7 +95,5 @@ def _check(key: str, value: Any, want: Any) -> Any:
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ConfigError(
-            f"kv_connector_extra_config.{key} must be a {want}, got {value!r}"
-        )
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a {want}, got {value!r}")
     return value

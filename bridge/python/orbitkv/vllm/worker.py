@@ -117,7 +117,9 @@ class WorkerSide:
 
     # setup ----------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Dict[str, Any], mover: Optional[PageMover] = None) -> None:
+    def register_kv_caches(
+        self, kv_caches: Dict[str, Any], mover: Optional[PageMover] = None
+    ) -> None:
         blocks = EngineBlocks(self.spec, kv_caches, self.num_blocks)
         self.mover = mover or HostPageMover(
             blocks, self.rank, self.settings.staging_pages, self.settings.timeout_s
@@ -275,7 +277,9 @@ class WorkerSide:
         jobs: List[_Publish] = []
         batch = self.settings.publish_batch_pages
         for gi, group in enumerate(self.spec.groups):
-            pages = [(it.hash, it.block_ids[gi]) for it in save.items if it.block_ids[gi] != NULL_BLOCK]
+            pages = [
+                (it.hash, it.block_ids[gi]) for it in save.items if it.block_ids[gi] != NULL_BLOCK
+            ]
             if not pages:
                 continue
             with self._lock:
@@ -568,9 +572,7 @@ class _IoState:
             except Exception as e:  # a bad copy is a failed load, never a crash
                 log.exception("OrbitKV: copying the pages of %s failed", spec.req_id)
                 failure = f"copy_{type(e).__name__}"
-        cid = client.submit(
-            {"command": "release", "session": session, "operation": job.operation}
-        )
+        cid = client.submit({"command": "release", "session": session, "operation": job.operation})
         if failure is not None:
             del self.by_operation[job.operation]
             self.w._finish_load(spec, None, failure)
@@ -581,9 +583,7 @@ class _IoState:
     def expire(self) -> None:
         now = time.monotonic()
         late = [
-            (cid, what, job)
-            for cid, (what, job) in self.by_command.items()
-            if job.deadline < now
+            (cid, what, job) for cid, (what, job) in self.by_command.items() if job.deadline < now
         ]
         late_ops = [(op, job) for op, job in self.by_operation.items() if job.deadline < now]
         if not late and not late_ops:

@@ -214,7 +214,7 @@ def test_killed_manager_recomputes_then_reconnects(model, manager):
         assert promised == 64
         assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
         assert "B" in e.finished
-        manager.start()
+        manager.start(idle=False)
         # The worker notices the closed socket and finds the new manager by
         # itself (the scheduler at its next lookup).
         deadline = time.monotonic() + 10

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import time
@@ -46,15 +47,21 @@ BLOCK = 16
 
 
 def prompts(n: int, seed: int) -> List[List[int]]:
-    return [[3 + (seed * 7919 + r * 131 + i) % 500 for i in range(PROMPT)] for r in range(n)]
+    """`n` random prompts; different seeds share no page."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)]
+
+
+def percentile(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 class Timed:
-    """Accumulates the time spent in one method of an object."""
+    """Records the time of every call of one method of an object."""
 
     def __init__(self, obj: Any, name: str):
-        self.total = 0.0
-        self.calls = 0
+        self.times: List[float] = []
         real = getattr(obj, name)
 
         def wrapper(*a, **k):
@@ -62,8 +69,7 @@ class Timed:
             try:
                 return real(*a, **k)
             finally:
-                self.total += time.perf_counter() - t
-                self.calls += 1
+                self.times.append(time.perf_counter() - t)
 
         setattr(obj, name, wrapper)
 
@@ -196,9 +202,11 @@ def main() -> None:
             row = {"us_per_request": seconds / len(reqs) * 1e6}
             if connector:
                 st = sched.connector.scheduler.stats
-                row["lookup_us_per_request"] = lookup.total / len(reqs) * 1e6
-                row["lookups_per_request"] = lookup.calls / len(reqs)
-                row["meta_us_per_request"] = meta.total / len(reqs) * 1e6
+                row["lookup_us_per_request"] = sum(lookup.times) / len(reqs) * 1e6
+                row["lookups_per_request"] = len(lookup.times) / len(reqs)
+                row["lookup_p50_us"] = percentile(lookup.times, 0.5) * 1e6
+                row["lookup_p99_us"] = percentile(lookup.times, 0.99) * 1e6
+                row["meta_us_per_request"] = sum(meta.times) / len(reqs) * 1e6
                 row["hit_tokens"] = st.hit_tokens
                 row["pages_planned"] = st.pages_saved
                 sched.connector.shutdown()
@@ -218,15 +226,16 @@ def main() -> None:
         f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}"
     )
     print(
-        f"{'loop':10} {'us/request':>11} {'ratio':>7} {'lookup us':>10} {'lookups':>8} {'meta us':>8} {'hit tokens':>11}"
+        f"{'loop':9} {'us/req':>8} {'ratio':>6} {'lookup us/req':>13} {'p50':>7} {'p99':>7} "
+        f"{'lookups/req':>11} {'meta us/req':>11} {'hit tokens':>10}"
     )
     for name in ("baseline", "miss", "hit"):
         r = results[name]
         print(
-            f"{name:10} {r['us_per_request']:11.1f} {r.get('ratio_to_baseline', 1.0):7.2f} "
-            f"{r.get('lookup_us_per_request', 0):10.1f} {r.get('lookups_per_request', 0):8.2f} "
-            f"{r.get('meta_us_per_request', 0):8.1f} "
-            f"{r.get('hit_tokens', 0):11d}"
+            f"{name:9} {r['us_per_request']:8.1f} {r.get('ratio_to_baseline', 1.0):6.2f} "
+            f"{r.get('lookup_us_per_request', 0):13.1f} {r.get('lookup_p50_us', 0):7.1f} "
+            f"{r.get('lookup_p99_us', 0):7.1f} {r.get('lookups_per_request', 0):11.2f} "
+            f"{r.get('meta_us_per_request', 0):11.1f} {r.get('hit_tokens', 0):10d}"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

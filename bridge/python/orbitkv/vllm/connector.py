@@ -135,10 +135,6 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None and isinstance(connector_metadata, OrbitKVMetadata):
             self.worker.bind(connector_metadata)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if self.worker is not None:
-            self.worker.fence()
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.worker is not None:
             self.worker.start_loads()
@@ -151,7 +147,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        # Pages are staged once per step, in wait_for_save, from all layers.
+        # Pages are staged once per step, in wait_for_save, from all layers;
+        # preempted requests need no handling: nothing reads their blocks
+        # after the step that wrote them.
         return
 
     def wait_for_save(self) -> None:

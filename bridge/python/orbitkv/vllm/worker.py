@@ -1,19 +1,17 @@
-"""The worker role: runs the loads and saves the scheduler planned, on two
-threads of its own so that neither the engine's step nor the manager can
-stall the other.
+"""The worker role: runs the loads and saves the scheduler planned.
 
-- The copy thread gathers saved pages from the engine's blocks into staging
-  slots (`PageMover.stage`). Every gather of a step is finished before the
-  next step's forward starts (`fence`, called from `bind_connector_metadata`
-  and `handle_preemptions`), so a block vLLM frees or reuses afterwards
-  (preemption, a sliding window moving on) is never read.
+- Saves: at `wait_for_save`, the pages this step completed are copied from
+  the engine's blocks into staging slots (`PageMover.stage`) before the
+  call returns. The engine's model runner zeroes, copies into and reuses
+  blocks at the start of the next step, before any connector hook runs, so
+  no engine block is read after the step that wrote it. The staged pages
+  are then published by the I/O thread; a slot is reused only after its
+  `publish_done` (the runtime pins it until its copy landed).
 - The I/O thread owns the manager connection. A load is a query with
   prepare on this worker's own session, a copy of this rank's leased pages
   into the request's blocks, then a release. The release doubles as a
   fence: it succeeds only while the leases are still held, so a copy that
   raced a lease expiry is reported as a failed load (recompute), never used.
-  A save is a publish of staging device pages; its slots are reused only
-  after `publish_done` (the runtime pins them until its copy landed).
 
 Results go back to vLLM through `get_transfer_results` (finished and failed
 loads, finished saves of finished requests) and
@@ -93,11 +91,9 @@ class WorkerSide:
         self.link = ManagerLink(settings, spec, f"vllm-worker-{rank}", self._on_connect)
 
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
         # Guarded by _lock:
         self._generation = 0
         self._free_slots: Dict[int, List[int]] = {}
-        self._gathers = 0
         self._pending_saves: Dict[str, int] = {}
         self._had_saves: Set[str] = set()
         self._finishing: Set[str] = set()
@@ -110,7 +106,6 @@ class WorkerSide:
         self._loads_started = False
         self._saves_queued = False
         self._reported_invalid: Set[int] = set()
-        self._copy_q: "queue.Queue[Optional[SaveSpec]]" = queue.Queue()
         self._io_q: "queue.Queue[Any]" = queue.Queue()
         self._threads: List[threading.Thread] = []
         self._stopping = False
@@ -125,7 +120,6 @@ class WorkerSide:
             blocks, self.rank, self.settings.staging_pages, self.settings.timeout_s
         )
         self._threads = [
-            threading.Thread(target=self._copy_loop, name=f"orbitkv-copy-{self.rank}", daemon=True),
             threading.Thread(target=self._io_loop, name=f"orbitkv-io-{self.rank}", daemon=True),
         ]
         # Connect now, so that the first steps' saves have somewhere to go;
@@ -150,17 +144,9 @@ class WorkerSide:
     # engine-thread hooks --------------------------------------------------
 
     def bind(self, meta: OrbitKVMetadata) -> None:
-        self.fence()
         self._meta = meta
         self._loads_started = False
         self._saves_queued = False
-
-    def fence(self) -> None:
-        """Waits until every gather queued so far has read the engine's
-        blocks, so the coming forward may overwrite any of them."""
-        with self._cv:
-            while self._gathers:
-                self._cv.wait(0.5)
 
     def start_loads(self) -> None:
         meta = self._meta
@@ -182,9 +168,16 @@ class WorkerSide:
         for save in meta.saves:
             with self._lock:
                 self._had_saves.add(save.req_id)
-                self._pending_saves[save.req_id] = self._pending_saves.get(save.req_id, 0) + 1
-                self._gathers += 1
-            self._copy_q.put(save)
+            jobs: List[_Publish] = []
+            try:
+                jobs = self._gather(save)
+            except Exception:  # a copy error drops the save, never the engine
+                log.exception("OrbitKV: staging the pages of %s failed", save.req_id)
+            with self._lock:
+                n = self._pending_saves.get(save.req_id, 0)
+                self._pending_saves[save.req_id] = n + len(jobs)
+            for job in jobs:
+                self._io_q.put(("publish", job))
 
     def transfer_results(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving)."""
@@ -209,7 +202,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._stopping = True
-        self._copy_q.put(None)
         self._io_q.put(None)
         for t in self._threads:
             t.join(self.settings.timeout_s)
@@ -252,25 +244,7 @@ class WorkerSide:
         else:
             self.stats.publishes_failed += 1
 
-    # copy thread ------------------------------------------------------------
-
-    def _copy_loop(self) -> None:
-        while True:
-            save = self._copy_q.get()
-            if save is None:
-                return
-            jobs: List[_Publish] = []
-            try:
-                jobs = self._gather(save)
-            except Exception:  # a copy error drops the save, never the engine
-                log.exception("OrbitKV: staging the pages of %s failed", save.req_id)
-            finally:
-                with self._cv:
-                    self._gathers -= 1
-                    self._pending_saves[save.req_id] += len(jobs) - 1
-                    self._cv.notify_all()
-            for job in jobs:
-                self._io_q.put(("publish", job))
+    # saves ------------------------------------------------------------------
 
     def _gather(self, save: SaveSpec) -> List[_Publish]:
         assert self.mover is not None

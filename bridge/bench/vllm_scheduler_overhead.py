@@ -166,8 +166,12 @@ def main() -> None:
         with harness.engine(
             model, manager.socket, num_blocks=4096, max_batched=8192, extra={"staging_pages": 1024}
         ) as e:
+            # A few at a time, so that no save is dropped for want of
+            # staging slots.
             for i, p in enumerate(hit_prompts):
                 e.add(f"warm-{i}", p, max_tokens=1)
+                if i % 8 == 7:
+                    e.run(limit_s=600)
             e.run(limit_s=600)
         manager.wait_metric("operations", 0)
 

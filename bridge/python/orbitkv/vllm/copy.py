@@ -103,8 +103,8 @@ class EngineBlocks:
 
 
 class PageMover:
-    """Where page bytes move. Methods run on the worker's threads; `stage`
-    only on the copy thread, `restore` only on the I/O thread."""
+    """Where page bytes move. `stage` runs on the engine's thread (inside
+    `wait_for_save`), `connect` and `restore` on the worker's I/O thread."""
 
     def connect(self, client: Any, session: Dict[str, Any]) -> None:
         raise NotImplementedError

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -105,12 +107,15 @@ def test_local_hit_loads_only_the_tail(model, manager):
     no_leaks(manager)
 
 
-def test_preemption(model, manager):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_preemption(model, manager, async_scheduling):
     # 12 blocks of 16 tokens for two requests that grow to 100 tokens each:
     # one is preempted in decode. Its saves are fenced before its blocks
     # are reused, it resumes (loading its own saved pages), and every page it
     # saved, decode pages included, holds exactly what was computed.
-    with engine(model, manager.socket, num_blocks=12, max_batched=32) as e:
+    with engine(
+        model, manager.socket, num_blocks=12, max_batched=32, async_scheduling=async_scheduling
+    ) as e:
         p1 = [30 + i for i in range(40)]
         p2 = [200 + i for i in range(40)]
         e.add("A", p1, max_tokens=60)
@@ -129,11 +134,34 @@ def test_preemption(model, manager):
     no_leaks(manager)
 
 
-def test_sliding_window_group(model, manager):
+def test_finished_request_keeps_blocks_until_published(model, manager):
+    # The manager is stopped while A's pages are being published: A finishes,
+    # but vLLM keeps its blocks until the worker reports the saves answered.
+    with engine(model, manager.socket, max_batched=16) as e:
+        e.add("A", PROMPT)
+        e.step()  # the lookup (a miss) happens while the manager runs
+        os.kill(manager.proc.pid, signal.SIGSTOP)
+        try:
+            e.run(until=lambda: "A" in e.finished)
+            for _ in range(20):
+                e.step()
+            assert "A" in e.sched.requests, "blocks freed before the publishes landed"
+            held = e.sched.kv_cache_manager.get_block_ids("A")[0]
+            assert len(held) >= 4
+        finally:
+            os.kill(manager.proc.pid, signal.SIGCONT)
+        e.run()
+        assert "A" not in e.sched.requests
+        assert e.workers[0].worker.stats.pages_published == 4
+    no_leaks(manager)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_sliding_window_group(model, manager, async_scheduling):
     # HMA on: a full-attention group and a 32-token sliding-window group.
     # The window group stores every page; a load restores the full prefix
     # and only the window's pages (31 past tokens: 2 pages) of the other.
-    with engine(model, manager.socket, sliding_window=32) as e:
+    with engine(model, manager.socket, sliding_window=32, async_scheduling=async_scheduling) as e:
         assert not e.vc.scheduler_config.disable_hybrid_kv_cache_manager
         assert len(e.kcc.kv_cache_groups) == 2
         groups = e.connector.spec.register_command["groups"]

@@ -213,36 +213,57 @@ class HostPageMover(PageMover):
         return self.staging_pages
 
     def stage(self, gid: int, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        """Copies each block's layers into its staging slot. On a GPU the
+        pages are gathered there (one kernel per layer) and moved in one
+        copy; on the CPU each layer's block is copied straight into place
+        (torch's index kernels run bytewise on the CPU)."""
         with self._lock:
             stage = self._stage.get(gid)
         if stage is None or not slots:
             return
         self.blocks.check_blocks(blocks)
-        si = torch.tensor(list(slots), dtype=torch.long)
+        layers = self.blocks.layers[gid]
+        if self.blocks.device.type == "cpu":
+            for slot, block in zip(slots, blocks):
+                row = stage[slot]
+                for at, view in layers:
+                    row[at : at + view.shape[1]].copy_(view[block])
+            return
         bi = torch.tensor(list(blocks), dtype=torch.long, device=self.blocks.device)
-        for offset, view in self.blocks.layers[gid]:
-            width = view.shape[1]
-            rows = view.index_select(0, bi).to("cpu")
-            stage[:, offset : offset + width].index_copy_(0, si, rows)
+        pages = torch.cat([view.index_select(0, bi) for _, view in layers], dim=1).to("cpu")
+        for k, slot in enumerate(slots):
+            stage[slot].copy_(pages[k])
 
     def source_page(self, gid: int, slot: int) -> int:
         with self._lock:
             return self._pages[gid][slot]
 
     def restore(self, gid: int, pages: Sequence[Tuple[int, int, int]]) -> None:
+        """Copies leased pool pages into their blocks. On a GPU the pages
+        are gathered into one host buffer, moved in one copy and scattered
+        there (one kernel per layer); on the CPU each layer's slice is
+        copied straight from the pool."""
         with self._lock:
             pool = self._pool
         if pool is None:
             raise ConnectionError("not connected")
+        if not pages:
+            return
         group = self.blocks.spec.group(gid)
         self.blocks.check_blocks([b for _, _, b in pages])
-        for offset, nbytes, block in pages:
+        for offset, nbytes, _ in pages:
             if nbytes != group.page_bytes or offset + nbytes > pool.shape[0]:
                 raise ValueError(
                     f"lease of {nbytes} bytes at {offset}: the group's page is "
                     f"{group.page_bytes} bytes"
                 )
-            page = pool[offset : offset + nbytes]
-            for at, view in self.blocks.layers[gid]:
-                width = view.shape[1]
-                view[block].copy_(page[at : at + width])
+        layers = self.blocks.layers[gid]
+        if self.blocks.device.type == "cpu":
+            for offset, _, block in pages:
+                for at, view in layers:
+                    view[block].copy_(pool[offset + at : offset + at + view.shape[1]])
+            return
+        data = torch.stack([pool[o : o + n] for o, n, _ in pages]).to(self.blocks.device)
+        bi = torch.tensor([b for _, _, b in pages], dtype=torch.long, device=self.blocks.device)
+        for at, view in layers:
+            view.index_copy_(0, bi, data[:, at : at + view.shape[1]])

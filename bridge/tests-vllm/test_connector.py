@@ -17,8 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
 import orbitkv.vllm as ov
+from orbitkv.vllm.stats import Reporter
 import serve_support as ss
 from harness import HEAD, HEADS, LAYERS, Engine, engine, value
 
@@ -74,6 +76,18 @@ def test_round_trip(model, manager, async_scheduling):
         w = e.workers[0].worker.stats
         assert w.pages_loaded == 4 and w.loads_failed == 0, w
         assert w.pages_published >= 4, w
+        # The same counters reach vLLM's stats pipeline, as deltas (vLLM
+        # took them every step; a fresh reporter sees them all).
+        sched = Reporter().delta(e.stats)
+        assert sched.data["hit_tokens"] == 64, sched
+        assert sched.data["misses_by_reason.not_found"] == 1, sched
+        work = Reporter().delta(w)
+        assert work.data["pages_loaded"] == 4, work
+        assert e.workers[0].get_kv_connector_stats() is None  # nothing new
+        logging = KVConnectorLogging(e.vc.kv_transfer_config)
+        logging.observe(work.aggregate(sched).data)
+        total = logging.transfer_stats_accumulator.reduce()
+        assert total["pages_loaded"] == 4 and total["hit_tokens"] == 64, total
     no_leaks(manager)
 
 
@@ -336,14 +350,19 @@ def test_corrupt_page_on_ssd_is_a_miss(model, orbitkv_bin, tmp_path):
                 e.add(f"F{k}", [300 + k * 17 + i for i in range(70)])
                 e.run()
             page = page_bytes(e, PROMPT, 1)
+            # Demotions are written (and synced) in the background: wait
+            # for the page to be on disk, then flip one byte of it.
             hits = 0
-            for seg in sorted(ssd.glob("seg-*.okv")):
-                data = bytearray(seg.read_bytes())
-                at = data.find(page)
-                if at >= 0:
-                    data[at + len(page) // 2] ^= 0xFF
-                    seg.write_bytes(bytes(data))
-                    hits += 1
+            deadline = time.monotonic() + 10
+            while not hits and time.monotonic() < deadline:
+                for seg in sorted(ssd.glob("seg-*.okv")):
+                    data = bytearray(seg.read_bytes())
+                    at = data.find(page)
+                    if at >= 0:
+                        data[at + len(page) // 2] ^= 0xFF
+                        seg.write_bytes(bytes(data))
+                        hits += 1
+                time.sleep(0.05)
             assert hits == 1, "page 1 of A should be on the SSD once"
             assert e.sched.reset_prefix_cache()
             e.wipe()

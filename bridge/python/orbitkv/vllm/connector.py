@@ -22,6 +22,7 @@ from .engine import EngineSpec, resolve_engine
 from .metadata import OrbitKVMetadata
 from .scheduler import SchedulerSide
 from .settings import ConnectorSettings
+from .stats import OrbitKVStats, Reporter
 from .worker import WorkerSide
 
 try:  # 0.33 reports transfers through one snapshot; 0.32 has only get_finished.
@@ -66,6 +67,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.spec: EngineSpec = resolve_engine(vllm_config, kv_cache_config, self.settings)
         self.scheduler: Optional[SchedulerSide] = None
         self.worker: Optional[WorkerSide] = None
+        self._reporter = Reporter()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.settings, self.spec)
         else:
@@ -80,6 +82,17 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             len(self.spec.groups),
             self.spec.page_tokens,
         )
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> OrbitKVStats:
+        return OrbitKVStats(data=dict(data or {}))
+
+    def get_kv_connector_stats(self) -> Optional[OrbitKVStats]:
+        """What changed since the last report: the scheduler's lookups and
+        misses by reason, or a worker's loads, failures by reason and pages
+        moved."""
+        side = self.scheduler or self.worker
+        return self._reporter.delta(side.stats) if side is not None else None
 
     # A dropped save is a later miss, not a lost hand-off: preempted
     # requests need not be recomputed for the connector's sake.

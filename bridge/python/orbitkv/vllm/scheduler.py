@@ -51,7 +51,11 @@ class SchedulerStats:
     load_failures: int = 0
 
     def miss(self, reason: str) -> None:
-        self.misses_by_reason[reason] = self.misses_by_reason.get(reason, 0) + 1
+        # Copied, not updated in place: a report may be reading the old one.
+        self.misses_by_reason = {
+            **self.misses_by_reason,
+            reason: self.misses_by_reason.get(reason, 0) + 1,
+        }
 
 
 class SchedulerSide:

@@ -51,7 +51,12 @@ class WorkerStats:
     failures_by_reason: Dict[str, int] = field(default_factory=dict)
 
     def fail(self, reason: str) -> None:
-        self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
+        # Copied, not updated in place: the engine thread may be reporting
+        # the old one while the I/O thread counts.
+        self.failures_by_reason = {
+            **self.failures_by_reason,
+            reason: self.failures_by_reason.get(reason, 0) + 1,
+        }
 
 
 @dataclass

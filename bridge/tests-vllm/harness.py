@@ -85,6 +85,7 @@ def build_config(
     hash_algo: str = "sha256",
     failure_policy: str = "recompute",
     layout: str = "LBNHC",
+    role: str = "kv_both",
 ):
     """(VllmConfig, KVCacheConfig, groups) of a CPU engine with the
     connector configured."""
@@ -103,7 +104,7 @@ def build_config(
     kvt = KVTransferConfig(
         kv_connector="OrbitKVConnector",
         kv_connector_module_path="orbitkv.vllm",
-        kv_role="kv_both",
+        kv_role=role,
         kv_load_failure_policy=failure_policy,
         kv_connector_extra_config={"socket": socket, "timeout_s": 5.0, **(extra or {})},
     )
@@ -155,6 +156,7 @@ class Engine:
         extra: Optional[Dict[str, Any]] = None,
         hash_algo: str = "sha256",
         failure_policy: str = "recompute",
+        role: str = "kv_both",
     ):
         self.bs = block_size
         self.tp = tp
@@ -177,6 +179,7 @@ class Engine:
             extra=extra,
             hash_algo=hash_algo,
             failure_policy=failure_policy,
+            role=role,
         )
         self.vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
         sched_cls = AsyncScheduler if async_scheduling else Scheduler

@@ -388,3 +388,21 @@ def page_bytes(e: Engine, tokens, page: int) -> bytes:
             v = value(li, tokens[pos], pos)
             out += struct.pack("<f", v) * (HEADS * 2 * HEAD)
     return out
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_kv_role_narrows_loads_and_saves(model, manager, role):
+    # A producer saves but never loads; a consumer loads but never saves.
+    with engine(model, manager.socket) as e:
+        e.add("A", PROMPT)
+        e.run()
+    with engine(model, manager.socket, role=role) as e:
+        assert e.connector.settings.load == (role == "kv_consumer")
+        assert e.connector.settings.save == (role == "kv_producer")
+        e.add("B", PROMPT + [99, 98])
+        e.run()
+        assert e.stats.hit_tokens == (64 if role == "kv_consumer" else 0), e.stats
+        assert e.stats.queries == (1 if role == "kv_consumer" else 0), e.stats
+        published = e.workers[0].worker.stats.pages_published
+        assert published == (4 if role == "kv_producer" else 0)
+    no_leaks(manager)

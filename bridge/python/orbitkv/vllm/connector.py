@@ -7,6 +7,7 @@ One class for both roles, as vLLM requires; each instance delegates to a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
@@ -62,8 +63,16 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: "KVCacheConfig",
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        self.settings = ConnectorSettings.from_extra_config(extra)
+        kvt = vllm_config.kv_transfer_config
+        extra = dict(kvt.kv_connector_extra_config or {})
+        settings = ConnectorSettings.from_extra_config(extra)
+        # kv_role narrows what the engine does: a producer only saves, a
+        # consumer only loads, kv_both does both.
+        self.settings = dataclasses.replace(
+            settings,
+            load=settings.load and bool(kvt.is_kv_consumer),
+            save=settings.save and bool(kvt.is_kv_producer),
+        )
         self.spec: EngineSpec = resolve_engine(vllm_config, kv_cache_config, self.settings)
         self.scheduler: Optional[SchedulerSide] = None
         self.worker: Optional[WorkerSide] = None

@@ -53,10 +53,9 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=64)
     args = ap.parse_args()
 
-    import torch
-
     import orbitkv
     import serve_support as ss
+    import torch
     from orbitkv.vllm.copy import EngineBlocks, HostPageMover
     from orbitkv.vllm.engine import EngineSpec, GroupPlan, LayerPlan
 
@@ -96,8 +95,10 @@ def main() -> None:
     spec = EngineSpec("7e" * 32, "gpu-check", BLOCK, (group,), 1, "LBNHC", register, [])
     blocks = EngineBlocks(spec, kv, num_blocks)
     page_bytes = group.page_bytes
-    print(f"device {dev} ({torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}), "
-          f"{n} pages of {page_bytes >> 20} MiB ({LAYERS} layers)")
+    print(
+        f"device {dev} ({torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}), "
+        f"{n} pages of {page_bytes >> 20} MiB ({LAYERS} layers)"
+    )
 
     # Known bytes in blocks 1..n (block 0 is vLLM's null block).
     g = torch.Generator(device=dev).manual_seed(7)
@@ -150,7 +151,9 @@ def main() -> None:
         assert q["selected"] == n * BLOCK, q
         ready = c.wait_event(60, kind="ready", operation=q["operation"])
         leases = sorted(ready["leases"], key=lambda x: x["pos"]["page_end"])
-        work = [(le["offset"], le["bytes"], dst[le["pos"]["page_end"] // BLOCK - 1]) for le in leases]
+        work = [
+            (le["offset"], le["bytes"], dst[le["pos"]["page_end"] // BLOCK - 1]) for le in leases
+        ]
         restore_s = 0.0
         for _ in range(2):
             if dev == "cuda":
@@ -164,7 +167,7 @@ def main() -> None:
         assert c.wait_event(30, kind="released", operation=q["operation"]) is not None
 
         bad = 0
-        for name, t_ in kv.items():
+        for t_ in kv.values():
             a = t_[src].contiguous().view(torch.uint8)
             b = t_[dst].contiguous().view(torch.uint8)
             bad += int((a != b).sum().item())
@@ -186,10 +189,14 @@ def main() -> None:
                 torch.cuda.synchronize()
             h2d_s = time.perf_counter() - t
         gib = n * page_bytes / (1 << 30)
-        print(f"stage   (GPU blocks -> staging): {gib / stage_s:6.2f} GiB/s   "
-              f"baseline one D2H copy: {gib / d2h_s:6.2f} GiB/s   ratio {d2h_s / stage_s:.2f}")
-        print(f"restore (pool -> GPU blocks):    {gib / restore_s:6.2f} GiB/s   "
-              f"baseline one H2D copy: {gib / h2d_s:6.2f} GiB/s   ratio {h2d_s / restore_s:.2f}")
+        print(
+            f"stage   (GPU blocks -> staging): {gib / stage_s:6.2f} GiB/s   "
+            f"baseline one D2H copy: {gib / d2h_s:6.2f} GiB/s   ratio {d2h_s / stage_s:.2f}"
+        )
+        print(
+            f"restore (pool -> GPU blocks):    {gib / restore_s:6.2f} GiB/s   "
+            f"baseline one H2D copy: {gib / h2d_s:6.2f} GiB/s   ratio {h2d_s / restore_s:.2f}"
+        )
         c.close()
         if bad:
             sys.exit(1)

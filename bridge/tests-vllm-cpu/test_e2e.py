@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import serve_support as ss
 
 HERE = Path(__file__).resolve().parent

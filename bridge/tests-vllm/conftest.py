@@ -14,9 +14,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import serve_support as ss  # noqa: E402
-
 import harness  # noqa: E402
+import serve_support as ss  # noqa: E402
 
 TEST_LIMIT_S = 300
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from unittest.mock import MagicMock, patch
 
 import torch
+from tiny_models import make_llama
 from vllm import SamplingParams
 from vllm.config import (
     AttentionConfig,
@@ -41,8 +42,8 @@ from vllm.distributed.kv_transfer.kv_transfer_state import (
 from vllm.forward_context import set_forward_context
 from vllm.platforms import current_platform
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
@@ -52,8 +53,6 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.kv_connector import get_kv_connector
 from vllm.v1.worker.utils import allocate_kv_cache
-
-from tiny_models import make_llama
 
 EOS = 2
 HEADS = 2

@@ -7,8 +7,11 @@ from __future__ import annotations
 import shutil
 from unittest.mock import MagicMock
 
+import orbitkv
+import orbitkv.vllm as ov
 import pytest
 import torch
+from harness import LAYERS, build_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -16,10 +19,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MambaSpec,
 )
-
-import orbitkv
-import orbitkv.vllm as ov
-from harness import LAYERS, build_config
 
 SOCKET = "/nonexistent/orbitkv.sock"
 

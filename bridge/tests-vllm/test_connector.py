@@ -8,7 +8,12 @@ import shutil
 import signal
 import time
 
+import orbitkv.vllm as ov
 import pytest
+import serve_support as ss
+from harness import HEAD, HEADS, LAYERS, Engine, engine, value
+from orbitkv.vllm.stats import Reporter
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -16,13 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
     supports_hma,
 )
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
-
-import orbitkv.vllm as ov
-from orbitkv.vllm.stats import Reporter
-import serve_support as ss
-from harness import HEAD, HEADS, LAYERS, Engine, engine, value
 
 PROMPT = [10 + i for i in range(70)]
 
@@ -346,6 +345,7 @@ def test_corrupt_page_on_ssd_is_a_miss(model, orbitkv_bin, tmp_path):
         with engine(model, m.socket, extra={"staging_pages": 8}) as e:
             e.add("A", PROMPT)
             e.run()
+            assert e.workers[0].worker.stats.pages_published == 4, e.workers[0].worker.stats
             for k in range(10):  # 40 more pages push A's 4 out of 32
                 e.add(f"F{k}", [300 + k * 17 + i for i in range(70)])
                 e.run()
@@ -363,7 +363,15 @@ def test_corrupt_page_on_ssd_is_a_miss(model, orbitkv_bin, tmp_path):
                         seg.write_bytes(bytes(data))
                         hits += 1
                 time.sleep(0.05)
-            assert hits == 1, "page 1 of A should be on the SSD once"
+            assert hits == 1, (
+                "page 1 of A should be on the SSD once",
+                e.workers[0].worker.stats,
+                [
+                    line
+                    for line in m.metrics_text().splitlines()
+                    if "evictions" in line or "demotions" in line
+                ],
+            )
             assert e.sched.reset_prefix_cache()
             e.wipe()
             w = e.workers[0].worker

@@ -377,9 +377,12 @@ class Manager:
         except OSError:
             return ""
 
-    def metrics(self) -> Dict[str, int]:
+    def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=T) as r:
-            text = r.read().decode()
+            return r.read().decode()
+
+    def metrics(self) -> Dict[str, int]:
+        text = self.metrics_text()
         out = {}
         for line in text.splitlines():
             if line.startswith("orbitkv_") and "{" not in line:

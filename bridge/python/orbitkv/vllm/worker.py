@@ -237,17 +237,25 @@ class WorkerSide:
                 # failure per request (and recomputes it from scratch).
                 self._failed.add(load.req_id)
 
-    def _publish_done(self, job: _Publish, ok: bool, free_slots: bool = True) -> None:
+    def _publish_done(
+        self, job: _Publish, answer: Optional[Dict[str, Any]], free_slots: bool = True
+    ) -> None:
+        """Ends a publish: `answer` is its `publish_done`, or None when it
+        failed. Pages the manager had no room for (`dropped`) count as
+        dropped saves; pages it already held (`duplicates`) as published."""
         with self._lock:
             if free_slots and job.generation == self._generation:
                 self._free_slots.setdefault(job.gid, []).extend(job.slots)
             n = self._pending_saves.get(job.req_id, 0)
             assert n > 0, f"save accounting of {job.req_id} went below zero"
             self._pending_saves[job.req_id] = n - 1
-        if ok:
-            self.stats.pages_published += len(job.slots)
-        else:
+        if answer is None:
             self.stats.publishes_failed += 1
+            return
+        self.stats.pages_published += int(answer.get("inserted", 0)) + int(
+            answer.get("duplicates", 0)
+        )
+        self.stats.pages_dropped += int(answer.get("dropped", 0))
 
     # saves ------------------------------------------------------------------
 
@@ -358,7 +366,7 @@ class _IoState:
     def abandon(self, why: str) -> None:
         for kind, job in list(self.by_command.values()):
             if kind == "publish":
-                self.w._publish_done(job, ok=False, free_slots=False)
+                self.w._publish_done(job, None, free_slots=False)
         done = {id(j) for j in self.by_operation.values()}
         for kind, job in list(self.by_command.values()):
             if kind in ("query", "release") and id(job) not in done:
@@ -384,13 +392,13 @@ class _IoState:
             if kind == "load":
                 self.w._finish_load(item[1], None, "unavailable")
             elif kind == "publish":
-                self.w._publish_done(item[1], ok=False, free_slots=False)
+                self.w._publish_done(item[1], None, free_slots=False)
             log.debug("OrbitKV %s skipped: %s", kind, e)
         except LINK_ERRORS as e:
             if kind == "load":
                 self.w._finish_load(item[1], None, "unavailable")
             elif kind == "publish":
-                self.w._publish_done(item[1], ok=False, free_slots=False)
+                self.w._publish_done(item[1], None, free_slots=False)
             self.lost(f"{type(e).__name__}: {e}")
 
     def start_load(self, spec: LoadSpec) -> None:
@@ -420,7 +428,7 @@ class _IoState:
         with self.w._lock:
             stale = job.generation != self.w._generation or not self.w._connected
         if stale:
-            self.w._publish_done(job, ok=False, free_slots=False)
+            self.w._publish_done(job, None, free_slots=False)
             return
         client, session = self.client()
         mover = self.w.mover
@@ -480,7 +488,7 @@ class _IoState:
                 if not ok:
                     self.w.stats.fail(f"publish_{(ev.get('error') or {}).get('error', kind)}")
                 # A refused publish had no effect: its slots are free again.
-                self.w._publish_done(job, ok=ok)
+                self.w._publish_done(job, ev if ok else None)
             elif what == "query":
                 self.on_query_result(job, ev)
             elif what == "release":
@@ -571,7 +579,7 @@ class _IoState:
             del self.by_command[cid]
             if what == "publish":
                 # The runtime may still copy from these slots: never reuse them.
-                self.w._publish_done(job, ok=False, free_slots=False)
+                self.w._publish_done(job, None, free_slots=False)
             else:
                 self.by_operation.pop(job.operation, None)
                 self.w._finish_load(job.spec, None, "timeout")

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+from vllm.v1.request import RequestStatus
 
 PROMPT = [10 + i for i in range(70)]
 
@@ -413,4 +414,23 @@ def test_kv_role_narrows_loads_and_saves(model, manager, role):
         assert e.stats.queries == (1 if role == "kv_consumer" else 0), e.stats
         published = e.workers[0].worker.stats.pages_published
         assert published == (4 if role == "kv_producer" else 0)
+    no_leaks(manager)
+
+
+def test_abort_while_loading(model, manager):
+    # B is aborted while its load runs: vLLM holds its blocks until the
+    # worker reports the load finished, then frees them; nothing leaks.
+    with engine(model, manager.socket) as e:
+        e.add("A", PROMPT)
+        e.run()
+        assert e.sched.reset_prefix_cache()
+        e.wipe()
+        e.add("B", PROMPT + [99, 98])
+        e.step()  # B's lookup hits; its load is planned and started
+        assert e.sched.requests["B"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        e.sched.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+        assert "B" in e.sched.requests  # blocks held while the load runs
+        e.run()
+        assert not e.sched.requests
+        assert e.workers[0].worker.stats.loads == 1
     no_leaks(manager)

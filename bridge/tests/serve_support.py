@@ -305,7 +305,10 @@ class Manager:
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
 
-    def start(self) -> "Manager":
+    def start(self, idle: bool = True) -> "Manager":
+        """Starts the manager and waits until it serves. `idle=False`: clients
+        may connect at once (a restart under live engines), so only wait
+        for the metrics endpoint, not for zero connections."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.port = free_port()
         with open(self.log, "ab") as log:
@@ -339,7 +342,14 @@ class Manager:
                     raise RuntimeError(f"manager did not come up: {self.log_text()}")
                 time.sleep(0.02)
         # The metrics endpoint answers once the first snapshot is taken.
-        self.wait_metric("connections", 0)
+        if idle:
+            self.wait_metric("connections", 0)
+        else:
+            deadline = time.monotonic() + T
+            while self.metric("connections") is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"manager metrics did not come up: {self.log_text()}")
+                time.sleep(0.05)
         return self
 
     def stop(self, timeout: float = T) -> Optional[int]:
@@ -367,9 +377,12 @@ class Manager:
         except OSError:
             return ""
 
-    def metrics(self) -> Dict[str, int]:
+    def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=T) as r:
-            text = r.read().decode()
+            return r.read().decode()
+
+    def metrics(self) -> Dict[str, int]:
+        text = self.metrics_text()
         out = {}
         for line in text.splitlines():
             if line.startswith("orbitkv_") and "{" not in line:

@@ -1,0 +1,249 @@
+"""Per-request scheduler overhead of `OrbitKVConnector`, against the same
+scheduler loop without a connector, measured in one run. Not a test: it
+asserts nothing about time.
+
+    scripts/venv.sh vllm                       # the vLLM 0.33 venv
+    V=~/.cache/orbitkv/venvs/vllm
+    VIRTUAL_ENV=$V $V/bin/maturin develop --release -m bridge/Cargo.toml
+    cargo build --release --bin orbitkv
+    $V/bin/python bridge/bench/vllm_scheduler_overhead.py [--requests 400]
+
+What runs: the real vLLM `Scheduler` (no model, no workers: a stand-in
+model runner answers every step, reporting loads and saves done one step
+after they were planned), against a real `orbitkv serve` (the release
+manager unless `ORBITKV_BIN` says otherwise). Three loops over the same
+requests (512-token prompts, one output token):
+
+  baseline  no connector;
+  miss      the connector, nothing stored: every request is a lookup that
+            misses, then its 32 pages are planned for saving;
+  hit       the connector, every prefix stored (published beforehand): a
+            lookup that selects 496 tokens, a load planned, one page saved.
+
+For each loop it prints the wall time per request of `schedule()` +
+`update_from_output()`, the ratio to the baseline, and the part spent in
+`get_num_new_matched_tokens` and `build_connector_meta` (timed around the
+calls, per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bridge" / "tests"))
+sys.path.insert(0, str(ROOT / "bridge" / "tests-vllm"))
+
+PROMPT = 512
+BLOCK = 16
+
+
+def prompts(n: int, seed: int) -> List[List[int]]:
+    """`n` random prompts; different seeds share no page."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)]
+
+
+def percentile(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+class Timed:
+    """Records the time of every call of one method of an object."""
+
+    def __init__(self, obj: Any, name: str):
+        self.times: List[float] = []
+        real = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                self.times.append(time.perf_counter() - t)
+
+        setattr(obj, name, wrapper)
+
+
+def loop(sched, hasher, reqs: List[List[int]], tag: str) -> float:
+    """Runs every request to completion; returns wall seconds. The stand-in
+    runner samples one token per finished prefill and reports each planned
+    load / delayed free done on the next step."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    for i, p in enumerate(reqs):
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        sp.update_from_generation_config({}, 2)
+        sched.add_request(
+            Request(
+                request_id=f"{tag}-{i}",
+                prompt_token_ids=p,
+                sampling_params=sp,
+                pooling_params=None,
+                block_hasher=hasher,
+            )
+        )
+    recving: set = set()
+    sending: set = set()
+    t0 = time.perf_counter()
+    while sched.requests:
+        so = sched.schedule()
+        meta = so.kv_connector_metadata
+        loads = {l.req_id for l in getattr(meta, "loads", [])}
+        ids = list(so.num_scheduled_tokens)
+        kvo = None
+        if sched.connector is not None:
+            kvo = KVConnectorOutput(
+                finished_recving=recving or None, finished_sending=sending or None
+            )
+        out = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[
+                [7] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
+                for r in ids
+            ],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kvo,
+        )
+        engine_out = sched.update_from_output(so, out)
+        recving = loads
+        sending = {
+            o.request_id
+            for outs in engine_out.values()
+            for o in outs.outputs
+            if o.finish_reason is not None
+        }
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+
+    import orbitkv
+    import serve_support as ss
+
+    os.environ.setdefault("ORBITKV_BIN", str(ss.orbitkv_binary("release")))
+    import harness
+    import torch  # noqa: F401
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    manager = ss.Manager(Path(os.environ["ORBITKV_BIN"]), dram="1GiB")
+    tmp = Path(manager.dir)
+    model = harness.make_model(tmp / "model")
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    results: Dict[str, Any] = {
+        "requests": args.requests,
+        "prompt_tokens": PROMPT,
+        "debug_extension": orbitkv._orbitkv._debug_build,
+        "manager": os.environ["ORBITKV_BIN"],
+    }
+    try:
+        manager.start()
+        # Publish every page of the "hit" prompts through a real engine
+        # (the harness's scheduler + worker) first.
+        hit_prompts = prompts(args.requests, seed=1)
+        with harness.engine(
+            model, manager.socket, num_blocks=4096, max_batched=8192, extra={"staging_pages": 1024}
+        ) as e:
+            # A few at a time, so that no save is dropped for want of
+            # staging slots.
+            for i, p in enumerate(hit_prompts):
+                e.add(f"warm-{i}", p, max_tokens=1)
+                if i % 8 == 7:
+                    e.run(limit_s=600)
+            e.run(limit_s=600)
+        manager.wait_metric("operations", 0)
+
+        def scheduler(connector: bool) -> Scheduler:
+            vc, kcc, _ = harness.build_config(
+                model, manager.socket, num_blocks=4096, max_batched=8192
+            )
+            if not connector:
+                vc.kv_transfer_config = None
+            vc.cache_config.num_gpu_blocks = kcc.num_blocks
+            return Scheduler(
+                vllm_config=vc,
+                kv_cache_config=kcc,
+                log_stats=False,
+                structured_output_manager=StructuredOutputManager(vc),
+                block_size=BLOCK,
+            )
+
+        for name, connector, reqs in (
+            ("baseline", False, prompts(args.requests, seed=2)),
+            ("miss", True, prompts(args.requests, seed=3)),
+            ("hit", True, hit_prompts),
+        ):
+            sched = scheduler(connector)
+            # Warm the process (and, with the connector, the connection).
+            loop(sched, hasher, prompts(8, seed=100 + len(results)), f"w{name}")
+            lookup = meta = None
+            if connector:
+                lookup = Timed(sched.connector, "get_num_new_matched_tokens")
+                meta = Timed(sched.connector, "build_connector_meta")
+            seconds = loop(sched, hasher, reqs, name)
+            row = {"us_per_request": seconds / len(reqs) * 1e6}
+            if connector:
+                st = sched.connector.scheduler.stats
+                row["lookup_us_per_request"] = sum(lookup.times) / len(reqs) * 1e6
+                row["lookups_per_request"] = len(lookup.times) / len(reqs)
+                row["lookup_p50_us"] = percentile(lookup.times, 0.5) * 1e6
+                row["lookup_p99_us"] = percentile(lookup.times, 0.99) * 1e6
+                row["meta_us_per_request"] = sum(meta.times) / len(reqs) * 1e6
+                row["hit_tokens"] = st.hit_tokens
+                row["pages_planned"] = st.pages_saved
+                sched.connector.shutdown()
+            results[name] = row
+        base = results["baseline"]["us_per_request"]
+        for name in ("miss", "hit"):
+            r = results[name]
+            r["ratio_to_baseline"] = r["us_per_request"] / base
+            r["connector_us_per_request"] = r["lookup_us_per_request"] + r["meta_us_per_request"]
+    finally:
+        manager.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    if results["debug_extension"]:
+        print("WARNING: the orbitkv extension is a debug build; build it with --release")
+    print(
+        f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}"
+    )
+    print(
+        f"{'loop':9} {'us/req':>8} {'ratio':>6} {'lookup us/req':>13} {'p50':>7} {'p99':>7} "
+        f"{'lookups/req':>11} {'meta us/req':>11} {'hit tokens':>10}"
+    )
+    for name in ("baseline", "miss", "hit"):
+        r = results[name]
+        print(
+            f"{name:9} {r['us_per_request']:8.1f} {r.get('ratio_to_baseline', 1.0):6.2f} "
+            f"{r.get('lookup_us_per_request', 0):13.1f} {r.get('lookup_p50_us', 0):7.1f} "
+            f"{r.get('lookup_p99_us', 0):7.1f} {r.get('lookups_per_request', 0):11.2f} "
+            f"{r.get('meta_us_per_request', 0):11.1f} {r.get('hit_tokens', 0):10d}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Moving page bytes between vLLM's KV cache and OrbitKV, behind one small
+interface (`PageMover`) so the connector logic does not depend on where
+copies run.
+
+`HostPageMover` (today): the worker owns a staging region per KV cache group
+(manager-owned shared memory, `Client.region()`), with one device page per
+slot allocated once. A save copies each layer's block into a staging slot
+(`stage`), then the staging device page is published; a load copies leased
+pages from the read-only shared pool into the engine's blocks (`restore`).
+Copy agents (docs/vllm.md, "Not yet") replace this class: the engine's own
+KV memory becomes an agent-owned region and the manager drives the copies.
+
+A stored page is each layer's block bytes concatenated in the group's layer
+order (`GroupPlan.layers`); a layer's block is its `[H, N, C]` bytes exactly
+as the KV cache layout stores them.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from .engine import EngineSpec
+from .settings import ConfigError
+
+
+def block_bytes_view(t: torch.Tensor, num_blocks: int, what: str) -> torch.Tensor:
+    """A `uint8` view `(num_blocks, block_bytes)` of `t`'s blocks (dim 0),
+    over the same memory. Fails (`ConfigError`) unless each block's bytes are
+    one contiguous run."""
+    if t.dim() < 1 or num_blocks < 1 or t.shape[0] % num_blocks:
+        raise ConfigError(
+            f"{what}: shape {tuple(t.shape)} does not have {num_blocks} blocks in dim 0"
+        )
+    es = t.element_size()
+    ratio = t.shape[0] // num_blocks
+    dims = sorted(
+        ((t.stride(d), t.shape[d]) for d in range(1, t.dim()) if t.shape[d] != 1),
+        key=lambda sd: sd[0],
+    )
+    expect = 1
+    for stride, size in dims:
+        if stride != expect:
+            raise ConfigError(
+                f"{what}: a block's elements are not contiguous "
+                f"(shape {tuple(t.shape)}, strides {t.stride()})"
+            )
+        expect *= size
+    kernel_bytes = expect * es
+    stride0 = t.stride(0) * es
+    if ratio > 1 and stride0 != kernel_bytes:
+        raise ConfigError(f"{what}: kernel blocks of a block are not adjacent")
+    block_stride = stride0 * ratio
+    block_len = kernel_bytes * ratio
+    if block_stride < block_len:
+        raise ConfigError(f"{what}: blocks overlap (stride {block_stride} < {block_len})")
+    offset = t.storage_offset() * es
+    storage = t.untyped_storage()
+    if offset + (num_blocks - 1) * block_stride + block_len > storage.nbytes():
+        raise ConfigError(f"{what}: the blocks run past the tensor's storage")
+    base = torch.empty(0, dtype=torch.uint8, device=t.device)
+    base.set_(storage, offset, (num_blocks, block_len), (block_stride, 1))
+    return base
+
+
+class EngineBlocks:
+    """The engine's KV memory as per-group, per-layer block views."""
+
+    def __init__(self, spec: EngineSpec, kv_caches: Mapping[str, Any], num_blocks: int):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.layers: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+        """group id → [(offset in page, view (num_blocks, bytes))]"""
+        for group in spec.groups:
+            views: List[Tuple[int, torch.Tensor]] = []
+            offset = 0
+            for layer in group.layers:
+                value = kv_caches.get(layer.name)
+                if value is None:
+                    raise ConfigError(f"register_kv_caches: no KV cache for layer {layer.name}")
+                tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+                got = 0
+                for k, t in enumerate(tensors):
+                    v = block_bytes_view(t, num_blocks, f"KV cache of {layer.name}[{k}]")
+                    views.append((offset + got, v))
+                    got += v.shape[1]
+                if got != layer.segment_bytes:
+                    raise ConfigError(
+                        f"KV cache of {layer.name}: a block holds {got} bytes, the "
+                        f"KV cache spec says {layer.segment_bytes}"
+                    )
+                offset += got
+            self.layers[group.id] = views
+        self.device = next(v.device for vs in self.layers.values() for _, v in vs)
+
+    def check_blocks(self, blocks: Sequence[int]) -> None:
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:4]} are outside 0..{self.num_blocks}")
+
+
+class PageMover:
+    """Where page bytes move. `stage` runs on the engine's thread (inside
+    `wait_for_save`), `connect` and `restore` on the worker's I/O thread."""
+
+    def connect(self, client: Any, session: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def disconnect(self) -> None:
+        raise NotImplementedError
+
+    def staging_slots(self, gid: int) -> int:
+        raise NotImplementedError
+
+    def stage(self, gid: int, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def source_page(self, gid: int, slot: int) -> int:
+        raise NotImplementedError
+
+    def restore(self, gid: int, pages: Sequence[Tuple[int, int, int]]) -> None:
+        """Copies pool pages `(offset, bytes, block)` into engine blocks."""
+        raise NotImplementedError
+
+
+class HostPageMover(PageMover):
+    """Phase A mover: manager-owned staging regions, host copies (torch)."""
+
+    def __init__(self, blocks: EngineBlocks, rank: int, staging_pages: int, timeout_s: float):
+        self.blocks = blocks
+        self.rank = rank
+        self.staging_pages = staging_pages
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._stage: Dict[int, torch.Tensor] = {}
+        self._pages: Dict[int, List[int]] = {}
+        self._pool: torch.Tensor | None = None
+
+    def connect(self, client: Any, session: Dict[str, Any]) -> None:
+        """Registers a staging region per group and a device page per slot
+        (one round trip per region, the allocations pipelined)."""
+        stage: Dict[int, torch.Tensor] = {}
+        pages: Dict[int, List[int]] = {}
+        for group in self.blocks.spec.groups:
+            e = client.call(
+                {
+                    "command": "register_device_region",
+                    "session": session,
+                    "rank": self.rank,
+                    "group": group.id,
+                    "slots": self.staging_pages,
+                },
+                self.timeout_s,
+            )
+            if e.get("event") != "region_registered":
+                raise ConnectionError(f"staging region for group {group.id}: {e}")
+            if e["page_bytes"] != group.page_bytes:
+                raise ConfigError(
+                    f"group {group.id}: the manager's page is {e['page_bytes']} bytes, "
+                    f"the engine's {group.page_bytes}"
+                )
+            view = client.region(e["region"])
+            stage[group.id] = torch.frombuffer(view, dtype=torch.uint8).view(
+                self.staging_pages, group.page_bytes
+            )
+            ids = [
+                client.submit(
+                    {
+                        "command": "device_page_alloc",
+                        "session": session,
+                        "region": e["region"],
+                        "slot": s,
+                    }
+                )
+                for s in range(self.staging_pages)
+            ]
+            got: Dict[int, int] = {}
+            want = set(ids)
+            while want:
+                ev = client.wait_event(self.timeout_s)
+                if ev is None:
+                    raise ConnectionError("device page allocation timed out")
+                cid = ev.get("command")
+                if cid in want:
+                    if ev["event"] != "device_page_allocated":
+                        raise ConnectionError(f"device page allocation: {ev}")
+                    got[cid] = ev["device_page"]
+                    want.discard(cid)
+            pages[group.id] = [got[c] for c in ids]
+        pool_bytes = client.pool_bytes
+        whole = {
+            "lease": 0,
+            "pos": {"rank": 0, "group": 0, "page_end": 0},
+            "bytes": pool_bytes,
+            "slot": 0,
+            "offset": 0,
+        }
+        with warnings.catch_warnings():
+            # The pool view is read-only; torch warns that writes would fail.
+            warnings.simplefilter("ignore", UserWarning)
+            pool = torch.frombuffer(client.page(whole), dtype=torch.uint8)
+        with self._lock:
+            self._stage, self._pages, self._pool = stage, pages, pool
+
+    def disconnect(self) -> None:
+        with self._lock:
+            self._stage, self._pages, self._pool = {}, {}, None
+
+    def staging_slots(self, gid: int) -> int:
+        return self.staging_pages
+
+    def stage(self, gid: int, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        """Copies each block's layers into its staging slot. On a GPU the
+        pages are gathered there (one kernel per layer) and moved in one
+        copy; on the CPU each layer's block is copied straight into place
+        (torch's index kernels run bytewise on the CPU)."""
+        with self._lock:
+            stage = self._stage.get(gid)
+        if stage is None or not slots:
+            return
+        self.blocks.check_blocks(blocks)
+        layers = self.blocks.layers[gid]
+        if self.blocks.device.type == "cpu":
+            for slot, block in zip(slots, blocks):
+                row = stage[slot]
+                for at, view in layers:
+                    row[at : at + view.shape[1]].copy_(view[block])
+            return
+        bi = torch.tensor(list(blocks), dtype=torch.long, device=self.blocks.device)
+        pages = torch.cat([view.index_select(0, bi) for _, view in layers], dim=1).to("cpu")
+        for k, slot in enumerate(slots):
+            stage[slot].copy_(pages[k])
+
+    def source_page(self, gid: int, slot: int) -> int:
+        with self._lock:
+            return self._pages[gid][slot]
+
+    def restore(self, gid: int, pages: Sequence[Tuple[int, int, int]]) -> None:
+        """Copies leased pool pages into their blocks. On a GPU the pages
+        are gathered into one host buffer, moved in one copy and scattered
+        there (one kernel per layer); on the CPU each layer's slice is
+        copied straight from the pool."""
+        with self._lock:
+            pool = self._pool
+        if pool is None:
+            raise ConnectionError("not connected")
+        if not pages:
+            return
+        group = self.blocks.spec.group(gid)
+        self.blocks.check_blocks([b for _, _, b in pages])
+        for offset, nbytes, _ in pages:
+            if nbytes != group.page_bytes or offset + nbytes > pool.shape[0]:
+                raise ValueError(
+                    f"lease of {nbytes} bytes at {offset}: the group's page is "
+                    f"{group.page_bytes} bytes"
+                )
+        layers = self.blocks.layers[gid]
+        if self.blocks.device.type == "cpu":
+            for offset, _, block in pages:
+                for at, view in layers:
+                    view[block].copy_(pool[offset + at : offset + at + view.shape[1]])
+            return
+        data = torch.stack([pool[o : o + n] for o, n, _ in pages]).to(self.blocks.device)
+        bi = torch.tensor([b for _, _, b in pages], dtype=torch.long, device=self.blocks.device)
+        for at, view in layers:
+            view.index_copy_(0, bi, data[:, at : at + view.shape[1]])

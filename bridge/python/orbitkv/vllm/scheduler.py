@@ -1,0 +1,255 @@
+"""The scheduler role: asks the manager which prefix it can restore, tells
+the workers what to load and what to save.
+
+Lookups are metadata only: a query without `prepare` selects the boundary
+(the largest legal one on every rank, below the last prompt token) and is
+released at once; the workers take the leases themselves when they load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from .engine import EngineSpec
+from .link import LINK_ERRORS, ManagerLink, Unavailable
+from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveItem, SaveSpec
+from .settings import ConnectorSettings
+
+log = logging.getLogger("orbitkv.vllm")
+
+
+@dataclass
+class _Request:
+    request: Any
+    origin: int = 0
+    """Tokens the engine held when the connector was last asked."""
+    saved_pages: int = -1
+    """Pages below this index are saved, loaded, or held locally; -1 until
+    the request is first scheduled."""
+    saves_sent: bool = False
+    """Some save of this request went to the workers: its blocks are freed
+    only once the workers report the saves done."""
+    loading: Set[int] = field(default_factory=set)
+    """Blocks of the load in flight (to recognise a block-level failure)."""
+    load_failed: bool = False
+    """A load of this request failed: it is not offered another one (the
+    retry could fail the same way, forever)."""
+
+
+@dataclass
+class SchedulerStats:
+    queries: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    misses_by_reason: Dict[str, int] = field(default_factory=dict)
+    unavailable: int = 0
+    pages_saved: int = 0
+    load_failures: int = 0
+
+    def miss(self, reason: str) -> None:
+        # Copied, not updated in place: a report may be reading the old one.
+        self.misses_by_reason = {
+            **self.misses_by_reason,
+            reason: self.misses_by_reason.get(reason, 0) + 1,
+        }
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, spec: EngineSpec):
+        self.settings = settings
+        self.spec = spec
+        self.link = ManagerLink(settings, spec, "vllm-scheduler")
+        self.requests: Dict[str, _Request] = {}
+        self.pending_loads: List[LoadSpec] = []
+        self.kv_cache_manager: Any = None
+        self.stats = SchedulerStats()
+        self._next_request = 0
+        self._late: Set[int] = set()
+
+    # vLLM hooks -----------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[int, bool]:
+        rid = request.request_id
+        state = self.requests.get(rid)
+        if state is None:
+            state = self.requests[rid] = _Request(request)
+        state.origin = num_computed_tokens
+        if not self.settings.load:
+            return 0, False
+        if state.load_failed:
+            self.stats.miss("load_failed_before")
+            return 0, False
+        page = self.spec.page_tokens
+        usable = min(len(request.block_hashes), (request.num_tokens - 1) // page)
+        if usable * page <= num_computed_tokens or num_computed_tokens % page:
+            return 0, False
+        selected = self._lookup(request, num_computed_tokens, usable)
+        if selected is None or selected <= num_computed_tokens:
+            return 0, False
+        self.stats.hits += 1
+        self.stats.hit_tokens += selected - num_computed_tokens
+        return selected - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        state = self.requests.get(rid)
+        origin = state.origin if state is not None else 0
+        boundary = origin + num_external_tokens
+        page = self.spec.page_tokens
+        pages = boundary // page
+        per_group = []
+        for group_blocks in blocks.blocks:
+            ids = [NULL_BLOCK if b.is_null else b.block_id for b in list(group_blocks)[:pages]]
+            ids += [NULL_BLOCK] * (pages - len(ids))
+            per_group.append(ids)
+        if state is not None:
+            state.loading = {b for ids in per_group for b in ids if b != NULL_BLOCK}
+        self.pending_loads.append(
+            LoadSpec(
+                req_id=rid,
+                origin=origin,
+                boundary=boundary,
+                hashes=[bytes(h) for h in request.block_hashes[:pages]],
+                block_ids=tuple(per_group),
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> OrbitKVMetadata:
+        meta = OrbitKVMetadata(loads=self.pending_loads)
+        self.pending_loads = []
+        if self.settings.save:
+            for rid, n in scheduler_output.num_scheduled_tokens.items():
+                save = self._plan_save(rid, n)
+                if save is not None:
+                    meta.saves.append(save)
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        failed = set(getattr(output, "failed_recving", None) or ())
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        for rid in set(getattr(output, "finished_recving", None) or ()) | failed:
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            if rid in failed or (invalid and state.loading & invalid):
+                state.load_failed = True
+                self.stats.load_failures += 1
+            state.loading = set()
+
+    def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        state = self.requests.pop(request.request_id, None)
+        return bool(state is not None and state.saves_sent), None
+
+    def shutdown(self) -> None:
+        self.link.close()
+
+    # internals ------------------------------------------------------------
+
+    def _lookup(self, request: Any, origin: int, pages: int) -> Optional[int]:
+        """The selected boundary, or None (a miss, whatever the reason)."""
+        try:
+            client, session = self.link.get()
+        except Unavailable:
+            self.stats.unavailable += 1
+            self.stats.miss("unavailable")
+            return None
+        page = self.spec.page_tokens
+        hashes = [bytes(h).hex() for h in request.block_hashes[:pages]]
+        self._next_request += 1
+        query = {
+            "command": "query",
+            "session": session,
+            "request": self._next_request,
+            "groups": [{"group": g.id, "hashes": hashes} for g in self.spec.groups],
+            "origin": origin,
+            "prompt_len": request.num_tokens,
+            "expect_namespaces": self.link.namespaces,
+        }
+        self.stats.queries += 1
+        self.stats.queried_tokens += pages * page - origin
+        try:
+            reply = self._call(client, session, query)
+        except LINK_ERRORS as e:
+            self.link.drop(f"{type(e).__name__}: {e}")
+            self.stats.miss("unavailable")
+            return None
+        if reply.get("event") != "query_result":
+            error = (reply.get("error") or {}).get("error", "rejected")
+            if error == "stale_session":
+                self.link.drop("stale session")
+            self.stats.miss(str(error))
+            return None
+        if reply.get("miss") is not None:
+            self.stats.miss(str(reply["miss"]))
+            return None
+        try:
+            client.submit(
+                {"command": "release", "session": session, "operation": reply["operation"]}
+            )
+        except LINK_ERRORS as e:
+            self.link.drop(f"{type(e).__name__}: {e}")
+        return reply.get("selected")
+
+    def _call(self, client: Any, session: Dict[str, Any], query: Dict[str, Any]) -> Dict[str, Any]:
+        """Submits the query and waits (bounded) for its answer. Other events
+        are answers to releases (nothing to do) and late answers to queries
+        that timed out, whose operations are released then."""
+        deadline = time.monotonic() + self.settings.query_timeout_s
+        cid = client.submit(query)
+        while True:
+            left = deadline - time.monotonic()
+            ev = client.wait_event(max(left, 0.0)) if left > 0 else None
+            if ev is None:
+                self._late.add(cid)
+                if len(self._late) > 1024:  # answers that never came
+                    self._late.clear()
+                return {"event": "timeout", "error": {"error": "timeout"}}
+            got = ev.get("command")
+            if got == cid:
+                return ev
+            if got in self._late:
+                self._late.discard(got)
+                if ev.get("event") == "query_result" and ev.get("miss") is None:
+                    client.submit(
+                        {"command": "release", "session": session, "operation": ev["operation"]}
+                    )
+
+    def _plan_save(self, rid: str, scheduled: int) -> Optional[SaveSpec]:
+        state = self.requests.get(rid)
+        if state is None:
+            return None
+        request = state.request
+        page = self.spec.page_tokens
+        if state.saved_pages < 0:
+            # Pages the request starts with came from the local prefix cache
+            # or from OrbitKV: already published by whoever computed them.
+            state.saved_pages = request.num_computed_tokens // page
+        done = min((request.num_computed_tokens + scheduled) // page, len(request.block_hashes))
+        if done <= state.saved_pages or self.kv_cache_manager is None:
+            return None
+        blocks = self.kv_cache_manager.get_blocks(rid).blocks
+        items = []
+        for p in range(state.saved_pages, done):
+            ids = []
+            for group_blocks in blocks:
+                b = group_blocks[p] if p < len(group_blocks) else None
+                ids.append(NULL_BLOCK if b is None or b.is_null else b.block_id)
+            if all(i == NULL_BLOCK for i in ids):
+                continue
+            items.append(
+                SaveItem(page=p, hash=bytes(request.block_hashes[p]), block_ids=tuple(ids))
+            )
+        state.saved_pages = done
+        if not items:
+            return None
+        state.saves_sent = True
+        self.stats.pages_saved += len(items)
+        return SaveSpec(req_id=rid, items=items)

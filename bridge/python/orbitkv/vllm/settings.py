@@ -1,0 +1,99 @@
+"""The connector's settings: ``kv_connector_extra_config`` and the
+environment. Every key is named here; an unknown key is an error at startup.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping
+
+
+class ConfigError(ValueError):
+    """vLLM is configured in a way the connector cannot serve safely. Raised
+    at startup, naming the setting."""
+
+
+def default_socket() -> str:
+    """The manager's default socket, as ``orbitkv serve`` chooses it."""
+    env = os.environ.get("ORBITKV_SOCKET")
+    if env:
+        return env
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "orbitkv.sock")
+    return "/tmp/orbitkv.sock"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` keys (docs/vllm.md lists them)."""
+
+    socket: str
+    """The manager's Unix socket."""
+    instance: str = ""
+    """Instance name in the manager; empty derives it from the identity, so
+    engines of one computation share an instance and others never collide."""
+    load: bool = True
+    """Look up and load prefixes from OrbitKV."""
+    save: bool = True
+    """Publish computed pages to OrbitKV."""
+    staging_pages: int = 128
+    """Pages per KV cache group in each worker's staging region: the most
+    pages of one group that can be on their way to the pool at once. Saves
+    beyond it are dropped (a later miss, never a wrong byte)."""
+    publish_batch_pages: int = 64
+    """Pages per publish command."""
+    timeout_s: float = 5.0
+    """Bound on every wait for the manager in a worker (a load or publish
+    past it fails: the request recomputes, the page is not saved)."""
+    query_timeout_s: float = 1.0
+    """Bound on the scheduler's lookup: past it, the request is a miss."""
+    reconnect_interval_s: float = 1.0
+    """How often a process retries a manager that is down; in between,
+    lookups miss at once and saves are dropped."""
+    max_pending_jobs: int = 4096
+    """Bound on a worker's queued loads and saves; past it, saves are
+    dropped and loads fail (recompute)."""
+
+    @staticmethod
+    def from_extra_config(extra: Mapping[str, Any]) -> "ConnectorSettings":
+        known = {f.name: f for f in fields(ConnectorSettings)}
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ConfigError(
+                "unknown kv_connector_extra_config key(s) for OrbitKVConnector: "
+                + ", ".join(repr(k) for k in unknown)
+                + f" (known: {', '.join(sorted(known))})"
+            )
+        values: Dict[str, Any] = {"socket": default_socket()}
+        for key, value in extra.items():
+            want = known[key].type
+            values[key] = _check(key, value, want)
+        s = ConnectorSettings(**values)
+        for key in ("staging_pages", "publish_batch_pages", "max_pending_jobs"):
+            if getattr(s, key) < 1:
+                raise ConfigError(f"kv_connector_extra_config.{key} must be >= 1")
+        for key in ("timeout_s", "query_timeout_s", "reconnect_interval_s"):
+            if not getattr(s, key) > 0:
+                raise ConfigError(f"kv_connector_extra_config.{key} must be > 0")
+        if not s.socket:
+            raise ConfigError("kv_connector_extra_config.socket is empty")
+        return s
+
+
+def _check(key: str, value: Any, want: Any) -> Any:
+    # dataclass field types are strings under `from __future__ import annotations`.
+    want = str(want)
+    if want == "bool":
+        ok = isinstance(value, bool)
+    elif want == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif want == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a {want}, got {value!r}")
+    return value

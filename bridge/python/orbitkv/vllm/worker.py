@@ -1,0 +1,594 @@
+"""The worker role: runs the loads and saves the scheduler planned.
+
+- Saves: at `wait_for_save`, the pages this step completed are copied from
+  the engine's blocks into staging slots (`PageMover.stage`) before the
+  call returns. The engine's model runner zeroes, copies into and reuses
+  blocks at the start of the next step, before any connector hook runs, so
+  no engine block is read after the step that wrote it. The staged pages
+  are then published by the I/O thread; a slot is reused only after its
+  `publish_done` (the runtime pins it until its copy landed).
+- The I/O thread owns the manager connection. A load is a query with
+  prepare on this worker's own session, a copy of this rank's leased pages
+  into the request's blocks, then a release. The release doubles as a
+  fence: it succeeds only while the leases are still held, so a copy that
+  raced a lease expiry is reported as a failed load (recompute), never used.
+
+Results go back to vLLM through `get_transfer_results` (finished and failed
+loads, finished saves of finished requests) and
+`get_block_ids_with_load_errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from .copy import EngineBlocks, HostPageMover, PageMover
+from .engine import EngineSpec
+from .link import LINK_ERRORS, ManagerLink, Unavailable
+from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveSpec
+from .settings import ConnectorSettings
+
+log = logging.getLogger("orbitkv.vllm")
+
+POLL_S = 0.002
+"""How long the I/O thread waits for the manager while work is in flight,
+before it looks at new jobs again."""
+
+
+@dataclass
+class WorkerStats:
+    loads: int = 0
+    loads_failed: int = 0
+    pages_loaded: int = 0
+    pages_published: int = 0
+    pages_dropped: int = 0
+    publishes_failed: int = 0
+    failures_by_reason: Dict[str, int] = field(default_factory=dict)
+
+    def fail(self, reason: str) -> None:
+        # Copied, not updated in place: the engine thread may be reporting
+        # the old one while the I/O thread counts.
+        self.failures_by_reason = {
+            **self.failures_by_reason,
+            reason: self.failures_by_reason.get(reason, 0) + 1,
+        }
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    deadline: float
+    operation: Optional[int] = None
+    selected: int = 0
+    pages: int = 0
+    release_command: Optional[int] = None
+
+
+@dataclass
+class _Publish:
+    req_id: str
+    gid: int
+    generation: int
+    slots: List[int]
+    hashes: List[bytes]
+    deadline: float = 0.0
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        spec: EngineSpec,
+        rank: int,
+        num_blocks: int,
+    ):
+        self.settings = settings
+        self.spec = spec
+        self.rank = rank
+        self.num_blocks = num_blocks
+        self.stats = WorkerStats()
+        self.mover: Optional[PageMover] = None
+        self.link = ManagerLink(settings, spec, f"vllm-worker-{rank}", self._on_connect)
+
+        self._lock = threading.Lock()
+        # Guarded by _lock:
+        self._generation = 0
+        self._free_slots: Dict[int, List[int]] = {}
+        self._pending_saves: Dict[str, int] = {}
+        self._had_saves: Set[str] = set()
+        self._finishing: Set[str] = set()
+        self._loaded: Set[str] = set()
+        self._failed: Set[str] = set()
+        self._invalid_blocks: Set[int] = set()
+        self._connected = False
+
+        self._meta: Optional[OrbitKVMetadata] = None
+        self._loads_started = False
+        self._saves_queued = False
+        self._reported_invalid: Set[int] = set()
+        self._io_q: "queue.Queue[Any]" = queue.Queue()
+        self._threads: List[threading.Thread] = []
+        self._stopping = False
+
+    # setup ----------------------------------------------------------------
+
+    def register_kv_caches(
+        self, kv_caches: Dict[str, Any], mover: Optional[PageMover] = None
+    ) -> None:
+        blocks = EngineBlocks(self.spec, kv_caches, self.num_blocks)
+        self.mover = mover or HostPageMover(
+            blocks, self.rank, self.settings.staging_pages, self.settings.timeout_s
+        )
+        self._threads = [
+            threading.Thread(target=self._io_loop, name=f"orbitkv-io-{self.rank}", daemon=True),
+        ]
+        # Connect now, so that the first steps' saves have somewhere to go;
+        # a manager that is down only delays that (the I/O thread retries).
+        try:
+            self.link.get()
+        except Unavailable:
+            pass
+        for t in self._threads:
+            t.start()
+
+    def _on_connect(self, client: Any, session: Dict[str, Any]) -> None:
+        assert self.mover is not None
+        self.mover.connect(client, session)
+        with self._lock:
+            self._generation += 1
+            self._free_slots = {
+                g.id: list(range(self.mover.staging_slots(g.id))) for g in self.spec.groups
+            }
+            self._connected = True
+
+    # engine-thread hooks --------------------------------------------------
+
+    def bind(self, meta: OrbitKVMetadata) -> None:
+        self._meta = meta
+        self._loads_started = False
+        self._saves_queued = False
+
+    def start_loads(self) -> None:
+        meta = self._meta
+        if meta is None or self._loads_started:
+            return
+        self._loads_started = True
+        for load in meta.loads:
+            self.stats.loads += 1
+            if self.mover is None or self._io_q.qsize() >= self.settings.max_pending_jobs:
+                self._finish_load(load, None, "overloaded")
+                continue
+            self._io_q.put(("load", load))
+
+    def queue_saves(self) -> None:
+        meta = self._meta
+        if meta is None or self._saves_queued:
+            return
+        self._saves_queued = True
+        for save in meta.saves:
+            with self._lock:
+                self._had_saves.add(save.req_id)
+            jobs: List[_Publish] = []
+            try:
+                jobs = self._gather(save)
+            except Exception:  # a copy error drops the save, never the engine
+                log.exception("OrbitKV: staging the pages of %s failed", save.req_id)
+            with self._lock:
+                n = self._pending_saves.get(save.req_id, 0)
+                self._pending_saves[save.req_id] = n + len(jobs)
+            for job in jobs:
+                self._io_q.put(("publish", job))
+
+    def transfer_results(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
+        """(finished_sending, finished_recving, failed_recving)."""
+        with self._lock:
+            self._finishing |= finished_req_ids & self._had_saves
+            sending = {r for r in self._finishing if self._pending_saves.get(r, 0) == 0}
+            for r in sending:
+                self._finishing.discard(r)
+                self._had_saves.discard(r)
+                self._pending_saves.pop(r, None)
+            recving = set(self._loaded) | set(self._failed)
+            failed = set(self._failed)
+            self._loaded.clear()
+            self._failed.clear()
+            self._reported_invalid = set(self._invalid_blocks)
+            self._invalid_blocks.clear()
+        return sending, recving, failed
+
+    def load_errors(self) -> Set[int]:
+        out, self._reported_invalid = self._reported_invalid, set()
+        return out
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._io_q.put(None)
+        for t in self._threads:
+            t.join(self.settings.timeout_s)
+        self.link.close()
+
+    # results ----------------------------------------------------------------
+
+    def _finish_load(self, load: LoadSpec, selected: Optional[int], failure: Optional[str]) -> None:
+        """Reports a load: tokens [origin, boundary) are in the engine's
+        blocks up to `selected` (None: nothing usable)."""
+        page = self.spec.page_tokens
+        good = selected if failure is None and selected is not None else load.origin
+        good = max(load.origin, min(good, load.boundary))
+        if failure is not None:
+            self.stats.loads_failed += 1
+            self.stats.fail(failure)
+            log.info("OrbitKV load of %s failed (%s): recomputing", load.req_id, failure)
+        with self._lock:
+            if good >= load.boundary:
+                self._loaded.add(load.req_id)
+            elif self.spec.single_prefix_group:
+                # vLLM keeps the pages before the first bad block.
+                ids = load.block_ids[0][good // page : load.boundary // page]
+                self._invalid_blocks.update(b for b in ids if b != NULL_BLOCK)
+                self._loaded.add(load.req_id)
+            else:
+                # Several groups: block ids are per group, so vLLM takes a
+                # failure per request (and recomputes it from scratch).
+                self._failed.add(load.req_id)
+
+    def _publish_done(
+        self, job: _Publish, answer: Optional[Dict[str, Any]], free_slots: bool = True
+    ) -> None:
+        """Ends a publish: `answer` is its `publish_done`, or None when it
+        failed. Pages the manager had no room for (`dropped`) count as
+        dropped saves; pages it already held (`duplicates`) as published."""
+        with self._lock:
+            if free_slots and job.generation == self._generation:
+                self._free_slots.setdefault(job.gid, []).extend(job.slots)
+            n = self._pending_saves.get(job.req_id, 0)
+            assert n > 0, f"save accounting of {job.req_id} went below zero"
+            self._pending_saves[job.req_id] = n - 1
+        if answer is None:
+            self.stats.publishes_failed += 1
+            return
+        self.stats.pages_published += int(answer.get("inserted", 0)) + int(
+            answer.get("duplicates", 0)
+        )
+        self.stats.pages_dropped += int(answer.get("dropped", 0))
+
+    # saves ------------------------------------------------------------------
+
+    def _gather(self, save: SaveSpec) -> List[_Publish]:
+        assert self.mover is not None
+        jobs: List[_Publish] = []
+        batch = self.settings.publish_batch_pages
+        for gi, group in enumerate(self.spec.groups):
+            pages = [
+                (it.hash, it.block_ids[gi]) for it in save.items if it.block_ids[gi] != NULL_BLOCK
+            ]
+            if not pages:
+                continue
+            with self._lock:
+                if not self._connected:
+                    self.stats.pages_dropped += len(pages)
+                    self._io_q.put(("connect",))
+                    continue
+                free = self._free_slots.get(group.id, [])
+                take = min(len(pages), len(free))
+                slots = [free.pop() for _ in range(take)]
+                generation = self._generation
+            if take < len(pages):
+                self.stats.pages_dropped += len(pages) - take
+                pages = pages[:take]
+            if not slots:
+                continue
+            try:
+                self.mover.stage(group.id, slots, [b for _, b in pages])
+            except Exception:
+                with self._lock:
+                    if generation == self._generation:
+                        self._free_slots.setdefault(group.id, []).extend(slots)
+                raise
+            for i in range(0, len(slots), batch):
+                jobs.append(
+                    _Publish(
+                        req_id=save.req_id,
+                        gid=group.id,
+                        generation=generation,
+                        slots=slots[i : i + batch],
+                        hashes=[h for h, _ in pages[i : i + batch]],
+                    )
+                )
+        return jobs
+
+    # I/O thread ---------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        io = _IoState(self)
+        while True:
+            try:
+                first = self._io_q.get(timeout=POLL_S if io.busy() else 0.2)
+            except queue.Empty:
+                first = ()
+            items = [first]
+            while True:
+                try:
+                    items.append(self._io_q.get_nowait())
+                except queue.Empty:
+                    break
+            if not self.link.up:
+                # Keep trying a manager that went away (rate-limited by the
+                # link), so saves resume without waiting for a load.
+                items.insert(0, ("connect",))
+            for item in items:
+                if item is None:
+                    io.abandon("shutdown")
+                    return
+                if item:
+                    _guard(io.start, item)
+            _guard(io.pump)
+
+
+def _guard(fn, *args) -> None:
+    """Runs one step of the I/O thread; a bug in one step is logged, and the
+    thread keeps serving (a dead I/O thread would stall every load)."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("OrbitKV worker I/O step failed")
+
+
+class _IoState:
+    """The I/O thread's in-flight work, keyed by command id and operation."""
+
+    def __init__(self, w: WorkerSide):
+        self.w = w
+        self.by_command: Dict[int, Tuple[str, Any]] = {}
+        self.by_operation: Dict[int, _Load] = {}
+        self.loads: List[_Load] = []
+        self.publishes: List[_Publish] = []
+
+    def busy(self) -> bool:
+        return bool(self.by_command or self.by_operation)
+
+    def client(self):
+        return self.w.link.get()
+
+    def lost(self, why: str) -> None:
+        """The connection failed: everything in flight fails; publishes'
+        slots belong to the old regions and are not reused."""
+        self.w.link.drop(why)
+        with self.w._lock:
+            self.w._connected = False
+        self.abandon(why)
+
+    def abandon(self, why: str) -> None:
+        for kind, job in list(self.by_command.values()):
+            if kind == "publish":
+                self.w._publish_done(job, None, free_slots=False)
+        done = {id(j) for j in self.by_operation.values()}
+        for kind, job in list(self.by_command.values()):
+            if kind in ("query", "release") and id(job) not in done:
+                done.add(id(job))
+                self.w._finish_load(job.spec, None, why)
+        for job in self.by_operation.values():
+            self.w._finish_load(job.spec, None, why)
+        self.by_command.clear()
+        self.by_operation.clear()
+
+    # starting work
+
+    def start(self, item: Tuple[Any, ...]) -> None:
+        kind = item[0]
+        try:
+            if kind == "connect":
+                self.client()
+            elif kind == "load":
+                self.start_load(item[1])
+            elif kind == "publish":
+                self.start_publish(item[1])
+        except Unavailable as e:
+            if kind == "load":
+                self.w._finish_load(item[1], None, "unavailable")
+            elif kind == "publish":
+                self.w._publish_done(item[1], None, free_slots=False)
+            log.debug("OrbitKV %s skipped: %s", kind, e)
+        except LINK_ERRORS as e:
+            if kind == "load":
+                self.w._finish_load(item[1], None, "unavailable")
+            elif kind == "publish":
+                self.w._publish_done(item[1], None, free_slots=False)
+            self.lost(f"{type(e).__name__}: {e}")
+
+    def start_load(self, spec: LoadSpec) -> None:
+        client, session = self.client()
+        page = self.w.spec.page_tokens
+        if spec.boundary % page or spec.origin % page or spec.boundary <= spec.origin:
+            self.w._finish_load(spec, None, "misaligned")
+            return
+        hashes = [h.hex() for h in spec.hashes]
+        cid = client.submit(
+            {
+                "command": "query",
+                "session": session,
+                "request": hash(spec.req_id) & 0x7FFF_FFFF_FFFF_FFFF,
+                "groups": [{"group": g.id, "hashes": hashes} for g in self.w.spec.groups],
+                "origin": spec.origin,
+                # The scheduler counted on `boundary`: select nothing beyond.
+                "prompt_len": spec.boundary + 1,
+                "expect_namespaces": self.w.link.namespaces,
+                "prepare": True,
+            }
+        )
+        job = _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s)
+        self.by_command[cid] = ("query", job)
+
+    def start_publish(self, job: _Publish) -> None:
+        with self.w._lock:
+            stale = job.generation != self.w._generation or not self.w._connected
+        if stale:
+            self.w._publish_done(job, None, free_slots=False)
+            return
+        client, session = self.client()
+        mover = self.w.mover
+        assert mover is not None
+        pages = [
+            {
+                "rank": self.w.rank,
+                "group": job.gid,
+                "hash": h.hex(),
+                "device_page": mover.source_page(job.gid, slot),
+            }
+            for slot, h in zip(job.slots, job.hashes)
+        ]
+        cid = client.submit(
+            {"command": "publish", "session": session, "request": 0, "pages": pages}
+        )
+        job.deadline = time.monotonic() + self.w.settings.timeout_s
+        self.by_command[cid] = ("publish", job)
+
+    # answers
+
+    def pump(self) -> None:
+        if not self.busy():
+            self.check_alive()
+            return
+        try:
+            client, _ = self.client()
+            first = client.wait_event(POLL_S)
+            events = [first] if first is not None else []
+            if events:
+                events += client.poll_events()
+            for ev in events:
+                self.dispatch(ev)
+        except Unavailable:
+            self.abandon("unavailable")
+        except LINK_ERRORS as e:
+            self.lost(f"{type(e).__name__}: {e}")
+        self.expire()
+
+    def check_alive(self) -> None:
+        """While idle, notices a manager that went away (a closed socket),
+        so the worker reconnects before the next save needs it."""
+        if not self.w.link.up:
+            return
+        try:
+            self.w.link.client.poll_events()
+        except LINK_ERRORS as e:
+            self.lost(f"{type(e).__name__}: {e}")
+
+    def dispatch(self, ev: Dict[str, Any]) -> None:
+        kind = ev.get("event")
+        cid = ev.get("command")
+        if cid is not None and cid in self.by_command:
+            what, job = self.by_command.pop(cid)
+            if what == "publish":
+                ok = kind == "publish_done"
+                if not ok:
+                    self.w.stats.fail(f"publish_{(ev.get('error') or {}).get('error', kind)}")
+                # A refused publish had no effect: its slots are free again.
+                self.w._publish_done(job, ev if ok else None)
+            elif what == "query":
+                self.on_query_result(job, ev)
+            elif what == "release":
+                # The release was refused: the leases were gone before it,
+                # so the copy may have read reused slots.
+                self.by_operation.pop(job.operation, None)
+                self.w._finish_load(job.spec, None, "lease_lost")
+            return
+        op = ev.get("operation")
+        job = self.by_operation.get(op) if op is not None else None
+        if job is None:
+            return
+        if kind == "ready":
+            self.on_ready(job, ev)
+        elif kind == "miss":
+            del self.by_operation[op]
+            if job.release_command is not None:
+                self.by_command.pop(job.release_command, None)
+            self.w._finish_load(job.spec, None, f"miss_{ev.get('reason')}")
+        elif kind == "released":
+            del self.by_operation[op]
+            if job.release_command is not None:
+                self.by_command.pop(job.release_command, None)
+            self.w.stats.pages_loaded += job.pages
+            self.w._finish_load(job.spec, job.selected, None)
+
+    def on_query_result(self, job: _Load, ev: Dict[str, Any]) -> None:
+        if ev.get("event") != "query_result":
+            err = (ev.get("error") or {}).get("error", ev.get("event"))
+            if err == "stale_session":
+                self.lost("stale session")
+            self.w._finish_load(job.spec, None, f"query_{err}")
+            return
+        if ev.get("miss") is not None:
+            self.w._finish_load(job.spec, None, f"miss_{ev['miss']}")
+            return
+        job.operation = ev["operation"]
+        job.selected = int(ev["selected"])
+        self.by_operation[job.operation] = job
+
+    def on_ready(self, job: _Load, ev: Dict[str, Any]) -> None:
+        spec = job.spec
+        page = self.w.spec.page_tokens
+        mover = self.w.mover
+        assert mover is not None
+        client, session = self.client()
+        per_group: Dict[int, List[Tuple[int, int, int]]] = {}
+        gindex = {g.id: i for i, g in enumerate(self.w.spec.groups)}
+        failure = None
+        for lease in ev.get("leases", []):
+            pos = lease["pos"]
+            if pos["rank"] != self.w.rank:
+                continue
+            gi = gindex.get(pos["group"])
+            idx = pos["page_end"] // page - 1
+            if gi is None or not 0 <= idx < len(spec.block_ids[gi]):
+                failure = "lease_outside_load"
+                break
+            block = spec.block_ids[gi][idx]
+            if block == NULL_BLOCK:
+                continue
+            per_group.setdefault(pos["group"], []).append((lease["offset"], lease["bytes"], block))
+        if failure is None:
+            try:
+                for gid, pages in per_group.items():
+                    mover.restore(gid, pages)
+                    job.pages += len(pages)
+            except Exception as e:  # a bad copy is a failed load, never a crash
+                log.exception("OrbitKV: copying the pages of %s failed", spec.req_id)
+                failure = f"copy_{type(e).__name__}"
+        cid = client.submit({"command": "release", "session": session, "operation": job.operation})
+        if failure is not None:
+            del self.by_operation[job.operation]
+            self.w._finish_load(spec, None, failure)
+            return
+        job.release_command = cid
+        self.by_command[cid] = ("release", job)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        late = [
+            (cid, what, job) for cid, (what, job) in self.by_command.items() if job.deadline < now
+        ]
+        late_ops = [(op, job) for op, job in self.by_operation.items() if job.deadline < now]
+        if not late and not late_ops:
+            return
+        for cid, what, job in late:
+            del self.by_command[cid]
+            if what == "publish":
+                # The runtime may still copy from these slots: never reuse them.
+                self.w._publish_done(job, None, free_slots=False)
+            else:
+                self.by_operation.pop(job.operation, None)
+                self.w._finish_load(job.spec, None, "timeout")
+        for op, job in late_ops:
+            if op in self.by_operation:
+                del self.by_operation[op]
+                self.w._finish_load(job.spec, None, "timeout")
+                try:
+                    client, session = self.client()
+                    client.submit({"command": "cancel", "session": session, "operation": op})
+                except (Unavailable, *LINK_ERRORS):
+                    pass

@@ -1,0 +1,411 @@
+"""Drives the real vLLM 0.33 classes on CPU around `OrbitKVConnector`: the
+real `Scheduler` / `AsyncScheduler`, the worker connector built by vLLM's own
+factory, the model runner's worker glue (`ActiveKVConnector`) and KV
+tensors from the model runner's allocator (`allocate_kv_cache`). Only the
+model's forward is a stand-in: it writes a known value for every
+(layer, token, position) it computes.
+
+After every step the harness checks the engine's view of the truth: every
+position a running request counts as computed holds exactly the value the
+stand-in writes for it, in every block the request would attend to. A byte
+loaded from OrbitKV that is not what the producer computed fails there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+from unittest.mock import MagicMock, patch
+
+import torch
+from tiny_models import make_llama
+from vllm import SamplingParams
+from vllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_transfer_state import (
+    ensure_kv_transfer_initialized,
+    ensure_kv_transfer_shutdown,
+    get_kv_transfer_group,
+)
+from vllm.forward_context import set_forward_context
+from vllm.platforms import current_platform
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.kv_connector import get_kv_connector
+from vllm.v1.worker.utils import allocate_kv_cache
+
+EOS = 2
+HEADS = 2
+HEAD = 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def make_model(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama directory: what the identity reads."""
+    return make_llama(path, seed, hidden=64, heads=4, kv_heads=HEADS, head_dim=HEAD)
+
+
+def value(layer: int, token: int, pos: int) -> float:
+    """What the stand-in forward writes (exact in float32)."""
+    return float(layer * 1_000_000 + token * 1000 + pos)
+
+
+def build_config(
+    model: Path,
+    socket: str,
+    *,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    max_batched: int = 64,
+    async_scheduling: bool = False,
+    sliding_window: Optional[int] = None,
+    tp: int = 1,
+    extra: Optional[Dict[str, Any]] = None,
+    hash_algo: str = "sha256",
+    failure_policy: str = "recompute",
+    layout: str = "LBNHC",
+    role: str = "kv_both",
+):
+    """(VllmConfig, KVCacheConfig, groups) of a CPU engine with the
+    connector configured."""
+    mc = ModelConfig(model=str(model), dtype="float32", seed=0)
+    sc = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=max_batched,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+    )
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cc.prefix_caching_hash_algo = hash_algo
+    cc.kv_cache_layout = layout
+    kvt = KVTransferConfig(
+        kv_connector="OrbitKVConnector",
+        kv_connector_module_path="orbitkv.vllm",
+        kv_role=role,
+        kv_load_failure_policy=failure_policy,
+        kv_connector_extra_config={"socket": socket, "timeout_s": 5.0, **(extra or {})},
+    )
+    vc = VllmConfig(
+        scheduler_config=sc,
+        model_config=mc,
+        cache_config=cc,
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+        attention_config=AttentionConfig(),
+    )
+    vc.parallel_config.tensor_parallel_size = tp
+    full = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    if sliding_window is not None:
+        swa = SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=HEADS,
+            head_size=HEAD,
+            dtype=torch.float32,
+            sliding_window=sliding_window,
+        )
+        groups = [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], swa)]
+    else:
+        groups = [KVCacheGroupSpec(list(LAYERS), full)]
+    kcc = get_kv_cache_config_from_groups(
+        vc, groups, available_memory=full.page_size_bytes * num_blocks * 2
+    )
+    return vc, kcc, groups
+
+
+class Engine:
+    """One engine: a scheduler and `tp` workers sharing one process (as
+    vLLM's own connector tests do); the roles still share nothing but the
+    connector metadata."""
+
+    def __init__(
+        self,
+        model: Path,
+        socket: str,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 64,
+        max_batched: int = 64,
+        async_scheduling: bool = False,
+        sliding_window: Optional[int] = None,
+        tp: int = 1,
+        extra: Optional[Dict[str, Any]] = None,
+        hash_algo: str = "sha256",
+        failure_policy: str = "recompute",
+        role: str = "kv_both",
+    ):
+        self.bs = block_size
+        self.tp = tp
+        if sliding_window is not None:
+            # vLLM's own HMA tests do this (test_hma_auto_config.py): CPU
+            # platforms turn the hybrid allocator off otherwise.
+            self._platform = patch.object(current_platform, "support_hybrid_kv_cache", lambda: True)
+            self._platform.start()
+        else:
+            self._platform = None
+        self.vc, self.kcc, self.groups = build_config(
+            model,
+            socket,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_batched=max_batched,
+            async_scheduling=async_scheduling,
+            sliding_window=sliding_window,
+            tp=tp,
+            extra=extra,
+            hash_algo=hash_algo,
+            failure_policy=failure_policy,
+            role=role,
+        )
+        self.vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
+        sched_cls = AsyncScheduler if async_scheduling else Scheduler
+        self.sched = sched_cls(
+            vllm_config=self.vc,
+            kv_cache_config=self.kcc,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=block_size,
+        )
+        tp_group = MagicMock()
+        tp_group.broadcast_object.side_effect = lambda v, src=0: v
+        # Worker 0 through vLLM's own path: the global agent and the glue.
+        with (
+            patch("vllm.distributed.parallel_state.get_tp_group", return_value=tp_group),
+            patch("orbitkv.vllm.connector._tp_rank", return_value=0),
+        ):
+            ensure_kv_transfer_initialized(self.vc, self.kcc)
+        self.kv: List[Dict[str, torch.Tensor]] = []
+        with set_current_vllm_config(self.vc):
+            for _ in range(tp):
+                self.kv.append(
+                    allocate_kv_cache(
+                        self.kcc,
+                        torch.device("cpu"),
+                        KVCacheLayout.LBNHC,
+                        [block_size] * len(self.groups),
+                    )
+                )
+        for kv in self.kv:
+            for t in kv.values():
+                t.fill_(-1.0)
+        self.glue = get_kv_connector(self.vc, self.kv[0])
+        self.workers = [get_kv_transfer_group()]
+        for rank in range(1, tp):
+            with patch("orbitkv.vllm.connector._tp_rank", return_value=rank):
+                w = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, self.kcc)
+            w.register_kv_caches(self.kv[rank])
+            self.workers.append(w)
+        self.connector = self.sched.connector
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(block_size, sha256)
+        self.forward_hook: Optional[Callable[[Any], None]] = None
+        self._pending: Dict[str, Dict[str, int]] = {}
+        self.steps = 0
+        self.preemptions = 0
+        self.finished: List[str] = []
+
+    # requests
+
+    def add(self, rid: str, prompt: Sequence[int], max_tokens: int = 3) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+        self.sched.add_request(req)
+        return req
+
+    # one engine step, as EngineCore + the model runner do it
+
+    def _forward(self, so: Any, rank: int) -> None:
+        kv = self.kv[rank]
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            start = req.num_computed_tokens - n
+            blocks = self.sched.kv_cache_manager.get_blocks(rid).blocks
+            for gi, g in enumerate(self.groups):
+                for pos in range(start, min(start + n, len(req.all_token_ids))):
+                    blk = blocks[gi][pos // self.bs]
+                    assert not blk.is_null, f"{rid}: computing position {pos} into a null block"
+                    for layer in g.layer_names:
+                        li = LAYERS.index(layer)
+                        kv[layer][blk.block_id, :, pos % self.bs, :] = value(
+                            li, req.all_token_ids[pos], pos
+                        )
+
+    def step(self) -> Any:
+        so = self.sched.schedule()
+        self.preemptions += len(getattr(so, "preempted_req_ids", None) or ())
+        outputs = []
+        # Worker 0: the model runner's glue around the forward.
+        self.glue.pre_forward(so)
+        with set_forward_context(None, self.vc):
+            self._forward(so, 0)
+            if self.forward_hook is not None:
+                self.forward_hook(so)
+        self.glue.finish_forward()
+        outputs.append(self.glue.post_forward(so.finished_req_ids))
+        # Other ranks: the same calls, in the same order.
+        for rank in range(1, self.tp):
+            w = self.workers[rank]
+            meta = so.kv_connector_metadata
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            self._forward(so, rank)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            res = w.get_transfer_results(so.finished_req_ids)
+            out = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+            )
+            w.clear_connector_metadata()
+            outputs.append(out)
+        kvo = _aggregate(outputs, self.tp, self._pending)
+        ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            # A chunk that ends inside the prompt samples nothing.
+            sampled_token_ids=[
+                [7]
+                if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens
+                else []
+                for r in ids
+            ],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kvo,
+        )
+        engine_out = self.sched.update_from_output(so, out)
+        for outs in engine_out.values():
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    self.finished.append(o.request_id)
+        self.steps += 1
+        self.check_running()
+        return so
+
+    def run(self, limit_s: float = 60.0, until: Optional[Callable[[], bool]] = None) -> None:
+        """Steps until every request is done and every delayed free came
+        back (or `until()` holds); fails after `limit_s` seconds. Steps that
+        schedule nothing (requests waiting for a load) pause 1 ms."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if until is not None and until():
+                return
+            if until is None and not self.sched.requests:
+                return
+            so = self.step()
+            if not so.total_num_scheduled_tokens:
+                time.sleep(0.001)
+        raise AssertionError(f"no progress in {limit_s}s: {list(self.sched.requests)}")
+
+    # the oracle
+
+    def check_running(self) -> None:
+        """Every computed position of every running request holds exactly
+        the stand-in's value, on every rank, in every non-null block."""
+        for req in self.sched.running:
+            blocks = self.sched.kv_cache_manager.get_blocks(req.request_id).blocks
+            upto = min(req.num_computed_tokens, len(req.all_token_ids))
+            for rank in range(self.tp):
+                for gi, g in enumerate(self.groups):
+                    for layer in g.layer_names:
+                        li = LAYERS.index(layer)
+                        t = self.kv[rank][layer]
+                        for pos in range(upto):
+                            blk = blocks[gi][pos // self.bs]
+                            if blk.is_null:
+                                continue
+                            got = t[blk.block_id, :, pos % self.bs, :]
+                            want = value(li, req.all_token_ids[pos], pos)
+                            if not bool((got == want).all()):
+                                raise AssertionError(
+                                    f"{req.request_id} rank {rank} {layer} position {pos} "
+                                    f"(block {blk.block_id}) holds {got.flatten()[:4].tolist()}, "
+                                    f"want {want}"
+                                )
+
+    def wipe(self) -> None:
+        """Forgets every KV byte (after reset_prefix_cache): what is not
+        loaded or computed again reads as -1."""
+        for kv in self.kv:
+            for t in kv.values():
+                t.fill_(-1.0)
+
+    @property
+    def stats(self):
+        return self.connector.scheduler.stats
+
+    def close(self) -> None:
+        for w in self.workers[1:]:
+            w.shutdown()
+        ensure_kv_transfer_shutdown()
+        self.connector.shutdown()
+        if self._platform is not None:
+            self._platform.stop()
+
+
+def _aggregate(
+    outputs: List[Optional[KVConnectorOutput]], world: int, pending: Dict[str, Dict[str, int]]
+) -> KVConnectorOutput:
+    """What vLLM's KVOutputAggregator does across workers: a request is
+    finished sending/receiving once every worker reported it."""
+    out = KVConnectorOutput(finished_sending=set(), finished_recving=set(), invalid_block_ids=set())
+    failed: set = set()
+    for o in outputs:
+        if o is None:
+            continue
+        for kind in ("finished_sending", "finished_recving"):
+            for rid in getattr(o, kind) or ():
+                counts = pending.setdefault(kind, {})
+                counts[rid] = counts.get(rid, 0) + 1
+                if counts[rid] == world:
+                    del counts[rid]
+                    getattr(out, kind).add(rid)
+        failed |= set(o.failed_recving or ())
+        out.invalid_block_ids |= set(o.invalid_block_ids or ())
+    out.failed_recving = failed
+    out.finished_sending = out.finished_sending or None
+    out.finished_recving = out.finished_recving or None
+    return out
+
+
+@contextlib.contextmanager
+def engine(*args, **kwargs):
+    e = Engine(*args, **kwargs)
+    try:
+        yield e
+    finally:
+        e.close()

@@ -1084,8 +1084,12 @@ class OrbitKVStorage(HiCacheStorage):
             )
         starts = host_indices.reshape(-1)[:: pool.page_tokens].tolist()
         size = int(pool.host.size)
+        # page_first_direct addresses whole pages (index // page_size): an
+        # unaligned start would name another page. The other layouts slice
+        # page_size tokens from any start.
+        aligned = getattr(pool.host, "layout", None) == "page_first_direct"
         for s in starts:
-            if not (0 <= s and s + pool.page_tokens <= size and s % pool.page_tokens == 0):
+            if not (0 <= s and s + pool.page_tokens <= size) or (aligned and s % pool.page_tokens):
                 raise _BadInput(f"host index {s} is not a page start inside the {size}-token pool")
         return starts
 

@@ -280,8 +280,16 @@ def test_bad_input_is_a_miss_never_an_exception(manager):
     assert be.batch_exists(keys_for("many", 65)) == 0  # over max_keys
     assert be.batch_get_v1([], src[:0]) == [] and be.batch_exists([]) == 0
     misses = be.get_stats()["misses"]
-    assert misses["bad_input"] == 10 and misses["too_many_keys"] == 65
+    assert misses["bad_input"] == 8 and misses["too_many_keys"] == 65
     assert "error" not in misses
+
+    # page_first_direct addresses whole pages: a start inside a page is refused.
+    direct = host_pool("page_first_direct")
+    bd = backend(direct, manager.socket)
+    d_idx = direct.alloc(2 * PAGE)
+    assert bd.batch_set_v1(keys, d_idx + 1) == [False, False]
+    assert bd.batch_get_v1(keys, d_idx + 1) == [False, False]
+    assert bd.get_stats()["misses"] == {"bad_input": 4}
 
     # Short keys (not SGLang's 64-hex) work, under a digest of their own.
     assert be.batch_set_v1(["a", "b"], src) == [True, True]

@@ -182,8 +182,45 @@ def host_pool(layout: str, size: int = 256, dtype=torch.float32, layers: int = L
     )
 
 
+def mla_host_pool(layout: str, size: int = 256):
+    """The real MLA host pool on CPU: one latent row (16 + 8 rope) per token
+    and layer."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dev = MLATokenToKVPool(
+        size=size,
+        page_size=PAGE,
+        dtype=torch.float32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    return MLATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        1.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev.size,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+    )
+
+
 def storage_config(
-    socket: str, *, layout: str = "page_first", tp_rank: int = 0, tp_size: int = 1, **extra
+    socket: str,
+    *,
+    layout: str = "page_first",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    **extra,
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
@@ -192,7 +229,7 @@ def storage_config(
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=layout.startswith("page_first"),
         model_name="tiny-llama",

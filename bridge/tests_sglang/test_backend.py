@@ -28,6 +28,7 @@ from conftest import (
     host_pool,
     keys_for,
     make_model,
+    mla_host_pool,
     page_bytes,
     publish_server_args,
     quiet,
@@ -171,6 +172,30 @@ def test_tp_rank_isolation(manager):
         assert be.batch_get_v1(keys, d) == [True] * 3
         assert [page_bytes(host, s) for s in starts_of(d)] == exp
     assert e0 != e1
+    quiet(manager)
+
+
+def test_mla_pages_are_shared_by_every_tp_rank(manager):
+    """MLA's latent pages are the same on every rank (SGLang has one
+    writer): rank 1 reads rank 0's, byte for byte. An MHA engine with the
+    same keys does not."""
+    h0, h1 = mla_host_pool("page_first"), mla_host_pool("page_first")
+    r0 = backend(h0, manager.socket, tp_rank=0, tp_size=2, mla=True)
+    r1 = backend(h1, manager.socket, tp_rank=1, tp_size=2, mla=True)
+    assert r0.get_stats()["namespace"] == r1.get_stats()["namespace"]
+    keys = keys_for("mla", 3)
+    src = h0.alloc(3 * PAGE)
+    exp = fill(h0, starts_of(src), seed=9)
+    assert r0.batch_set_v1(keys, src) == [True] * 3
+    dst = h1.alloc(3 * PAGE)
+    assert r1.batch_exists(keys) == 3
+    assert r1.batch_get_v1(keys, dst) == [True] * 3
+    assert [page_bytes(h1, s) for s in starts_of(dst)] == exp
+    # The layer-major MLA layout has its own bytes, hence its own namespace.
+    lf = backend(mla_host_pool("layer_first"), manager.socket, tp_rank=1, tp_size=2, mla=True)
+    assert lf.batch_exists(keys) == 0
+    mha = backend(host_pool("page_first"), manager.socket, tp_rank=0, tp_size=2)
+    assert mha.batch_exists(keys) == 0
     quiet(manager)
 
 

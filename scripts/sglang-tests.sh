@@ -26,5 +26,9 @@ cargo build -q --bin orbitkv
 export ORBITKV_BIN="${ORBITKV_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/debug/orbitkv}"
 
 echo "== pytest bridge/tests_sglang"
+# A private base for tmp_path: pytest prunes old numbered bases of the
+# same user, which another pytest run could do under our feet.
+base=$(mktemp -d "${TMPDIR:-/tmp}/orbitkv-sglang-tests.XXXXXX")
+trap 'rm -rf "$base"' EXIT
 cd bridge/tests_sglang
-"$VENV/bin/python" -m pytest -q . "$@"
+"$VENV/bin/python" -m pytest -q --basetemp "$base/t" . "$@"

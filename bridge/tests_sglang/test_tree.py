@@ -10,6 +10,7 @@ pages without copying (they then get known bytes)."""
 from __future__ import annotations
 
 import json
+import sys
 import unittest
 from array import array
 
@@ -157,4 +158,102 @@ def test_second_tree_prefetches_the_first_trees_prefix(kit, manager, model_dir, 
     assert got == expected and len(got) == 3
     cstats = cons.cache_controller.storage_backend.get_stats()
     assert cstats["pages_loaded"] == 3 and "error" not in cstats["misses"]
+    quiet(manager)
+
+
+SWA_CFG = CacheConfig(
+    page_size=4,
+    components=(ComponentType.FULL, ComponentType.SWA),
+    sliding_window_size=8,  # two pages
+    kv_size=128,
+    num_layers=2,
+    full_attention_layer_ids=(0,),  # layer 1 is sliding-window
+    head_num=2,
+    head_dim=8,
+    dtype=torch.float32,
+)
+
+
+def pool_pages(cache, node_ids, component, pool_name, page_size):
+    host = cache.cache_controller.mem_pool_host.entry_map[pool_name].host_pool
+    offsets = []
+    for n in node_ids:
+        hv = fx.node_host_value(cache, n, component)
+        if hv is not None:  # SWA keeps only the window's nodes on the host
+            offsets += [int(hv[i]) for i in range(0, len(hv), page_size)]
+    return host, offsets
+
+
+def randomize(host, offsets, seed):
+    g = torch.Generator().manual_seed(seed)
+    for off in offsets:
+        page = host.get_dummy_flat_data_page()
+        raw = torch.randint(0, 256, (page.numel() * page.element_size(),), dtype=torch.uint8, generator=g)
+        host.set_from_flat_data_page(off, raw.view(page.dtype))
+    return [page_bytes(host, off) for off in offsets]
+
+
+def test_sliding_window_tree_needs_both_pools(kit, manager, model_dir, monkeypatch):
+    """FULL + SWA trees (HybridCacheController, the v2 calls): the consumer
+    gets the full prefix and the SWA window with identical bytes. When the
+    producer's SWA write fails, KV pages alone are no legal boundary: the
+    consumer gets nothing."""
+    import sglang.srt.mem_cache.hicache_storage as hs
+
+    t = kit
+    t.cfg = SWA_CFG
+    monkeypatch.setattr(sys.modules[__name__], "EXTRA", {**EXTRA, "swa_window_tokens": 8})
+    ps = SWA_CFG.page_size
+
+    def produce(seq, seed, fail_swa=False):
+        prod, pa, pr = fx.build_fixture(SWA_CFG)
+        init_hicache(t, prod, model_dir, manager.socket, "page_first", 1)
+        be = prod.cache_controller.storage_backend
+        if fail_swa:
+            monkeypatch.setattr(
+                be, "batch_set_v2", lambda transfers, extra_info=None: {x.name: [False] * len(x.keys or []) for x in transfers}
+            )
+        t._insert(prod, pa, pr, seq)
+        leaf = fx.match_prefix(prod, seq).last_device_node
+        t._simulate_backup(prod, leaf)
+        chain = list(t._path_chain(prod, leaf))
+        kv_host, kv_off = pool_pages(prod, chain, ComponentType.FULL, hs.PoolName.KV, ps)
+        swa_host, swa_off = pool_pages(prod, chain, ComponentType.SWA, hs.PoolName.SWA, ps)
+        kv_exp = randomize(kv_host, kv_off, seed)
+        swa_exp = randomize(swa_host, swa_off, seed + 1)
+        t._write_path_to_l3(prod, leaf)
+        t._flush_l3_backups(prod)
+        return be, kv_exp, swa_exp
+
+    def consume(seq, rid):
+        cons, _, _ = fx.build_fixture(SWA_CFG)
+        init_hicache(t, cons, model_dir, manager.socket, "page_first", 1)
+        cons.prefetch_from_storage(CacheRequestHandle(rid, 0), cons.root_node_handle(), array("q", seq), None, None)
+        t._run_prefetch_to_completion(cons, CacheRequestHandle(rid, 0))
+        m = fx.match_prefix(cons, seq)
+        return cons, m
+
+    seq = t._make_seq(1, 4)
+    be, kv_exp, swa_exp = produce(seq, seed=50)
+    assert be.get_stats()["pages_stored"] == 4 + len(swa_exp)
+    cons, m = consume(seq, "w1")
+    print(f"host_hit_length[FULL+SWA] = {m.host_hit_length}")
+    assert m.host_hit_length == len(seq) == 16
+    chain = list(t._path_chain(cons, m.last_host_node))
+    kv_host, kv_off = pool_pages(cons, chain, ComponentType.FULL, hs.PoolName.KV, ps)
+    assert [page_bytes(kv_host, o) for o in kv_off] == kv_exp
+    swa_host, swa_off = pool_pages(cons, chain, ComponentType.SWA, hs.PoolName.SWA, ps)
+    # The consumer holds the window (the last two pages), as the producer wrote them.
+    assert len(swa_off) == 2 and [page_bytes(swa_host, o) for o in swa_off] == swa_exp[-2:]
+    stats = cons.cache_controller.storage_backend.get_stats()
+    assert stats["pages_loaded"] == 4 + 2 and "error" not in stats["misses"]
+
+    other = t._make_seq(2, 4)
+    be2, _, _ = produce(other, seed=60, fail_swa=True)
+    assert be2.get_stats()["pages_stored"] == 4  # KV only
+    cons2, m2 = consume(other, "w2")
+    assert m2.host_hit_length == 0
+    # The manager found the KV pages and refused the boundary (no window).
+    print("no-window consumer:", cons2.cache_controller.storage_backend.get_stats()["misses"])
+    assert cons2.cache_controller.storage_backend.get_stats()["misses"] == {"incomplete_group": 4}
     quiet(manager)

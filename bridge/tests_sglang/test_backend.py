@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shutil
 import threading
 import time
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import orbitkv
+import serve_support as ss
 from orbitkv.sglang import OrbitKVConfig, OrbitKVStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
@@ -374,6 +376,27 @@ def test_manager_down_then_up_then_restarted(manager):
     assert [page_bytes(host, s) for s in starts_of(dst)] == exp
     assert "error" not in be.get_stats()["misses"]
     quiet(manager)
+
+
+def test_a_publish_the_manager_drops_reports_only_what_it_holds(orbitkv_bin):
+    """A publish larger than the manager's whole DRAM is dropped: the set
+    reports the pages the manager holds afterwards (none), as a prefix."""
+    small = ss.Manager(orbitkv_bin, dram="64KiB")
+    try:
+        small.start()
+        host = host_pool("page_first", size=1024)
+        be = backend(host, small.socket)  # 1 KiB pages, 128 per publish
+        keys = keys_for("drop", 100)
+        src = host.alloc(100 * PAGE)
+        fill(host, starts_of(src), seed=12)
+        assert be.batch_set_v1(keys, src) == [False] * 100
+        assert be.get_stats()["misses"] == {"publish_dropped": 100}
+        assert be.batch_set_v1(keys[:8], src[: 8 * PAGE]) == [True] * 8
+        assert be.batch_exists(keys) == 8
+        quiet(small)
+    finally:
+        small.stop()
+        shutil.rmtree(small.dir, ignore_errors=True)
 
 
 def test_concurrent_threads_exact_bytes(manager):

@@ -114,8 +114,11 @@ class OrbitKVConfig:
     (``docs/sglang.md`` lists them). Every bound is here."""
 
     socket: str = field(default_factory=_default_socket)
-    #: Bound on each wait for the manager (a reply, ``ready``).
-    timeout_s: float = 5.0
+    #: Bound on each wait for the manager (a reply, ``ready``). Longer than
+    #: the manager's own deadlines (5 s to prepare, 5 s for a publish to
+    #: find DRAM), which answer first with a miss; past it the manager is
+    #: taken as stuck and the connection is closed.
+    timeout_s: float = 10.0
     #: Staging slots per connection and pool, for sets (phase A): pages of
     #: one publish. SGLang writes at most 128 pages per call.
     staging_pages: int = 128

@@ -294,6 +294,16 @@ def test_v2_boundaries_only_where_both_pools_hold_their_pages(manager):
     assert r.kv_hit_pages == 0
     misses = be.get_stats()["misses"]
     assert misses["window_mismatch"] == 6 and misses["unknown_pool"] == 6
+
+    # The window is sealed into the namespace: an engine told another
+    # window shares nothing with this one.
+    kv2, swa2 = host_pool("page_first"), host_pool("page_first")
+    other = backend(kv2, manager.socket, register=False, swa_window_tokens=(WINDOW_PAGES + 1) * PAGE)
+    other.register_mem_host_pool_v2(kv2, PoolName.KV)
+    other.register_mem_host_pool_v2(swa2, PoolName.SWA)
+    other.on_host_pools_registered()
+    assert other.get_stats()["namespace"] != be.get_stats()["namespace"]
+    assert other.batch_exists_v2(keys, [swa_transfer(["__placeholder__"] * 3)]).kv_hit_pages == 0
     assert "error" not in misses
     quiet(manager)
 

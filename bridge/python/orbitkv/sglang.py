@@ -563,6 +563,10 @@ def _build_registration(
     import sglang
 
     slots = [s for p in pools.values() for s in _layout_slots(p, rank)]
+    groups = [
+        {"id": p.group, "rule": p.rule, "components": p.components}
+        for p in sorted(pools.values(), key=lambda p: p.group)
+    ]
     layout = {"slots": slots, "pool_capacity_pages": 0}
     representation = {
         "format": "sglang-hicache-flat-page/1",
@@ -580,14 +584,11 @@ def _build_registration(
             hub_revision=revision,
             active_adapters=adapters,
             layout=layout,
+            groups=groups,
         )
     except orbitkv.IdentityError as e:
         raise _Unsupported(f"orbitkv: the model identity cannot be established: {e}") from e
     identity = ident["identity"]
-    groups = [
-        {"id": p.group, "rule": p.rule, "components": p.components}
-        for p in sorted(pools.values(), key=lambda p: p.group)
-    ]
     instance = f"sglang/{identity[:16]}/tp{storage_rank}/pp{sc.pp_rank}"
     command = {
         "command": "register_instance",

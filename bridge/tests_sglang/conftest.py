@@ -9,7 +9,6 @@ in one pytest process: importing SGLang takes ~20 s.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import time

@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 
-import orbitkv
 import serve_support as ss
 from orbitkv.sglang import OrbitKVConfig, OrbitKVStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage

@@ -9,7 +9,6 @@ import threading
 import time
 from typing import Dict, List, Tuple
 
-import pytest
 import torch
 
 import orbitkv.sglang as okv
@@ -26,8 +25,6 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from conftest import (
     EXTRA,
-    HEAD_DIM,
-    HEADS,
     LAYERS,
     PAGE,
     backend,
@@ -107,7 +104,6 @@ def drain_acks(cc, rid: str) -> list:
         left = deadline - time.monotonic()
         assert left > 0, f"prefetch {rid} did not complete: {acks}"
         ack = cc.ack_prefetch_queue.get(timeout=left)
-        assert ack.rid.rid == rid if hasattr(ack.rid, "rid") else True
         acks.append(ack)
     return acks
 
@@ -191,7 +187,8 @@ def test_manager_killed_mid_prefetch(manager, monkeypatch):
         assert written == len(tokens)
         monkeypatch.setattr(okv._StagedCopies, "page_to_host", staticmethod(dying))
         hit, done, idx = prefetch(cc, host, tokens, "k1")
-        assert kills == ["prefetch_io_aux_func"] or kills[0].startswith("Thread")
+        # Killed from SGLang's prefetch I/O thread, while it held the leases.
+        assert len(kills) == 1 and kills[0] != threading.main_thread().name
         assert hit == len(tokens) and done == 0
         stats = be.get_stats()
         assert stats["misses"].get("connection_lost", 0) == 4

@@ -1,0 +1,1374 @@
+"""SGLang HiCache L3 storage backend: :class:`OrbitKVStorage`.
+
+SGLang builds it through its dynamic backend factory::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "orbitkv",
+        "module_path": "orbitkv.sglang", "class_name": "OrbitKVStorage",
+        "interface_v1": 1, "socket": "/run/orbitkv.sock"}'
+
+and calls it from its cache controller's threads (backup, prefetch query,
+prefetch I/O) concurrently. Every page goes to an ``orbitkv serve`` manager
+under a ``StateKey`` whose namespace seals this engine's computation identity
+(model artifacts, configuration, dtype, KV dtype, page size, parallel rank,
+host page format) with its storage layout, so pages of another model, another
+configuration or another tensor-parallel rank can never be read back.
+
+What it guarantees (``docs/sglang.md`` has the user's view):
+
+- Per-key results are a prefix: ``[True] * k + [False] * (n - k)``, never a
+  hole. A page is reported only once its bytes are in the host pool (gets)
+  or in the manager's pool (sets).
+- ``batch_exists`` / ``batch_exists_v2`` answer from the manager's discovery
+  (metadata only: no payload read, no byte reservation) and count only the
+  boundaries the compiled recovery contract calls legal for every registered
+  pool (KV prefix, SWA window).
+- No call raises into SGLang's threads: a failure (manager down or
+  restarted, timeout, refusal, bad input) is a miss with a reason, counted
+  in :meth:`OrbitKVStorage.get_stats` and logged (rate-limited). A broken
+  connection is dropped; the next call reconnects (a new session) once
+  ``reconnect_interval_s`` has passed.
+- Blocking work (manager round trips, page copies) runs without the GIL.
+
+Bytes move through :class:`_StagedCopies` (phase A): a set copies each page
+from the host pool into a staging slot of a device region the manager
+shares with this process, then publishes the slots; a get copies each leased
+page straight from the manager's shared pool (a read-only view) into the
+host pool. Registering the host pool itself as an agent-owned region (zero
+copies on OrbitKV's side) replaces that class once the copy agent exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+import orbitkv
+
+logger = logging.getLogger(__name__)
+
+# Pool pages come from the manager as read-only memoryviews; torch warns when
+# it wraps one. We only ever read from those tensors.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning
+)
+
+__all__ = ["OrbitKVStorage", "OrbitKVConfig", "KEY_VERSION"]
+
+#: Version of the SGLang page-key mapping (``_native``); part of the identity.
+KEY_VERSION = 1
+
+#: The extra-config keys SGLang itself reads (passed through, not ours).
+_SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+
+
+def _default_socket() -> str:
+    env = os.environ.get("ORBITKV_SOCKET")
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(run, "orbitkv.sock") if run else "/tmp/orbitkv.sock"
+
+
+@dataclass(frozen=True)
+class OrbitKVConfig:
+    """Our keys of SGLang's ``--hicache-storage-backend-extra-config``
+    (``docs/sglang.md`` lists them). Every bound is here."""
+
+    socket: str = field(default_factory=_default_socket)
+    #: Bound on each wait for the manager (a reply, ``ready``). Longer than
+    #: the manager's own deadlines (5 s to prepare, 5 s for a publish to
+    #: find DRAM), which answer first with a miss; past it the manager is
+    #: taken as stuck and the connection is closed.
+    timeout_s: float = 10.0
+    #: Staging slots per connection and pool, for sets (phase A): pages of
+    #: one publish. SGLang writes at most 128 pages per call.
+    staging_pages: int = 128
+    #: Cap on one staging region's bytes (fewer slots for large pages).
+    staging_bytes: int = 256 << 20
+    #: Connections to the manager; one is used by one call at a time.
+    max_connections: int = 4
+    #: How long a call waits for a free connection before it misses.
+    connection_wait_s: float = 5.0
+    #: After a failed connect, calls miss at once for this long.
+    reconnect_interval_s: float = 1.0
+    #: Keys in one call; longer calls are refused (a miss).
+    max_keys: int = 1 << 16
+    #: Sliding-window tokens SGLang keeps for an SWA pool
+    #: (``swa_retain_window``); required when an SWA pool is registered.
+    swa_window_tokens: Optional[int] = None
+    #: A local directory whose content identifies the model, instead of
+    #: SGLang's ``model_path``.
+    model_dir: Optional[str] = None
+    #: Client name in the manager's logs.
+    client_name: str = "sglang"
+
+    @classmethod
+    def from_extra(cls, extra: Optional[dict]) -> "OrbitKVConfig":
+        """Parses and validates the extra config; unknown keys that are not
+        SGLang's are an error (a typo must not silently use a default)."""
+        extra = dict(extra or {})
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(k for k in extra if k not in known and k not in _SGLANG_KEYS)
+        if unknown:
+            raise ValueError(
+                f"orbitkv: unknown extra-config keys {unknown}; known: {sorted(known)}"
+            )
+        args: Dict[str, Any] = {}
+        for name in known:
+            if name not in extra or extra[name] is None:
+                continue
+            args[name] = extra[name]
+        c = cls(**args)
+        c._validate()
+        return c
+
+    def _validate(self) -> None:
+        def positive(name: str, value: Any, kind: type) -> None:
+            ok = isinstance(value, kind) and not isinstance(value, bool)
+            if kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                ok = ok and math.isfinite(value)
+            if not ok or value <= 0:
+                raise ValueError(f"orbitkv: {name} must be a positive {kind.__name__}, got {value!r}")
+
+        if not isinstance(self.socket, str) or not self.socket:
+            raise ValueError(f"orbitkv: socket must be a path, got {self.socket!r}")
+        for name in ("timeout_s", "connection_wait_s", "reconnect_interval_s"):
+            positive(name, getattr(self, name), float)
+        for name in ("staging_pages", "staging_bytes", "max_connections", "max_keys"):
+            positive(name, getattr(self, name), int)
+        if self.swa_window_tokens is not None:
+            positive("swa_window_tokens", self.swa_window_tokens, int)
+        if self.model_dir is not None and not os.path.isdir(self.model_dir):
+            raise ValueError(f"orbitkv: model_dir {self.model_dir!r} is not a directory")
+        if not isinstance(self.client_name, str):
+            raise ValueError("orbitkv: client_name must be a string")
+
+
+# ---------------------------------------------------------------------------
+# Keys
+
+
+def _native(key: str) -> str:
+    """The engine-native hash of one SGLang page key, as hex.
+
+    SGLang's page keys are 64 lowercase hex digits: SHA-256 chained over the
+    page's tokens and its predecessor (``get_storage_hash_str``), so the key
+    names the whole prefix. Those go through as their 32 bytes. Any other
+    string (tests, other callers) becomes a 33-byte digest with a leading
+    0xff: a different length, so it can never equal a 32-byte key. Either
+    way the manager seals it with the namespace and the group."""
+    if isinstance(key, str) and len(key) == 64 and _HEX64.fullmatch(key):
+        return key
+    if not isinstance(key, str):
+        raise _BadInput(f"page key {key!r} is not a string")
+    digest = hashlib.sha256(b"orbitkv/sglang-key/1\x00" + key.encode("utf-8")).hexdigest()
+    return "ff" + digest
+
+
+# ---------------------------------------------------------------------------
+# Failures: every one becomes a miss with a reason.
+
+
+class _Miss(Exception):
+    """A call that cannot hit; ``reason`` goes to the stats."""
+
+    reason = "error"
+
+    def __init__(self, message: str = "", reason: Optional[str] = None):
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class _BadInput(_Miss):
+    reason = "bad_input"
+
+
+class _Down(_Miss):
+    reason = "manager_down"
+
+
+class _Broken(_Miss):
+    """The connection can no longer be trusted (timeout, lost reply): it is
+    closed, which makes the manager return its leases and reservations."""
+
+    reason = "connection_lost"
+
+
+class _Unsupported(ValueError):
+    """A pool set, layout or configuration OrbitKV refuses at startup."""
+
+
+# ---------------------------------------------------------------------------
+# Pools and their byte format
+
+
+@dataclass
+class _Pool:
+    """One registered SGLang host pool = one OrbitKV storage group."""
+
+    name: str
+    group: int
+    host: Any
+    page_tokens: int
+    page_bytes: int
+    page_format: str
+    page_dims: List[int]
+    dtype: torch.dtype
+    rule: Any
+    components: List[str]
+
+    def describe(self) -> Dict[str, Any]:
+        return {
+            "pool": self.name,
+            "group": self.group,
+            "class": type(self.host).__name__,
+            "dtype": str(self.dtype),
+            "page_format": self.page_format,
+            "page_dims": self.page_dims,
+            "page_bytes": self.page_bytes,
+            "layers": [int(getattr(self.host, "start_layer", 0)), int(self.host.layer_num)],
+        }
+
+
+def _page_format(host: Any) -> Tuple[str, List[int]]:
+    """The byte order of SGLang's flat page (``get_data_page(flat=True)``)
+    for the host pools whose format we know, with its dimensions. Pages of
+    ``layer_first`` and ``page_first_direct`` pools are the same bytes;
+    ``page_first`` puts tokens before layers. Anything else is refused."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    layout = getattr(host, "layout", None)
+    cls = type(host)
+    if cls is MHATokenToKVPoolHost:
+        if host.v_head_dim != host.head_dim:
+            raise _Unsupported("orbitkv: MHA host pools with v_head_dim != head_dim are not supported")
+        if getattr(host, "head_group_num", 1) != 1:
+            raise _Unsupported("orbitkv: MHA host pools with head groups are not supported")
+        lf = [2, host.layer_num, host.page_size, host.head_num, host.head_dim]
+        pf = [2, host.page_size, host.layer_num, host.head_num, host.head_dim]
+        if layout in ("layer_first", "page_first_direct"):
+            return "mha:kv,layer,token,head,dim", lf
+        if layout == "page_first":
+            return "mha:kv,token,layer,head,dim", pf
+    elif cls is MLATokenToKVPoolHost:
+        if getattr(host, "dcp_size", 1) != 1:
+            raise _Unsupported("orbitkv: MLA host pools with decode context parallelism are not supported")
+        lf = [host.layer_num, host.page_size, 1, host.kv_cache_dim]
+        pf = [host.page_size, host.layer_num, 1, host.kv_cache_dim]
+        if layout in ("layer_first", "page_first_direct"):
+            return "mla:layer,token,one,latent", lf
+        if layout == "page_first":
+            return "mla:token,layer,one,latent", pf
+    else:
+        raise _Unsupported(
+            f"orbitkv: host pool class {cls.__module__}.{cls.__name__} is not supported "
+            "(MHATokenToKVPoolHost and MLATokenToKVPoolHost are)"
+        )
+    raise _Unsupported(
+        f"orbitkv: host layout {layout!r} is not supported "
+        "(layer_first, page_first and page_first_direct are)"
+    )
+
+
+def _describe_pool(name: str, group: int, host: Any, rule: Any, components: List[str]) -> _Pool:
+    fmt, dims = _page_format(host)
+    dtype = host.dtype
+    page_bytes = math.prod(dims) * dtype.itemsize
+    probe = host.get_data_page(0, flat=True)
+    if probe.numel() * probe.element_size() != page_bytes or probe.dtype != dtype:
+        raise _Unsupported(
+            f"orbitkv: pool {name!r}: a page is {probe.numel() * probe.element_size()} bytes of "
+            f"{probe.dtype}, expected {page_bytes} bytes of {dtype} ({fmt} {dims})"
+        )
+    return _Pool(
+        name=name,
+        group=group,
+        host=host,
+        page_tokens=int(host.page_size),
+        page_bytes=page_bytes,
+        page_format=fmt,
+        page_dims=[int(d) for d in dims],
+        dtype=dtype,
+        rule=rule,
+        components=components,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Moving bytes (phase A)
+
+
+class _StagedCopies:
+    """The one place bytes move between SGLang's host pool and OrbitKV.
+
+    Phase A: sets write pages into a staging slot (``dst``, a writable view
+    of a device region the manager shares with us); gets read a leased page
+    (``src``, a read-only view of the manager's pool) into the host pool.
+    Both are one strided torch copy per page, without the GIL. The copy
+    agent replaces this with copies the manager drives itself."""
+
+    @staticmethod
+    def host_to_slot(pool: _Pool, index: int, dst: memoryview) -> None:
+        page = pool.host.get_data_page(index, flat=False)
+        out = torch.frombuffer(dst, dtype=torch.uint8).view(pool.dtype)
+        out.view(page.shape).copy_(page)
+
+    @staticmethod
+    def value_to_slot(pool: _Pool, value: torch.Tensor, dst: memoryview) -> None:
+        src = value.detach().contiguous().view(-1).view(torch.uint8)
+        if src.numel() != pool.page_bytes:
+            raise _BadInput(f"a page value is {src.numel()} bytes, the pool's pages {pool.page_bytes}")
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(src)
+
+    @staticmethod
+    def page_to_host(pool: _Pool, index: int, src: memoryview) -> None:
+        data = torch.frombuffer(src, dtype=torch.uint8).view(pool.dtype)
+        pool.host.set_from_flat_data_page(index, data)
+
+    @staticmethod
+    def page_to_value(pool: _Pool, src: memoryview, target: torch.Tensor) -> torch.Tensor:
+        data = torch.frombuffer(src, dtype=torch.uint8)
+        if not target.is_contiguous() or target.numel() * target.element_size() != data.numel():
+            raise _BadInput(
+                f"target of {target.numel() * target.element_size()} bytes "
+                f"(contiguous: {target.is_contiguous()}) for a {data.numel()}-byte page"
+            )
+        target.view(-1).view(torch.uint8).copy_(data)
+        return target
+
+
+# ---------------------------------------------------------------------------
+# The registration: identity, layout, contract
+
+
+@dataclass
+class _Registration:
+    instance: str
+    identity: str
+    namespace: str
+    page_tokens: int
+    rank: Dict[str, int]
+    pools: Dict[str, _Pool]  # by SGLang pool name
+    command: Dict[str, Any]
+
+    def groups(self) -> List[int]:
+        return sorted(p.group for p in self.pools.values())
+
+    def by_group(self, group: int) -> _Pool:
+        for p in self.pools.values():
+            if p.group == group:
+                return p
+        raise KeyError(group)
+
+
+def _server_args() -> Any:
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        sa = get_server_args()
+    except Exception as e:  # the launcher publishes them; without, no identity
+        raise _Unsupported(
+            "orbitkv: SGLang's server args are not published in this process, so the model "
+            f"identity cannot be established ({type(e).__name__}: {e})"
+        ) from e
+    if sa is None:
+        raise _Unsupported("orbitkv: SGLang's server args are not published in this process")
+    return sa
+
+
+def _model_source(sa: Any, cfg: OrbitKVConfig) -> Tuple[str, Optional[str]]:
+    """(model directory holding config.json, hub revision or None)."""
+    if cfg.model_dir is not None:
+        return cfg.model_dir, None
+    path = getattr(sa, "model_path", None)
+    if isinstance(path, str) and os.path.isdir(path):
+        return path, None
+    revision = getattr(sa, "revision", None)
+    if not (isinstance(revision, str) and re.fullmatch(r"[0-9a-f]{40}", revision)):
+        raise _Unsupported(
+            f"orbitkv: model_path {path!r} is not a local directory and --revision is not a "
+            "full 40-hex commit: the model's identity cannot be established (pin the revision, "
+            "or set model_dir / ORBITKV_MODEL_FINGERPRINT with a local config.json)"
+        )
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(path, "config.json", revision=revision)
+    except Exception as e:
+        raise _Unsupported(f"orbitkv: cannot find {path}@{revision} in the hub cache: {e}") from e
+    if not isinstance(found, str):
+        raise _Unsupported(f"orbitkv: {path}@{revision} has no config.json in the hub cache")
+    return os.path.dirname(found), revision
+
+
+def _settings(sa: Any, sc: HiCacheStorageConfig, storage_rank: int) -> Dict[str, Any]:
+    """Computation settings: everything in SGLang's arguments that changes
+    the bytes of a KV page. ``None`` means "not set" for these knobs and is
+    written as the string "none" (the identity refuses nulls)."""
+
+    def arg(name: str) -> Any:
+        v = getattr(sa, name, None)
+        return "none" if v is None else v
+
+    return {
+        "dtype": arg("dtype"),
+        "kv_cache_dtype": arg("kv_cache_dtype"),
+        "quantization": arg("quantization"),
+        "quantization_param_path": arg("quantization_param_path"),
+        "attention_backend": arg("attention_backend"),
+        "prefill_attention_backend": arg("prefill_attention_backend"),
+        "decode_attention_backend": arg("decode_attention_backend"),
+        "weight_version": arg("weight_version"),
+        "load_format": arg("load_format"),
+        "model_impl": arg("model_impl"),
+        "tp_size": int(sc.tp_size),
+        "pp_size": int(sc.pp_size),
+        "pp_rank": int(sc.pp_rank),
+        "attn_cp_size": int(sc.attn_cp_size),
+        "attn_cp_rank": int(sc.attn_cp_rank),
+        "is_mla_model": bool(sc.is_mla_model),
+        "should_split_heads": bool(sc.should_split_heads),
+        "tp_lcm_size": "none" if sc.tp_lcm_size is None else int(sc.tp_lcm_size),
+        "storage_rank": int(storage_rank),
+        "key_version": KEY_VERSION,
+    }
+
+
+def _layout_slots(pool: _Pool, rank: Dict[str, int]) -> List[Dict[str, Any]]:
+    """One slot per layer of the pool (its share of the page bytes)."""
+    layers = int(pool.host.layer_num)
+    if layers <= 0 or pool.page_bytes % layers:
+        raise _Unsupported(f"orbitkv: pool {pool.name!r}: {pool.page_bytes} page bytes over {layers} layers")
+    per_layer = pool.page_bytes // layers
+    start = int(getattr(pool.host, "start_layer", 0) or 0)
+    strides = []
+    acc = 1
+    for d in reversed(pool.page_dims):
+        strides.append(acc)
+        acc *= d
+    strides.reverse()
+    return [
+        {
+            "layer": start + i,
+            "group": pool.group,
+            "tp_rank": rank["tp"],
+            "pp_rank": rank["pp"],
+            "segment_bytes": per_layer,
+            "padded_page_bytes": per_layer,
+            "page_tokens": pool.page_tokens,
+            "dtype": str(pool.dtype).removeprefix("torch."),
+            "layout": pool.page_format,
+            "strides": strides,
+            "device_addr": 0,
+        }
+        for i in range(layers)
+    ]
+
+
+def _build_registration(
+    sc: HiCacheStorageConfig, cfg: OrbitKVConfig, hosts: Dict[str, Any]
+) -> _Registration:
+    """Declares the pools as groups under their rules, computes the identity
+    and seals it with the layout. Refuses (raises) what we cannot serve."""
+    if sc.dcp_size != 1:
+        raise _Unsupported("orbitkv: decode context parallelism (dcp_size > 1) is not supported")
+    kv = hosts.get(str(PoolName.KV))
+    if kv is None:
+        raise _Unsupported("orbitkv: no KV host pool was registered")
+    unknown = sorted(n for n in hosts if n not in (str(PoolName.KV), str(PoolName.SWA)))
+    if unknown:
+        raise _Unsupported(
+            f"orbitkv: pools {unknown} are not supported (KV and SWA are; recurrent, indexer, "
+            "draft and other auxiliary state are refused rather than stored as attention KV)"
+        )
+    pools = {
+        str(PoolName.KV): _describe_pool(
+            str(PoolName.KV), 0, kv, "prefix", ["mla_kv" if sc.is_mla_model else "attention_kv"]
+        )
+    }
+    if str(PoolName.SWA) in hosts:
+        if cfg.swa_window_tokens is None:
+            raise _Unsupported(
+                "orbitkv: an SWA pool is registered: set swa_window_tokens in the extra config "
+                "to SGLang's sliding window (swa_retain_window, in tokens)"
+            )
+        pools[str(PoolName.SWA)] = _describe_pool(
+            str(PoolName.SWA),
+            1,
+            hosts[str(PoolName.SWA)],
+            {"window": int(cfg.swa_window_tokens)},
+            ["sliding_window_kv"],
+        )
+    page_tokens = pools[str(PoolName.KV)].page_tokens
+    for p in pools.values():
+        if p.page_tokens != page_tokens:
+            raise _Unsupported(f"orbitkv: pool {p.name!r} has {p.page_tokens}-token pages, KV {page_tokens}")
+
+    # MLA pages are the same on every TP rank (one writer, every rank reads);
+    # MHA pages hold this rank's heads.
+    storage_rank = 0 if sc.is_mla_model else int(sc.tp_rank)
+    rank = {"tp": storage_rank, "pp": int(sc.pp_rank)}
+    sa = _server_args()
+    if getattr(sa, "lora_paths", None) or getattr(sa, "enable_lora", False):
+        adapters = ["lora"]
+    else:
+        adapters = []
+    model_dir, revision = _model_source(sa, cfg)
+    try:
+        overrides = json.loads(getattr(sa, "json_model_override_args", None) or "{}")
+    except ValueError as e:
+        raise _Unsupported(f"orbitkv: json_model_override_args is not JSON: {e}") from e
+    import sglang
+
+    slots = [s for p in pools.values() for s in _layout_slots(p, rank)]
+    groups = [
+        {"id": p.group, "rule": p.rule, "components": p.components}
+        for p in sorted(pools.values(), key=lambda p: p.group)
+    ]
+    layout = {"slots": slots, "pool_capacity_pages": 0}
+    representation = {
+        "format": "sglang-hicache-flat-page/1",
+        "page_tokens": page_tokens,
+        "pools": [p.describe() for p in sorted(pools.values(), key=lambda p: p.group)],
+    }
+    try:
+        ident = orbitkv.compute_identity(
+            model_dir,
+            engine="sglang",
+            engine_version=str(sglang.__version__),
+            settings=_settings(sa, sc, storage_rank),
+            representation=representation,
+            config_overrides=overrides if isinstance(overrides, dict) else {"value": overrides},
+            hub_revision=revision,
+            active_adapters=adapters,
+            layout=layout,
+            groups=groups,
+        )
+    except orbitkv.IdentityError as e:
+        raise _Unsupported(f"orbitkv: the model identity cannot be established: {e}") from e
+    identity = ident["identity"]
+    instance = f"sglang/{identity[:16]}/tp{storage_rank}/pp{sc.pp_rank}"
+    command = {
+        "command": "register_instance",
+        "instance": instance,
+        "identity": identity,
+        "layout": layout,
+        "page_tokens": page_tokens,
+        "groups": groups,
+        "ranks": [rank],
+    }
+    return _Registration(
+        instance=instance,
+        identity=identity,
+        namespace=ident["namespace"],
+        page_tokens=page_tokens,
+        rank=rank,
+        pools=pools,
+        command=command,
+    )
+
+
+# ---------------------------------------------------------------------------
+# One connection
+
+
+@dataclass
+class _Staging:
+    region: int
+    view: memoryview
+    slots: int
+    page_bytes: int
+    device_pages: List[int]
+
+    def slot(self, i: int) -> memoryview:
+        return self.view[i * self.page_bytes : (i + 1) * self.page_bytes]
+
+
+class _Conn:
+    """A connection with its own session and staging regions. Used by one
+    call at a time (the pool hands it out), so its events are its own."""
+
+    def __init__(self, reg: _Registration, cfg: OrbitKVConfig):
+        self.reg = reg
+        self.cfg = cfg
+        self.client = orbitkv.Client(cfg.socket, cfg.client_name)
+        self.incarnation = self.client.incarnation
+        self._request = 0
+        self.staging: Dict[int, _Staging] = {}
+        try:
+            r = self._reply(self.client.call(reg.command, cfg.timeout_s), "instance_registered")
+            if r["namespaces"] != [reg.namespace]:
+                raise _Unsupported(
+                    f"orbitkv: the manager sealed namespace {r['namespaces']}, we computed "
+                    f"{reg.namespace}"
+                )
+            self.session = self._reply(
+                self.client.call({"command": "open_session", "instance": reg.instance}, cfg.timeout_s),
+                "session_opened",
+            )["session"]
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # closing is best effort; the manager cleans up
+            pass
+
+    def _next(self) -> int:
+        self._request += 1
+        return self._request
+
+    @staticmethod
+    def _reply(event: Dict[str, Any], kind: str) -> Dict[str, Any]:
+        if event.get("event") == kind:
+            return event
+        if event.get("event") == "rejected":
+            err = event.get("error", {})
+            raise _Miss(f"manager refused the command: {err}", reason=f"refused_{err.get('error', 'unknown')}")
+        raise _Broken(f"expected {kind}, got {event.get('event')}")
+
+    def drain(self) -> None:
+        """Drops leftover events (``released`` of earlier releases) so the
+        queue stays bounded; a refused release is logged."""
+        for e in self.client.poll_events():
+            if e.get("event") == "rejected":
+                logger.warning("orbitkv: the manager refused a command: %s", e.get("error"))
+
+    # -- discovery -------------------------------------------------------
+
+    def _query_cmd(self, hashes: List[str], prepare: bool) -> Dict[str, Any]:
+        n = len(hashes)
+        return {
+            "command": "query",
+            "session": self.session,
+            "request": self._next(),
+            # Every group is asked about the same pages: the contract decides
+            # which of them each group's rule needs at each boundary.
+            "groups": [{"group": g, "hashes": hashes} for g in self.reg.groups()],
+            "origin": 0,
+            # One token past the last page: the engine's clamp then allows
+            # every page of the call as a boundary.
+            "prompt_len": n * self.reg.page_tokens + 1,
+            "expect_namespaces": [self.reg.namespace],
+            "prepare": prepare,
+        }
+
+    def query(self, hashes: List[str]) -> Dict[str, Any]:
+        """Metadata-only discovery. Returns the ``query_result``."""
+        qr = self._reply(self.client.call(self._query_cmd(hashes, False), self.cfg.timeout_s), "query_result")
+        if qr["miss"] is None:
+            # A selected operation waits for prepare; we only wanted to know.
+            self.client.submit({"command": "release", "session": self.session, "operation": qr["operation"]})
+        return qr
+
+    # -- reads -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def leased(self, hashes: List[str]) -> Iterator[Tuple[Optional[str], List[Dict[str, Any]]]]:
+        """Queries with prepare and yields (miss reason, leases) while the
+        leases are held; releases them afterwards."""
+        qr = self._reply(self.client.call(self._query_cmd(hashes, True), self.cfg.timeout_s), "query_result")
+        if qr["miss"] is not None:
+            yield qr["miss"], []
+            return
+        op = qr["operation"]
+        deadline = time.monotonic() + self.cfg.timeout_s
+        leases: Optional[List[Dict[str, Any]]] = None
+        while leases is None:
+            left = deadline - time.monotonic()
+            e = self.client.wait_event(max(left, 0.0), operation=op) if left > 0 else None
+            if e is None:
+                # The manager may still be reading for this operation; a
+                # cancel alone would leave us guessing. Closing the
+                # connection returns everything once its I/O drained.
+                raise _Broken(f"no ready or miss within {self.cfg.timeout_s}s", reason="timeout")
+            kind = e.get("event")
+            if kind == "ready":
+                leases = e["leases"]
+            elif kind == "miss":
+                yield e["reason"], []
+                return
+            elif kind in ("loading", "transfer_overdue"):
+                continue
+            else:
+                raise _Broken(f"unexpected event for operation {op}: {kind}")
+        try:
+            yield None, leases
+        finally:
+            self.client.submit({"command": "release", "session": self.session, "operation": op})
+
+    # -- writes ----------------------------------------------------------
+
+    def staging_for(self, pool: _Pool) -> _Staging:
+        s = self.staging.get(pool.group)
+        if s is not None:
+            return s
+        slots = max(1, min(self.cfg.staging_pages, self.cfg.staging_bytes // pool.page_bytes))
+        r = self._reply(
+            self.client.call(
+                {
+                    "command": "register_device_region",
+                    "session": self.session,
+                    "rank": 0,
+                    "group": pool.group,
+                    "slots": slots,
+                },
+                self.cfg.timeout_s,
+            ),
+            "region_registered",
+        )
+        if r["page_bytes"] != pool.page_bytes:
+            raise _Broken(f"region pages are {r['page_bytes']} bytes, the pool's {pool.page_bytes}")
+        region = r["region"]
+        pages = []
+        for slot in range(slots):
+            pages.append(
+                self._reply(
+                    self.client.call(
+                        {"command": "device_page_alloc", "session": self.session, "region": region, "slot": slot},
+                        self.cfg.timeout_s,
+                    ),
+                    "device_page_allocated",
+                )["device_page"]
+            )
+        s = _Staging(region, self.client.region(region), slots, pool.page_bytes, pages)
+        self.staging[pool.group] = s
+        return s
+
+    def publish(self, pool: _Pool, hashes: List[str], fill: Callable[[int, memoryview], None]) -> int:
+        """Publishes ``hashes`` in chunks of the staging slots; ``fill(i,
+        slot)`` writes page i. Returns how many leading pages are stored."""
+        staging = self.staging_for(pool)
+        stored = 0
+        for start in range(0, len(hashes), staging.slots):
+            chunk = hashes[start : start + staging.slots]
+            for k in range(len(chunk)):
+                fill(start + k, staging.slot(k))
+            pages = [
+                {"rank": 0, "group": pool.group, "hash": h, "device_page": staging.device_pages[k]}
+                for k, h in enumerate(chunk)
+            ]
+            cmd = {"command": "publish", "session": self.session, "request": self._next(), "pages": pages}
+            try:
+                done = self._reply(self.client.call(cmd, self.cfg.timeout_s), "publish_done")
+            except TimeoutError as e:
+                # The copy out of our staging slots may still run: never
+                # write them again (the connection is closed).
+                raise _Broken(f"publish: {e}", reason="timeout") from e
+            if done["dropped"] == 0 and done["inserted"] + done["duplicates"] == len(chunk):
+                stored += len(chunk)
+                continue
+            # Some pages did not make it (no DRAM within the publish
+            # deadline): report only the leading run the manager now holds.
+            qr = self.query(chunk)
+            stored += _prefix_pages(qr, pool.group, self.reg.page_tokens, len(chunk))
+            break
+        return stored
+
+
+def _candidate_pages(qr: Dict[str, Any], group: int, page_tokens: int) -> List[int]:
+    for c in qr.get("candidates") or []:
+        if c["group"] == group:
+            return [e // page_tokens for e in c["page_ends"]]
+    return []
+
+
+def _prefix_pages(qr: Dict[str, Any], group: int, page_tokens: int, n: int) -> int:
+    """Leading pages of ``group`` present, from discovery's candidates."""
+    pages = set(_candidate_pages(qr, group, page_tokens))
+    k = 0
+    while k < n and (k + 1) in pages:
+        k += 1
+    return k
+
+
+def _prefix_mask(done: Sequence[bool]) -> List[bool]:
+    """Cuts a per-key result at its first failure: never a hole."""
+    out = []
+    ok = True
+    for d in done:
+        ok = ok and bool(d)
+        out.append(ok)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Connections
+
+
+class _Connections:
+    """A bounded set of connections; a call borrows one for its duration.
+    A connection that fails is closed and dropped; after a failed connect,
+    calls miss at once until ``reconnect_interval_s`` has passed."""
+
+    def __init__(self, cfg: OrbitKVConfig, stats: "_Stats"):
+        self.cfg = cfg
+        self.stats = stats
+        self.reg: Optional[_Registration] = None
+        self._cv = threading.Condition()
+        self._idle: List[_Conn] = []
+        self._open = 0
+        self._down_until = 0.0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[_Conn]:
+        conn = self._acquire()
+        try:
+            conn.drain()
+            yield conn
+        except (orbitkv.ConnectionError, _Broken, TimeoutError) as e:
+            self._drop(conn, e)
+            reason = "timeout" if isinstance(e, TimeoutError) else getattr(e, "reason", "connection_lost")
+            raise _Broken(str(e), reason=reason) from e
+        except _Miss:
+            # A refusal or a miss: the connection itself is fine.
+            self._release(conn)
+            raise
+        except BaseException as e:
+            # Anything else leaves the connection's state unknown.
+            self._drop(conn, e)
+            raise
+        else:
+            self._release(conn)
+
+    def _acquire(self) -> _Conn:
+        if self.reg is None:
+            raise _Miss("no host pool registered", reason="not_registered")
+        deadline = time.monotonic() + self.cfg.connection_wait_s
+        with self._cv:
+            while True:
+                if self._closed:
+                    raise _Down("the backend is closed", reason="closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._open < self.cfg.max_connections:
+                    if time.monotonic() < self._down_until:
+                        raise _Down("the manager was unreachable moments ago")
+                    self._open += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Miss("every connection is busy", reason="busy")
+                self._cv.wait(left)
+        # Connect outside the lock (it blocks without the GIL).
+        try:
+            conn = _Conn(self.reg, self.cfg)
+        except BaseException as e:
+            with self._cv:
+                self._open -= 1
+                # Whatever failed (no manager, a refused registration), do
+                # not retry it on every call.
+                self._down_until = time.monotonic() + self.cfg.reconnect_interval_s
+                self._cv.notify()
+            if isinstance(e, _Unsupported):
+                raise _Miss(str(e), reason="namespace_mismatch") from e
+            if isinstance(e, (orbitkv.ConnectionError, TimeoutError, OSError)):
+                raise _Down(f"cannot connect to {self.cfg.socket}: {e}") from e
+            raise
+        self.stats.add("connects")
+        return conn
+
+    def _release(self, conn: _Conn) -> None:
+        with self._cv:
+            if self._closed:
+                conn.close()
+                self._open -= 1
+            else:
+                self._idle.append(conn)
+            self._cv.notify()
+
+    def _drop(self, conn: _Conn, why: BaseException) -> None:
+        conn.close()
+        stale: List[_Conn] = []
+        with self._cv:
+            self._open -= 1
+            if isinstance(why, orbitkv.ConnectionError):
+                # The manager went away: every connection to that incarnation is dead.
+                stale = [c for c in self._idle if c.incarnation == conn.incarnation]
+                self._idle = [c for c in self._idle if c.incarnation != conn.incarnation]
+                self._open -= len(stale)
+            self._cv.notify_all()
+        for c in stale:
+            c.close()
+        self.stats.add("connections_dropped", 1 + len(stale))
+
+    def open_count(self) -> int:
+        with self._cv:
+            return self._open
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            self._cv.notify_all()
+        for c in idle:
+            c.close()
+
+
+# ---------------------------------------------------------------------------
+# Stats and rate-limited logging
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counters: Dict[str, int] = {}
+        self.misses: Dict[str, int] = {}
+        self._logged: Dict[str, float] = {}
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def miss(self, reason: str, pages: int, message: str = "") -> None:
+        with self._lock:
+            self.misses[reason] = self.misses.get(reason, 0) + pages
+            last = self._logged.get(reason, 0.0)
+            now = time.monotonic()
+            log = now - last > 10.0
+            if log:
+                self._logged[reason] = now
+        if log and message:
+            logger.warning("orbitkv: miss (%s): %s", reason, message)
+
+    def snapshot(self) -> Dict[str, Any]:
+        with self._lock:
+            return {**self.counters, "misses": dict(self.misses)}
+
+
+# ---------------------------------------------------------------------------
+# The backend
+
+
+class OrbitKVStorage(HiCacheStorage):
+    """SGLang HiCache L3 storage on an OrbitKV manager (``orbitkv serve``).
+
+    Built by SGLang's dynamic factory as ``OrbitKVStorage(storage_config,
+    {})``; our settings come from ``storage_config.extra_config``
+    (:class:`OrbitKVConfig`). Registration with the manager happens once the
+    host pools are known (:meth:`on_host_pools_registered`); it raises for
+    what OrbitKV refuses (unknown pools and layouts, an identity that cannot
+    be established), which fails SGLang's attach. Every I/O call afterwards
+    returns misses instead of raising.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        self.config = OrbitKVConfig.from_extra(storage_config.extra_config)
+        self.stats = _Stats()
+        self._conns = _Connections(self.config, self.stats)
+        self._hosts: Dict[str, Any] = {}
+        self._reg_lock = threading.Lock()
+        self.mem_pool_host = None
+
+    # -- registration ------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._hosts.setdefault(str(PoolName.KV), mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if self._conns.reg is not None and name not in self._conns.reg.pools:
+            # A sidecar arriving after the contract was compiled would change
+            # the namespace; its calls miss.
+            logger.warning("orbitkv: pool %r registered after startup is not served", name)
+            return
+        self._hosts[name] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        """Compiles the registration (identity, layout, groups). Raises for
+        what OrbitKV refuses: SGLang then fails the attach."""
+        self._register()
+        # Connect now so a misconfigured socket shows at startup; a manager
+        # that is not up yet only means misses until it is.
+        try:
+            with self._conns.borrow():
+                pass
+        except _Miss as e:
+            logger.warning("orbitkv: not connected to the manager yet (%s): %s", e.reason, e)
+
+    def _register(self) -> _Registration:
+        with self._reg_lock:
+            if self._conns.reg is None:
+                reg = _build_registration(self.storage_config, self.config, dict(self._hosts))
+                self._conns.reg = reg
+                logger.info(
+                    "orbitkv: instance %s namespace %s pools %s socket %s",
+                    reg.instance,
+                    reg.namespace,
+                    {n: p.page_bytes for n, p in reg.pools.items()},
+                    self.config.socket,
+                )
+            return self._conns.reg
+
+    def _registration(self) -> _Registration:
+        """The registration. Before :meth:`on_host_pools_registered` the
+        pool set is not known (a hybrid controller registers its side pools
+        after starting its threads), so every call misses."""
+        reg = self._conns.reg
+        if reg is None:
+            raise _Miss("on_host_pools_registered() has not run", reason="not_registered")
+        return reg
+
+    # -- the guard every entry point runs in ---------------------------------
+
+    def _guard(self, what: str, pages: int, fallback: Any, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except _Miss as e:
+            self.stats.miss(e.reason, pages, f"{what}: {e}")
+        except Exception as e:  # never into SGLang's threads
+            self.stats.miss("error", pages)
+            logger.exception("orbitkv: %s failed: %s", what, e)
+        return fallback
+
+    def _check_keys(self, keys: Sequence[str]) -> List[str]:
+        if not isinstance(keys, (list, tuple)):
+            raise _BadInput(f"keys must be a list, got {type(keys).__name__}")
+        if len(keys) > self.config.max_keys:
+            raise _BadInput(f"{len(keys)} keys in one call, max_keys is {self.config.max_keys}", reason="too_many_keys")
+        return [_native(k) for k in keys]
+
+    @staticmethod
+    def _page_starts(pool: _Pool, host_indices: Any, n: int) -> List[int]:
+        """The first host slot of each of the n pages, checked."""
+        if not isinstance(host_indices, torch.Tensor):
+            raise _BadInput(f"host_indices must be a tensor, got {type(host_indices).__name__}")
+        if host_indices.numel() != n * pool.page_tokens:
+            raise _BadInput(
+                f"{host_indices.numel()} host indices for {n} pages of {pool.page_tokens} tokens"
+            )
+        starts = host_indices.reshape(-1)[:: pool.page_tokens].tolist()
+        size = int(pool.host.size)
+        # page_first_direct addresses whole pages (index // page_size): an
+        # unaligned start would name another page. The other layouts slice
+        # page_size tokens from any start.
+        aligned = getattr(pool.host, "layout", None) == "page_first_direct"
+        for s in starts:
+            if not (0 <= s and s + pool.page_tokens <= size) or (aligned and s % pool.page_tokens):
+                raise _BadInput(f"host index {s} is not a page start inside the {size}-token pool")
+        return starts
+
+    # -- existence -----------------------------------------------------------
+
+    def _hit_pages(self, keys: Sequence[str]) -> Tuple[int, List[int], Dict[str, Any]]:
+        """(largest legal boundary in pages, every legal one, query result)."""
+        reg = self._registration()
+        hashes = self._check_keys(keys)
+        if not hashes:
+            return 0, [], {}
+        with self._conns.borrow() as conn:
+            qr = conn.query(hashes)
+        self.stats.add("queries")
+        if qr["miss"] is not None:
+            self.stats.miss(qr["miss"], len(hashes))
+            return 0, [], qr
+        page = reg.page_tokens
+        legal = sorted({b // page for b in qr["common"] if 0 < b <= len(hashes) * page})
+        return (legal[-1] if legal else 0), legal, qr
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        return self._guard("batch_exists", len(keys or []), 0, lambda: self._hit_pages(keys)[0])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[PoolTransfer]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
+        def run() -> PoolTransferResult:
+            reg = self._registration()
+            for t in pool_transfers or []:
+                self._check_side_transfer(reg, t)
+            best, legal, qr = self._hit_pages(keys)
+            if best == 0:
+                return PoolTransferResult(0, {}, [])
+            hits: Dict[str, int] = {}
+            kv = _prefix_pages(qr, 0, reg.page_tokens, len(keys))
+            if kv:
+                hits[PoolName.KV] = kv
+            for t in pool_transfers or []:
+                hits[t.name] = best
+            self.stats.add("pages_found", best)
+            return PoolTransferResult(best, hits, legal)
+
+        return self._guard("batch_exists_v2", len(keys or []), PoolTransferResult(0, {}, []), run)
+
+    def _check_side_transfer(self, reg: _Registration, t: PoolTransfer) -> _Pool:
+        name = str(t.name)
+        pool = reg.pools.get(name)
+        if pool is None or pool.group == 0:
+            raise _Miss(f"pool {name!r} is not registered as a side pool", reason="unknown_pool")
+        if t.hit_policy != PoolHitPolicy.TRAILING_PAGES:
+            raise _Miss(f"pool {name!r} asks for {t.hit_policy}, its rule is a window", reason="unknown_pool")
+        if t.indices_from_pool is not None:
+            raise _Miss(f"pool {name!r} derives its indices from {t.indices_from_pool}", reason="unknown_pool")
+        trailing = max(1, len(t.keys) if t.keys else 1)
+        window_pages = -(-int(self.config.swa_window_tokens or 0) // reg.page_tokens)
+        if trailing > window_pages:
+            # SGLang would restore more trailing pages than our rule
+            # guarantees at a boundary: nothing we could claim is safe.
+            raise _Miss(
+                f"pool {name!r} needs {trailing} trailing pages, swa_window_tokens covers "
+                f"{window_pages}: set it to SGLang's swa_retain_window",
+                reason="window_mismatch",
+            )
+        return pool
+
+    # -- v1: host pool <-> OrbitKV --------------------------------------------
+
+    def _load(self, pool: _Pool, keys: Sequence[str], place: Callable[[int, memoryview], None]) -> List[bool]:
+        """Fetches ``keys`` (pages of ``pool``'s group) and hands each leased
+        page to ``place(i, bytes)``; the per-key result is a prefix."""
+        reg = self._registration()
+        hashes = self._check_keys(keys)
+        n = len(hashes)
+        if n == 0:
+            return []
+        done = [False] * n
+        with self._conns.borrow() as conn:
+            with conn.leased(hashes) as (miss, leases):
+                if miss is not None:
+                    self.stats.miss(miss, n)
+                    return done
+                for lease in leases:
+                    pos = lease["pos"]
+                    if pos["group"] != pool.group:
+                        continue
+                    i = pos["page_end"] // reg.page_tokens - 1
+                    if not (0 <= i < n) or lease["bytes"] != pool.page_bytes:
+                        raise _Broken(f"lease {pos} of {lease['bytes']} bytes does not fit the call")
+                    place(i, conn.client.page(lease))
+                    done[i] = True
+        out = _prefix_mask(done)
+        got = sum(out)
+        self.stats.add("pages_loaded", got)
+        self.stats.add("bytes_loaded", got * pool.page_bytes)
+        if got < n:
+            self.stats.miss("incomplete_group" if any(done) else "not_found", n - got)
+        return out
+
+    def _store(self, pool: _Pool, keys: Sequence[str], fill: Callable[[int, memoryview], None]) -> List[bool]:
+        hashes = self._check_keys(keys)
+        if not hashes:
+            return []
+        self._registration()
+        with self._conns.borrow() as conn:
+            stored = conn.publish(pool, hashes, fill)
+        self.stats.add("pages_stored", stored)
+        self.stats.add("bytes_stored", stored * pool.page_bytes)
+        if stored < len(hashes):
+            self.stats.miss("publish_dropped", len(hashes) - stored, "the manager dropped pages of a publish")
+        return [True] * stored + [False] * (len(hashes) - stored)
+
+    def _kv(self) -> _Pool:
+        return self._registration().pools[str(PoolName.KV)]
+
+    def batch_get_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        n = len(keys or [])
+
+        def run() -> List[bool]:
+            pool = self._kv()
+            starts = self._page_starts(pool, host_indices, n)
+            return self._load(pool, keys, lambda i, src: _StagedCopies.page_to_host(pool, starts[i], src))
+
+        return self._guard("batch_get_v1", n, [False] * n, run)
+
+    def batch_set_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        n = len(keys or [])
+
+        def run() -> List[bool]:
+            pool = self._kv()
+            starts = self._page_starts(pool, host_indices, n)
+            return self._store(pool, keys, lambda i, dst: _StagedCopies.host_to_slot(pool, starts[i], dst))
+
+        return self._guard("batch_set_v1", n, [False] * n, run)
+
+    # -- v2: one transfer per pool ---------------------------------------------
+
+    def _transfer_pool(self, t: PoolTransfer) -> _Pool:
+        reg = self._registration()
+        name = str(t.name)
+        if name == str(PoolName.KV):
+            if t.indices_from_pool is not None:
+                raise _Miss("a KV transfer with derived indices", reason="unknown_pool")
+            return reg.pools[name]
+        return self._check_side_transfer(reg, t)
+
+    def _v2(self, transfers: List[PoolTransfer], write: bool) -> Dict[Any, List[bool]]:
+        out: Dict[Any, List[bool]] = {}
+        for t in transfers or []:
+            keys = list(t.keys or [])
+            n = len(keys)
+
+            def run(t: PoolTransfer = t, keys: List[str] = keys, n: int = n) -> List[bool]:
+                pool = self._transfer_pool(t)
+                starts = self._page_starts(pool, t.host_indices, n)
+                if write:
+                    fill = lambda i, dst: _StagedCopies.host_to_slot(pool, starts[i], dst)  # noqa: E731
+                    return self._store(pool, keys, fill)
+                place = lambda i, src: _StagedCopies.page_to_host(pool, starts[i], src)  # noqa: E731
+                return self._load(pool, keys, place)
+
+            what = "batch_set_v2" if write else "batch_get_v2"
+            out[t.name] = self._guard(f"{what}[{t.name}]", n, [False] * n, run)
+        return out
+
+    def batch_get_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> Dict[Any, List[bool]]:
+        return self._v2(transfers, write=False)
+
+    def batch_set_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> Dict[Any, List[bool]]:
+        return self._v2(transfers, write=True)
+
+    # -- legacy: flat page tensors ----------------------------------------------
+
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        n = len(keys or [])
+
+        def run() -> bool:
+            pool = self._kv()
+            vals = list(values or [])
+            if len(vals) != n or not all(isinstance(v, torch.Tensor) for v in vals):
+                raise _BadInput(f"{len(vals)} values for {n} keys")
+            fill = lambda i, dst: _StagedCopies.value_to_slot(pool, vals[i], dst)  # noqa: E731
+            return all(self._store(pool, keys, fill))
+
+        return self._guard("batch_set", n, False, run)
+
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_get(
+        self,
+        keys: List[str],
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> List[Optional[torch.Tensor]]:
+        n = len(keys or [])
+
+        def run() -> List[Optional[torch.Tensor]]:
+            pool = self._kv()
+            targets = list(target_locations or [])
+            if len(targets) != n or not all(isinstance(t, torch.Tensor) for t in targets):
+                raise _BadInput(f"{len(targets)} target tensors for {n} keys")
+            ok = self._load(pool, keys, lambda i, src: _StagedCopies.page_to_value(pool, src, targets[i]))
+            return [t if good else None for t, good in zip(targets, ok)]
+
+        return self._guard("batch_get", n, [None] * n, run)
+
+    def get(
+        self,
+        key: str,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> Optional[torch.Tensor]:
+        if target_location is None:
+            # A fresh page in the pool's flat format.
+            try:
+                target_location = self._kv().host.get_dummy_flat_data_page()
+            except _Miss as e:
+                self.stats.miss(e.reason, 1, f"get: {e}")
+                return None
+        return self.batch_get([key], [target_location])[0]
+
+    # -- the rest -------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Does nothing: the manager's pages are shared with other engines
+        and age out by its own eviction."""
+        logger.info("orbitkv: clear() leaves the shared store as it is")
+
+    def get_stats(self) -> Dict[str, Any]:
+        s = self.stats.snapshot()
+        s["connections"] = self._conns.open_count()
+        reg = self._conns.reg
+        if reg is not None:
+            s["instance"] = reg.instance
+            s["namespace"] = reg.namespace
+        return s
+
+    def close(self) -> None:
+        self._conns.close()
+
+    def __del__(self) -> None:
+        try:
+            self._conns.close()
+        except Exception:
+            pass

@@ -2,8 +2,6 @@
 # Every test: the Rust workspace, the Python package against it, output
 # parity with real transformers models, then the engine adapter suites. Each
 # Python suite runs in its cached venv (scripts/venv.sh creates or reuses it).
-# Every test: the Rust workspace, the Python package against it, then the
-# SGLang storage backend on the real SGLang classes (its venv is cached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace --locked

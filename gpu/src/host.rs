@@ -46,6 +46,9 @@ struct Region {
 enum Backing {
     /// A heap allocation owned by the region (freed on drop).
     Heap,
+    /// Memory the engine process owns ([`crate::ExternalMemory::Host`]);
+    /// never freed here.
+    External,
     /// A shared-memory file an engine process maps too.
     Shared {
         _map: memmap2::MmapMut,
@@ -145,6 +148,35 @@ impl DeviceArena {
         Ok(id)
     }
 
+    /// Adds a region over memory the caller owns.
+    ///
+    /// # Safety
+    /// `base..base+len` must stay valid and unmoved until the region is
+    /// unregistered and every copy submitted against it has completed.
+    pub(crate) unsafe fn attach(&self, base: *mut u8, len: u64) -> Result<RegionId, CopyError> {
+        if base.is_null() || len == 0 {
+            return Err(CopyError::RegionRejected(
+                len,
+                "external memory must be non-null and non-empty".to_string(),
+            ));
+        }
+        if usize::try_from(len).is_err() || (base as usize).checked_add(len as usize).is_none() {
+            return Err(CopyError::RegionRejected(
+                len,
+                "external memory wraps the address space".to_string(),
+            ));
+        }
+        let mut regions = write_lock(&self.regions);
+        let id = RegionId::try_from(regions.len())
+            .map_err(|_| CopyError::RegionRejected(len, "too many regions".to_string()))?;
+        regions.push(Some(Arc::new(Region {
+            len,
+            base,
+            backing: Backing::External,
+        })));
+        Ok(id)
+    }
+
     /// Forgets a region. Copies already submitted keep it alive until they
     /// finish; new ones get `UnknownRegion`.
     pub(crate) fn unregister(&self, region: RegionId) -> Result<(), CopyError> {
@@ -171,7 +203,7 @@ impl DeviceArena {
         let r = self.region(region).ok()?;
         match &r.backing {
             Backing::Shared { file, .. } => file.try_clone().ok().map(std::os::fd::OwnedFd::from),
-            Backing::Heap => None,
+            Backing::Heap | Backing::External => None,
         }
     }
 
@@ -459,6 +491,20 @@ impl CopyEngine for HostCopyEngine {
 
     fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError> {
         self.arena.register(bytes)
+    }
+
+    unsafe fn attach_region(
+        &mut self,
+        memory: crate::ExternalMemory,
+    ) -> Result<RegionId, CopyError> {
+        match memory {
+            // SAFETY: forwarded from this method's contract.
+            crate::ExternalMemory::Host { base, len } => unsafe { self.arena.attach(base, len) },
+            crate::ExternalMemory::Cuda { len, .. } => Err(CopyError::RegionRejected(
+                len,
+                "the host copy engine cannot address CUDA memory".to_string(),
+            )),
+        }
     }
 
     unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), CopyError> {

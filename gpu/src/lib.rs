@@ -63,6 +63,30 @@ pub enum CopyError {
     Failed(String),
 }
 
+/// Memory an engine process owns and lends to its copy agent as a device
+/// region. The agent never frees it; the engine keeps it alive until the
+/// region is unregistered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExternalMemory {
+    /// Host memory (CPU tensors of a CPU engine, or an engine's host pool).
+    Host { base: *mut u8, len: u64 },
+    /// A CUDA allocation: device pointer, size and device ordinal (from
+    /// `tensor.data_ptr()` in the bridge).
+    Cuda { device: i32, ptr: u64, len: u64 },
+}
+
+impl ExternalMemory {
+    pub fn len(&self) -> u64 {
+        match *self {
+            ExternalMemory::Host { len, .. } | ExternalMemory::Cuda { len, .. } => len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// A finished batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Completion {
@@ -78,6 +102,19 @@ pub trait CopyEngine: Send {
     /// Registers a device region of `bytes` bytes. The host and simulated
     /// backends allocate it themselves.
     fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError>;
+
+    /// Registers memory the engine process owns (a copy agent's regions).
+    /// Backends that cannot address that kind of memory refuse it.
+    ///
+    /// # Safety
+    /// The memory must stay valid and unmoved until the region is
+    /// unregistered and every copy submitted against it has completed.
+    unsafe fn attach_region(&mut self, memory: ExternalMemory) -> Result<RegionId, CopyError> {
+        Err(CopyError::RegionRejected(
+            memory.len(),
+            format!("the {} copy engine cannot attach {memory:?}", self.name()),
+        ))
+    }
 
     /// Forgets a region (its session closed). Copies already submitted
     /// finish; later ones get `UnknownRegion`.

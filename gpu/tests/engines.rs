@@ -571,3 +571,82 @@ fn host_zero_workers_still_copies() {
     assert_all_ok(&drain(&mut engine), &[t]);
     assert_eq!(engine.arena().read(r, 0, 64).unwrap(), vec![3; 64]);
 }
+
+/// Memory the engine owns is copied into and out of exactly, is never freed
+/// by the engine, and bad external memory is refused with a typed error.
+#[test]
+fn attached_host_memory_round_trips_and_bad_memory_is_refused() {
+    use orbitkv_gpu::ExternalMemory;
+    let mut engine = HostCopyEngine::new(HostCopyConfig::default());
+    let mut pool = vec![0u8; 8192];
+    for (i, b) in pool.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    // SAFETY: `pool` outlives the engine (dropped after it below).
+    unsafe { engine.register_host_pool(pool.as_mut_ptr(), pool.len() as u64) }.unwrap();
+    let mut owned = vec![0u8; 4096];
+    let region = unsafe {
+        engine.attach_region(ExternalMemory::Host {
+            base: owned.as_mut_ptr(),
+            len: owned.len() as u64,
+        })
+    }
+    .unwrap();
+    let copy = |host_offset, device_offset| PageCopy {
+        host_offset,
+        region,
+        device_offset,
+        len: 1024,
+    };
+    let t = engine
+        .submit(Direction::HostToDevice, &[copy(1024, 2048)], 0)
+        .unwrap();
+    let mut done = Vec::new();
+    while done.is_empty() {
+        engine.poll(0, &mut done);
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        done,
+        vec![Completion {
+            token: t,
+            result: Ok(())
+        }]
+    );
+    assert_eq!(
+        engine.arena().read(region, 2048, 1024).unwrap(),
+        pool[1024..2048]
+    );
+    // Out of the attached bounds: typed, and nothing starts.
+    assert!(matches!(
+        engine.submit(Direction::HostToDevice, &[copy(0, 3584)], 0),
+        Err(CopyError::OutOfBounds {
+            what: "device region",
+            ..
+        })
+    ));
+    for bad in [
+        ExternalMemory::Host {
+            base: std::ptr::null_mut(),
+            len: 64,
+        },
+        ExternalMemory::Host {
+            base: owned.as_mut_ptr(),
+            len: 0,
+        },
+        ExternalMemory::Cuda {
+            device: 0,
+            ptr: 0x1000,
+            len: 64,
+        },
+    ] {
+        assert!(matches!(
+            unsafe { engine.attach_region(bad) },
+            Err(CopyError::RegionRejected(..))
+        ));
+    }
+    engine.unregister_device_region(region).unwrap();
+    drop(engine);
+    // The engine never freed the caller's memory; it holds what was copied.
+    assert_eq!(owned[2048..3072], pool[1024..2048]);
+}

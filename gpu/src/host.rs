@@ -75,14 +75,23 @@ impl Drop for Region {
     }
 }
 
-/// An anonymous shared-memory file of `len` bytes (memfd), mapped.
+/// An anonymous shared-memory file of `len` bytes (memfd), mapped. Its
+/// size is sealed: the engine process that maps it writes its bytes but
+/// cannot shrink it under the copy workers (which would fault them).
 pub fn shared_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
     let fd = memfd::MemfdOptions::default()
         .close_on_exec(true)
+        .allow_sealing(true)
         .create(name)
         .map_err(std::io::Error::other)?;
+    fd.as_file().set_len(len)?;
+    fd.add_seals(&[
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealSeal,
+    ])
+    .map_err(std::io::Error::other)?;
     let file = fd.into_file();
-    file.set_len(len)?;
     // SAFETY: the file is ours; processes that map it share the bytes by
     // design, and the slot and lease protocol decides who writes what.
     let map = unsafe { memmap2::MmapMut::map_mut(&file)? };

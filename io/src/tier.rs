@@ -57,6 +57,12 @@ pub trait BackingTier: Send {
     /// Metadata-only lookup.
     fn lookup(&self, key: &StateKey) -> Option<TierEntry>;
 
+    /// Payload bytes held and the capacity, where the tier knows them
+    /// (`orbitkv inspect`).
+    fn occupancy(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// Registers the host pool that read destinations are offsets into.
     ///
     /// # Safety

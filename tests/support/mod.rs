@@ -6,7 +6,7 @@ use std::time::Duration;
 use orbitkv_components::api::{Command, Event, PublishPage, Rank, SessionHandle};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
-use orbitkv_io::ipc::Client;
+use orbitkv_ipc::Client;
 
 pub const PAGE: u64 = 16;
 pub const BYTES: u64 = 4096;

@@ -385,6 +385,32 @@ impl Runtime {
         t.copies.len() + t.reads.len()
     }
 
+    /// Each lower tier's (bytes held, capacity), where it says.
+    pub fn tier_occupancy(&mut self) -> std::collections::BTreeMap<String, (u64, u64)> {
+        self.world
+            .resource_mut::<Tiers>()
+            .0
+            .get_mut()
+            .iter()
+            .filter_map(|t| Some((t.name().to_owned(), t.occupancy()?)))
+            .collect()
+    }
+
+    /// Commands queued and not yet taken by a tick.
+    pub fn inbox_len(&self) -> usize {
+        self.world.resource::<Inbox>().0.len()
+    }
+
+    /// Commands the inbox still takes before `submit` refuses.
+    pub fn inbox_room(&self) -> usize {
+        self.max_inbox.saturating_sub(self.inbox_len())
+    }
+
+    /// The id the next submitted command gets (ids are sequential).
+    pub fn next_command_id(&self) -> CommandId {
+        self.next_command
+    }
+
     /// Bytes of the DRAM pool.
     pub fn pool_capacity(&self) -> u64 {
         self.world.resource::<Dram>().pool.capacity()

@@ -1325,6 +1325,11 @@ impl BackingTier for SsdStore {
         "ssd"
     }
 
+    fn occupancy(&self) -> Option<(u64, u64)> {
+        let s = self.stats();
+        Some((s.bytes, s.capacity_bytes))
+    }
+
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {
         self.index.get(key).map(|e| TierEntry {
             bytes: e.payload_len,

@@ -27,8 +27,8 @@ use iceoryx2::prelude::{
 };
 use orbitkv_components::api::{Command, CommandError, CommandId, Event};
 
-use super::HotPathInfo;
-use super::hot::{
+use crate::HotPathInfo;
+use crate::hot::{
     self, Area, HotError, HotErrorCode, HotRequest, HotResponse, Ipc, Op, RESP_LAST, RespKind,
     RingWriter,
 };

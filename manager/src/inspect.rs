@@ -5,6 +5,7 @@ use orbitkv_ipc::{ConnectionSummary, Snapshot};
 use crate::state::State;
 
 pub fn snapshot(st: &mut State) -> Snapshot {
+    st.refresh_metrics();
     let s = st.rt.stats();
     let (total, last_minute) = st.metrics.windows();
     Snapshot {

@@ -226,6 +226,11 @@ impl Metrics {
              runtime tick)",
             latency.clone(),
         );
+        for stage in ["query", "prepare", "restore", "publish", "tick"] {
+            let _ = latency.get_or_create(&Stage {
+                stage: stage.into(),
+            });
+        }
         let now = Instant::now();
         Metrics {
             registry: Arc::new(r),

@@ -1,0 +1,855 @@
+//! The manager hardened (issue 9), against a real `orbitkv serve`
+//! subprocess: clients that close at once, never read, pipeline bursts or
+//! greet twice; thousands of commands and dozens of regions in one burst;
+//! the pool read-only; impostor sockets; iceoryx2 file modes; metrics under
+//! idle connections; `orbitkv inspect`; RSS across many Hellos; idle CPU.
+
+mod support;
+use support::*;
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read as _, Write as _};
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command as Proc, Stdio};
+use std::time::{Duration, Instant};
+
+use orbitkv_components::NativeHash;
+use orbitkv_components::api::{Command, CommandError, Event, GroupHashes, SessionHandle};
+use orbitkv_ipc::frame::{self, FrameReader, Kind};
+use orbitkv_ipc::{Client, ClientError, ClientOptions, Descriptor, Hello, Submit, Welcome};
+
+pub struct Manager {
+    child: Child,
+    socket: PathBuf,
+    metrics: String,
+}
+
+const BASE_CONFIG: &str = "[dram]\nfirst_touch = false\nextent_bytes = 65536\n";
+
+/// A manager with `serve` (lines of the `[serve]` table) and extra runtime
+/// tables.
+fn start_with(dir: &Path, serve: &str, extra: &str) -> Manager {
+    let socket = dir.join("orbitkv.sock");
+    let config = dir.join("orbitkv.toml");
+    std::fs::write(
+        &config,
+        format!("[serve]\nidle_tick_us = 100\n{serve}\n{BASE_CONFIG}{extra}"),
+    )
+    .unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
+        .args(["serve", "--socket", socket.to_str().unwrap()])
+        .args(["--dram", "16MiB", "--config", config.to_str().unwrap()])
+        .args(["--metrics-addr", &metrics])
+        .env("RUST_LOG", "error")
+        .env_remove("ORBITKV_HOT_PATH")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + T;
+    while Client::connect(&socket, "probe").is_err() {
+        assert!(Instant::now() < deadline, "manager did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Manager {
+        child,
+        socket,
+        metrics,
+    }
+}
+
+fn start(dir: &Path) -> Manager {
+    start_with(dir, "", "")
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Manager {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn scrape(&self) -> String {
+        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    }
+
+    /// A sample from `/metrics` (`name` with its labels, as printed).
+    fn metric(&self, name: &str) -> Option<u64> {
+        let body = self.scrape();
+        let line = body.lines().find(|l| l.starts_with(&format!("{name} ")))?;
+        line.rsplit(' ')
+            .next()?
+            .parse::<f64>()
+            .ok()
+            .map(|v| v as u64)
+    }
+
+    fn wait_metric(&self, name: &str, ok: impl Fn(u64) -> bool) -> u64 {
+        let deadline = Instant::now() + T;
+        loop {
+            if let Some(v) = self.metric(name)
+                && ok(v)
+            {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} never got there (now {:?})",
+                self.metric(name)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+            .unwrap()
+    }
+
+    /// User + system CPU time of the manager, in clock ticks.
+    fn cpu_ticks(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
+        let after = &s[s.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = after.split(' ').collect();
+        // Fields 14 and 15 (utime, stime), counted from the state (3).
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+    }
+}
+
+/// A connection that speaks raw frames: pipelined bursts, descriptors
+/// received as they come.
+struct Raw {
+    s: UnixStream,
+    r: FrameReader,
+    fds: VecDeque<OwnedFd>,
+    /// The descriptors that came with `Welcome` (the pool's first).
+    welcome_fds: Vec<OwnedFd>,
+}
+
+impl Raw {
+    fn connect(m: &Manager) -> Raw {
+        let s = UnixStream::connect(&m.socket).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        Raw {
+            s,
+            r: FrameReader::default(),
+            fds: VecDeque::new(),
+            welcome_fds: Vec::new(),
+        }
+    }
+
+    fn hello(m: &Manager, hot: bool) -> (Raw, Welcome) {
+        let mut c = Raw::connect(m);
+        c.send(&frame::encode(
+            Kind::Hello,
+            &Hello {
+                protocol: 1,
+                client: "raw".into(),
+                hot,
+            },
+        ));
+        let (k, p) = c.next().unwrap();
+        assert_eq!(k, Kind::Welcome, "{}", String::from_utf8_lossy(&p));
+        c.welcome_fds = c.fds.drain(..).collect();
+        (c, frame::decode(k, &p).unwrap())
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).unwrap();
+    }
+
+    fn submit(&mut self, tag: u64, command: Command) {
+        self.send(&frame::encode(Kind::Submit, &Submit { tag, command }));
+    }
+
+    /// The next frame; `None` when the manager closed the connection.
+    fn next(&mut self) -> Option<(Kind, Vec<u8>)> {
+        loop {
+            if let Some(f) = self.r.next_frame().unwrap() {
+                return Some(f);
+            }
+            let mut fresh = Vec::new();
+            match self.r.fill(&self.s, 1 << 20, &mut fresh) {
+                Ok(0) => return None,
+                Ok(_) => self.fds.extend(fresh),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+                Err(e) => panic!("reading: {e}"),
+            }
+        }
+    }
+
+    /// Reads until the manager sends an `Error` frame and closes.
+    fn refused(&mut self) -> String {
+        let mut error = None;
+        while let Some((k, p)) = self.next() {
+            if k == Kind::Error {
+                error = Some(String::from_utf8_lossy(&p).into_owned());
+            }
+        }
+        error.expect("an Error frame before the close")
+    }
+}
+
+fn events_of(p: &[u8]) -> Vec<Event> {
+    frame::decode(Kind::Events, p).unwrap()
+}
+
+/// Registers "llama" and opens a session over a raw connection.
+fn raw_session(c: &mut Raw) -> SessionHandle {
+    c.submit(1, register_command());
+    c.submit(
+        2,
+        Command::OpenSession {
+            instance: "llama".into(),
+        },
+    );
+    loop {
+        let (k, p) = c.next().unwrap();
+        if k == Kind::Events {
+            for e in events_of(&p) {
+                if let Event::SessionOpened { session, .. } = e {
+                    return session;
+                }
+            }
+        }
+    }
+}
+
+fn query(s: SessionHandle, request: u64) -> Command {
+    Command::Query {
+        session: s,
+        request,
+        groups: vec![GroupHashes {
+            group: 0,
+            hashes: (0..4).map(|i| NativeHash::from_u64(0x5000 + i)).collect(),
+        }],
+        origin: 0,
+        prompt_len: 4 * PAGE,
+        expect_namespaces: vec![],
+        prepare: false,
+        speculative: false,
+    }
+}
+
+#[test]
+fn hello_then_close_a_hundred_times_leaves_the_manager_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut m = start(&dir.path());
+    let hello = frame::encode(
+        Kind::Hello,
+        &Hello {
+            protocol: 1,
+            client: "gone".into(),
+            hot: true,
+        },
+    );
+    for i in 0..100 {
+        let mut s = UnixStream::connect(&m.socket).unwrap();
+        s.write_all(&hello).unwrap();
+        if i % 2 == 0 {
+            // Half of them also leave half a frame behind.
+            s.write_all(&frame::header(Kind::Submit, 100)[..9]).unwrap();
+        }
+        drop(s);
+    }
+    assert!(m.alive(), "the manager survived");
+    let mut c = Client::connect(&m.socket, "after").unwrap();
+    assert!(c.ping().unwrap() < T);
+    m.wait_metric("orbitkv_connections", |v| v == 1);
+    assert!(
+        m.metric("orbitkv_disconnects_total{reason=\"peer_closed\"}")
+            .unwrap()
+            >= 100
+    );
+}
+
+#[test]
+fn frames_out_of_order_are_refused_with_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let mut good = Client::connect(&m.socket, "good").unwrap();
+    // A command before Hello.
+    let mut c = Raw::connect(&m);
+    c.send(&frame::encode(Kind::Ping, &()));
+    let e = c.refused();
+    assert!(e.contains("first frame must be Hello"), "{e}");
+    // A second Hello.
+    let (mut c, _) = Raw::hello(&m, false);
+    c.send(&frame::encode(
+        Kind::Hello,
+        &Hello {
+            protocol: 1,
+            client: "again".into(),
+            hot: false,
+        },
+    ));
+    let e = c.refused();
+    assert!(e.contains("second Hello"), "{e}");
+    // A frame only the manager sends.
+    let (mut c, _) = Raw::hello(&m, false);
+    c.send(&frame::encode(Kind::Welcome, &()));
+    let e = c.refused();
+    assert!(e.contains("not a frame a client sends"), "{e}");
+    // A huge length: refused from the header, nothing allocated.
+    let (mut c, _) = Raw::hello(&m, false);
+    let mut h = frame::header(Kind::Submit, 8);
+    h[8..12].copy_from_slice(&(u32::MAX - 1).to_le_bytes());
+    c.send(&h);
+    let e = c.refused();
+    assert!(e.contains("exceeds"), "{e}");
+    assert!(good.ping().unwrap() < T);
+}
+
+#[test]
+fn a_client_that_never_reads_is_cut_off_while_eight_others_keep_going() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start_with(
+        &dir.path(),
+        "max_outbox_bytes = \"1MiB\"\nstall_timeout_ms = 60000",
+        "",
+    );
+    {
+        let mut a = Client::connect(&m.socket, "setup").unwrap();
+        register(&mut a);
+    }
+    // The stuck client pipelines pings and never reads a pong.
+    let (stuck, _) = Raw::hello(&m, false);
+    let writer = {
+        let mut s = stuck.s.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let ping = frame::encode(Kind::Ping, &());
+            let burst: Vec<u8> = ping
+                .iter()
+                .copied()
+                .cycle()
+                .take(ping.len() * 4096)
+                .collect();
+            // Until the manager cuts it off (8 MiB of pongs at most).
+            for _ in 0..128 {
+                if s.write_all(&burst).is_err() {
+                    return true;
+                }
+            }
+            false
+        })
+    };
+    let socket = m.socket.clone();
+    let others: Vec<_> = (0..8)
+        .map(|i| {
+            let socket = socket.clone();
+            std::thread::spawn(move || {
+                let mut c = Client::connect(&socket, &format!("steady-{i}")).unwrap();
+                let (s, _) = open(&mut c);
+                for r in 0..200 {
+                    let e = c.call(query(s, r), T).unwrap();
+                    assert!(matches!(e, Event::QueryResult { .. }), "{e:?}");
+                }
+            })
+        })
+        .collect();
+    for o in others {
+        o.join().unwrap();
+    }
+    m.wait_metric("orbitkv_disconnects_total{reason=\"outbox_full\"}", |v| {
+        v == 1
+    });
+    assert!(
+        writer.join().unwrap(),
+        "the stuck client's socket was closed"
+    );
+    drop(stuck);
+    m.wait_metric("orbitkv_connections", |v| v == 0);
+    m.wait_metric("orbitkv_sessions", |v| v == 0);
+}
+
+#[test]
+fn a_client_that_stops_reading_is_cut_off_after_the_stall_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start_with(&dir.path(), "stall_timeout_ms = 500", "");
+    let (stuck, _) = Raw::hello(&m, false);
+    let mut s = stuck.s.try_clone().unwrap();
+    // Enough pongs to fill the socket, far below the outbox bound.
+    let ping = frame::encode(Kind::Ping, &());
+    let burst: Vec<u8> = ping
+        .iter()
+        .copied()
+        .cycle()
+        .take(ping.len() * 40_000)
+        .collect();
+    let writer = std::thread::spawn(move || s.write_all(&burst).is_ok());
+    m.wait_metric("orbitkv_disconnects_total{reason=\"stalled\"}", |v| v == 1);
+    let _ = writer.join();
+}
+
+#[test]
+fn an_8_mib_pipelined_burst_leaves_others_p99_under_10_ms() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let (burster, _) = Raw::hello(&m, false);
+    let mut w = burster.s.try_clone().unwrap();
+    let mut rd = burster;
+    let ping = frame::encode(Kind::Ping, &());
+    let count = (8 << 20) / ping.len();
+    let reader = std::thread::spawn(move || {
+        let mut pongs = 0;
+        while pongs < count {
+            match rd.next() {
+                Some((Kind::Pong, _)) => pongs += 1,
+                Some(_) => {}
+                None => break,
+            }
+        }
+        pongs
+    });
+    let mut other = Client::connect(&m.socket, "latency").unwrap();
+    other.ping().unwrap();
+    let writer = std::thread::spawn(move || {
+        let burst: Vec<u8> = ping
+            .iter()
+            .copied()
+            .cycle()
+            .take(ping.len() * count)
+            .collect();
+        w.write_all(&burst).unwrap();
+    });
+    let mut lat = Vec::new();
+    while !writer.is_finished() || lat.len() < 100 {
+        lat.push(other.ping().unwrap());
+    }
+    writer.join().unwrap();
+    assert_eq!(
+        reader.join().unwrap(),
+        count,
+        "every ping of the burst answered"
+    );
+    lat.sort();
+    let p99 = lat[lat.len() * 99 / 100];
+    assert!(
+        p99 < Duration::from_millis(10),
+        "p99 {p99:?} over {} pings during the burst",
+        lat.len()
+    );
+}
+
+#[test]
+fn ten_thousand_commands_in_one_burst_are_all_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    // A small per-tick intake: most of the burst waits in the inbox.
+    let m = start_with(&dir.path(), "", "[limits]\nmax_commands_per_tick = 64\n");
+    let (mut c, _) = Raw::hello(&m, false);
+    let s = raw_session(&mut c);
+    let mut burst = Vec::new();
+    for tag in 0..10_000u64 {
+        burst.extend(frame::encode(
+            Kind::Submit,
+            &Submit {
+                tag: 100 + tag,
+                command: query(s, tag),
+            },
+        ));
+    }
+    let mut w = c.s.try_clone().unwrap();
+    let writer = std::thread::spawn(move || w.write_all(&burst).unwrap());
+    let mut accepted = HashMap::new();
+    let mut results = HashMap::new();
+    while accepted.len() < 10_000 || results.len() < 10_000 {
+        let (k, p) = c.next().expect("the manager keeps the connection");
+        match k {
+            Kind::Accepted => {
+                let a: orbitkv_ipc::Accepted = frame::decode(k, &p).unwrap();
+                accepted.insert(a.tag, a.result.unwrap());
+            }
+            Kind::Events => {
+                for e in events_of(&p) {
+                    if let Event::QueryResult {
+                        command, request, ..
+                    } = e
+                    {
+                        results.insert(command, request);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    writer.join().unwrap();
+    // Every command's reply names the request it was submitted with.
+    for (tag, cid) in &accepted {
+        assert_eq!(results.get(cid), Some(&(tag - 100)), "tag {tag}");
+    }
+}
+
+#[test]
+fn sixty_four_regions_in_one_burst_are_all_mapped_by_handle() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let (mut c, _) = Raw::hello(&m, false);
+    let s = raw_session(&mut c);
+    for tag in 0..64u64 {
+        c.submit(
+            10 + tag,
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 0,
+                group: 0,
+                slots: 4 + tag as u32,
+            },
+        );
+    }
+    let mut mapped: HashMap<u64, memmap2::MmapMut> = HashMap::new();
+    let mut registered = Vec::new();
+    while registered.len() < 64 {
+        let (k, p) = c.next().unwrap();
+        match k {
+            Kind::Descriptor => {
+                let d: Descriptor = frame::decode(k, &p).unwrap();
+                let fd = c
+                    .fds
+                    .pop_front()
+                    .expect("the descriptor came with its frame");
+                let file = std::fs::File::from(fd);
+                assert_eq!(file.metadata().unwrap().len(), d.bytes);
+                // SAFETY: the test's own view of a region it registered.
+                let map = unsafe { memmap2::MmapMut::map_mut(&file).unwrap() };
+                mapped.insert(d.handle, map);
+            }
+            Kind::Events => {
+                for e in events_of(&p) {
+                    if let Event::RegionRegistered {
+                        region, page_bytes, ..
+                    } = e
+                    {
+                        let map = mapped
+                            .get_mut(&region)
+                            .expect("descriptor before its event");
+                        // Sizes differ per region: each handle got its own.
+                        registered.push((region, map.len() as u64 / page_bytes));
+                        map[0] = 1;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut slots: Vec<u64> = registered.iter().map(|r| r.1).collect();
+    slots.sort();
+    assert_eq!(slots, (4..68).collect::<Vec<u64>>());
+    assert!(c.fds.is_empty());
+}
+
+#[test]
+fn per_connection_quotas_are_typed_refusals() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start_with(
+        &dir.path(),
+        "max_sessions_per_connection = 2\nmax_regions_per_connection = 1",
+        "",
+    );
+    let mut c = Client::connect(&m.socket, "greedy").unwrap();
+    register(&mut c);
+    let (s, _) = open(&mut c); // a session and its region
+    let open_cmd = || Command::OpenSession {
+        instance: "llama".into(),
+    };
+    assert!(matches!(
+        c.call(open_cmd(), T).unwrap(),
+        Event::SessionOpened { .. }
+    ));
+    let e = c.submit(open_cmd()).unwrap_err();
+    assert!(
+        matches!(&e, ClientError::Command(CommandError::Limit { name, limit: 2 }) if name == "max_sessions_per_connection"),
+        "{e}"
+    );
+    let e = c
+        .submit(Command::RegisterDeviceRegion {
+            session: s,
+            rank: 0,
+            group: 0,
+            slots: 4,
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&e, ClientError::Command(CommandError::Limit { name, limit: 1 }) if name == "max_regions_per_connection"),
+        "{e}"
+    );
+    // Another connection has its own quota.
+    let mut d = Client::connect(&m.socket, "other").unwrap();
+    open(&mut d);
+}
+
+#[test]
+fn clients_cannot_make_the_pool_writable() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let (c, w) = Raw::hello(&m, false);
+    assert!(w.pool_bytes > 0);
+    let pool = c
+        .welcome_fds
+        .first()
+        .expect("the pool's descriptor came with Welcome");
+    let len = w.pool_bytes as usize;
+    let map = |fd: i32, prot| {
+        // SAFETY: a probe mapping, unmapped at once when it succeeds.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
+        if p != libc::MAP_FAILED {
+            // SAFETY: the mapping just made.
+            unsafe { libc::munmap(p, len) };
+            true
+        } else {
+            false
+        }
+    };
+    assert!(map(pool.as_raw_fd(), libc::PROT_READ), "readable");
+    assert!(!map(pool.as_raw_fd(), libc::PROT_READ | libc::PROT_WRITE));
+    // Reopened read-write through /proc: the seals still hold.
+    let rw = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/self/fd/{}", pool.as_raw_fd()));
+    if let Ok(rw) = rw {
+        assert!(!map(rw.as_raw_fd(), libc::PROT_READ | libc::PROT_WRITE));
+        assert!((&rw).write_all(b"x").is_err(), "write(2) is sealed");
+        assert!(rw.set_len(4096).is_err(), "shrinking is sealed");
+    }
+    // A read-only mapping cannot be made writable.
+    // SAFETY: a read-only probe mapping of the pool.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            pool.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: the mapping just made.
+    let r = unsafe { libc::mprotect(p, len, libc::PROT_READ | libc::PROT_WRITE) };
+    assert_ne!(r, 0, "mprotect cannot add write access");
+    // SAFETY: as above.
+    unsafe { libc::munmap(p, len) };
+}
+
+#[test]
+fn an_impostor_socket_of_another_uid_is_refused_before_anything_is_sent() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run the impostor as nobody");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let socket = dir.path().join("orbitkv.sock");
+    let got = dir.path().join("got");
+    // The impostor binds first, accepts one connection and records what
+    // it received.
+    let script = format!(
+        "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.bind({sock:?})\ns.listen()\n\
+         print('up',flush=True)\nc,_=s.accept()\nc.settimeout(2)\nb=b''\n\
+         try:\n  b=c.recv(65536)\nexcept Exception:\n  pass\nopen({got:?},'w').write(str(len(b)))\n",
+        sock = socket.to_str().unwrap(),
+        got = got.to_str().unwrap()
+    );
+    use std::os::unix::process::CommandExt as _;
+    let mut imp = Proc::new("/usr/bin/python3")
+        .args(["-I", "-c", &script])
+        .uid(65534)
+        .gid(65534)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = [0u8; 3];
+    imp.stdout.as_mut().unwrap().read_exact(&mut line).unwrap();
+    let Err(e) = Client::connect_with(&socket, "victim", ClientOptions::default()) else {
+        panic!("connected to an impostor");
+    };
+    assert!(
+        matches!(e, ClientError::Untrusted { uid: 65534, .. }),
+        "{e}"
+    );
+    imp.wait().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&got).unwrap(),
+        "0",
+        "nothing was sent"
+    );
+}
+
+#[test]
+fn iceoryx2_files_are_not_writable_by_others() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let c = Client::connect(&m.socket, "hot").unwrap();
+    assert!(c.hot_service().is_some(), "{:?}", c.hot_path_error());
+    let prefix = orbitkv_ipc::hot::file_prefix(c.incarnation());
+    let files = orbitkv_ipc::hot::files_with_prefix(&prefix);
+    assert!(!files.is_empty());
+    for f in files {
+        let meta = std::fs::symlink_metadata(&f).unwrap();
+        if meta.is_dir() {
+            continue;
+        }
+        let mode = meta.permissions().mode();
+        assert_eq!(mode & 0o022, 0, "{} is {:o}", f.display(), mode & 0o777);
+    }
+}
+
+#[test]
+fn a_scrape_answers_under_a_second_with_100_idle_metrics_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let idle: Vec<_> = (0..100)
+        .map(|_| std::net::TcpStream::connect(&m.metrics).unwrap())
+        .collect();
+    let t = Instant::now();
+    let body = m.scrape();
+    let took = t.elapsed();
+    assert!(body.contains("orbitkv_queries_total"), "{body}");
+    assert!(
+        body.contains("orbitkv_misses_total{reason=\"not_found\"}"),
+        "{body}"
+    );
+    assert!(body.contains("orbitkv_latency_seconds_bucket"), "{body}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    drop(idle);
+}
+
+#[test]
+fn ten_thousand_hellos_leave_rss_flat() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let hello = |m: &Manager| {
+        let (c, w) = Raw::hello(m, true);
+        assert!(w.hot.is_some());
+        drop(c);
+    };
+    for _ in 0..1000 {
+        hello(&m);
+    }
+    m.wait_metric("orbitkv_connections", |v| v == 0);
+    let warm = m.rss_kib();
+    for _ in 0..9000 {
+        hello(&m);
+    }
+    m.wait_metric("orbitkv_connections", |v| v == 0);
+    let after = m.rss_kib();
+    assert!(
+        after < warm + 8 * 1024,
+        "RSS grew from {warm} KiB to {after} KiB over 9000 Hellos"
+    );
+}
+
+#[test]
+fn a_dangling_symlink_at_the_socket_path_does_not_stop_the_manager() {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(dir.path().join("gone"), dir.path().join("orbitkv.sock")).unwrap();
+    let m = start(&dir.path());
+    let mut c = Client::connect(&m.socket, "c").unwrap();
+    assert!(c.ping().unwrap() < T);
+}
+
+#[test]
+fn inspect_shows_sessions_leases_and_the_last_minute() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    let mut a = Client::connect(&m.socket, "engine-a").unwrap();
+    let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x5000 + i)).collect();
+    publish_four(&mut a, &hashes, |i| vec![i as u8; BYTES as usize]);
+    let s = match a
+        .call(
+            Command::OpenSession {
+                instance: "llama".into(),
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::SessionOpened { session, .. } => session,
+        e => panic!("{e:?}"),
+    };
+    let mut q = query(s, 1);
+    if let Command::Query { prepare, .. } = &mut q {
+        *prepare = true;
+    }
+    a.call(q, T).unwrap();
+    a.wait_event(T, |e| matches!(e, Event::Ready { .. }))
+        .unwrap()
+        .unwrap();
+    let out = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
+        .args(["inspect", "--socket", m.socket.to_str().unwrap(), "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let snap: orbitkv_ipc::Snapshot = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(snap.sessions, 2);
+    // A 4-page prompt restores 3 pages: the last token is always computed.
+    assert_eq!(snap.leases, 3);
+    assert_eq!(snap.bytes_reserved, 3 * BYTES);
+    assert_eq!(snap.pages, 4);
+    assert_eq!(snap.last_minute.queries, 1);
+    assert_eq!(
+        snap.last_minute.hits, 0,
+        "a prepared query is not yet a hit"
+    );
+    let engine = snap
+        .connections
+        .iter()
+        .find(|c| c.client == "engine-a")
+        .unwrap();
+    assert_eq!(engine.sessions, 2);
+    // The text view names the same numbers.
+    let out = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
+        .args(["inspect", "--socket", m.socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(text.contains("leases 3"), "{text}");
+    assert!(text.contains("engine-a"), "{text}");
+}
+
+#[test]
+fn an_idle_manager_uses_under_one_percent_of_a_core() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(&dir.path());
+    std::thread::sleep(Duration::from_millis(500));
+    let hz = 100; // USER_HZ on Linux
+    let before = m.cpu_ticks();
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs(5));
+    let ticks = m.cpu_ticks() - before;
+    let share = ticks as f64 / hz as f64 / t.elapsed().as_secs_f64();
+    assert!(
+        share < 0.01,
+        "idle manager used {:.2}% of a core",
+        share * 100.0
+    );
+}

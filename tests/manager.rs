@@ -31,6 +31,10 @@ const BASE_CONFIG: &str = "[dram]\nfirst_touch = false\nextent_bytes = 65536\n";
 /// A manager with `serve` (lines of the `[serve]` table) and extra runtime
 /// tables.
 fn start_with(dir: &Path, serve: &str, extra: &str) -> Manager {
+    start_full(dir, "16MiB", serve, extra, &[])
+}
+
+fn start_full(dir: &Path, dram: &str, serve: &str, extra: &str, args: &[&str]) -> Manager {
     let socket = dir.join("orbitkv.sock");
     let config = dir.join("orbitkv.toml");
     std::fs::write(
@@ -41,8 +45,9 @@ fn start_with(dir: &Path, serve: &str, extra: &str) -> Manager {
     let metrics = format!("127.0.0.1:{}", free_port());
     let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
         .args(["serve", "--socket", socket.to_str().unwrap()])
-        .args(["--dram", "16MiB", "--config", config.to_str().unwrap()])
+        .args(["--dram", dram, "--config", config.to_str().unwrap()])
         .args(["--metrics-addr", &metrics])
+        .args(args)
         .env("RUST_LOG", "error")
         .env_remove("ORBITKV_HOT_PATH")
         .stdout(Stdio::null())
@@ -110,6 +115,14 @@ impl Manager {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// SIGTERM, and a clean exit.
+    fn stop(mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "{status}");
     }
 
     fn alive(&mut self) -> bool {
@@ -307,7 +320,7 @@ fn frames_out_of_order_are_refused_with_typed_errors() {
     let (mut c, _) = Raw::hello(&m, false);
     c.send(&frame::encode(Kind::Welcome, &()));
     let e = c.refused();
-    assert!(e.contains("not a frame a client sends"), "{e}");
+    assert!(e.contains("not a client frame"), "{e}");
     // A huge length: refused from the header, nothing allocated.
     let (mut c, _) = Raw::hello(&m, false);
     let mut h = frame::header(Kind::Submit, 8);
@@ -852,4 +865,413 @@ fn an_idle_manager_uses_under_one_percent_of_a_core() {
         "idle manager used {:.2}% of a core",
         share * 100.0
     );
+}
+
+/// Writes `bytes` into the manager's memory at `offset` of its DRAM pool,
+/// through /proc (root, or the manager's parent): what no client can do.
+fn alter_pool(m: &Manager, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt as _;
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", m.pid())).unwrap();
+    let line = maps
+        .lines()
+        .find(|l| {
+            l.contains("memfd:orbitkv-host-pool")
+                && l.split_whitespace()
+                    .nth(1)
+                    .is_some_and(|p| p.starts_with("rw"))
+        })
+        .expect("the manager's writable pool mapping");
+    let start = u64::from_str_radix(line.split('-').next().unwrap(), 16).unwrap();
+    let mem = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{}/mem", m.pid()))
+        .unwrap();
+    mem.write_all_at(bytes, start + offset).unwrap();
+}
+
+fn prepared(c: &mut Client, s: SessionHandle, hashes: &[NativeHash]) -> Event {
+    let q = Command::Query {
+        session: s,
+        request: 9,
+        groups: vec![GroupHashes {
+            group: 0,
+            hashes: hashes.to_vec(),
+        }],
+        origin: 0,
+        prompt_len: (hashes.len() as u64 + 1) * PAGE,
+        expect_namespaces: vec![],
+        prepare: true,
+        speculative: false,
+    };
+    match c.call(q, T).unwrap() {
+        Event::QueryResult {
+            operation,
+            miss: None,
+            ..
+        } => c
+            .wait_event(T, |e| {
+                matches!(e, Event::Ready { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
+            })
+            .unwrap()
+            .unwrap(),
+        e => e,
+    }
+}
+
+#[test]
+fn a_page_altered_in_memory_is_a_checksum_miss_on_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    std::fs::create_dir(&ssd).unwrap();
+    let ssd_table = format!(
+        "[ssd]\ndir = {:?}\ncapacity_bytes = 67108864\nsegment_bytes = 4194304\n",
+        ssd.display().to_string()
+    );
+    let m = start_full(dir.path(), "1MiB", "", &ssd_table, &[]);
+    let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x7000 + i)).collect();
+    let payload = |i: u64| vec![0x40 + i as u8; BYTES as usize];
+    let mut a = Client::connect(&m.socket, "engine-a").unwrap();
+    publish_four(&mut a, &hashes, payload);
+    let (s, region) = open(&mut a);
+    // Where the first page lives: from a lease.
+    let Event::Ready {
+        operation, leases, ..
+    } = prepared(&mut a, s, &hashes)
+    else {
+        panic!("a hit first");
+    };
+    let first = leases.iter().find(|l| l.pos.page_end == PAGE).unwrap();
+    assert_eq!(a.page(first).unwrap(), &payload(0)[..]);
+    a.submit(Command::Release {
+        session: s,
+        operation,
+    })
+    .unwrap();
+    a.wait_event(
+        T,
+        |e| matches!(e, Event::Released { operation: o } if *o == operation),
+    )
+    .unwrap()
+    .unwrap();
+    // Root changes 16 bytes of the cached page in the manager's memory.
+    alter_pool(&m, first.offset + 100, &[0xee; 16]);
+    // DRAM: the restore verifies what it copies; a checksum miss.
+    let Event::Ready {
+        operation, leases, ..
+    } = prepared(&mut a, s, &hashes)
+    else {
+        panic!("the index still lists the page");
+    };
+    let targets = leases
+        .iter()
+        .map(|l| orbitkv_components::api::RestoreTarget {
+            pos: l.pos,
+            device_page: alloc(&mut a, s, region, 20 + (l.pos.page_end / PAGE) as u32),
+        })
+        .collect();
+    a.submit(Command::Restore {
+        session: s,
+        operation,
+        targets,
+        retained: vec![],
+    })
+    .unwrap();
+    let done = a
+        .wait_event(T, |e| {
+            matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
+        })
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(
+            done,
+            Event::Miss {
+                reason: orbitkv_components::api::MissReason::Checksum,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    m.wait_metric("orbitkv_checksum_failures_total", |v| v == 1);
+    // SSD: fill DRAM so every page is evicted; the altered one is refused
+    // by demotion (its bytes do not match the checksum it carries), the
+    // others are demoted.
+    for round in 0..12u64 {
+        let (fs, fr) = open(&mut a);
+        let pages = (0..48u64)
+            .map(|i| orbitkv_components::api::PublishPage {
+                rank: 0,
+                group: 0,
+                hash: NativeHash::from_u64(0x9_0000 + round * 64 + i),
+                device_page: alloc(&mut a, fs, fr, i as u32),
+            })
+            .collect();
+        let e = a
+            .call(
+                Command::Publish {
+                    session: fs,
+                    request: 100 + round,
+                    pages,
+                },
+                T,
+            )
+            .unwrap();
+        assert!(matches!(e, Event::PublishDone { .. }), "{e:?}");
+    }
+    m.wait_metric("orbitkv_demotions_total{outcome=\"checksum\"}", |v| v == 1);
+    m.wait_metric("orbitkv_demotions_total{outcome=\"written\"}", |v| v >= 3);
+    // After a restart only the SSD tier holds them: the prefix's first
+    // page is gone, so nothing of it is a hit, and never the altered bytes.
+    drop(a);
+    m.stop();
+    let m = start_full(dir.path(), "1MiB", "", &ssd_table, &[]);
+    let mut b = Client::connect(&m.socket, "engine-b").unwrap();
+    register(&mut b);
+    let (s, _) = open(&mut b);
+    let r = prepared(&mut b, s, &hashes);
+    assert!(
+        matches!(
+            r,
+            Event::QueryResult { miss: Some(_), .. } | Event::Miss { .. }
+        ),
+        "{r:?}"
+    );
+}
+
+/// SplitMix64: the fuzzer's fixed-seed generator.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// Random and mutated frames over the socket and random hot requests with
+/// random descriptors, against a live manager (fixed seed, bounded count).
+/// Afterwards a well-behaved client's bytes still round-trip exactly, and
+/// every lease and reserved byte is back.
+#[test]
+fn a_frame_fuzzer_leaves_a_well_behaved_client_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut rng = Rng(0x0b17_4b5e_ed00_0009);
+    let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x8100 + i)).collect();
+    let payload = |i: u64| {
+        (0..BYTES)
+            .map(|b| (b as u8).wrapping_mul(13) ^ (i as u8 + 1))
+            .collect::<Vec<u8>>()
+    };
+    let mut good = Client::connect(&m.socket, "good").unwrap();
+    publish_four(&mut good, &hashes, payload);
+    let (gs, gr) = open(&mut good);
+    // Valid frames to mutate.
+    let valid: Vec<Vec<u8>> = vec![
+        frame::encode(
+            Kind::Submit,
+            &Submit {
+                tag: 1,
+                command: query(gs, 1),
+            },
+        ),
+        frame::encode(
+            Kind::Submit,
+            &Submit {
+                tag: 2,
+                command: register_command(),
+            },
+        ),
+        frame::encode(
+            Kind::Submit,
+            &Submit {
+                tag: 3,
+                command: Command::Restore {
+                    session: gs,
+                    operation: 77,
+                    targets: vec![],
+                    retained: vec![],
+                },
+            },
+        ),
+        frame::encode(Kind::Ping, &()),
+        frame::encode(Kind::Inspect, &()),
+    ];
+    for case in 0..400u64 {
+        let greet = rng.below(8) != 0;
+        let mut c = if greet {
+            Raw::hello(&m, rng.below(2) == 0).0
+        } else {
+            Raw::connect(&m)
+        };
+        let mut sent = Vec::new();
+        for _ in 0..1 + rng.below(4) {
+            let mut f = valid[rng.below(valid.len() as u64) as usize].clone();
+            match rng.below(7) {
+                0 => {
+                    let n = rng.below(48) as usize;
+                    f = rng.bytes(n);
+                }
+                1 => {
+                    // A valid header of any kind and length, random payload.
+                    let len = rng.below(64) as u32;
+                    f = frame::header(Kind::Ping, len).to_vec();
+                    f[6..8].copy_from_slice(&(rng.below(16) as u16).to_le_bytes());
+                    f.extend(rng.bytes(len as usize));
+                }
+                2 => {
+                    // Flip bytes of a valid frame (header or JSON).
+                    for _ in 0..1 + rng.below(4) {
+                        let i = rng.below(f.len() as u64) as usize;
+                        f[i] ^= 1 << rng.below(8);
+                    }
+                }
+                3 => {
+                    // A huge or lying length.
+                    let len = [u32::MAX, 16 << 20, (16 << 20) + 1, 1 << 20][rng.below(4) as usize];
+                    f[8..12].copy_from_slice(&len.to_le_bytes());
+                }
+                4 => f.truncate(rng.below(f.len() as u64) as usize),
+                _ => {}
+            }
+            sent.extend(f);
+        }
+        if c.s.write_all(&sent).is_err() {
+            continue; // refused and closed already
+        }
+        // Sometimes read what comes back, sometimes vanish at once.
+        if rng.below(2) == 0 {
+            c.s.set_read_timeout(Some(Duration::from_millis(20)))
+                .unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = c.s.read(&mut buf);
+        }
+        drop(c);
+        if case % 50 == 0 {
+            assert!(good.ping().unwrap() < T, "case {case}");
+        }
+    }
+    // The hot path: random requests, random descriptors, live and stale
+    // records, this client's token and others'.
+    let mut h = Client::connect(&m.socket, "hot-fuzzer").unwrap();
+    register(&mut h);
+    let (hs, _) = open(&mut h);
+    let token = h.hot_token().expect("the hot path is on");
+    for _ in 0..300 {
+        use orbitkv_ipc::hot::{Desc, HOT_MAGIC, HotRequest};
+        let live = if rng.below(2) == 0 {
+            let kind = 1 + rng.below(10) as u32;
+            let n = rng.below(96) as usize;
+            let bytes = rng.bytes(n);
+            h.hot_write_part(kind, &bytes)
+        } else {
+            None
+        };
+        let mut parts = [Desc::default(); 3];
+        for p in parts.iter_mut() {
+            *p = match (rng.below(3), live) {
+                (0, Some(d)) => d,
+                (1, Some(d)) => Desc {
+                    offset: d.offset ^ (1 << rng.below(20)),
+                    len: d.len.wrapping_add(rng.below(3) as u32),
+                    ..d
+                },
+                _ => Desc {
+                    offset: rng.next() as u32,
+                    len: rng.next() as u32,
+                    generation: rng.below(4) as u32,
+                    kind: rng.below(12) as u32,
+                },
+            };
+        }
+        let r = HotRequest {
+            magic: if rng.below(16) == 0 {
+                rng.next() as u32
+            } else {
+                HOT_MAGIC
+            },
+            op: rng.below(8) as u32,
+            token: if rng.below(16) == 0 {
+                rng.next()
+            } else {
+                token
+            },
+            tag: 0,
+            session: if rng.below(4) == 0 {
+                [rng.next(), rng.next(), rng.next()]
+            } else {
+                [hs.id, hs.epoch, hs.incarnation]
+            },
+            a: if rng.below(2) == 0 {
+                rng.below(8)
+            } else {
+                rng.next()
+            },
+            origin: rng.below(4) * PAGE,
+            prompt_len: rng.below(8) * PAGE,
+            flags: rng.below(4) as u32,
+            reserved: 0,
+            parts,
+        };
+        // An error, a refusal or an id: never a hang or a crash.
+        let _ = h.hot_submit_raw(r);
+    }
+    drop(h);
+    // A well-behaved client still gets exact bytes.
+    let Event::Ready {
+        operation, leases, ..
+    } = prepared(&mut good, gs, &hashes)
+    else {
+        panic!("the published pages are still a hit");
+    };
+    let mut targets = Vec::new();
+    for l in &leases {
+        assert_eq!(
+            good.page(l).unwrap(),
+            &payload(l.pos.page_end / PAGE - 1)[..]
+        );
+        targets.push(orbitkv_components::api::RestoreTarget {
+            pos: l.pos,
+            device_page: alloc(&mut good, gs, gr, 40 + (l.pos.page_end / PAGE) as u32),
+        });
+    }
+    good.submit(Command::Restore {
+        session: gs,
+        operation,
+        targets,
+        retained: vec![],
+    })
+    .unwrap();
+    let done = good
+        .wait_event(T, |e| {
+            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+        })
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(done, Event::RestoreDone { pages: 4, .. }),
+        "{done:?}"
+    );
+    for i in 0..4u64 {
+        let at = ((41 + i) * BYTES) as usize;
+        assert_eq!(
+            &good.region_mut(gr).unwrap()[at..at + BYTES as usize],
+            &payload(i)[..]
+        );
+    }
+    drop(good);
+    m.wait_metric("orbitkv_leases", |v| v == 0);
+    m.wait_metric("orbitkv_bytes_reserved", |v| v == 0);
+    m.wait_metric("orbitkv_connections", |v| v == 0);
 }

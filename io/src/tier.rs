@@ -89,11 +89,16 @@ pub trait BackingTier: Send {
     /// this returns, so the caller frees its DRAM slot at once. A refusal
     /// names its reason (`not_writable`, `queue_full`, `admission_policy`,
     /// ...), which the runtime counts: nothing is dropped silently.
+    /// `checksum` is the one the page carries since its bytes landed: the
+    /// tier verifies the bytes it keeps against it (refusing with
+    /// `checksum` when they differ) and never computes a fresh one over
+    /// whatever the bytes are now.
     fn demote(
         &mut self,
         _key: &StateKey,
         _format: [u8; 32],
         _payload: &[u8],
+        _checksum: u64,
         _now_us: u64,
     ) -> Result<(), &'static str> {
         Err("not_writable")
@@ -359,13 +364,18 @@ impl BackingTier for MemoryTier {
         key: &StateKey,
         _format: [u8; 32],
         payload: &[u8],
+        checksum: u64,
         _now_us: u64,
     ) -> Result<(), &'static str> {
         if !self.writable {
             return Err("not_writable");
         }
-        let sum = page_checksum(payload);
-        self.pages().pages.insert(*key, (payload.to_vec(), sum));
+        let kept = payload.to_vec();
+        let sum = page_checksum(&kept);
+        if sum != checksum {
+            return Err("checksum");
+        }
+        self.pages().pages.insert(*key, (kept, sum));
         self.demoted += 1;
         Ok(())
     }

@@ -295,11 +295,19 @@ impl HotServer {
                     detail: r.token,
                 })
             };
+            // `decode_request` accepted the op, so it is known.
+            let checked = checked.and_then(|(conn, command)| {
+                Op::from_u32(r.op)
+                    .map(|op| (conn, command, op))
+                    .ok_or(HotError {
+                        code: HotErrorCode::UnknownOp,
+                        detail: u64::from(r.op),
+                    })
+            });
             match checked {
-                Ok((conn, command)) => {
+                Ok((conn, command, op)) => {
                     let key = self.next_key;
                     self.next_key += 1;
-                    let op = Op::from_u32(r.op).expect("decoded");
                     self.active.insert(
                         key,
                         Active {
@@ -355,8 +363,9 @@ impl HotServer {
                     )
                 });
                 let conn = c.conn;
-                let a = self.active.remove(&key).expect("checked");
-                let _ = a.request.send_copy(r);
+                if let Some(a) = self.active.remove(&key) {
+                    let _ = a.request.send_copy(r);
+                }
                 self.stats.responses += 1;
                 self.wake_check(token, conn);
             }
@@ -477,7 +486,9 @@ impl HotServer {
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
-            let a = self.active.get_mut(&key).expect("listed");
+            let Some(a) = self.active.get_mut(&key) else {
+                continue;
+            };
             a.this_tick = false;
             let keep = match a.op {
                 Op::Publish => true,
@@ -498,7 +509,9 @@ impl HotServer {
                     }
                 }
             }
-            let a = &self.active[&key];
+            let Some(a) = self.active.get(&key) else {
+                continue;
+            };
             if !matches!(a.op, Op::Publish)
                 && let Some(cid) = a.command
                 && self.by_command.get(&cid) == Some(&key)

@@ -22,7 +22,7 @@ pub enum Refusal {
     NotGreeted(Kind),
     #[error("a second Hello on one connection")]
     SecondHello,
-    #[error("{0:?} is not a frame a client sends")]
+    #[error("{0:?} is not a client frame")]
     NotClientFrame(Kind),
 }
 

@@ -9,7 +9,7 @@ use orbitkv_components::ecs::{
     DevicePage, DeviceRegion, Instance, ItemState, Lease, NeedState, OpState, Operation, Outcome,
     Page, PublishJob, Recovery, Residency, Session, Transfer, TransferKind, session_handle,
 };
-use orbitkv_gpu::Completion;
+use orbitkv_gpu::{Completion, CopyError};
 use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::tier::{ReadDone, TierError};
 use rayon::prelude::*;
@@ -195,8 +195,22 @@ pub fn fence(
                         );
                     }
                 }
-                if done.result.is_err() && op.outcome.is_none() {
-                    op.outcome = Some(Outcome::Miss(MissReason::IoError));
+                match done.result {
+                    Ok(()) => {}
+                    Err(CopyError::Checksum { .. }) => {
+                        // A leased page's bytes changed since they landed:
+                        // never a hit. The page stays until evicted, where
+                        // demotion refuses it for the same reason.
+                        metrics.checksum_failures += 1;
+                        if op.outcome.is_none() {
+                            op.outcome = Some(Outcome::Miss(MissReason::Checksum));
+                        }
+                    }
+                    Err(_) => {
+                        if op.outcome.is_none() {
+                            op.outcome = Some(Outcome::Miss(MissReason::IoError));
+                        }
+                    }
                 }
                 // Batches may still wait for copy room: the restore stage
                 // submits (or abandons) them.
@@ -207,9 +221,12 @@ pub fn fence(
             }
             TransferKind::Publish { items } => {
                 let mut job = job.expect("publish transfers belong to publish jobs");
-                // Checksum the landed pages in parallel: a publish is often
-                // hundreds of pages, and this is the tick's largest cost.
-                let sums: Vec<u64> = if done.result.is_ok() {
+                // The copy checksummed each page as it landed; a backend
+                // that did not (none of ours) gets them computed here, in
+                // parallel: a publish is often hundreds of pages.
+                let sums: Vec<u64> = if done.result.is_ok() && done.checksums.len() == items.len() {
+                    done.checksums.clone()
+                } else if done.result.is_ok() {
                     let slices: Vec<&[u8]> = items
                         .iter()
                         .map(|&i| {

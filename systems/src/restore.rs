@@ -179,6 +179,7 @@ fn plan_restore(
             region: region.engine_region,
             device_offset: u64::from(dp.slot) * region.page_bytes,
             len: page.bytes,
+            checksum: page.checksum,
         });
     }
     Ok(plan)
@@ -236,6 +237,8 @@ fn page_copy(c: &PlannedCopy) -> PageCopy {
         region: c.region,
         device_offset: c.device_offset,
         len: c.len,
+        // Verified in the copy's pass: altered bytes are a miss.
+        expect_checksum: Some(c.checksum),
     }
 }
 
@@ -422,5 +425,6 @@ fn source_copy(
         region: region.engine_region,
         device_offset: u64::from(page.slot) * region.page_bytes,
         len: item.bytes,
+        expect_checksum: None,
     }
 }

@@ -2,7 +2,8 @@
 //! subprocess: clients that close at once, never read, pipeline bursts or
 //! greet twice; thousands of commands and dozens of regions in one burst;
 //! the pool read-only; impostor sockets; iceoryx2 file modes; metrics under
-//! idle connections; `orbitkv inspect`; RSS across many Hellos; idle CPU.
+//! idle connections; `orbitkv inspect`; RSS across many Hellos; idle CPU;
+//! another connection's handles refused with no effect; a frame fuzzer.
 
 mod support;
 use support::*;
@@ -16,7 +17,9 @@ use std::process::{Child, Command as Proc, Stdio};
 use std::time::{Duration, Instant};
 
 use orbitkv_components::NativeHash;
-use orbitkv_components::api::{Command, CommandError, Event, GroupHashes, SessionHandle};
+use orbitkv_components::api::{
+    Command, CommandError, Event, GroupHashes, PublishPage, RestoreTarget, SessionHandle,
+};
 use orbitkv_ipc::frame::{self, FrameReader, Kind};
 use orbitkv_ipc::{Client, ClientError, ClientOptions, Descriptor, Hello, Submit, Welcome};
 
@@ -1274,4 +1277,215 @@ fn a_frame_fuzzer_leaves_a_well_behaved_client_exact() {
     m.wait_metric("orbitkv_leases", |v| v == 0);
     m.wait_metric("orbitkv_bytes_reserved", |v| v == 0);
     m.wait_metric("orbitkv_connections", |v| v == 0);
+}
+
+/// Refused with `not_owner` (a `rejected` event or the acceptance).
+fn not_owner(c: &mut Client, command: Command) {
+    match c.submit(command) {
+        Err(ClientError::Command(CommandError::NotOwner)) => {}
+        Ok(id) => {
+            let e = c
+                .wait_event(T, |e| e.command() == Some(id))
+                .unwrap()
+                .expect("a refusal names the command");
+            assert!(
+                matches!(
+                    e,
+                    Event::Rejected {
+                        error: CommandError::NotOwner,
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// One connection naming another's session, operation, device region or
+/// pages: each of the seven actions is refused, and the owner's state is
+/// untouched.
+#[test]
+fn cross_connection_actions_are_refused_with_no_effect() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x6100 + i)).collect();
+    let payload = |i: u64| vec![0x30 + i as u8; BYTES as usize];
+    let mut victim = Client::connect(&m.socket, "victim").unwrap();
+    publish_four(&mut victim, &hashes, payload);
+    let (vs, vr) = open(&mut victim);
+    let vpages: Vec<u64> = (0..4).map(|i| alloc(&mut victim, vs, vr, 10 + i)).collect();
+    for (i, dp) in vpages.iter().enumerate() {
+        let at = ((10 + i as u64) * BYTES) as usize;
+        victim.region_mut(vr).unwrap()[at..at + BYTES as usize].fill(0xaa);
+        let _ = dp;
+    }
+    let Event::Ready {
+        operation: vop,
+        leases,
+        ..
+    } = prepared(&mut victim, vs, &hashes)
+    else {
+        panic!("the victim's query is a hit");
+    };
+    let leases_before = m.wait_metric("orbitkv_leases", |v| v == 4);
+
+    let mut attacker = Client::connect(&m.socket, "attacker").unwrap();
+    register(&mut attacker);
+    let (as_, ar) = open(&mut attacker);
+    let adp = alloc(&mut attacker, as_, ar, 0);
+    // 1. Release and 2. cancel the victim's operation.
+    not_owner(
+        &mut attacker,
+        Command::Release {
+            session: vs,
+            operation: vop,
+        },
+    );
+    not_owner(
+        &mut attacker,
+        Command::Release {
+            session: as_,
+            operation: vop,
+        },
+    );
+    not_owner(
+        &mut attacker,
+        Command::Cancel {
+            session: vs,
+            operation: vop,
+        },
+    );
+    not_owner(
+        &mut attacker,
+        Command::Cancel {
+            session: as_,
+            operation: vop,
+        },
+    );
+    // 3. Restore into the victim's device pages (through its own query).
+    let Event::Ready {
+        operation: aop,
+        leases: alease,
+        ..
+    } = prepared(&mut attacker, as_, &hashes)
+    else {
+        panic!("the attacker's own query is a hit");
+    };
+    not_owner(
+        &mut attacker,
+        Command::Restore {
+            session: as_,
+            operation: aop,
+            targets: alease
+                .iter()
+                .zip(&vpages)
+                .map(|(l, dp)| RestoreTarget {
+                    pos: l.pos,
+                    device_page: *dp,
+                })
+                .collect(),
+            retained: vec![],
+        },
+    );
+    // 4. Free the victim's device pages.
+    not_owner(
+        &mut attacker,
+        Command::DevicePageFree {
+            session: vs,
+            device_page: vpages[0],
+        },
+    );
+    not_owner(
+        &mut attacker,
+        Command::DevicePageFree {
+            session: as_,
+            device_page: vpages[0],
+        },
+    );
+    // 5. Publish from the victim's device pages.
+    let steal = |s| Command::Publish {
+        session: s,
+        request: 66,
+        pages: vec![PublishPage {
+            rank: 0,
+            group: 0,
+            hash: NativeHash::from_u64(0xdead),
+            device_page: vpages[1],
+        }],
+    };
+    not_owner(&mut attacker, steal(as_));
+    not_owner(&mut attacker, steal(vs));
+    // 6. Query on the victim's session (and take leases).
+    not_owner(&mut attacker, query(vs, 3));
+    // 7. Close the victim's session.
+    not_owner(&mut attacker, Command::CloseSession { session: vs });
+    let _ = (adp, alease);
+
+    // None of it had an effect: the victim's operation is still ready, its
+    // pages still allocated and untouched, its session open, and nothing
+    // new was published.
+    // The attacker's own operation ends; the victim's 4 leases remain.
+    attacker
+        .submit(Command::Release {
+            session: as_,
+            operation: aop,
+        })
+        .unwrap();
+    attacker
+        .wait_event(
+            T,
+            |e| matches!(e, Event::Released { operation: o } if *o == aop),
+        )
+        .unwrap()
+        .unwrap();
+    m.wait_metric("orbitkv_leases", |v| v == leases_before);
+    for (i, _) in vpages.iter().enumerate() {
+        let at = ((10 + i as u64) * BYTES) as usize;
+        assert!(
+            victim.region_mut(vr).unwrap()[at..at + BYTES as usize]
+                .iter()
+                .all(|b| *b == 0xaa)
+        );
+    }
+    let targets = leases
+        .iter()
+        .map(|l| RestoreTarget {
+            pos: l.pos,
+            device_page: vpages[(l.pos.page_end / PAGE - 1) as usize],
+        })
+        .collect();
+    victim
+        .submit(Command::Restore {
+            session: vs,
+            operation: vop,
+            targets,
+            retained: vec![],
+        })
+        .unwrap();
+    let done = victim
+        .wait_event(T, |e| matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == vop))
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(done, Event::RestoreDone { pages: 4, .. }),
+        "{done:?}"
+    );
+    for i in 0..4u64 {
+        let at = ((10 + i) * BYTES) as usize;
+        assert_eq!(
+            &victim.region_mut(vr).unwrap()[at..at + BYTES as usize],
+            &payload(i)[..]
+        );
+    }
+    let r = attacker.call(query(as_, 4), T).unwrap();
+    assert!(matches!(r, Event::QueryResult { .. }), "{r:?}");
+    let Event::QueryResult { candidates, .. } = r else {
+        unreachable!()
+    };
+    assert!(
+        !candidates.iter().any(|c| c.page_ends.len() > 4),
+        "no page was published from the victim's device pages"
+    );
 }

@@ -389,13 +389,23 @@ impl HotServer {
         }
     }
 
-    /// Sends `e` on the hot path when an open request answers it. `false`:
+    /// Sends `e` (addressed to connection `conn`) on the hot path when an
+    /// open request of that connection answers it. `false`:
     /// the caller sends it on the socket (no open request, or no room);
     /// the request is then still acknowledged and closed as it should be.
-    pub fn deliver(&mut self, e: &Event) -> bool {
+    pub fn deliver(&mut self, conn: ConnId, e: &Event) -> bool {
         let Some(key) = self.route(e) else {
             return false;
         };
+        // Only the addressee's own open request may carry its event.
+        let owner = self
+            .active
+            .get(&key)
+            .and_then(|a| self.conns.get(&a.token))
+            .map(|c| c.conn);
+        if owner != Some(conn) {
+            return false;
+        }
         let last = match e {
             Event::Rejected { .. } | Event::PublishDone { .. } => true,
             Event::QueryResult {

@@ -24,7 +24,6 @@ pub mod inspect;
 pub mod listener;
 pub mod main_loop;
 pub mod metrics;
-mod routes;
 pub mod settings;
 pub mod state;
 
@@ -126,12 +125,10 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
         listener: Some(listener),
         conns: Default::default(),
         next_conn: 0,
-        routes: Default::default(),
         // SAFETY: getuid has no preconditions.
         uid: unsafe { libc::getuid() },
         metrics,
         hot,
-        orphans: Vec::new(),
         last_tick: Instant::now(),
         started: Instant::now(),
     };

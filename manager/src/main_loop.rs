@@ -25,7 +25,7 @@ const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// next request of an engine step usually follows within microseconds.
 const SPIN_AFTER_WORK: Duration = Duration::from_micros(100);
 /// How often the metrics snapshot is refreshed.
-const METRICS_EVERY: Duration = Duration::from_millis(250);
+const METRICS_EVERY: Duration = Duration::from_millis(100);
 
 pub fn run(st: &mut State, stop: &AtomicBool) {
     let mut busy_until = Instant::now();
@@ -50,7 +50,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
                 c.read();
             }
         }
-        let submitted = take_frames(st) + read_hot(st) + st.close_orphans();
+        let submitted = take_frames(st) + read_hot(st);
         if submitted > 0
             || (io_pending && st.last_tick.elapsed() >= st.settings.idle_tick)
             || st.last_tick.elapsed() >= IDLE_WAIT
@@ -223,9 +223,8 @@ pub fn shutdown(st: &mut State) {
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        st.close_orphans();
         st.tick();
-        if st.orphans.is_empty() && st.rt.is_idle() {
+        if st.rt.is_idle() {
             break;
         }
         std::thread::sleep(st.settings.idle_tick);

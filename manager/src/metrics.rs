@@ -75,9 +75,17 @@ pub struct Counters {
     pub hot_wakes: Counter,
 }
 
+/// A clock a command starts: its own (answered by a command's reply), or
+/// its operation's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartClock {
+    Command(Timed),
+    Operation(u64, Timed),
+}
+
 /// What a pending latency measurement is of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Timed {
+pub enum Timed {
     Query,
     Prepare,
     Restore,
@@ -284,31 +292,37 @@ impl Metrics {
             .observe(d.as_secs_f64());
     }
 
+    /// What clock a command starts, if any (taken before the command moves
+    /// into the runtime, so nothing of it is copied).
+    pub fn clock_of(command: &Command) -> Option<StartClock> {
+        Some(match command {
+            Command::Query { .. } => StartClock::Command(Timed::Query),
+            Command::Publish { .. } => StartClock::Command(Timed::Publish),
+            Command::Prepare { operation, .. } => StartClock::Operation(*operation, Timed::Prepare),
+            Command::Restore { operation, .. } => StartClock::Operation(*operation, Timed::Restore),
+            _ => return None,
+        })
+    }
+
     /// A command was queued: start the clock of what answers it.
-    pub fn submitted(&mut self, cid: CommandId, command: &Command) {
+    pub fn submitted(&mut self, cid: CommandId, clock: StartClock) {
         let now = Instant::now();
-        let timed = match command {
-            Command::Query { .. } => Timed::Query,
-            Command::Publish { .. } => Timed::Publish,
-            Command::Prepare { operation, .. } => {
-                self.by_operation.insert((*operation, Timed::Prepare), now);
-                return;
+        match clock {
+            StartClock::Operation(op, t) => {
+                if self.by_operation.len() >= MAX_TIMED {
+                    self.by_operation.clear();
+                }
+                self.by_operation.insert((op, t), now);
             }
-            Command::Restore { operation, .. } => {
-                self.by_operation.insert((*operation, Timed::Restore), now);
-                return;
+            StartClock::Command(t) => {
+                self.by_command.insert(cid, (t, now));
+                self.order.push_back(cid);
+                while self.order.len() > MAX_TIMED {
+                    if let Some(old) = self.order.pop_front() {
+                        self.by_command.remove(&old);
+                    }
+                }
             }
-            _ => return,
-        };
-        self.by_command.insert(cid, (timed, now));
-        self.order.push_back(cid);
-        while self.order.len() > MAX_TIMED {
-            if let Some(old) = self.order.pop_front() {
-                self.by_command.remove(&old);
-            }
-        }
-        if self.by_operation.len() > MAX_TIMED {
-            self.by_operation.clear();
         }
     }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Instant;
 
-use orbitkv_components::api::{Command, CommandError, CommandId, Event, SessionHandle};
+use orbitkv_components::api::{Addressed, Command, CommandError, CommandId, Event, Origin};
 use orbitkv_ipc::frame::{self, Kind};
 use orbitkv_ipc::hot_server::HotServer;
 use orbitkv_ipc::{Descriptor, DescriptorKind, ProtocolError};
@@ -16,8 +16,17 @@ use tracing::{info, warn};
 
 use crate::connection::{Conn, ConnId, Flushed};
 use crate::metrics::Metrics;
-use crate::routes::Routes;
 use crate::settings::Settings;
+
+/// The runtime origin of connection `id` (0 is the embedded caller's).
+pub fn origin(id: ConnId) -> Origin {
+    Origin(id + 1)
+}
+
+/// The connection an event is addressed to.
+pub fn conn_of(to: Origin) -> Option<ConnId> {
+    to.0.checked_sub(1)
+}
 
 pub struct State {
     pub rt: Runtime,
@@ -25,13 +34,9 @@ pub struct State {
     pub listener: Option<UnixListener>,
     pub conns: BTreeMap<ConnId, Conn>,
     pub next_conn: ConnId,
-    pub routes: Routes,
     pub uid: u32,
     pub metrics: Metrics,
     pub hot: Option<HotServer>,
-    /// Sessions of closed connections still to close (the inbox was full
-    /// when they went).
-    pub orphans: Vec<SessionHandle>,
     pub last_tick: Instant,
     pub started: Instant,
 }
@@ -61,14 +66,17 @@ impl Close {
 }
 
 impl State {
-    /// Submits a command for connection `conn`; a full inbox is a typed
-    /// refusal (the loop stops taking frames before that happens).
+    /// Submits a command as connection `conn`'s origin: the runtime refuses
+    /// it (`not_owner`) when it names another origin's session, operation,
+    /// region or page, and addresses its events to `conn`. A full inbox is
+    /// a typed refusal (the loop stops taking frames before that happens).
     pub fn submit(&mut self, conn: ConnId, command: Command) -> Result<CommandId, CommandError> {
-        let publish = matches!(command, Command::Publish { .. });
-        match self.rt.submit(command.clone()) {
+        let clock = Metrics::clock_of(&command);
+        match self.rt.submit(origin(conn), command) {
             Ok(cid) => {
-                self.routes.submitted(cid, conn, publish);
-                self.metrics.submitted(cid, &command);
+                if let Some(clock) = clock {
+                    self.metrics.submitted(cid, clock);
+                }
                 Ok(cid)
             }
             Err(orbitkv_world::SubmitError::InboxFull(limit)) => Err(CommandError::Limit {
@@ -169,24 +177,8 @@ impl State {
         }
         info!(conn = id, client = %conn.name, reason = why.label(), sessions = conn.sessions.len(), "client disconnected");
         self.metrics.disconnected(why.label());
-        self.orphans.extend(conn.sessions.values().copied());
-        self.routes.forget(id);
-        self.close_orphans();
-    }
-
-    /// Closes sessions of gone connections, as far as the inbox takes them.
-    pub fn close_orphans(&mut self) -> usize {
-        let mut n = 0;
-        while self.rt.inbox_room() > 0
-            && let Some(session) = self.orphans.pop()
-        {
-            if self.rt.submit(Command::CloseSession { session }).is_err() {
-                self.orphans.push(session);
-                break;
-            }
-            n += 1;
-        }
-        n
+        // Never refused: the runtime closes every session it opened.
+        self.rt.close_origin(origin(id));
     }
 
     /// One runtime tick; every event goes to the connection it belongs to.
@@ -195,26 +187,19 @@ impl State {
         let events = self.rt.tick();
         self.last_tick = Instant::now();
         self.metrics.tick_took(self.last_tick - t0);
-        for e in events {
-            self.metrics.event(&e);
-            self.deliver(e);
+        for a in events {
+            self.metrics.event(&a.event);
+            self.deliver(a);
         }
         if let Some(h) = self.hot.as_mut() {
             h.end_tick();
         }
-        let below = self
-            .rt
-            .next_command_id()
-            .saturating_sub(self.rt.inbox_len() as u64);
-        self.routes.ingested(below);
     }
 
-    fn deliver(&mut self, e: Event) {
-        let Some(owner) = self.routes.owner(&e) else {
-            return; // its connection is gone
-        };
-        self.routes.learn(&e, owner);
-        let Some(conn) = self.conns.get_mut(&owner) else {
+    fn deliver(&mut self, Addressed { to, event: e }: Addressed) {
+        // The addressee may have disconnected since: its sessions are
+        // closing, and nobody is left to tell.
+        let Some(conn) = conn_of(to).and_then(|id| self.conns.get_mut(&id)) else {
             return;
         };
         conn.learn(&e);
@@ -242,7 +227,7 @@ impl State {
         }
         // Answers to hot requests go back on the hot path.
         if let Some(h) = self.hot.as_mut()
-            && h.deliver(&e)
+            && h.deliver(conn.id, &e)
         {
             return;
         }

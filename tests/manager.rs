@@ -268,7 +268,7 @@ fn query(s: SessionHandle, request: u64) -> Command {
 #[test]
 fn hello_then_close_a_hundred_times_leaves_the_manager_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let mut m = start(&dir.path());
+    let mut m = start(dir.path());
     let hello = frame::encode(
         Kind::Hello,
         &Hello {
@@ -300,7 +300,7 @@ fn hello_then_close_a_hundred_times_leaves_the_manager_serving() {
 #[test]
 fn frames_out_of_order_are_refused_with_typed_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let mut good = Client::connect(&m.socket, "good").unwrap();
     // A command before Hello.
     let mut c = Raw::connect(&m);
@@ -338,7 +338,7 @@ fn frames_out_of_order_are_refused_with_typed_errors() {
 fn a_client_that_never_reads_is_cut_off_while_eight_others_keep_going() {
     let dir = tempfile::tempdir().unwrap();
     let m = start_with(
-        &dir.path(),
+        dir.path(),
         "max_outbox_bytes = \"1MiB\"\nstall_timeout_ms = 60000",
         "",
     );
@@ -399,7 +399,7 @@ fn a_client_that_never_reads_is_cut_off_while_eight_others_keep_going() {
 #[test]
 fn a_client_that_stops_reading_is_cut_off_after_the_stall_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start_with(&dir.path(), "stall_timeout_ms = 500", "");
+    let m = start_with(dir.path(), "stall_timeout_ms = 500", "");
     let (stuck, _) = Raw::hello(&m, false);
     let mut s = stuck.s.try_clone().unwrap();
     // Enough pongs to fill the socket, far below the outbox bound.
@@ -418,7 +418,7 @@ fn a_client_that_stops_reading_is_cut_off_after_the_stall_timeout() {
 #[test]
 fn an_8_mib_pipelined_burst_leaves_others_p99_under_10_ms() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let (burster, _) = Raw::hello(&m, false);
     let mut w = burster.s.try_clone().unwrap();
     let mut rd = burster;
@@ -469,7 +469,7 @@ fn an_8_mib_pipelined_burst_leaves_others_p99_under_10_ms() {
 fn ten_thousand_commands_in_one_burst_are_all_answered() {
     let dir = tempfile::tempdir().unwrap();
     // A small per-tick intake: most of the burst waits in the inbox.
-    let m = start_with(&dir.path(), "", "[limits]\nmax_commands_per_tick = 64\n");
+    let m = start_with(dir.path(), "", "[limits]\nmax_commands_per_tick = 64\n");
     let (mut c, _) = Raw::hello(&m, false);
     let s = raw_session(&mut c);
     let mut burst = Vec::new();
@@ -516,7 +516,7 @@ fn ten_thousand_commands_in_one_burst_are_all_answered() {
 #[test]
 fn sixty_four_regions_in_one_burst_are_all_mapped_by_handle() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let (mut c, _) = Raw::hello(&m, false);
     let s = raw_session(&mut c);
     for tag in 0..64u64 {
@@ -575,7 +575,7 @@ fn sixty_four_regions_in_one_burst_are_all_mapped_by_handle() {
 fn per_connection_quotas_are_typed_refusals() {
     let dir = tempfile::tempdir().unwrap();
     let m = start_with(
-        &dir.path(),
+        dir.path(),
         "max_sessions_per_connection = 2\nmax_regions_per_connection = 1",
         "",
     );
@@ -614,7 +614,7 @@ fn per_connection_quotas_are_typed_refusals() {
 #[test]
 fn clients_cannot_make_the_pool_writable() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let (c, w) = Raw::hello(&m, false);
     assert!(w.pool_bytes > 0);
     let pool = c
@@ -718,7 +718,7 @@ fn an_impostor_socket_of_another_uid_is_refused_before_anything_is_sent() {
 fn iceoryx2_files_are_not_writable_by_others() {
     use std::os::unix::fs::PermissionsExt as _;
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let c = Client::connect(&m.socket, "hot").unwrap();
     assert!(c.hot_service().is_some(), "{:?}", c.hot_path_error());
     let prefix = orbitkv_ipc::hot::file_prefix(c.incarnation());
@@ -737,7 +737,7 @@ fn iceoryx2_files_are_not_writable_by_others() {
 #[test]
 fn a_scrape_answers_under_a_second_with_100_idle_metrics_connections() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let idle: Vec<_> = (0..100)
         .map(|_| std::net::TcpStream::connect(&m.metrics).unwrap())
         .collect();
@@ -757,7 +757,7 @@ fn a_scrape_answers_under_a_second_with_100_idle_metrics_connections() {
 #[test]
 fn ten_thousand_hellos_leave_rss_flat() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let hello = |m: &Manager| {
         let (c, w) = Raw::hello(m, true);
         assert!(w.hot.is_some());
@@ -783,7 +783,7 @@ fn ten_thousand_hellos_leave_rss_flat() {
 fn a_dangling_symlink_at_the_socket_path_does_not_stop_the_manager() {
     let dir = tempfile::tempdir().unwrap();
     std::os::unix::fs::symlink(dir.path().join("gone"), dir.path().join("orbitkv.sock")).unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let mut c = Client::connect(&m.socket, "c").unwrap();
     assert!(c.ping().unwrap() < T);
 }
@@ -791,7 +791,7 @@ fn a_dangling_symlink_at_the_socket_path_does_not_stop_the_manager() {
 #[test]
 fn inspect_shows_sessions_leases_and_the_last_minute() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     let mut a = Client::connect(&m.socket, "engine-a").unwrap();
     let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x5000 + i)).collect();
     publish_four(&mut a, &hashes, |i| vec![i as u8; BYTES as usize]);
@@ -855,7 +855,7 @@ fn inspect_shows_sessions_leases_and_the_last_minute() {
 #[test]
 fn an_idle_manager_uses_under_one_percent_of_a_core() {
     let dir = tempfile::tempdir().unwrap();
-    let m = start(&dir.path());
+    let m = start(dir.path());
     std::thread::sleep(Duration::from_millis(500));
     let hz = 100; // USER_HZ on Linux
     let before = m.cpu_ticks();
@@ -1487,5 +1487,102 @@ fn cross_connection_actions_are_refused_with_no_effect() {
     assert!(
         !candidates.iter().any(|c| c.page_ends.len() > 4),
         "no page was published from the victim's device pages"
+    );
+}
+
+/// A region's bookkeeping grows with the pages allocated in it, not with
+/// its slot count: 40 regions of the largest size cost the manager little.
+#[test]
+fn forty_regions_of_the_largest_size_keep_rss_small() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let (mut c, _) = Raw::hello(&m, false);
+    let s = raw_session(&mut c);
+    let before = m.rss_kib();
+    for tag in 0..40u64 {
+        c.submit(
+            10 + tag,
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 0,
+                group: 0,
+                slots: 1 << 22, // the default max_region_slots
+            },
+        );
+    }
+    let mut registered = 0;
+    while registered < 40 {
+        let (k, p) = c.next().unwrap();
+        if k == Kind::Events {
+            registered += events_of(&p)
+                .iter()
+                .filter(|e| matches!(e, Event::RegionRegistered { .. }))
+                .count();
+        }
+        c.fds.clear(); // the test does not map them
+    }
+    let after = m.rss_kib();
+    assert!(
+        after < before + 32 * 1024,
+        "RSS {before} KiB -> {after} KiB for 40 regions"
+    );
+}
+
+/// Two tenants (identities that differ only in `ORBITKV_CACHE_SCOPE`, so in
+/// their digest) on one manager: one never reads the other's pages.
+#[test]
+fn another_cache_scope_never_reads_these_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x4400 + i)).collect();
+    let mut a = Client::connect(&m.socket, "tenant-a").unwrap();
+    publish_four(&mut a, &hashes, |i| vec![i as u8 + 1; BYTES as usize]);
+    let mut b = Client::connect(&m.socket, "tenant-b").unwrap();
+    let Command::RegisterInstance {
+        layout,
+        page_tokens,
+        groups,
+        ranks,
+        ..
+    } = register_command()
+    else {
+        unreachable!()
+    };
+    let e = b
+        .call(
+            Command::RegisterInstance {
+                instance: "llama-scope-b".into(),
+                identity: [10; 32], // the same model under another scope
+                layout,
+                page_tokens,
+                groups,
+                ranks,
+            },
+            T,
+        )
+        .unwrap();
+    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
+    let s = match b
+        .call(
+            Command::OpenSession {
+                instance: "llama-scope-b".into(),
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::SessionOpened { session, .. } => session,
+        e => panic!("{e:?}"),
+    };
+    let r = prepared(&mut b, s, &hashes);
+    assert!(
+        matches!(
+            r,
+            Event::QueryResult {
+                miss: Some(orbitkv_components::api::MissReason::NotFound),
+                ..
+            }
+        ),
+        "{r:?}"
     );
 }

@@ -367,8 +367,10 @@ pub struct DeviceRegion {
     pub page_bytes: u64,
     /// The copy engine's region id.
     pub engine_region: u32,
-    /// Live device page per slot.
-    pub live: Vec<Option<Entity>>,
+    /// The live device page of each allocated slot. Only allocated slots
+    /// have an entry: a region's bookkeeping grows with its use, not with
+    /// `slots` (which may be millions).
+    pub live: std::collections::BTreeMap<u32, Entity>,
 }
 
 #[derive(Component, Debug, Clone)]

@@ -154,10 +154,7 @@ fn take_frames(st: &mut State) -> usize {
     let mut submitted = 0;
     for id in ids {
         let mut taken = 0;
-        loop {
-            let Some(c) = st.conns.get_mut(&id) else {
-                break;
-            };
+        while let Some(c) = st.conns.get_mut(&id) {
             if taken >= st.settings.max_frames_per_round || st.rt.inbox_room() == 0 {
                 break;
             }

@@ -485,7 +485,7 @@ pub fn close_sessions(
             commands.entity(session.instance).despawn();
         }
         for (region_entity, region) in regions.iter().filter(|(_, r)| r.session == entity) {
-            for page in region.live.iter().flatten() {
+            for page in region.live.values() {
                 commands.entity(*page).despawn();
             }
             // Nothing targets it any more: no operation of the session is left.

@@ -519,7 +519,7 @@ fn register_region(
             slots,
             page_bytes,
             engine_region,
-            live: vec![None; slots as usize],
+            live: Default::default(),
         })
         .id();
     emit(
@@ -552,20 +552,17 @@ fn alloc_device_page(
     if region.session != session {
         return Err(CommandError::NotOwner);
     }
-    match region.live.get(slot as usize) {
-        None => {
-            return Err(invalid(format!(
-                "slot {slot} is outside the region's {} slots",
-                region.slots
-            )));
-        }
-        Some(Some(_)) => {
-            return Err(CommandError::SlotInUse {
-                region: region_bits,
-                slot,
-            });
-        }
-        Some(None) => {}
+    if slot >= region.slots {
+        return Err(invalid(format!(
+            "slot {slot} is outside the region's {} slots",
+            region.slots
+        )));
+    }
+    if region.live.contains_key(&slot) {
+        return Err(CommandError::SlotInUse {
+            region: region_bits,
+            slot,
+        });
     }
     let page = world
         .spawn(DevicePage {
@@ -578,7 +575,8 @@ fn alloc_device_page(
     world
         .get_mut::<DeviceRegion>(region_entity)
         .expect("checked")
-        .live[slot as usize] = Some(page);
+        .live
+        .insert(slot, page);
     emit(
         world,
         origin,
@@ -625,7 +623,7 @@ fn free_device_page(
     let (region, slot) = (page.region, page.slot);
     world.despawn(entity);
     if let Some(mut r) = world.get_mut::<DeviceRegion>(region) {
-        r.live[slot as usize] = None;
+        r.live.remove(&slot);
     }
     emit(
         world,

@@ -84,9 +84,9 @@ pub fn release_device_page(
     page: &DevicePage,
 ) {
     if let Ok(mut region) = regions.get_mut(page.region)
-        && region.live.get(page.slot as usize) == Some(&Some(entity))
+        && region.live.get(&page.slot) == Some(&entity)
     {
-        region.live[page.slot as usize] = None;
+        region.live.remove(&page.slot);
     }
     commands.entity(entity).despawn();
 }

@@ -179,7 +179,7 @@ pub fn check(world: &mut World) -> Vec<String> {
             v.push(format!("device page {e:?} is pinned by nothing"));
         }
         match world.get::<DeviceRegion>(page.region) {
-            Some(r) if r.live.get(page.slot as usize) == Some(&Some(e)) => {}
+            Some(r) if r.live.get(&page.slot) == Some(&e) => {}
             _ => v.push(format!("device page {e:?} is not its region's live slot")),
         }
     }

@@ -48,7 +48,7 @@ struct ServeFile {
     record: Option<PathBuf>,
     idle_tick_us: Option<u64>,
     max_connections: Option<usize>,
-    max_outbox_bytes: Option<String>,
+    max_outbox_bytes: Option<SizeValue>,
     stall_timeout_ms: Option<u64>,
     max_sessions_per_connection: Option<usize>,
     max_regions_per_connection: Option<usize>,
@@ -57,6 +57,23 @@ struct ServeFile {
     metrics_timeout_ms: Option<u64>,
     hot_path: Option<bool>,
     hot_area: Option<String>,
+}
+
+/// A size in the config file: bytes, or a string with a unit (`"64MiB"`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum SizeValue {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeValue {
+    fn bytes(&self) -> Result<u64, ServeError> {
+        match self {
+            SizeValue::Bytes(n) => Ok(*n),
+            SizeValue::Text(s) => parse_size(s),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -179,7 +196,7 @@ impl Settings {
             }
         };
         let max_outbox_bytes = match &serve.max_outbox_bytes {
-            Some(s) => usize::try_from(parse_size(s)?)
+            Some(s) => usize::try_from(s.bytes()?)
                 .map_err(|_| ServeError::Setting("max_outbox_bytes overflows".into()))?,
             None => 64 << 20,
         };

@@ -295,9 +295,11 @@ impl HostPool {
         let file = self.file.as_ref()?;
         // A fresh open file description, read-only (a dup would share the
         // manager's read-write one).
+        // Without /proc, a duplicate: the seals protect the pool either way.
         std::fs::OpenOptions::new()
             .read(true)
             .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .or_else(|_| file.try_clone())
             .ok()
             .map(std::os::fd::OwnedFd::from)
     }

@@ -24,22 +24,32 @@ const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// How long the loop keeps polling without sleeping after commands: the
 /// next request of an engine step usually follows within microseconds.
 const SPIN_AFTER_WORK: Duration = Duration::from_micros(100);
-/// How often the metrics snapshot is refreshed.
+/// How often the metrics snapshot is refreshed (after a tick changed it).
 const METRICS_EVERY: Duration = Duration::from_millis(100);
+/// With no client connected and nothing in flight there is nothing to
+/// expire soon: the loop ticks (and refreshes the metrics) this rarely, so
+/// an idle manager costs next to nothing.
+const UNUSED_TICK: Duration = Duration::from_secs(1);
 
 pub fn run(st: &mut State, stop: &AtomicBool) {
     let mut busy_until = Instant::now();
     let mut refreshed = Instant::now();
+    let mut refreshed_tick = st.last_tick;
     st.refresh_metrics();
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         let io_pending = st.rt.in_flight() > 0;
-        let timeout = if now < busy_until || backlog(st) {
+        let every = if st.conns.is_empty() && !io_pending {
+            UNUSED_TICK
+        } else {
+            IDLE_WAIT
+        };
+        let timeout = if now < busy_until || backlog(st) || st.rt.inbox_len() > 0 {
             Duration::ZERO
         } else if io_pending {
             st.settings.idle_tick
         } else {
-            IDLE_WAIT.saturating_sub(st.last_tick.elapsed())
+            every.saturating_sub(st.last_tick.elapsed())
         };
         let (accept, readable) = wait(st, timeout);
         if accept {
@@ -51,9 +61,11 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             }
         }
         let submitted = take_frames(st) + read_hot(st);
+        // The inbox also holds what departed connections left (close_origin).
         if submitted > 0
+            || st.rt.inbox_len() > 0
             || (io_pending && st.last_tick.elapsed() >= st.settings.idle_tick)
-            || st.last_tick.elapsed() >= IDLE_WAIT
+            || st.last_tick.elapsed() >= every
         {
             st.tick();
         }
@@ -62,8 +74,11 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
         }
         st.push_wakes();
         st.flush();
-        if refreshed.elapsed() >= METRICS_EVERY {
+        if refreshed.elapsed() >= METRICS_EVERY
+            && (st.last_tick != refreshed_tick || refreshed.elapsed() >= UNUSED_TICK)
+        {
             refreshed = Instant::now();
+            refreshed_tick = st.last_tick;
             st.refresh_metrics();
         }
     }

@@ -860,16 +860,25 @@ fn inspect_shows_sessions_leases_and_the_last_minute() {
 }
 
 #[test]
-fn an_idle_manager_uses_under_one_percent_of_a_core() {
+fn an_idle_manager_barely_wakes_and_barely_uses_a_core() {
     let dir = tempfile::tempdir().unwrap();
     let m = start(dir.path());
-    std::thread::sleep(Duration::from_millis(500));
+    m.wait_metric("orbitkv_connections", |v| v == 0);
+    std::thread::sleep(Duration::from_millis(1500));
+    let rounds = m.metric("orbitkv_loop_rounds_total").unwrap();
     let before = m.cpu_ns();
     let t = Instant::now();
     std::thread::sleep(Duration::from_secs(10));
     let share = (m.cpu_ns() - before) as f64 / 1e9 / t.elapsed().as_secs_f64();
+    // The exact property, whatever else loads the machine: with no client
+    // the loop wakes about once a second.
+    let woke = m.metric("orbitkv_loop_rounds_total").unwrap() - rounds;
+    assert!(woke <= 15, "{woke} loop rounds in 10 idle seconds");
+    // On-CPU time (schedstat, exact): ~0.07% of a core on an idle machine
+    // in a debug build; bounded loosely here, since a saturated test
+    // machine slows every instruction down.
     assert!(
-        share < 0.01,
+        share < 0.05,
         "idle manager used {:.2}% of a core",
         share * 100.0
     );

@@ -52,6 +52,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             every.saturating_sub(st.last_tick.elapsed())
         };
         let (accept, readable) = wait(st, timeout);
+        st.metrics.counters.loop_rounds.inc();
         if accept {
             st.accept();
         }

@@ -66,6 +66,8 @@ struct Gauges {
 
 /// Manager-side counters (the loop's own events).
 pub struct Counters {
+    /// Rounds of the event loop (its wake-ups): a few per second when idle.
+    pub loop_rounds: Counter,
     pub disconnects: Family<Reason, Counter>,
     pub protocol_errors: Counter,
     pub hot_requests: Counter,
@@ -196,6 +198,11 @@ impl Metrics {
             hot_open_requests: gauge(&mut r, "hot_open_requests", "Hot requests open"),
         };
         let counters = Counters {
+            loop_rounds: counter(
+                &mut r,
+                "loop_rounds",
+                "Rounds of the manager's event loop (wake-ups)",
+            ),
             disconnects: Family::default(),
             protocol_errors: counter(
                 &mut r,

@@ -143,7 +143,7 @@ fn over_quota(st: &State, id: ConnId, q: Quota) -> Option<CommandError> {
             st.settings.max_regions_per_connection,
         ),
     };
-    (claimed >= limit).then(|| CommandError::Limit {
+    (claimed >= limit).then_some(CommandError::Limit {
         name,
         limit: limit as u64,
     })

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use orbitkv_components::StateKey;
+use orbitkv_components::api::MissReason;
 
 use crate::checksum::page_checksum;
 
@@ -42,6 +43,13 @@ pub enum TierError {
     /// miss as `checksum`.
     #[error("stored page failed verification")]
     Corrupt,
+    /// The store cannot be reached (connection refused or lost, cluster
+    /// down for the slot, breaker open).
+    #[error("tier unavailable: {0}")]
+    Unavailable(String),
+    /// The read did not complete by its deadline.
+    #[error("read past its deadline")]
+    Timeout,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +104,29 @@ pub trait BackingTier: Send {
     /// Demotions that finished since the last call: `Ok` once visible to
     /// `lookup` (and durable per the tier's policy), or why they failed.
     fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), String>>) {}
+
+    /// Write-through: a page was just published into DRAM and stays there;
+    /// a tier that shares pages with other hosts copies it now. Refusals as
+    /// for [`demote`](Self::demote); completions are the tier's own business
+    /// (they are not demotions).
+    fn write_through(
+        &mut self,
+        _key: &StateKey,
+        _format: [u8; 32],
+        _payload: &[u8],
+        _now_us: u64,
+    ) -> Result<(), &'static str> {
+        Err("not_writable")
+    }
+
+    /// The miss reason a failed read of this tier becomes.
+    fn miss_reason(&self, e: &TierError) -> MissReason {
+        match e {
+            TierError::NotFound => MissReason::EvictedDuringRead,
+            TierError::Corrupt => MissReason::Checksum,
+            _ => MissReason::IoError,
+        }
+    }
 }
 
 struct PoolPtr(*mut u8, u64);

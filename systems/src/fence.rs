@@ -88,13 +88,14 @@ pub fn fence(
                     Some(MissReason::Checksum)
                 }
             },
-            Err(TierError::NotFound) => Some(MissReason::EvictedDuringRead),
             // The tier's own header or checksum check failed: never served.
-            Err(TierError::Corrupt) => {
-                metrics.checksum_failures += 1;
-                Some(MissReason::Checksum)
+            Err(e) => {
+                if e == TierError::Corrupt {
+                    metrics.checksum_failures += 1;
+                }
+                let t = &tiers.0.get_mut()[tier];
+                Some(t.miss_reason(&e))
             }
-            Err(_) => Some(MissReason::IoError),
         };
         if let Some(reason) = failure {
             dram.free(dram_slot);
@@ -253,6 +254,7 @@ pub fn fence(
                     dram.index.insert(item.key, page_entity);
                     dram.make_evictable(page_entity, slot);
                     metrics.bytes_published += item.bytes;
+                    write_through(&mut tiers, &dram, &mut metrics, item, slot, clock.now_us);
                     item.state = ItemState::Inserted;
                 }
                 let waiting = job.items.iter().any(|i| i.state == ItemState::Waiting);
@@ -262,6 +264,29 @@ pub fn fence(
             }
             TransferKind::TierRead { .. } => {}
         }
+    }
+}
+
+/// Offers a page just published to every tier that shares pages with other
+/// hosts (remote, write-through policy); counted by outcome.
+fn write_through(
+    tiers: &mut Tiers,
+    dram: &Dram,
+    metrics: &mut Metrics,
+    item: &orbitkv_components::ecs::PublishItem,
+    slot: u64,
+    now_us: u64,
+) {
+    let Some(bytes) = dram.slot_bytes(slot, item.bytes) else {
+        return;
+    };
+    for t in tiers.0.get_mut().iter_mut() {
+        let key = match t.write_through(&item.key, item.format, bytes, now_us) {
+            Ok(()) => "submitted",
+            Err("not_writable") => continue,
+            Err(reason) => reason,
+        };
+        *metrics.write_through.entry(key.to_owned()).or_default() += 1;
     }
 }
 

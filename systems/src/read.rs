@@ -142,9 +142,9 @@ pub fn read(
                     reads_in_flight += 1;
                 }
                 Err(orbitkv_io::tier::TierError::QueueFull(..)) => dram.free(dram_slot),
-                Err(_) => {
+                Err(e) => {
                     dram.free(dram_slot);
-                    failure = Some(MissReason::IoError);
+                    failure = Some(tiers[tier].miss_reason(&e));
                     break;
                 }
             }

@@ -19,7 +19,7 @@ use super::record::{
 };
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
 use crate::checksum::page_checksum;
-use crate::tier::{BackingTier, ReadDone, ReadToken, TierEntry, TierError};
+use crate::tier::{BackingTier, ReadDone, ReadToken, TierEntry, TierError, remote_miss_reason};
 
 /// A read's destination, claimed by exactly one side: the worker (to copy
 /// verified bytes) or the tick (to report a timeout).
@@ -727,12 +727,7 @@ impl BackingTier for RemoteTier {
     }
 
     fn miss_reason(&self, e: &TierError) -> MissReason {
-        match e {
-            TierError::NotFound => MissReason::RemoteMissing,
-            TierError::Corrupt | TierError::SizeMismatch { .. } => MissReason::RemoteCorrupt,
-            TierError::Timeout => MissReason::RemoteTimeout,
-            _ => MissReason::RemoteUnavailable,
-        }
+        remote_miss_reason(e)
     }
 }
 

@@ -157,6 +157,35 @@ fn set_timeouts_single(c: &redis::Connection, io: Duration) -> RedisResult<()> {
     c.set_write_timeout(Some(io))
 }
 
+/// Where a record's directory entry goes.
+pub(crate) struct DirPut<'a> {
+    pub key: &'a str,
+    /// Approximate trim length of the stream.
+    pub max_entries: u64,
+    /// Renew the stream's expiry with this write.
+    pub renew: bool,
+}
+
+/// A record as one command argument: header then payload, written
+/// straight into the command buffer.
+struct RecordArg<'a> {
+    header: &'a [u8],
+    payload: &'a [u8],
+}
+
+impl redis::ToRedisArgs for RecordArg<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        use std::io::Write as _;
+        let mut w = out.writer_for_next_arg();
+        // Writing into the command's Vec cannot fail.
+        let _ = w.write_all(self.header);
+        let _ = w.write_all(self.payload);
+    }
+}
+
 /// One directory stream entry: its id and the header bytes it carries.
 pub(crate) type DirEntry = (String, Vec<u8>);
 
@@ -206,26 +235,27 @@ impl Conn {
         self.query(redis::cmd("GET").arg(key))
     }
 
-    /// Stores a record, then appends its directory entry and renews the
-    /// directory's expiry. The value goes first, so a directory entry
-    /// never names a record that was not written.
-    #[allow(clippy::too_many_arguments)]
+    /// Stores a record (`header ‖ payload`, written into the command
+    /// without an intermediate copy), appends its directory entry (the
+    /// header) and, with `renew_dir`, renews the directory's expiry. The value goes first, so
+    /// a directory entry never names a record that was not written: one
+    /// ordered pipeline on a single node; on a cluster the value's and the
+    /// directory's slots differ, so the value is stored before the entry
+    /// is sent.
     pub(crate) fn put(
         &mut self,
         data_key: &str,
-        record: &[u8],
+        header: &[u8],
+        payload: &[u8],
         ttl_ms: u64,
-        dir_key: &str,
-        entry: &[u8],
-        dir_max_entries: u64,
+        dir: &DirPut<'_>,
     ) -> RedisResult<()> {
-        let () = self.query(
-            redis::cmd("SET")
-                .arg(data_key)
-                .arg(record)
-                .arg("PX")
-                .arg(ttl_ms),
-        )?;
+        let (dir_key, dir_max_entries, renew_dir) = (dir.key, dir.max_entries, dir.renew);
+        let mut set = redis::cmd("SET");
+        set.arg(data_key)
+            .arg(RecordArg { header, payload })
+            .arg("PX")
+            .arg(ttl_ms);
         let mut xadd = redis::cmd("XADD");
         xadd.arg(dir_key)
             .arg("MAXLEN")
@@ -233,10 +263,25 @@ impl Conn {
             .arg(dir_max_entries)
             .arg("*")
             .arg("h")
-            .arg(entry);
-        let mut expire = redis::cmd("PEXPIRE");
-        expire.arg(dir_key).arg(ttl_ms);
-        self.pipeline(vec![xadd, expire])?;
+            .arg(header);
+        let mut dir = vec![xadd];
+        if renew_dir {
+            // Renewed at most every ttl/10 (see `Renewals`): outlive the
+            // newest record written in between.
+            let mut expire = redis::cmd("PEXPIRE");
+            expire.arg(dir_key).arg(ttl_ms + ttl_ms / 10);
+            dir.push(expire);
+        }
+        match self {
+            Conn::Single(_) => {
+                dir.insert(0, set);
+                self.pipeline(dir)?;
+            }
+            Conn::Cluster(_) => {
+                let () = self.query(&set)?;
+                self.pipeline(dir)?;
+            }
+        }
         Ok(())
     }
 

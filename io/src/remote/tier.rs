@@ -12,11 +12,9 @@ use orbitkv_components::api::MissReason;
 use orbitkv_components::{Namespace, StateKey};
 
 use super::config::{RemoteConfig, RemoteError};
-use super::conn::{Conn, Connector, classify};
+use super::conn::{Conn, Connector, DirPut, classify};
 use super::meta::{MetaCache, MetaEntry};
-use super::record::{
-    Expect, RecordHeader, data_key, directory_key, encode_record, shard_of, verify,
-};
+use super::record::{Expect, RecordHeader, data_key, directory_key, shard_of, verify};
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
 use crate::checksum::page_checksum;
 use crate::tier::{BackingTier, ReadDone, ReadToken, TierEntry, TierError, remote_miss_reason};
@@ -402,6 +400,22 @@ impl RemoteTier {
         payload: &[u8],
     ) -> Result<(), &'static str> {
         self.offer_write(key, format, payload, Origin::Publish)
+    }
+
+    /// Blocks until a reply from a worker arrives (or `timeout` passes);
+    /// `true` if one did. For callers without a tick loop of their own
+    /// (benchmarks, tools): a read it finished is reported by the next
+    /// `poll`.
+    pub fn wait(&mut self, timeout: Duration) -> bool {
+        match self.replies.recv_timeout(timeout) {
+            Ok(r) => {
+                if let Some(done) = self.apply(r) {
+                    self.ready.push(done);
+                }
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     /// Waits (polling) until every accepted write finished or `timeout`
@@ -845,12 +859,35 @@ fn read_one(
     Ok(payload.len() as u64)
 }
 
+/// Directory streams whose expiry a writer renewed lately, and when. A
+/// directory's expiry only has to outlive its newest record, so it is
+/// renewed at most every tenth of the TTL per writer, not on every write.
+struct Renewals(HashMap<String, Instant>);
+
+/// Directory keys a writer remembers renewing (it forgets all beyond).
+const MAX_RENEWALS: usize = 4096;
+
+impl Renewals {
+    fn due(&mut self, dir: &str, ttl_ms: u64) -> bool {
+        let every = Duration::from_millis((ttl_ms / 10).max(1));
+        if self.0.get(dir).is_some_and(|t| t.elapsed() < every) {
+            return false;
+        }
+        if self.0.len() >= MAX_RENEWALS {
+            self.0.clear();
+        }
+        self.0.insert(dir.to_owned(), Instant::now());
+        true
+    }
+}
+
 fn write_worker(s: &Shared, rx: &Receiver<WriteJob>, tx: &Sender<Reply>) {
     let mut conn: Option<Conn> = None;
+    let mut renewals = Renewals(HashMap::new());
     for job in rx.iter() {
         let started = Instant::now();
         let bytes = job.payload.len() as u64;
-        let result = write_one(s, &mut conn, &job);
+        let result = write_one(s, &mut conn, &mut renewals, &job);
         match &result {
             Ok(()) => {
                 s.stats.writes_ok.fetch_add(1, Ordering::Relaxed);
@@ -879,6 +916,7 @@ fn write_worker(s: &Shared, rx: &Receiver<WriteJob>, tx: &Sender<Reply>) {
 fn write_one(
     s: &Shared,
     conn: &mut Option<Conn>,
+    renewals: &mut Renewals,
     job: &WriteJob,
 ) -> Result<(), (ErrorKind, String)> {
     if s.stop.load(Ordering::Acquire) {
@@ -897,7 +935,6 @@ fn write_one(
         written_unix_ms: unix_ms(),
         ttl_ms: cfg.ttl_ms,
     };
-    let record = encode_record(&header, &job.payload);
     let entry = header.encode();
     let shards = cfg.directory_shards;
     let dir = directory_key(
@@ -909,13 +946,17 @@ fn write_one(
     let c = s.conn(conn, cfg.write_timeout())?;
     if let Err(e) = c.put(
         &data_key(&cfg.key_prefix, &job.key),
-        &record,
-        cfg.ttl_ms,
-        &dir,
         &entry,
-        per_shard,
+        &job.payload,
+        cfg.ttl_ms,
+        &DirPut {
+            key: &dir,
+            max_entries: per_shard,
+            renew: renewals.due(&dir, cfg.ttl_ms),
+        },
     ) {
         *conn = None;
+        renewals.0.remove(&dir);
         return Err((classify(&e), e.to_string()));
     }
     s.breaker.success();

@@ -39,6 +39,11 @@ pub struct Args {
     /// SSD tier as DIR:SIZE, e.g. /mnt/nvme/orbitkv:200GiB.
     #[arg(long, env = "ORBITKV_SSD")]
     ssd: Option<String>,
+    /// Remote tier: redis://HOST:PORT, or comma-separated cluster seeds
+    /// (docs/remote.md). The password comes from ORBITKV_REMOTE_PASSWORD
+    /// or `[remote] password_file`, never from the URL.
+    #[arg(long, env = "ORBITKV_REMOTE")]
+    remote: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9400.
     #[arg(long, env = "ORBITKV_METRICS_ADDR")]
     metrics_addr: Option<String>,
@@ -61,6 +66,7 @@ struct ServeFile {
     socket: Option<PathBuf>,
     dram: Option<String>,
     ssd: Option<String>,
+    remote: Option<String>,
     metrics_addr: Option<String>,
     record: Option<PathBuf>,
     idle_tick_us: Option<u64>,
@@ -152,6 +158,14 @@ pub fn settings(args: &Args) -> Result<Settings> {
         ssd.dir = PathBuf::from(dir);
         ssd.capacity_bytes = parse_size(size)?;
         runtime.ssd = Some(ssd);
+    }
+    if let Some(spec) = args.remote.as_ref().or(serve.remote.as_ref()) {
+        let mut remote = runtime.remote.take().unwrap_or_default();
+        remote.urls = orbitkv_io::remote::RemoteConfig::parse_urls(spec);
+        runtime.remote = Some(remote);
+    }
+    if let Some(remote) = &runtime.remote {
+        remote.validate()?;
     }
     // The pool and device regions are shared with clients.
     runtime.dram.shared = true;
@@ -276,6 +290,7 @@ pub fn run(args: Args) -> Result<()> {
         socket = %settings.socket.display(),
         dram_bytes = settings.runtime.dram.capacity_bytes,
         ssd = ?settings.runtime.ssd.as_ref().map(|s| s.dir.display().to_string()),
+        remote = ?settings.runtime.remote.as_ref().map(|r| &r.urls),
         incarnation = settings.runtime.incarnation,
         first_touch_s_per_gib = ?rt.first_touch().map(|f| f.seconds_per_gib),
         "orbitkv serving"
@@ -833,6 +848,14 @@ impl Server {
         }
         for (k, v) in &m.demotions {
             o.push_str(&format!("orbitkv_demotions_total{{outcome=\"{k}\"}} {v}\n"));
+        }
+        for (k, v) in &m.write_through {
+            o.push_str(&format!(
+                "orbitkv_write_through_total{{outcome=\"{k}\"}} {v}\n"
+            ));
+        }
+        if let Some(r) = self.rt.remote_stats() {
+            r.render_prometheus(&mut o);
         }
         if let Ok(mut shared) = self.metrics.lock() {
             *shared = o;

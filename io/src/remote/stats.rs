@@ -294,6 +294,167 @@ pub struct RemoteStatsSnapshot {
     pub connect_failures: u64,
 }
 
+impl RemoteStatsSnapshot {
+    /// The Prometheus text of these counters (`docs/remote.md`, "Metrics").
+    pub fn render_prometheus(&self, o: &mut String) {
+        use std::fmt::Write as _;
+        let mut metric = |name: &str, kind: &str, help: &str, lines: &[(String, u64)]| {
+            let _ = writeln!(o, "# HELP orbitkv_remote_{name} {help}");
+            let _ = writeln!(o, "# TYPE orbitkv_remote_{name} {kind}");
+            for (labels, v) in lines {
+                let _ = writeln!(o, "orbitkv_remote_{name}{labels} {v}");
+            }
+        };
+        let one = |v: u64| vec![(String::new(), v)];
+        metric(
+            "up",
+            "gauge",
+            "1 unless the breaker is open",
+            &one(u64::from(!self.breaker_open)),
+        );
+        metric(
+            "lookups_total",
+            "counter",
+            "Metadata lookups",
+            &one(self.lookups),
+        );
+        metric(
+            "lookup_hits_total",
+            "counter",
+            "Lookups that found a page",
+            &one(self.lookup_hits),
+        );
+        metric(
+            "lookups_suppressed_total",
+            "counter",
+            "Lookups answered absent while the tier was down",
+            &one(self.lookups_suppressed),
+        );
+        let mut reads = vec![
+            ("{outcome=\"ok\"}".to_string(), self.reads_ok),
+            ("{outcome=\"refused\"}".to_string(), self.reads_refused),
+        ];
+        for k in ErrorKind::ALL {
+            reads.push((
+                format!("{{outcome=\"{}\"}}", k.as_str()),
+                self.read_errors.get(k),
+            ));
+        }
+        metric("reads_total", "counter", "Reads by outcome", &reads);
+        metric(
+            "read_bytes_total",
+            "counter",
+            "Verified bytes read",
+            &one(self.bytes_read),
+        );
+        metric(
+            "written_bytes_total",
+            "counter",
+            "Page bytes written",
+            &one(self.bytes_written),
+        );
+        metric(
+            "writes_total",
+            "counter",
+            "Records stored",
+            &one(self.writes_ok),
+        );
+        let mut errors = Vec::new();
+        for (op, c) in [
+            ("read", &self.read_errors),
+            ("write", &self.write_errors),
+            ("refresh", &self.refresh_errors),
+        ] {
+            for k in ErrorKind::ALL {
+                errors.push((format!("{{op=\"{op}\",kind=\"{}\"}}", k.as_str()), c.get(k)));
+            }
+        }
+        metric(
+            "errors_total",
+            "counter",
+            "Failures by operation and kind",
+            &errors,
+        );
+        let r = &self.write_refusals;
+        let refusals: Vec<(String, u64)> = [
+            ("unavailable", r.unavailable),
+            ("too_large", r.too_large),
+            ("duplicate", r.duplicate),
+            ("queue_full", r.queue_full),
+            ("empty", r.empty),
+        ]
+        .iter()
+        .map(|(k, v)| (format!("{{reason=\"{k}\"}}"), *v))
+        .collect();
+        metric(
+            "write_refusals_total",
+            "counter",
+            "Writes refused, by reason",
+            &refusals,
+        );
+        metric(
+            "metadata_entries",
+            "gauge",
+            "Pages the metadata cache knows",
+            &one(self.metadata_entries),
+        );
+        metric(
+            "namespaces_followed",
+            "gauge",
+            "Namespaces whose directories are followed",
+            &one(self.namespaces_followed),
+        );
+        metric(
+            "directory_resets_total",
+            "counter",
+            "Directory streams found gone (flushed or expired)",
+            &one(self.directory_resets),
+        );
+        metric(
+            "breaker_opens_total",
+            "counter",
+            "Times the tier was declared down",
+            &one(self.breaker_opens),
+        );
+        metric(
+            "reads_in_flight",
+            "gauge",
+            "Reads accepted and not reported",
+            &one(self.reads_in_flight),
+        );
+        metric(
+            "writes_queued",
+            "gauge",
+            "Writes accepted and not finished",
+            &one(self.writes_queued),
+        );
+        for (name, h) in [
+            ("read_latency_us", &self.read_latency),
+            ("write_latency_us", &self.write_latency),
+        ] {
+            let _ = writeln!(
+                o,
+                "# HELP orbitkv_remote_{name} Latency of successful operations"
+            );
+            let _ = writeln!(o, "# TYPE orbitkv_remote_{name} histogram");
+            let mut cumulative = 0;
+            for (i, c) in h.counts.iter().enumerate() {
+                cumulative += c;
+                let le = h
+                    .bounds_us
+                    .get(i)
+                    .map_or_else(|| "+Inf".to_string(), u64::to_string);
+                let _ = writeln!(
+                    o,
+                    "orbitkv_remote_{name}_bucket{{le=\"{le}\"}} {cumulative}"
+                );
+            }
+            let _ = writeln!(o, "orbitkv_remote_{name}_sum {}", h.sum_us);
+            let _ = writeln!(o, "orbitkv_remote_{name}_count {}", h.count);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,5 +473,29 @@ mod tests {
         assert_eq!(s.count, 4);
         assert_eq!(s.sum_us, 10_000_101);
         assert_eq!(s.counts.len(), s.bounds_us.len() + 1);
+    }
+
+    #[test]
+    fn prometheus_text() {
+        let st = RemoteStats::default();
+        st.read_errors.bump(ErrorKind::Corrupt);
+        st.read_latency.record(70);
+        let snap = st.snapshot(Live {
+            mode: "single",
+            breaker_open: true,
+            reads_in_flight: 2,
+            reads_abandoned: 0,
+            writes_queued: 0,
+            write_bytes_queued: 0,
+        });
+        let mut o = String::new();
+        snap.render_prometheus(&mut o);
+        assert!(o.contains("orbitkv_remote_up 0\n"), "{o}");
+        assert!(o.contains("orbitkv_remote_reads_total{outcome=\"corrupt\"} 1\n"));
+        assert!(o.contains("orbitkv_remote_errors_total{op=\"read\",kind=\"corrupt\"} 1\n"));
+        assert!(o.contains("orbitkv_remote_read_latency_us_bucket{le=\"50\"} 0\n"));
+        assert!(o.contains("orbitkv_remote_read_latency_us_bucket{le=\"100\"} 1\n"));
+        assert!(o.contains("orbitkv_remote_read_latency_us_bucket{le=\"+Inf\"} 1\n"));
+        assert!(o.contains("orbitkv_remote_reads_in_flight 2\n"));
     }
 }

@@ -63,10 +63,21 @@ pub enum MissReason {
     Checksum,
     Cancelled,
     EvictedDuringRead,
+    /// The remote store's metadata named a record that is gone (expired,
+    /// evicted by Redis, flushed).
+    RemoteMissing,
+    /// The remote record failed verification (header, key, length,
+    /// checksum) or was rewritten since the lookup.
+    RemoteCorrupt,
+    /// The remote store could not be reached (down, partitioned, breaker
+    /// open).
+    RemoteUnavailable,
+    /// A remote read passed its deadline (slow node).
+    RemoteTimeout,
 }
 
 impl MissReason {
-    pub const ALL: [MissReason; 12] = [
+    pub const ALL: [MissReason; 16] = [
         MissReason::NotFound,
         MissReason::Namespace,
         MissReason::IncompleteGroup,
@@ -79,6 +90,10 @@ impl MissReason {
         MissReason::Checksum,
         MissReason::Cancelled,
         MissReason::EvictedDuringRead,
+        MissReason::RemoteMissing,
+        MissReason::RemoteCorrupt,
+        MissReason::RemoteUnavailable,
+        MissReason::RemoteTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -95,6 +110,10 @@ impl MissReason {
             MissReason::Checksum => "checksum",
             MissReason::Cancelled => "cancelled",
             MissReason::EvictedDuringRead => "evicted_during_read",
+            MissReason::RemoteMissing => "remote_missing",
+            MissReason::RemoteCorrupt => "remote_corrupt",
+            MissReason::RemoteUnavailable => "remote_unavailable",
+            MissReason::RemoteTimeout => "remote_timeout",
         }
     }
 }

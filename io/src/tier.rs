@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use orbitkv_components::StateKey;
+use orbitkv_components::api::MissReason;
 
 use crate::checksum::page_checksum;
 
@@ -42,6 +43,13 @@ pub enum TierError {
     /// miss as `checksum`.
     #[error("stored page failed verification")]
     Corrupt,
+    /// The store cannot be reached (connection refused or lost, cluster
+    /// down for the slot, breaker open).
+    #[error("tier unavailable: {0}")]
+    Unavailable(String),
+    /// The read did not complete by its deadline.
+    #[error("read past its deadline")]
+    Timeout,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +114,47 @@ pub trait BackingTier: Send {
     /// Demotions that finished since the last call: `Ok` once visible to
     /// `lookup` (and durable per the tier's policy), or why they failed.
     fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), String>>) {}
+
+    /// Write-through: a page was just published into DRAM and stays there;
+    /// a tier that shares pages with other hosts copies it now. `checksum`
+    /// (the one the copy computed as the bytes landed) and refusals as for
+    /// [`demote`](Self::demote); completions are the tier's own business
+    /// (they are not demotions).
+    fn write_through(
+        &mut self,
+        _key: &StateKey,
+        _format: [u8; 32],
+        _payload: &[u8],
+        _checksum: u64,
+        _now_us: u64,
+    ) -> Result<(), DemoteRefused> {
+        Err(DemoteRefused::NotWritable)
+    }
+
+    /// The miss reason a failed read of this tier becomes.
+    fn miss_reason(&self, e: &TierError) -> MissReason {
+        local_miss_reason(e)
+    }
+}
+
+/// Miss reasons of a tier on this host (SSD).
+pub fn local_miss_reason(e: &TierError) -> MissReason {
+    match e {
+        TierError::NotFound => MissReason::EvictedDuringRead,
+        TierError::Corrupt => MissReason::Checksum,
+        _ => MissReason::IoError,
+    }
+}
+
+/// Miss reasons of a remote store: what operators of the cluster need to
+/// tell apart.
+pub fn remote_miss_reason(e: &TierError) -> MissReason {
+    match e {
+        TierError::NotFound => MissReason::RemoteMissing,
+        TierError::Corrupt | TierError::SizeMismatch { .. } => MissReason::RemoteCorrupt,
+        TierError::Timeout => MissReason::RemoteTimeout,
+        _ => MissReason::RemoteUnavailable,
+    }
 }
 
 /// Why a tier did not take a page DRAM is evicting.
@@ -161,6 +210,24 @@ struct PendingRead {
     key: StateKey,
     offset: u64,
     len: u64,
+    /// Remote mode: the checksum the metadata promised at submit.
+    expect_sum: u64,
+    /// Remote mode: completes as `Timeout` (it would have finished past
+    /// its deadline).
+    timed_out: bool,
+}
+
+/// Remote-store semantics for a simulated tier (the simulator's model of
+/// `remote::RemoteTier`): lookups answer from metadata that can go stale,
+/// reads verify the record against it and have a deadline, the store can
+/// be down for a while.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimRemote {
+    /// A read whose latency exceeds this completes as `Timeout` at the
+    /// deadline.
+    pub read_timeout_us: u64,
+    /// Published pages are written through.
+    pub write_through: bool,
 }
 
 #[derive(Default)]
@@ -169,6 +236,80 @@ struct MemoryPages {
     fail_next: usize,
     lose_next: usize,
     extra_latency_us: u64,
+    remote: Option<SimRemote>,
+    /// Remote mode: what lookups believe (length, checksum); a hint.
+    meta: HashMap<StateKey, (u64, u64)>,
+    /// Remote mode: down (lookups absent, reads fail) before this time.
+    down_until_us: u64,
+    /// The latest time the tier was polled or submitted to.
+    now_us: u64,
+}
+
+impl MemoryPages {
+    fn down(&self) -> bool {
+        self.remote.is_some() && self.now_us < self.down_until_us
+    }
+
+    /// Remote mode: checks a finished read of `read` against the record,
+    /// as `RemoteTier` does; a failed record leaves the metadata.
+    fn verify_remote(&mut self, read: &PendingRead) -> Result<(), TierError> {
+        if read.timed_out {
+            return Err(TierError::Timeout);
+        }
+        if self.down() {
+            return Err(TierError::Unavailable("simulated remote down".into()));
+        }
+        let verdict = match self.pages.get(&read.key) {
+            None => Err(TierError::NotFound),
+            Some((bytes, sum)) => {
+                if bytes.len() as u64 != read.len
+                    || *sum != read.expect_sum
+                    || page_checksum(bytes) != *sum
+                {
+                    Err(TierError::Corrupt)
+                } else {
+                    Ok(())
+                }
+            }
+        };
+        if verdict.is_err()
+            && self
+                .meta
+                .get(&read.key)
+                .is_some_and(|(_, s)| *s == read.expect_sum)
+        {
+            self.meta.remove(&read.key);
+        }
+        verdict
+    }
+
+    /// Keeps a copy of `payload` (a demotion or a write-through). In remote
+    /// mode it is refused while the store is down or when the key is
+    /// stored already; the copy is verified against the checksum the page
+    /// carries, as the real tiers do.
+    fn keep(&mut self, key: &StateKey, payload: &[u8], checksum: u64) -> Result<(), DemoteRefused> {
+        if self.remote.is_some() {
+            if self.down() {
+                return Err(DemoteRefused::Unavailable);
+            }
+            if self.meta.contains_key(key) {
+                return Err(DemoteRefused::Duplicate);
+            }
+        }
+        let kept = payload.to_vec();
+        if page_checksum(&kept) != checksum {
+            return Err(DemoteRefused::Checksum);
+        }
+        self.store(*key, kept, checksum);
+        Ok(())
+    }
+
+    fn store(&mut self, key: StateKey, bytes: Vec<u8>, sum: u64) {
+        if self.remote.is_some() {
+            self.meta.insert(key, (bytes.len() as u64, sum));
+        }
+        self.pages.insert(key, (bytes, sum));
+    }
 }
 
 /// An in-memory tier with a deterministic latency model: the simulated
@@ -203,12 +344,64 @@ impl MemoryTierHandle {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Stores a page with the checksum of its bytes.
+    /// Stores a page with the checksum of its bytes (and, in remote mode,
+    /// its metadata).
     pub fn insert(&self, key: StateKey, bytes: Vec<u8>) {
         let sum = page_checksum(&bytes);
-        self.pages().pages.insert(key, (bytes, sum));
+        self.pages().store(key, bytes, sum);
     }
 
+    /// Gives the tier remote-store semantics ([`SimRemote`]).
+    pub fn set_remote(&self, remote: SimRemote) {
+        self.pages().remote = Some(remote);
+    }
+
+    pub fn is_remote(&self) -> bool {
+        self.pages().remote.is_some()
+    }
+
+    /// Remote mode: the store is down until `until_us`.
+    pub fn down_until(&self, until_us: u64) {
+        self.pages().down_until_us = until_us;
+    }
+
+    /// Remote mode: every record is gone, the metadata still promises them
+    /// (a flushed cluster). Returns how many records went.
+    pub fn flush(&self) -> usize {
+        let mut p = self.pages();
+        let n = p.pages.len();
+        p.pages.clear();
+        n
+    }
+
+    /// Replaces a page with other bytes under a valid checksum of those
+    /// bytes (an owner that restarted and wrote again); lookups still
+    /// promise the old ones.
+    pub fn rewrite(&self, key: &StateKey) -> bool {
+        match self.pages().pages.get_mut(key) {
+            Some((bytes, sum)) if !bytes.is_empty() => {
+                bytes.iter_mut().for_each(|b| *b ^= 0x5a);
+                *sum = page_checksum(bytes);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Drops the last byte of a page, keeping its checksum (a truncated
+    /// value).
+    pub fn truncate(&self, key: &StateKey) -> bool {
+        match self.pages().pages.get_mut(key) {
+            Some((bytes, _)) if !bytes.is_empty() => {
+                bytes.pop();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The page is gone. In remote mode its metadata stays (stale, until a
+    /// read finds the record missing).
     pub fn remove(&self, key: &StateKey) -> bool {
         self.pages().pages.remove(key).is_some()
     }
@@ -304,7 +497,17 @@ impl BackingTier for MemoryTier {
     }
 
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {
-        self.pages().pages.get(key).map(|(b, sum)| TierEntry {
+        let p = self.pages();
+        if p.remote.is_some() {
+            if p.down() {
+                return None;
+            }
+            return p.meta.get(key).map(|(bytes, sum)| TierEntry {
+                bytes: *bytes,
+                checksum: *sum,
+            });
+        }
+        p.pages.get(key).map(|(b, sum)| TierEntry {
             bytes: b.len() as u64,
             checksum: *sum,
         })
@@ -335,24 +538,53 @@ impl BackingTier for MemoryTier {
         if self.in_flight() >= self.max_in_flight {
             return Err(TierError::QueueFull(self.in_flight(), self.max_in_flight));
         }
-        let token = ReadToken(self.next_token);
-        self.next_token += 1;
-        let extra = {
+        let (extra, remote, expect_sum) = {
             let mut f = self.pages();
+            f.now_us = f.now_us.max(now_us);
+            let mut expect_sum = 0;
+            if f.remote.is_some() {
+                if f.down() {
+                    return Err(TierError::Unavailable("simulated remote down".into()));
+                }
+                match f.meta.get(key) {
+                    None => return Err(TierError::NotFound),
+                    Some((bytes, _)) if *bytes != len => {
+                        return Err(TierError::SizeMismatch {
+                            expected: len,
+                            actual: *bytes,
+                        });
+                    }
+                    Some((_, sum)) => expect_sum = *sum,
+                }
+            }
+            let token = ReadToken(self.next_token);
             if f.lose_next > 0 {
                 f.lose_next -= 1;
                 drop(f);
+                self.next_token += 1;
                 self.lost += 1;
                 return Ok(token);
             }
-            f.extra_latency_us
+            (f.extra_latency_us, f.remote, expect_sum)
         };
+        let token = ReadToken(self.next_token);
+        self.next_token += 1;
+        let mut done_at = now_us + self.latency_us + extra;
+        let mut timed_out = false;
+        if let Some(r) = remote
+            && self.latency_us + extra > r.read_timeout_us
+        {
+            done_at = now_us + r.read_timeout_us;
+            timed_out = true;
+        }
         self.pending.insert(
-            (now_us + self.latency_us + extra, token),
+            (done_at, token),
             PendingRead {
                 key: *key,
                 offset: host_offset,
                 len,
+                expect_sum,
+                timed_out,
             },
         );
         Ok(token)
@@ -361,12 +593,20 @@ impl BackingTier for MemoryTier {
     fn poll(&mut self, now_us: u64, out: &mut Vec<ReadDone>) {
         let shared = self.shared.clone();
         let mut pages = shared.lock().unwrap_or_else(|e| e.into_inner());
+        pages.now_us = pages.now_us.max(now_us);
         while let Some(entry) = self.pending.first_entry() {
             if entry.key().0 > now_us {
                 break;
             }
             let ((_, token), read) = entry.remove_entry();
-            let result = if pages.fail_next > 0 {
+            let checked = if pages.remote.is_some() {
+                pages.verify_remote(&read)
+            } else {
+                Ok(())
+            };
+            let result = if let Err(e) = checked {
+                Err(e)
+            } else if pages.fail_next > 0 {
                 pages.fail_next -= 1;
                 Err(TierError::Io("injected read error".into()))
             } else {
@@ -413,17 +653,35 @@ impl BackingTier for MemoryTier {
         if !self.writable {
             return Err(DemoteRefused::NotWritable);
         }
-        let kept = payload.to_vec();
-        let sum = page_checksum(&kept);
-        if sum != checksum {
-            return Err(DemoteRefused::Checksum);
-        }
-        self.pages().pages.insert(*key, (kept, sum));
+        self.pages().keep(key, payload, checksum)?;
         self.demoted += 1;
         Ok(())
     }
 
     fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), String>>) {
         out.extend((0..std::mem::take(&mut self.demoted)).map(|_| Ok(())));
+    }
+
+    fn write_through(
+        &mut self,
+        key: &StateKey,
+        _format: [u8; 32],
+        payload: &[u8],
+        checksum: u64,
+        _now_us: u64,
+    ) -> Result<(), DemoteRefused> {
+        let mut p = self.pages();
+        if !p.remote.is_some_and(|r| r.write_through) {
+            return Err(DemoteRefused::NotWritable);
+        }
+        p.keep(key, payload, checksum)
+    }
+
+    fn miss_reason(&self, e: &TierError) -> MissReason {
+        if self.pages().remote.is_some() {
+            remote_miss_reason(e)
+        } else {
+            local_miss_reason(e)
+        }
     }
 }

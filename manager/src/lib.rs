@@ -24,6 +24,7 @@ pub mod inspect;
 pub mod listener;
 pub mod main_loop;
 pub mod metrics;
+pub mod remote_metrics;
 pub mod settings;
 pub mod state;
 
@@ -102,7 +103,7 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
     } else {
         None
     };
-    let metrics = metrics::Metrics::new();
+    let metrics = metrics::Metrics::new(rt.remote_stats_handle());
     if let Some(addr) = &settings.metrics_addr {
         http::serve(
             addr,
@@ -115,6 +116,9 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
         socket = %settings.socket.display(),
         dram_bytes = settings.runtime.dram.capacity_bytes,
         ssd = ?settings.runtime.ssd.as_ref().map(|s| s.dir.display().to_string()),
+        // Seed URLs only: they carry no credentials (`RemoteConfig::validate`
+        // refuses one that does), and the password is never in the config.
+        remote = ?settings.runtime.remote.as_ref().map(|r| &r.urls),
         incarnation = settings.runtime.incarnation,
         first_touch_s_per_gib = ?rt.first_touch().map(|f| f.seconds_per_gib),
         "orbitkv serving"

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv_components::api::{Command, CommandId, Event, MissReason};
+use orbitkv_io::remote::RemoteStatsHandle;
 use orbitkv_ipc::Window;
 use orbitkv_world::Stats;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -16,6 +17,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::remote_metrics::RemoteCollector;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Reason {
@@ -48,6 +51,7 @@ struct Mirrored {
     misses: Family<Reason, Counter>,
     evictions: Family<Reason, Counter>,
     demotions: Family<Outcome, Counter>,
+    write_through: Family<Outcome, Counter>,
 }
 
 struct Gauges {
@@ -132,8 +136,14 @@ fn latency_buckets() -> Histogram {
 }
 
 impl Metrics {
-    pub fn new() -> Metrics {
+    /// The registry, with the remote tier's counters when the runtime has
+    /// one (read at each scrape).
+    pub fn new(remote: Option<RemoteStatsHandle>) -> Metrics {
         let mut r = Registry::with_prefix("orbitkv");
+        if let Some(handle) = remote {
+            r.sub_registry_with_prefix("remote")
+                .register_collector(Box::new(RemoteCollector(handle)));
+        }
         let counter = |r: &mut Registry, name: &str, help: &str| {
             let c = Counter::default();
             r.register(name, help, c.clone());
@@ -166,6 +176,7 @@ impl Metrics {
             misses: Family::default(),
             evictions: Family::default(),
             demotions: Family::default(),
+            write_through: Family::default(),
         };
         r.register("misses", "Misses by reason", mirrored.misses.clone());
         r.register(
@@ -177,6 +188,11 @@ impl Metrics {
             "demotions",
             "Evicted pages offered to a lower tier, by outcome",
             mirrored.demotions.clone(),
+        );
+        r.register(
+            "write_through",
+            "Published pages offered to a tier that shares them (write-through), by outcome",
+            mirrored.write_through.clone(),
         );
         // Every reason shows, at 0 until it happens.
         for reason in MissReason::ALL {
@@ -443,6 +459,15 @@ impl Metrics {
                 before,
             );
         }
+        for (k, v) in &m.write_through {
+            let before = prev.and_then(|p| p.write_through.get(k).copied());
+            inc(
+                &x.write_through
+                    .get_or_create(&Outcome { outcome: k.clone() }),
+                *v,
+                before,
+            );
+        }
         let g = &self.gauges;
         let set = |g: &Gauge, v: u64| {
             g.set(i64::try_from(v).unwrap_or(i64::MAX));
@@ -495,7 +520,7 @@ impl Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics::new()
+        Metrics::new(None)
     }
 }
 

@@ -22,6 +22,11 @@ pub struct Args {
     /// SSD tier as DIR:SIZE, e.g. /mnt/nvme/orbitkv:200GiB.
     #[arg(long, env = "ORBITKV_SSD")]
     pub ssd: Option<String>,
+    /// Remote tier: redis://HOST:PORT, or comma-separated cluster seeds
+    /// (docs/remote.md). The password comes from ORBITKV_REMOTE_PASSWORD
+    /// or `[remote] password_file`, never from the URL.
+    #[arg(long, env = "ORBITKV_REMOTE")]
+    pub remote: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9400.
     #[arg(long, env = "ORBITKV_METRICS_ADDR")]
     pub metrics_addr: Option<String>,
@@ -44,6 +49,7 @@ struct ServeFile {
     socket: Option<PathBuf>,
     dram: Option<String>,
     ssd: Option<String>,
+    remote: Option<String>,
     metrics_addr: Option<String>,
     record: Option<PathBuf>,
     idle_tick_us: Option<u64>,
@@ -180,6 +186,16 @@ impl Settings {
             ssd.dir = PathBuf::from(dir);
             ssd.capacity_bytes = parse_size(size)?;
             runtime.ssd = Some(ssd);
+        }
+        if let Some(spec) = args.remote.as_ref().or(serve.remote.as_ref()) {
+            let mut remote = runtime.remote.take().unwrap_or_default();
+            remote.urls = orbitkv_io::remote::RemoteConfig::parse_urls(spec);
+            runtime.remote = Some(remote);
+        }
+        if let Some(remote) = &runtime.remote {
+            remote
+                .validate()
+                .map_err(|e| ServeError::Setting(e.to_string()))?;
         }
         // The pool and device regions are shared with clients.
         runtime.dram.shared = true;

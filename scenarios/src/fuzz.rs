@@ -25,8 +25,8 @@ use serde_json::json;
 
 use crate::replay::{Observer, ReadyContext, Replay};
 use crate::trace::{
-    Body, Fault, Header, Latency, Line, Model, Open, Publish, Register, Request, Then, Ticks,
-    TierPut,
+    Body, Fault, Header, Latency, Line, Model, Open, Publish, Register, RemoteModel, Request, Then,
+    Ticks, TierPut,
 };
 use orbitkv_world::OperationInfo;
 
@@ -224,6 +224,21 @@ fn session_name(i: &Inst) -> String {
 /// A random scenario of about `ticks` manager ticks.
 pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    // The remote tier's model and faults draw from their own stream, so
+    // the rest of a seed's scenario is the same with or without them.
+    let mut remote_rng = Rng(seed.wrapping_mul(0xd6e8_feb8_6659_fd93) | 1);
+    for _ in 0..4 {
+        remote_rng.next(); // nearby seeds start out alike
+    }
+    let remote = remote_rng.chance(600).then(|| RemoteModel {
+        // Mostly above the model's 800 µs reads; delays push them past it.
+        read_timeout_us: 900 + remote_rng.below(2000),
+        write_through: remote_rng.chance(500),
+    });
+    let mut latency = Latency::default();
+    if let Some(t) = latency.tiers.iter_mut().find(|t| t.name == "remote") {
+        t.remote = remote;
+    }
     let interval = 10;
     let (batch, inflight, engine) = copy_limits(&mut rng);
     let header = Header {
@@ -244,7 +259,7 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
             },
             "copy": {"max_in_flight_batches": engine}
         })),
-        latency: Latency::default(),
+        latency,
         ticks: Ticks::Interval,
         tick_interval_us: interval,
         drain_us: 200_000,
@@ -411,6 +426,106 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
                                 region_slots: 96,
                             });
                             push(&mut lines, t, reopen);
+                        }
+                        continue;
+                    }
+                    _ if remote.is_some() => {
+                        // A page only the remote tier holds (another
+                        // host's), a fault on it, then a request for it:
+                        // so remote faults are reached, not only injected.
+                        request += 1;
+                        let own = vec![
+                            prompt[0].clone(),
+                            format!("remote-{request}:{}", 1 + remote_rng.below(3)),
+                        ];
+                        let put = Body::TierPut(TierPut {
+                            tier: "remote".into(),
+                            instance: instance.clone(),
+                            prompt: own.clone(),
+                            ranks: None,
+                            groups: None,
+                            from_page: 0,
+                            to_page: None,
+                        });
+                        push(&mut lines, t, put);
+                        let last =
+                            crate::trace::chained_hashes(&own).map_or(1, |h| h.len() as u64) - 1;
+                        let tier = "remote".to_string();
+                        let (before, after) = match remote_rng.below(6) {
+                            0 => (
+                                None,
+                                Some(Fault::RemoteDown {
+                                    tier,
+                                    us: 200 + remote_rng.below(3000),
+                                }),
+                            ),
+                            1 if remote_rng.chance(300) => {
+                                (Some(Fault::RemoteFlush { tier }), None)
+                            }
+                            1 | 2 => (
+                                Some(Fault::RemoteRewrite {
+                                    tier,
+                                    instance,
+                                    prompt: own.clone(),
+                                    page: last,
+                                    rank: 0,
+                                    group: 0,
+                                }),
+                                None,
+                            ),
+                            3 => (
+                                Some(Fault::RemoteTruncate {
+                                    tier,
+                                    instance,
+                                    prompt: own.clone(),
+                                    page: last,
+                                    rank: 0,
+                                    group: 0,
+                                }),
+                                None,
+                            ),
+                            // Slower than the read deadline for a while.
+                            4 => (
+                                Some(Fault::TierDelay {
+                                    tier: tier.clone(),
+                                    us: 1500 + remote_rng.below(3000),
+                                }),
+                                Some(Fault::TierDelay { tier, us: 0 }),
+                            ),
+                            // Gone from the store, still in the metadata.
+                            _ => (
+                                Some(Fault::DropPage {
+                                    tier,
+                                    instance,
+                                    prompt: own.clone(),
+                                    page: last,
+                                    rank: 0,
+                                    group: 0,
+                                }),
+                                None,
+                            ),
+                        };
+                        if let Some(f) = before {
+                            push(&mut lines, t, Body::Fault(f));
+                        }
+                        let ask = Body::Request(Request {
+                            session,
+                            request,
+                            prompt: own,
+                            origin: 0,
+                            prompt_len: None,
+                            then: Then::Restore,
+                            cancel_after_us: None,
+                            speculative: false,
+                            name: None,
+                            free_targets_after_us: None,
+                        });
+                        t += 1;
+                        push(&mut lines, t, ask);
+                        if let Some(f) = after {
+                            // Lands while the reads are in flight.
+                            t += 1 + remote_rng.below(600);
+                            push(&mut lines, t, Body::Fault(f));
                         }
                         continue;
                     }

@@ -16,7 +16,7 @@ use orbitkv_components::contract::{GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey};
 use orbitkv_gpu::host::DeviceArena;
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyControl, SimCopyEngine};
-use orbitkv_io::tier::{BackingTier, MemoryTier, MemoryTierHandle};
+use orbitkv_io::tier::{BackingTier, MemoryTier, MemoryTierHandle, SimRemote};
 use orbitkv_world::driver::register_command;
 use orbitkv_world::{Backends, Config, OperationInfo, Runtime};
 use serde_json::Value;
@@ -304,12 +304,14 @@ impl<'o> Replay<'o> {
             .tiers
             .iter()
             .map(|t| {
-                (
-                    t.name.clone(),
-                    MemoryTier::new("tier", 0, 1).handle(),
-                    t.read_us,
-                    t.demote,
-                )
+                let handle = MemoryTier::new("tier", 0, 1).handle();
+                if let Some(r) = t.remote {
+                    handle.set_remote(SimRemote {
+                        read_timeout_us: r.read_timeout_us,
+                        write_through: r.write_through,
+                    });
+                }
+                (t.name.clone(), handle, t.read_us, t.demote)
             })
             .collect();
         let (rt, arena, copies) = build_runtime(&config, header, &tiers, 1)?;
@@ -828,6 +830,48 @@ impl<'o> Replay<'o> {
                     h.corrupt(&key);
                 } else {
                     h.remove(&key);
+                }
+            }
+            Fault::RemoteDown { tier: t, .. }
+            | Fault::RemoteFlush { tier: t }
+            | Fault::RemoteRewrite { tier: t, .. }
+            | Fault::RemoteTruncate { tier: t, .. }
+                if !tier(self, t)?.is_remote() =>
+            {
+                return Err(line_err(
+                    line,
+                    format!("tier {t:?} has no `remote` model; remote_* faults need one"),
+                ));
+            }
+            Fault::RemoteDown { tier: t, us } => {
+                let until = self.now() + us;
+                tier(self, t)?.down_until(until);
+            }
+            Fault::RemoteFlush { tier: t } => {
+                tier(self, t)?.flush();
+            }
+            Fault::RemoteRewrite {
+                tier: t,
+                instance,
+                prompt,
+                page,
+                rank,
+                group,
+            }
+            | Fault::RemoteTruncate {
+                tier: t,
+                instance,
+                prompt,
+                page,
+                rank,
+                group,
+            } => {
+                let h = tier(self, t)?;
+                let key = self.prompt_key(line, instance, prompt, *page, *rank, *group)?;
+                if matches!(f, Fault::RemoteRewrite { .. }) {
+                    h.rewrite(&key);
+                } else {
+                    h.truncate(&key);
                 }
             }
             Fault::CopyError { count } => self.copies.fail_next(*count),

@@ -79,6 +79,21 @@ pub struct TierLatency {
     /// the runtime (a remote store filled out of band).
     #[serde(default)]
     pub demote: bool,
+    /// Remote-store semantics (`docs/trace-format.md`, "Remote tier"):
+    /// stale metadata, verified reads with a deadline, down periods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RemoteModel>,
+}
+
+/// The simulator's model of the remote tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteModel {
+    /// Reads slower than this complete as `remote_timeout` at the deadline.
+    pub read_timeout_us: u64,
+    /// Published pages are written through to the tier.
+    #[serde(default)]
+    pub write_through: bool,
 }
 
 impl Default for Latency {
@@ -91,11 +106,13 @@ impl Default for Latency {
                     name: "ssd".into(),
                     read_us: 100,
                     demote: true,
+                    remote: None,
                 },
                 TierLatency {
                     name: "remote".into(),
                     read_us: 800,
                     demote: false,
+                    remote: None,
                 },
             ],
         }
@@ -269,6 +286,33 @@ pub enum Fault {
     },
     /// A tier loses a page (evicted or lost remotely).
     DropPage {
+        tier: String,
+        instance: String,
+        prompt: Prompt,
+        page: u64,
+        #[serde(default)]
+        rank: u32,
+        #[serde(default)]
+        group: u32,
+    },
+    /// Remote tier: down (lookups absent, reads fail) for `us`.
+    RemoteDown { tier: String, us: u64 },
+    /// Remote tier: every record is gone; metadata still promises them.
+    RemoteFlush { tier: String },
+    /// Remote tier: a page rewritten with other bytes under a valid
+    /// checksum of those bytes (an owner that restarted).
+    RemoteRewrite {
+        tier: String,
+        instance: String,
+        prompt: Prompt,
+        page: u64,
+        #[serde(default)]
+        rank: u32,
+        #[serde(default)]
+        group: u32,
+    },
+    /// Remote tier: a page's value loses its last byte.
+    RemoteTruncate {
         tier: String,
         instance: String,
         prompt: Prompt,

@@ -219,6 +219,29 @@ fn identity_change() {
 }
 
 #[test]
+fn remote_tier_faults() {
+    let r = run("remote_tier_faults");
+    assert_eq!(
+        outcomes(&r),
+        [
+            restored(1, 32),
+            missed(2, MissReason::RemoteCorrupt),
+            missed(3, MissReason::RemoteCorrupt),
+            missed(4, MissReason::RemoteTimeout),
+            missed(5, MissReason::RemoteUnavailable),
+            restored(6, 32),
+            missed(7, MissReason::NotFound),
+            restored(8, 32),
+            restored(10, 48),
+            missed(11, MissReason::RemoteMissing),
+        ]
+    );
+    assert_eq!(r.requests[0].pages_from_tiers, 2);
+    assert_eq!(r.requests[5].pages_from_dram, 2, "DRAM serves while down");
+    assert_eq!(r.requests[8].pages_from_tiers, 3, "written through");
+}
+
+#[test]
 fn budget_exhaustion() {
     let r = run("budget_exhaustion");
     assert_eq!(

@@ -46,6 +46,10 @@ fn the_generator_covers_every_fault_kind() {
         "fault:copy_reorder",
         "fault:session_crash",
         "fault:manager_restart",
+        "fault:remote_down",
+        "fault:remote_flush",
+        "fault:remote_rewrite",
+        "fault:remote_truncate",
     ] {
         assert!(all.contains(k), "no seed generated {k}: {all:?}");
     }
@@ -289,4 +293,32 @@ fn minimization_keeps_only_what_the_failure_needs() {
     });
     let ts: Vec<u64> = small.iter().map(|l| l.t).collect();
     assert_eq!(ts, [17, 33]);
+}
+
+/// The remote fault model is not only generated but reached: generated
+/// scenarios end in every remote miss reason, with no wrong byte.
+#[test]
+fn generated_remote_faults_become_remote_misses() {
+    use orbitkv_components::api::MissReason;
+    let mut seen = std::collections::BTreeSet::new();
+    for seed in 1..=6 {
+        let (header, lines) = generate(seed, 2000);
+        let text = orbitkv_scenarios::trace::render(&header, &lines);
+        let (report, _) = orbitkv_scenarios::replay::replay_text(&text, &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("seed {seed}: {e:?}"));
+        assert_eq!(report.byte_mismatches, 0, "seed {seed}");
+        assert_eq!(report.invariant_violations, 0, "seed {seed}");
+        seen.extend(report.totals.misses.keys().copied());
+    }
+    for r in [
+        MissReason::RemoteCorrupt,
+        MissReason::RemoteTimeout,
+        MissReason::RemoteUnavailable,
+        MissReason::RemoteMissing,
+    ] {
+        assert!(
+            seen.contains(&r),
+            "no generated scenario missed with {r}: {seen:?}"
+        );
+    }
 }

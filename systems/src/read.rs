@@ -259,9 +259,9 @@ impl ReadStep<'_> {
                 dram.free(dram_slot);
                 return Ok(());
             }
-            Err(_) => {
+            Err(e) => {
                 dram.free(dram_slot);
-                return Err(MissReason::IoError);
+                return Err(tiers[tier].miss_reason(&e));
             }
         };
         let kind = TransferKind::TierRead {

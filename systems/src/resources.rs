@@ -311,6 +311,9 @@ pub struct Metrics {
     /// Evicted pages offered to a lower tier: `submitted`, or the refusal
     /// reason; then `written` or `failed` as the writes finish.
     pub demotions: BTreeMap<String, u64>,
+    /// Published pages offered to a tier that shares them (write-through):
+    /// `submitted`, or the refusal reason.
+    pub write_through: BTreeMap<String, u64>,
 }
 
 impl Metrics {

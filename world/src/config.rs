@@ -12,6 +12,9 @@ pub struct Config {
     pub copy: CopyConfig,
     /// The SSD tier under DRAM; none when absent.
     pub ssd: Option<orbitkv_io::ssd::SsdConfig>,
+    /// The remote tier (Redis / Redis Cluster) under the SSD; none when
+    /// absent. `docs/remote.md`.
+    pub remote: Option<orbitkv_io::remote::RemoteConfig>,
     pub limits: Limits,
     /// Manager incarnation; session handles from another incarnation are
     /// stale. The manager sets a fresh one at every start.
@@ -27,6 +30,7 @@ impl Default for Config {
             budget: BudgetConfig::default(),
             copy: CopyConfig::default(),
             ssd: None,
+            remote: None,
             limits: Limits::default(),
             incarnation: 1,
             check_invariants: cfg!(debug_assertions),

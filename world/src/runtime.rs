@@ -38,6 +38,8 @@ pub enum RuntimeError {
     Register { backend: String, reason: String },
     #[error("SSD tier: {0}")]
     Ssd(#[from] orbitkv_io::ssd::SsdError),
+    #[error("remote tier: {0}")]
+    Remote(#[from] orbitkv_io::remote::RemoteError),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -186,11 +188,12 @@ pub struct Runtime {
     first_touch: Option<FirstTouchReport>,
     config: Config,
     recorder: Option<Recorder>,
+    remote_stats: Option<orbitkv_io::remote::RemoteStatsHandle>,
 }
 
 impl Runtime {
-    /// A runtime with the host copy engine, the configured SSD tier (if
-    /// any), and wall time.
+    /// A runtime with the host copy engine, the configured SSD and remote
+    /// tiers (if any, in that lookup order), and wall time.
     pub fn new(config: Config) -> Result<Self, RuntimeError> {
         let copy = HostCopyEngine::new(HostCopyConfig {
             workers: config.copy.workers,
@@ -201,14 +204,34 @@ impl Runtime {
         if let Some(ssd) = &config.ssd {
             tiers.push(Box::new(orbitkv_io::ssd::SsdStore::open(ssd.clone())?));
         }
-        Self::with_backends(
+        let mut remote_stats = None;
+        if let Some(remote) = &config.remote {
+            // Records name the manager incarnation that wrote them.
+            let tier = orbitkv_io::remote::RemoteTier::open(remote.clone(), config.incarnation)?;
+            remote_stats = Some(tier.stats_handle());
+            tiers.push(Box::new(tier));
+        }
+        let mut rt = Self::with_backends(
             config,
             Backends {
                 copy: Box::new(copy),
                 tiers,
                 simulated_clock: false,
             },
-        )
+        )?;
+        rt.remote_stats = remote_stats;
+        Ok(rt)
+    }
+
+    /// The remote tier's counters, when `Config::remote` is set.
+    pub fn remote_stats(&self) -> Option<orbitkv_io::remote::RemoteStatsSnapshot> {
+        self.remote_stats.as_ref().map(|h| h.snapshot())
+    }
+
+    /// A handle that reads the remote tier's counters from any thread (the
+    /// manager's metrics collector), when `Config::remote` is set.
+    pub fn remote_stats_handle(&self) -> Option<orbitkv_io::remote::RemoteStatsHandle> {
+        self.remote_stats.clone()
     }
 
     pub fn with_backends(config: Config, backends: Backends) -> Result<Self, RuntimeError> {
@@ -225,6 +248,7 @@ impl Runtime {
             first_touch,
             config,
             recorder: None,
+            remote_stats: None,
         })
     }
 

@@ -7,9 +7,12 @@
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::MissReason;
-use orbitkv_components::ecs::{ItemState, Outcome, Page, PublishJob, Residency, TransferKind};
+use orbitkv_components::ecs::{
+    ItemState, Outcome, Page, PublishItem, PublishJob, Residency, TransferKind,
+};
 use orbitkv_gpu::{Completion, CopyError};
 use orbitkv_io::checksum::page_checksum;
+use orbitkv_io::tier::DemoteRefused;
 use rayon::prelude::*;
 
 use super::{Landing, Ops, Transfers};
@@ -114,7 +117,30 @@ impl Landing<'_> {
             self.dram.index.insert(item.key, entity);
             self.dram.make_evictable(entity, slot);
             self.metrics.bytes_published += item.bytes;
+            self.write_through(item, slot, sums[n]);
             item.state = ItemState::Inserted;
+        }
+    }
+
+    /// Offers a page just published to every tier that shares pages with
+    /// other hosts (remote, write-through policy) with the checksum the copy
+    /// computed; counted by outcome.
+    fn write_through(&mut self, item: &PublishItem, slot: u64, checksum: u64) {
+        let Some(bytes) = self.dram.slot_bytes(slot, item.bytes) else {
+            return;
+        };
+        let now_us = self.clock.now_us;
+        for t in self.tiers.0.get_mut().iter_mut() {
+            let outcome = match t.write_through(&item.key, item.format, bytes, checksum, now_us) {
+                Ok(()) => "submitted",
+                Err(DemoteRefused::NotWritable) => continue,
+                Err(reason) => reason.as_str(),
+            };
+            *self
+                .metrics
+                .write_through
+                .entry(outcome.to_owned())
+                .or_default() += 1;
         }
     }
 }

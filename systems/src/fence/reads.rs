@@ -9,7 +9,7 @@ use orbitkv_components::ecs::{
     NeedState, OpState, Outcome, Page, Recovery, Residency, Transfer, TransferKind,
 };
 use orbitkv_io::checksum::page_checksum;
-use orbitkv_io::tier::{ReadDone, TierError};
+use orbitkv_io::tier::{ReadDone, TierError, local_miss_reason};
 
 use super::{Landing, Ops, Transfers};
 use crate::lifecycle::{finish, take_lease};
@@ -118,13 +118,18 @@ impl Landing<'_> {
                     return Err(MissReason::Checksum);
                 }
             },
-            Err(TierError::NotFound) => return Err(MissReason::EvictedDuringRead),
             // The tier's own header or checksum check failed: never served.
-            Err(TierError::Corrupt) => {
-                self.metrics.checksum_failures += 1;
-                return Err(MissReason::Checksum);
+            // Each tier names its failures (a remote store's are `remote_*`).
+            Err(e) => {
+                if e == TierError::Corrupt {
+                    self.metrics.checksum_failures += 1;
+                }
+                let reason = match self.tiers.0.get_mut().get(landed.tier) {
+                    Some(t) => t.miss_reason(&e),
+                    None => local_miss_reason(&e),
+                };
+                return Err(reason);
             }
-            Err(_) => return Err(MissReason::IoError),
         }
         self.metrics.bytes_read += p.bytes;
         if let Some(t) = self.tiers.0.get_mut().get(landed.tier) {

@@ -1,0 +1,433 @@
+//! Connections: one per worker thread, to a single node or a cluster, with
+//! connect and socket timeouts, and the few commands the tier sends.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection, cluster_pipe};
+use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult, Value};
+
+use super::config::{RemoteConfig, RemoteMode};
+use super::stats::ErrorKind;
+
+const MODE_UNKNOWN: u8 = 0;
+const MODE_SINGLE: u8 = 1;
+const MODE_CLUSTER: u8 = 2;
+
+/// Builds connections; shared by every thread of the tier.
+pub(crate) struct Connector {
+    infos: Vec<ConnectionInfo>,
+    username: Option<String>,
+    password: Option<String>,
+    mode: AtomicU8,
+    connect_timeout: Duration,
+    cluster_retries: u32,
+    cluster: Mutex<Option<ClusterClient>>,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the password.
+        f.debug_struct("Connector")
+            .field(
+                "seeds",
+                &self
+                    .infos
+                    .iter()
+                    .map(|i| i.addr().to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .field("mode", &self.mode_name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One live connection.
+pub(crate) enum Conn {
+    Single(redis::Connection),
+    Cluster(Box<ClusterConnection>),
+}
+
+impl Connector {
+    pub(crate) fn new(cfg: &RemoteConfig, password: Option<String>) -> Result<Connector, String> {
+        let mut infos = Vec::new();
+        for url in &cfg.urls {
+            let info = url
+                .as_str()
+                .into_connection_info()
+                .map_err(|e| format!("remote URL {url:?}: {e}"))?;
+            let mut redis = info.redis_settings().clone();
+            if let Some(u) = &cfg.username {
+                redis = redis.set_username(u);
+            }
+            if let Some(p) = &password {
+                redis = redis.set_password(p);
+            }
+            infos.push(info.set_redis_settings(redis));
+        }
+        let mode = match (cfg.mode, infos.len()) {
+            (RemoteMode::Single, _) => MODE_SINGLE,
+            (RemoteMode::Cluster, _) => MODE_CLUSTER,
+            (RemoteMode::Auto, n) if n > 1 => MODE_CLUSTER,
+            (RemoteMode::Auto, _) => MODE_UNKNOWN,
+        };
+        Ok(Connector {
+            infos,
+            username: cfg.username.clone(),
+            password,
+            mode: AtomicU8::new(mode),
+            connect_timeout: cfg.connect_timeout(),
+            cluster_retries: cfg.cluster_retries,
+            cluster: Mutex::new(None),
+        })
+    }
+
+    pub(crate) fn mode_name(&self) -> &'static str {
+        match self.mode.load(Ordering::Relaxed) {
+            MODE_SINGLE => "single",
+            MODE_CLUSTER => "cluster",
+            _ => "unknown",
+        }
+    }
+
+    /// A new connection whose commands time out after `io_timeout`.
+    pub(crate) fn connect(&self, io_timeout: Duration) -> RedisResult<Conn> {
+        if self.mode.load(Ordering::Relaxed) == MODE_UNKNOWN {
+            let mut c = self.connect_single()?;
+            let info: String = redis::cmd("INFO").arg("cluster").query(&mut c)?;
+            let cluster = info.lines().any(|l| l.trim() == "cluster_enabled:1");
+            let mode = if cluster { MODE_CLUSTER } else { MODE_SINGLE };
+            self.mode.store(mode, Ordering::Relaxed);
+            if !cluster {
+                set_timeouts_single(&c, io_timeout)?;
+                return Ok(Conn::Single(c));
+            }
+        }
+        if self.mode.load(Ordering::Relaxed) == MODE_SINGLE {
+            let c = self.connect_single()?;
+            set_timeouts_single(&c, io_timeout)?;
+            return Ok(Conn::Single(c));
+        }
+        let client = self.cluster_client(io_timeout)?;
+        let c = client.get_connection()?;
+        c.set_read_timeout(Some(io_timeout))?;
+        c.set_write_timeout(Some(io_timeout))?;
+        Ok(Conn::Cluster(Box::new(c)))
+    }
+
+    fn connect_single(&self) -> RedisResult<redis::Connection> {
+        let mut last = None;
+        for info in &self.infos {
+            match redis::Client::open(info.clone())
+                .and_then(|c| c.get_connection_with_timeout(self.connect_timeout))
+            {
+                Ok(c) => return Ok(c),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no seed URL"))))
+    }
+
+    fn cluster_client(&self, io_timeout: Duration) -> RedisResult<ClusterClient> {
+        let mut slot = self.cluster.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let mut b = ClusterClientBuilder::new(self.infos.clone())
+            .connection_timeout(self.connect_timeout)
+            .response_timeout(io_timeout)
+            .retries(self.cluster_retries)
+            .min_retry_wait(5)
+            .max_retry_wait(50);
+        if let Some(u) = &self.username {
+            b = b.username(u);
+        }
+        if let Some(p) = &self.password {
+            b = b.password(p);
+        }
+        let client = b.build()?;
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+}
+
+fn set_timeouts_single(c: &redis::Connection, io: Duration) -> RedisResult<()> {
+    c.set_read_timeout(Some(io))?;
+    c.set_write_timeout(Some(io))
+}
+
+/// Where a record's directory entry goes.
+pub(crate) struct DirPut<'a> {
+    pub key: &'a str,
+    /// Approximate trim length of the stream.
+    pub max_entries: u64,
+    /// Renew the stream's expiry with this write.
+    pub renew: bool,
+}
+
+/// A record as one command argument: header then payload, written
+/// straight into the command buffer.
+struct RecordArg<'a> {
+    header: &'a [u8],
+    payload: &'a [u8],
+}
+
+impl redis::ToRedisArgs for RecordArg<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        use std::io::Write as _;
+        let mut w = out.writer_for_next_arg();
+        // Writing into the command's Vec cannot fail.
+        let _ = w.write_all(self.header);
+        let _ = w.write_all(self.payload);
+    }
+}
+
+/// One directory stream entry: its id and the header bytes it carries.
+pub(crate) type DirEntry = (String, Vec<u8>);
+
+impl Conn {
+    fn like(&mut self) -> &mut dyn redis::ConnectionLike {
+        match self {
+            Conn::Single(c) => c,
+            Conn::Cluster(c) => c.as_mut(),
+        }
+    }
+
+    /// Sets the socket read timeout for the next command (a read's time
+    /// left before its deadline).
+    pub(crate) fn set_read_timeout(&mut self, d: Duration) -> RedisResult<()> {
+        let d = d.max(Duration::from_millis(1));
+        match self {
+            Conn::Single(c) => c.set_read_timeout(Some(d)),
+            Conn::Cluster(c) => c.set_read_timeout(Some(d)),
+        }
+    }
+
+    pub(crate) fn query<T: redis::FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
+        cmd.query(self.like())
+    }
+
+    /// Sends `cmds` as one pipeline (routed per key in a cluster).
+    pub(crate) fn pipeline(&mut self, cmds: Vec<Cmd>) -> RedisResult<Vec<Value>> {
+        match self {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                for cmd in cmds {
+                    p.add_command(cmd);
+                }
+                p.query(c)
+            }
+            Conn::Cluster(c) => {
+                let mut p = cluster_pipe();
+                for cmd in cmds {
+                    p.add_command(cmd);
+                }
+                p.query(c.as_mut())
+            }
+        }
+    }
+
+    pub(crate) fn get(&mut self, key: &str) -> RedisResult<Option<Vec<u8>>> {
+        self.query(redis::cmd("GET").arg(key))
+    }
+
+    /// Stores a record (`header ‖ payload`, written into the command
+    /// without an intermediate copy), appends its directory entry (the
+    /// header) and, with `renew_dir`, renews the directory's expiry. The value goes first, so
+    /// a directory entry never names a record that was not written: one
+    /// ordered pipeline on a single node; on a cluster the value's and the
+    /// directory's slots differ, so the value is stored before the entry
+    /// is sent.
+    pub(crate) fn put(
+        &mut self,
+        data_key: &str,
+        header: &[u8],
+        payload: &[u8],
+        ttl_ms: u64,
+        dir: &DirPut<'_>,
+    ) -> RedisResult<()> {
+        let (dir_key, dir_max_entries, renew_dir) = (dir.key, dir.max_entries, dir.renew);
+        let mut set = redis::cmd("SET");
+        set.arg(data_key)
+            .arg(RecordArg { header, payload })
+            .arg("PX")
+            .arg(ttl_ms);
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(dir_key)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(dir_max_entries)
+            .arg("*")
+            .arg("h")
+            .arg(header);
+        let mut dir = vec![xadd];
+        if renew_dir {
+            // Renewed at most every ttl/10 (see `Renewals`): outlive the
+            // newest record written in between.
+            let mut expire = redis::cmd("PEXPIRE");
+            expire.arg(dir_key).arg(ttl_ms + ttl_ms / 10);
+            dir.push(expire);
+        }
+        match self {
+            Conn::Single(_) => {
+                dir.insert(0, set);
+                self.pipeline(dir)?;
+            }
+            Conn::Cluster(_) => {
+                let () = self.query(&set)?;
+                self.pipeline(dir)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// For each directory stream, its entries after `after[i]` (exclusive;
+    /// `None` = from the start), at most `count`: one pipeline.
+    pub(crate) fn read_directories(
+        &mut self,
+        dir_keys: &[String],
+        after: &[Option<String>],
+        count: usize,
+    ) -> RedisResult<Vec<Vec<DirEntry>>> {
+        debug_assert_eq!(dir_keys.len(), after.len());
+        let cmds = dir_keys
+            .iter()
+            .zip(after)
+            .map(|(key, after)| {
+                let start = after
+                    .as_ref()
+                    .map_or_else(|| "-".to_owned(), |id| format!("({id}"));
+                let mut c = redis::cmd("XRANGE");
+                c.arg(key).arg(start).arg("+").arg("COUNT").arg(count);
+                c
+            })
+            .collect();
+        let vals = self.pipeline(cmds)?;
+        Ok(vals.into_iter().map(parse_entries).collect())
+    }
+
+    /// Which of `keys` exist (one pipelined `EXISTS` per key).
+    pub(crate) fn exists(&mut self, keys: &[String]) -> RedisResult<Vec<bool>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cmds = keys
+            .iter()
+            .map(|k| {
+                let mut c = redis::cmd("EXISTS");
+                c.arg(k);
+                c
+            })
+            .collect();
+        let vals = self.pipeline(cmds)?;
+        Ok(vals
+            .into_iter()
+            .map(|v| matches!(v, Value::Int(n) if n > 0))
+            .collect())
+    }
+
+    pub(crate) fn ping(&mut self) -> RedisResult<()> {
+        let _: String = self.query(&redis::cmd("PING"))?;
+        Ok(())
+    }
+}
+
+/// XRANGE reply: `[[id, [field, value, ...]], ...]`. Entries that do not
+/// have this shape, or lack the `h` field, are skipped (a directory entry is
+/// a hint; the record itself is verified when read).
+fn parse_entries(v: Value) -> Vec<DirEntry> {
+    let Value::Array(items) = v else {
+        return Vec::new();
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        let Value::Array(mut pair) = item else {
+            continue;
+        };
+        if pair.len() != 2 {
+            continue;
+        }
+        let fields = pair.pop();
+        let id = pair.pop();
+        let id = match id {
+            Some(Value::BulkString(b)) => String::from_utf8(b).ok(),
+            Some(Value::SimpleString(s)) => Some(s),
+            _ => None,
+        };
+        let Some(id) = id else { continue };
+        let Some(Value::Array(fields)) = fields else {
+            out.push((id, Vec::new()));
+            continue;
+        };
+        let mut header = Vec::new();
+        let mut it = fields.into_iter();
+        while let (Some(f), Some(val)) = (it.next(), it.next()) {
+            if matches!(&f, Value::BulkString(b) if b == b"h")
+                && let Value::BulkString(b) = val
+            {
+                header = b;
+            }
+        }
+        // Keep the id even when the entry is unusable, so reading moves on.
+        out.push((id, header));
+    }
+    out
+}
+
+/// Maps a client error to the kind counted and reported.
+pub(crate) fn classify(e: &RedisError) -> ErrorKind {
+    if e.is_timeout() {
+        ErrorKind::Timeout
+    } else if e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_cluster_error()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::AuthenticationFailed | redis::ErrorKind::ClusterConnectionNotFound
+        )
+    {
+        ErrorKind::Unavailable
+    } else {
+        ErrorKind::Server
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_xrange_replies_and_skips_odd_shapes() {
+        let v = Value::Array(vec![
+            Value::Array(vec![
+                Value::BulkString(b"1-0".to_vec()),
+                Value::Array(vec![
+                    Value::BulkString(b"h".to_vec()),
+                    Value::BulkString(vec![1, 2, 3]),
+                ]),
+            ]),
+            Value::Int(5),
+            Value::Array(vec![
+                Value::BulkString(b"2-0".to_vec()),
+                Value::Array(vec![
+                    Value::BulkString(b"x".to_vec()),
+                    Value::BulkString(vec![9]),
+                ]),
+            ]),
+        ]);
+        let e = parse_entries(v);
+        assert_eq!(
+            e,
+            vec![
+                ("1-0".to_owned(), vec![1, 2, 3]),
+                ("2-0".to_owned(), vec![])
+            ]
+        );
+        assert!(parse_entries(Value::Nil).is_empty());
+    }
+}

@@ -1,0 +1,495 @@
+//! Two `orbitkv serve` managers (different sockets and DRAM pools) sharing
+//! one Redis deployment stand for two hosts: pages published through A are
+//! restored byte for byte through B; another identity never hits; a
+//! corrupted record is a miss with its reason through the manager; a
+//! remote that is down leaves DRAM serving. Skipped, loudly, without
+//! `ORBITKV_TEST_REDIS` (`scripts/redis.sh start`; `.ci/run` sets it).
+
+mod support;
+use support::*;
+
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command as Proc, Stdio};
+use std::time::{Duration, Instant};
+
+use orbitkv_components::NativeHash;
+use orbitkv_components::api::{
+    Command, Event, GroupHashes, MissReason, PagePos, Rank, RestoreTarget, SessionHandle,
+};
+use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
+use orbitkv_components::{StorageLayout, StorageSlot};
+use orbitkv_ipc::Client;
+
+struct Manager {
+    child: Child,
+    socket: PathBuf,
+    metrics: String,
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A manager whose remote tier is `remote` (seed URLs, comma-separated),
+/// with short refresh and breaker timings; `prefix` keeps tests apart.
+fn start(dir: &Path, name: &str, remote: &str, prefix: &str) -> Manager {
+    let socket = dir.join(format!("{name}.sock"));
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n\
+             [remote]\nkey_prefix = \"{prefix}\"\nrefresh_interval_ms = 20\nvalidate_every_rounds = 5\n\
+             read_timeout_ms = 1000\nbreaker_failures = 2\nbreaker_cooldown_ms = 200\n"
+        ),
+    )
+    .unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
+        .args([
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--dram",
+            "16MiB",
+        ])
+        .args(["--config", config.to_str().unwrap(), "--remote", remote])
+        .args(["--metrics-addr", &metrics])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + T;
+    while Client::connect(&socket, "probe").is_err() {
+        assert!(Instant::now() < deadline, "manager did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Manager {
+        child,
+        socket,
+        metrics,
+    }
+}
+
+impl Manager {
+    fn scrape(&self) -> String {
+        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    }
+
+    /// A sample from `/metrics`, by its full name with labels.
+    fn metric(&self, series: &str) -> Option<u64> {
+        let body = self.scrape();
+        let line = body
+            .lines()
+            .find(|l| l.starts_with(&format!("orbitkv_{series} ")))?;
+        line.rsplit(' ').next()?.parse().ok()
+    }
+
+    fn wait_metric(&self, series: &str, value: u64) {
+        let deadline = Instant::now() + T;
+        while self.metric(series) != Some(value) {
+            assert!(
+                Instant::now() < deadline,
+                "{series} never reached {value} (now {:?})",
+                self.metric(series)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn remote_urls(test: &str, cluster: bool) -> Option<String> {
+    let var = if cluster {
+        "ORBITKV_TEST_REDIS_CLUSTER"
+    } else {
+        "ORBITKV_TEST_REDIS"
+    };
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            eprintln!(
+                "\n!!!! SKIPPED {test}: {var} is unset. Run `eval \"$(scripts/redis.sh start)\"` first; \
+                 CI always sets it. !!!!\n"
+            );
+            None
+        }
+    }
+}
+
+/// A prefix no other test run uses.
+fn unique_prefix(tag: &str) -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("okvt{}{tag}{t}:", std::process::id())
+}
+
+fn payload(i: u64) -> Vec<u8> {
+    (0..BYTES)
+        .map(|b| (b as u8).wrapping_mul(13).wrapping_add(i as u8 * 11 + 3))
+        .collect()
+}
+
+fn hashes(n: u64) -> Vec<NativeHash> {
+    (0..n).map(|i| NativeHash::from_u64(0x5e0 + i)).collect()
+}
+
+/// Registers `instance` with an identity of its own (`identity` differs
+/// from `support::register`'s when not `[9; 32]`).
+fn register_as(c: &mut Client, instance: &str, identity: [u8; 32]) {
+    let slot = StorageSlot {
+        layer: 0,
+        group: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+        segment_bytes: BYTES,
+        padded_page_bytes: BYTES,
+        page_tokens: PAGE as u32,
+        dtype: "bf16".into(),
+        layout: "NHD".into(),
+        strides: vec![1],
+        device_addr: 0,
+    };
+    let e = c
+        .call(
+            Command::RegisterInstance {
+                instance: instance.into(),
+                identity,
+                layout: StorageLayout {
+                    slots: vec![slot],
+                    pool_capacity_pages: 0,
+                },
+                page_tokens: PAGE,
+                groups: vec![GroupSpec {
+                    id: 0,
+                    rule: Rule::Prefix,
+                    components: vec![ComponentKind::AttentionKv],
+                }],
+                ranks: vec![Rank { tp: 0, pp: 0 }],
+            },
+            T,
+        )
+        .unwrap();
+    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
+}
+
+fn open_as(c: &mut Client, instance: &str) -> (SessionHandle, u64) {
+    let s = match c
+        .call(
+            Command::OpenSession {
+                instance: instance.into(),
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::SessionOpened { session, .. } => session,
+        e => panic!("{e:?}"),
+    };
+    let region = match c
+        .call(
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 0,
+                group: 0,
+                slots: 64,
+            },
+            T,
+        )
+        .unwrap()
+    {
+        Event::RegionRegistered { region, .. } => region,
+        e => panic!("{e:?}"),
+    };
+    (s, region)
+}
+
+fn query(s: SessionHandle, request: u64, pages: u64) -> Command {
+    Command::Query {
+        session: s,
+        request,
+        groups: vec![GroupHashes {
+            group: 0,
+            hashes: hashes(pages),
+        }],
+        origin: 0,
+        prompt_len: pages * PAGE + 1,
+        expect_namespaces: vec![],
+        prepare: true,
+        speculative: false,
+    }
+}
+
+/// How one query ended.
+#[derive(Debug)]
+enum Outcome {
+    /// Ready: (operation, boundary, pages from DRAM, pages from tiers).
+    Ready(u64, u64, u64, u64),
+    Miss(Option<MissReason>),
+}
+
+fn ask(c: &mut Client, s: SessionHandle, request: u64, pages: u64) -> Outcome {
+    let qr = c.call(query(s, request, pages), T).unwrap();
+    let Event::QueryResult {
+        operation,
+        selected,
+        miss,
+        ..
+    } = qr
+    else {
+        panic!("{qr:?}")
+    };
+    if selected.is_none() {
+        return Outcome::Miss(miss);
+    }
+    let e = c
+        .wait_event(T, |e| {
+            matches!(e, Event::Ready { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
+        })
+        .unwrap()
+        .unwrap();
+    match e {
+        Event::Ready {
+            boundary,
+            pages_from_dram,
+            pages_from_tiers,
+            ..
+        } => Outcome::Ready(operation, boundary, pages_from_dram, pages_from_tiers),
+        Event::Miss { reason, .. } => Outcome::Miss(Some(reason)),
+        _ => unreachable!(),
+    }
+}
+
+/// Restores the ready operation's `n` pages into device slots 20.. and
+/// checks every byte.
+fn restore_and_check(c: &mut Client, s: SessionHandle, region: u64, operation: u64, n: u64) {
+    let mut targets = Vec::new();
+    for i in 0..n {
+        let dp = alloc(c, s, region, 20 + i as u32);
+        targets.push(RestoreTarget {
+            pos: PagePos {
+                rank: 0,
+                group: 0,
+                page_end: (i + 1) * PAGE,
+            },
+            device_page: dp,
+        });
+    }
+    c.submit(Command::Restore {
+        session: s,
+        operation,
+        targets,
+        retained: vec![],
+    })
+    .unwrap();
+    let done = c
+        .wait_event(T, |e| {
+            matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
+        })
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(done, Event::RestoreDone { pages, .. } if pages == n),
+        "{done:?}"
+    );
+    for i in 0..n {
+        let at = ((20 + i) * BYTES) as usize;
+        assert_eq!(
+            &c.region_mut(region).unwrap()[at..at + BYTES as usize],
+            &payload(i)[..],
+            "page {i}: exact bytes"
+        );
+    }
+}
+
+/// Publishes pages 0..4 of `hashes(4)` through `c` (identity `[9; 32]`).
+fn publish(c: &mut Client) {
+    let h = hashes(4);
+    publish_four(c, &h, payload);
+}
+
+/// Asks until the answer is no longer "not found yet" (B follows the
+/// namespace's directory after its first lookup).
+fn ask_until_found(c: &mut Client, s: SessionHandle, pages: u64) -> Outcome {
+    let deadline = Instant::now() + T;
+    let mut request = 100;
+    loop {
+        request += 1;
+        match ask(c, s, request, pages) {
+            Outcome::Miss(Some(MissReason::NotFound)) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn shares_pages(remote: &str, tag: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = unique_prefix(tag);
+    let a = start(dir.path(), "a", remote, &prefix);
+    let b = start(dir.path(), "b", remote, &prefix);
+
+    let mut ca = Client::connect(&a.socket, "engine-a").unwrap();
+    publish(&mut ca);
+    // Written through: four records stored by A, each offered once with
+    // the checksum its copy computed.
+    a.wait_metric("remote_writes_total", 4);
+    a.wait_metric("write_through_total{outcome=\"submitted\"}", 4);
+
+    let mut cb = Client::connect(&b.socket, "engine-b").unwrap();
+    register_as(&mut cb, "llama", [9; 32]);
+    let (sb, rb) = open_as(&mut cb, "llama");
+    let Outcome::Ready(op, boundary, from_dram, from_tiers) = ask_until_found(&mut cb, sb, 4)
+    else {
+        panic!("B never found A's pages")
+    };
+    assert_eq!(boundary, 4 * PAGE);
+    assert_eq!(
+        (from_dram, from_tiers),
+        (0, 4),
+        "all four came from the remote tier"
+    );
+    restore_and_check(&mut cb, sb, rb, op, 4);
+
+    // Another identity on B, same native hashes: never a hit.
+    register_as(&mut cb, "other", [8; 32]);
+    let (so, _) = open_as(&mut cb, "other");
+    for r in 0..5 {
+        match ask(&mut cb, so, 200 + r, 4) {
+            Outcome::Miss(Some(MissReason::NotFound)) => {}
+            o => panic!("another identity got {o:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    b.wait_metric("leases", 0);
+    b.wait_metric("bytes_reserved", 0);
+    a.wait_metric("leases", 0);
+    assert!(b.metric("remote_read_bytes_total").unwrap() >= 4 * BYTES);
+    assert_eq!(b.metric("remote_up"), Some(1));
+}
+
+#[test]
+fn two_managers_share_pages_through_a_single_node() {
+    let Some(url) = remote_urls("two_managers_share_pages_through_a_single_node", false) else {
+        return;
+    };
+    shares_pages(&url, "s");
+}
+
+#[test]
+fn two_managers_share_pages_through_a_cluster() {
+    let Some(urls) = remote_urls("two_managers_share_pages_through_a_cluster", true) else {
+        return;
+    };
+    shares_pages(&urls, "c");
+}
+
+/// A record overwritten with other bytes: B misses with `remote_corrupt`
+/// (never the bytes), returns everything, and then restores the intact
+/// prefix before the bad page.
+#[test]
+fn a_corrupted_record_is_a_miss_through_the_manager() {
+    let Some(url) = remote_urls("a_corrupted_record_is_a_miss_through_the_manager", false) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = unique_prefix("x");
+    let a = start(dir.path(), "a", &url, &prefix);
+    let b = start(dir.path(), "b", &url, &prefix);
+    let mut ca = Client::connect(&a.socket, "engine-a").unwrap();
+    publish(&mut ca);
+    a.wait_metric("remote_writes_total", 4);
+
+    // Overwrite page 2's record (key: prefix + "d:" + hex of its StateKey).
+    let mut raw = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}d:*"))
+        .query(&mut raw)
+        .unwrap();
+    assert_eq!(keys.len(), 4);
+    let native = NativeHash::from_u64(0x5e0 + 2);
+    let victim = keys
+        .iter()
+        .find(|k| {
+            let bytes = hex::decode(&k[prefix.len() + 2..]).unwrap();
+            orbitkv_components::StateKey::decode(&bytes).unwrap().native == native
+        })
+        .unwrap();
+    let () = redis::cmd("SET")
+        .arg(victim)
+        .arg(vec![0x42u8; 4200])
+        .query(&mut raw)
+        .unwrap();
+
+    let mut cb = Client::connect(&b.socket, "engine-b").unwrap();
+    register_as(&mut cb, "llama", [9; 32]);
+    let (sb, rb) = open_as(&mut cb, "llama");
+    match ask_until_found(&mut cb, sb, 4) {
+        Outcome::Miss(Some(MissReason::RemoteCorrupt)) => {}
+        o => panic!("{o:?}"),
+    }
+    b.wait_metric("misses_total{reason=\"remote_corrupt\"}", 1);
+    b.wait_metric("leases", 0);
+    b.wait_metric("bytes_reserved", 0);
+    // The bad record left B's metadata: the prefix before it restores.
+    let Outcome::Ready(op, boundary, _, _) = ask(&mut cb, sb, 300, 4) else {
+        panic!("the intact prefix should restore")
+    };
+    assert_eq!(boundary, 2 * PAGE);
+    restore_and_check(&mut cb, sb, rb, op, 2);
+    b.wait_metric("leases", 0);
+    b.wait_metric("bytes_reserved", 0);
+}
+
+/// A remote that is down: the manager starts, publishes and restores from
+/// DRAM as usual, and reports the tier down.
+#[test]
+fn a_remote_that_is_down_leaves_dram_serving() {
+    let Some(_) = remote_urls("a_remote_that_is_down_leaves_dram_serving", false) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dead = format!("redis://127.0.0.1:{}", free_port());
+    let m = start(dir.path(), "m", &dead, &unique_prefix("d"));
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    publish(&mut c);
+    // Write-through fails (two failures open the breaker).
+    m.wait_metric("remote_up", 0);
+    let (s, r) = open_as(&mut c, "llama");
+    let Outcome::Ready(op, boundary, from_dram, from_tiers) = ask(&mut c, s, 7, 4) else {
+        panic!("DRAM should serve")
+    };
+    assert_eq!((boundary, from_dram, from_tiers), (4 * PAGE, 4, 0));
+    restore_and_check(&mut c, s, r, op, 4);
+    m.wait_metric("leases", 0);
+    // Every write-through was refused (breaker open) or failed
+    // (unavailable), counted by reason; none was stored.
+    let deadline = Instant::now() + T;
+    loop {
+        let refused = m.metric("remote_write_refusals_total{reason=\"unavailable\"}");
+        let failed = m.metric("remote_errors_total{op=\"write\",kind=\"unavailable\"}");
+        if refused.unwrap_or(0) + failed.unwrap_or(0) == 4 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{refused:?} refused, {failed:?} failed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(m.metric("remote_writes_total"), Some(0));
+}

@@ -35,8 +35,8 @@ use iceoryx2::prelude::{NodeBuilder, SignalHandlingMode};
 use orbitkv_components::api::{Command, Event, GroupHashes, PublishPage, Rank, SessionHandle};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
-use orbitkv_io::ipc::hot::{self, HotRequest, HotResponse, Ipc};
-use orbitkv_io::ipc::{Client, ClientOptions};
+use orbitkv_ipc::hot::{self, HotRequest, HotResponse, Ipc};
+use orbitkv_ipc::{Client, ClientOptions};
 
 const PAGE: u64 = 16;
 const BYTES: u64 = 4096;
@@ -136,7 +136,7 @@ fn main() {
     println!(
         "query round trip, {iterations} iterations, {} CPUs, spin budget {:?}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        orbitkv_io::ipc::client::DEFAULT_SPIN
+        orbitkv_ipc::client::DEFAULT_SPIN
     );
     let a_ = stats(query_loop(&mut sockc, ss, false, warm, iterations));
     let b_ = stats(query_loop(&mut hotc, sh, false, warm, iterations));
@@ -192,16 +192,16 @@ fn main() {
                 let s = stats(query_loop(&mut hotc, sh, false, warm, iterations / 2));
                 row(&format!("fixed spin {spin_us:>3} us{third}"), &s);
             }
-            hotc.set_spin(orbitkv_io::ipc::client::DEFAULT_SPIN);
+            hotc.set_spin(orbitkv_ipc::client::DEFAULT_SPIN);
             let s = stats(query_loop(&mut hotc, sh, false, warm, iterations / 2));
             row(
                 &format!(
                     "adaptive, at most {:?}{third}",
-                    orbitkv_io::ipc::client::DEFAULT_SPIN
+                    orbitkv_ipc::client::DEFAULT_SPIN
                 ),
                 &s,
             );
-            sockc.set_spin(orbitkv_io::ipc::client::DEFAULT_SPIN);
+            sockc.set_spin(orbitkv_ipc::client::DEFAULT_SPIN);
             let s = stats(query_loop(&mut sockc, ss, false, warm, iterations / 2));
             row(&format!("(a) socket path, adaptive{third}"), &s);
             if let Some(b) = burner.as_mut() {
@@ -209,7 +209,7 @@ fn main() {
                 let _ = b.wait();
             }
         }
-        hotc.set_spin(orbitkv_io::ipc::client::DEFAULT_SPIN);
+        hotc.set_spin(orbitkv_ipc::client::DEFAULT_SPIN);
     }
     drop((a, hotc, sockc));
     // SAFETY: signalling our own child.

@@ -5,6 +5,7 @@ mod contract_cmd;
 mod demo;
 mod fuzz_cmd;
 mod identity_cmd;
+mod inspect_cmd;
 mod replay_cmd;
 mod serve;
 
@@ -39,6 +40,9 @@ enum Command {
     Fuzz(fuzz_cmd::Args),
     /// Run the manager: engines connect over a Unix socket.
     Serve(serve::Args),
+    /// Show a running manager's sessions, operations, leases, occupancy,
+    /// hit rate and misses by reason.
+    Inspect(inspect_cmd::Args),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +53,7 @@ fn main() -> ExitCode {
         Command::Demo => demo::run(),
         Command::Replay(args) => replay_cmd::run(args),
         Command::Fuzz(args) => fuzz_cmd::run(args),
+        Command::Inspect(args) => inspect_cmd::run(args),
         Command::Serve(args) => {
             init_logging();
             serve::run(args)

@@ -18,8 +18,8 @@ use orbitkv_components::NativeHash;
 use orbitkv_components::api::{
     Command, Event, GroupHashes, MissReason, PagePos, RestoreTarget, SessionHandle,
 };
-use orbitkv_io::ipc::hot::{self, Desc, HotErrorCode, HotRequest, Op, part};
-use orbitkv_io::ipc::{Client, ClientError, ClientOptions};
+use orbitkv_ipc::hot::{self, Desc, HotErrorCode, HotRequest, Op, part};
+use orbitkv_ipc::{Client, ClientError, ClientOptions};
 
 struct Manager {
     child: Child,

@@ -14,7 +14,7 @@ use orbitkv_components::NativeHash;
 use orbitkv_components::api::{
     Command, CommandError, Event, GroupHashes, PagePos, RestoreTarget, SessionHandle,
 };
-use orbitkv_io::ipc::Client;
+use orbitkv_ipc::Client;
 
 struct Manager {
     child: Child,
@@ -230,7 +230,7 @@ fn serve_end_to_end() {
     let err = bad.wait_event(T, |_| true).unwrap_err();
     assert!(err.to_string().contains("magic"), "{err}");
     let mut big = Client::connect(&m.socket, "big").unwrap();
-    let mut frame = orbitkv_io::ipc::frame::header(orbitkv_io::ipc::Kind::Submit, 8);
+    let mut frame = orbitkv_ipc::frame::header(orbitkv_ipc::Kind::Submit, 8);
     frame[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
     big.send_raw(&frame).unwrap();
     assert!(
@@ -240,8 +240,8 @@ fn serve_end_to_end() {
             .contains("exceeds")
     );
     let mut junk = Client::connect(&m.socket, "junk").unwrap();
-    junk.send_raw(&orbitkv_io::ipc::frame::encode(
-        orbitkv_io::ipc::Kind::Submit,
+    junk.send_raw(&orbitkv_ipc::frame::encode(
+        orbitkv_ipc::Kind::Submit,
         &serde_json::json!({"tag": 1, "command": {"command": "teleport"}}),
     ))
     .unwrap();

@@ -1,5 +1,5 @@
 //! `orbitkv.Client`: a connection to `orbitkv serve`, wrapping
-//! [`orbitkv_io::ipc::Client`]. Commands and events are dicts in their
+//! [`orbitkv_ipc::Client`]. Commands and events are dicts in their
 //! serde JSON shapes (as for `Runtime`); page bytes are zero-copy
 //! `memoryview`s over the shared pool and the client's device regions
 //! (`crate::buffer`).
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use orbitkv_components::api::{Command, Event, LeaseInfo};
 
-use orbitkv_io::ipc::{Client, ClientError};
+use orbitkv_ipc::{Client, ClientError};
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;

@@ -9,7 +9,7 @@
 //! - [`convert`]: Python data ⇄ JSON values, so every structured argument
 //!   goes through serde and fails with serde's message.
 //! - [`client`]: `Client`, a connection to `orbitkv serve` (wrapping
-//!   `orbitkv_io::ipc::Client`), with zero-copy page views from
+//!   `orbitkv_ipc::Client`), with zero-copy page views from
 //!   [`buffer`].
 //!
 //! The `extension-module` feature of pyo3 is deliberately off here (so

@@ -361,6 +361,9 @@ pub enum LimitName {
     MaxQueryPages,
     MaxPublishPages,
     MaxRegionSlots,
+    /// The manager's per-connection quotas (`orbitkv serve` settings).
+    MaxSessionsPerConnection,
+    MaxRegionsPerConnection,
 }
 
 impl LimitName {
@@ -375,6 +378,8 @@ impl LimitName {
             LimitName::MaxQueryPages => "max_query_pages",
             LimitName::MaxPublishPages => "max_publish_pages",
             LimitName::MaxRegionSlots => "max_region_slots",
+            LimitName::MaxSessionsPerConnection => "max_sessions_per_connection",
+            LimitName::MaxRegionsPerConnection => "max_regions_per_connection",
         }
     }
 }

@@ -336,6 +336,9 @@ pub struct PlannedCopy {
     pub region: u32,
     pub device_offset: u64,
     pub len: u64,
+    /// The leased page's checksum, which the copy verifies the bytes it
+    /// delivers against.
+    pub checksum: u64,
 }
 
 impl Recovery {

@@ -78,14 +78,23 @@ impl Drop for Region {
     }
 }
 
-/// An anonymous shared-memory file of `len` bytes (memfd), mapped.
+/// An anonymous shared-memory file of `len` bytes (memfd), mapped. Its
+/// size is sealed: the engine process that maps it writes its bytes but
+/// cannot shrink it under the copy workers (which would fault them).
 pub fn shared_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
     let fd = memfd::MemfdOptions::default()
         .close_on_exec(true)
+        .allow_sealing(true)
         .create(name)
         .map_err(std::io::Error::other)?;
+    fd.as_file().set_len(len)?;
+    fd.add_seals(&[
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealSeal,
+    ])
+    .map_err(std::io::Error::other)?;
     let file = fd.into_file();
-    file.set_len(len)?;
     // SAFETY: the file is ours; processes that map it share the bytes by
     // design, and the slot and lease protocol decides who writes what.
     let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
@@ -273,10 +282,11 @@ impl DeviceArena {
         host: &HostPool,
         direction: Direction,
         copies: &[PageCopy],
-    ) -> Result<(), CopyError> {
+    ) -> Result<Vec<u64>, CopyError> {
         let regions = self
             .resolve(Some(host), copies)
             .map_err(|e| CopyError::Failed(format!("batch invalid at copy time: {e}")))?;
+        let mut sums = Vec::with_capacity(copies.len());
         for (copy, region) in copies.iter().zip(&regions) {
             let range = device_range(copy.device_offset, copy.len, region.len)?;
             let len = range.len();
@@ -289,16 +299,23 @@ impl DeviceArena {
             // else touches either range while this copy is in flight, and
             // the two cannot overlap (regions are never inside the pool).
             let dev_ptr = unsafe { region.base.add(range.start) };
-            match direction {
+            // SAFETY: as above; both ranges are in bounds and disjoint.
+            let sum = match direction {
                 Direction::HostToDevice => unsafe {
-                    ptr::copy_nonoverlapping(host_ptr, dev_ptr, len)
+                    crate::copy_and_checksum(host_ptr, dev_ptr, len)
                 },
                 Direction::DeviceToHost => unsafe {
-                    ptr::copy_nonoverlapping(dev_ptr, host_ptr, len)
+                    crate::copy_and_checksum(dev_ptr, host_ptr, len)
                 },
+            };
+            if copy.expect_checksum.is_some_and(|e| e != sum) {
+                return Err(CopyError::Checksum {
+                    host_offset: copy.host_offset,
+                });
             }
+            sums.push(sum);
         }
-        Ok(())
+        Ok(sums)
     }
 }
 
@@ -372,6 +389,8 @@ struct Batch {
     token: CompletionToken,
     parts_left: AtomicUsize,
     error: Mutex<Option<CopyError>>,
+    /// Per copy, in batch order; each part fills its own range.
+    checksums: Mutex<Vec<u64>>,
 }
 
 struct Job {
@@ -379,6 +398,8 @@ struct Job {
     direction: Direction,
     host: HostPool,
     copies: Vec<PageCopy>,
+    /// The batch index of `copies[0]`.
+    first: usize,
 }
 
 /// Batches smaller than this stay on one worker: splitting costs more than
@@ -449,12 +470,23 @@ fn worker(jobs: &Mutex<Receiver<Job>>, done: &Sender<Completion>, arena: &Device
         }))
         .unwrap_or_else(|_| Err(CopyError::Failed("copy worker panicked".into())));
         let batch = &job.batch;
-        if let Err(e) = result {
-            batch
-                .error
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get_or_insert(e);
+        match result {
+            Ok(sums) => {
+                let mut all = batch
+                    .checksums
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if let Some(dst) = all.get_mut(job.first..job.first + sums.len()) {
+                    dst.copy_from_slice(&sums);
+                }
+            }
+            Err(e) => {
+                batch
+                    .error
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_or_insert(e);
+            }
         }
         if batch.parts_left.fetch_sub(1, Ordering::AcqRel) != 1 {
             continue; // another part finishes the batch
@@ -469,9 +501,20 @@ fn worker(jobs: &Mutex<Receiver<Job>>, done: &Sender<Completion>, arena: &Device
             None => Ok(()),
         };
         // The engine may already be gone; then nobody wants the completion.
+        let checksums = if result.is_ok() {
+            std::mem::take(
+                &mut *batch
+                    .checksums
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner),
+            )
+        } else {
+            Vec::new()
+        };
         let _ = done.send(Completion {
             token: batch.token,
             result,
+            checksums,
         });
     }
 }
@@ -539,13 +582,16 @@ impl CopyEngine for HostCopyEngine {
             token,
             parts_left: AtomicUsize::new(parts),
             error: Mutex::new(None),
+            checksums: Mutex::new(vec![0; copies.len()]),
         });
-        for chunk in copies.chunks(copies.len().div_ceil(parts)) {
+        let per_part = copies.len().div_ceil(parts);
+        for (i, chunk) in copies.chunks(per_part).enumerate() {
             let job = Job {
                 batch: batch.clone(),
                 direction,
                 host,
                 copies: chunk.to_vec(),
+                first: i * per_part,
             };
             // Workers only stop when the engine is dropped, so either every
             // part is queued or the first send already failed.

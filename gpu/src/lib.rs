@@ -38,6 +38,11 @@ pub struct PageCopy {
     /// Byte offset into the device region.
     pub device_offset: u64,
     pub len: u64,
+    /// Host → device: the checksum the source page carries since its bytes
+    /// landed. The bytes delivered are hashed in the copy's pass and a
+    /// mismatch fails the batch ([`CopyError::Checksum`]): a page altered
+    /// in memory is never handed back.
+    pub expect_checksum: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -61,6 +66,8 @@ pub enum CopyError {
     RegionRejected(u64, String),
     #[error("copy failed: {0}")]
     Failed(String),
+    #[error("the page at host offset {host_offset} does not match its checksum")]
+    Checksum { host_offset: u64 },
 }
 
 /// Memory an engine process owns and lends to its copy agent as a device
@@ -92,6 +99,41 @@ impl ExternalMemory {
 pub struct Completion {
     pub token: CompletionToken,
     pub result: Result<(), CopyError>,
+    /// On success, the [`page_checksum`] of each copy's destination bytes,
+    /// in batch order, computed in the copy's pass (a publish's pages carry
+    /// it from here on; nothing hashes them again).
+    pub checksums: Vec<u64>,
+}
+
+/// The page checksum, XXH3-64 (seed 0): the same function as
+/// `orbitkv_io::checksum::page_checksum`, streamed here chunk by chunk
+/// right behind the copy, while the bytes are in cache.
+pub fn page_checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+/// Bytes copied before their hash is taken: small enough to stay in cache.
+pub const COPY_CHUNK: usize = 64 << 10;
+
+/// Copies `len` bytes from `src` to `dst` chunk by chunk, hashing each
+/// destination chunk right after it landed; returns the XXH3-64 of all of
+/// `dst`.
+///
+/// # Safety
+/// `src` and `dst` must be valid for `len` bytes and must not overlap.
+pub unsafe fn copy_and_checksum(src: *const u8, dst: *mut u8, len: usize) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut at = 0;
+    while at < len {
+        let n = COPY_CHUNK.min(len - at);
+        // SAFETY: in bounds by the caller's contract; non-overlapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), n);
+            h.update(std::slice::from_raw_parts(dst.add(at), n));
+        }
+        at += n;
+    }
+    h.digest()
 }
 
 /// Asynchronous page copies between the host pool and device regions.

@@ -231,13 +231,21 @@ impl CopyEngine for SimCopyEngine {
                 f.fail_next = f.fail_next.saturating_sub(1);
                 fail
             };
-            let result = if fail {
+            let copied = if fail {
                 Err(CopyError::Failed("injected".into()))
             } else {
                 self.arena
                     .copy_batch(&batch.host, batch.direction, &batch.copies)
             };
-            out.push(Completion { token, result });
+            let (result, checksums) = match copied {
+                Ok(sums) => (Ok(()), sums),
+                Err(e) => (Err(e), Vec::new()),
+            };
+            out.push(Completion {
+                token,
+                result,
+                checksums,
+            });
         }
     }
 

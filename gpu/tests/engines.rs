@@ -119,7 +119,41 @@ fn copy(host_offset: u64, region: u32, device_offset: u64, len: u64) -> PageCopy
         region,
         device_offset,
         len,
+        expect_checksum: None,
     }
+}
+
+#[test]
+fn copies_checksum_what_landed_and_refuse_altered_sources() {
+    let pool = TestPool::new(8192);
+    let (mut sim, arena, r) = sim_with_pool(&pool, SimCopyConfig::default());
+    pool.write(0, &[7; 4096]);
+    let good = xxhash_rust::xxh3::xxh3_64(&[7; 4096]);
+    // Device -> host reports the checksum of the bytes that landed.
+    arena.write(r, 0, &[3; 4096]).unwrap();
+    sim.submit(DeviceToHost, &[copy(4096, r, 0, 4096)], 0)
+        .unwrap();
+    // Host -> device verifies against the checksum the page carries.
+    let mut ok = copy(0, r, 4096, 4096);
+    ok.expect_checksum = Some(good);
+    sim.submit(HostToDevice, &[ok], 0).unwrap();
+    let mut bad = copy(0, r, 8192, 4096);
+    bad.expect_checksum = Some(good ^ 1);
+    sim.submit(HostToDevice, &[bad], 0).unwrap();
+    let mut out = Vec::new();
+    sim.poll(FAR_FUTURE, &mut out);
+    assert_eq!(out.len(), 3);
+    assert_eq!(
+        out[0].checksums,
+        vec![xxhash_rust::xxh3::xxh3_64(&[3; 4096])]
+    );
+    assert_eq!(out[1].result, Ok(()));
+    assert_eq!(out[1].checksums, vec![good]);
+    assert!(
+        matches!(out[2].result, Err(CopyError::Checksum { host_offset: 0 })),
+        "{:?}",
+        out[2]
+    );
 }
 
 #[test]
@@ -342,10 +376,11 @@ fn sim_bytes_land_exactly_at_due_time() {
     );
     sim.poll(114, &mut out);
     assert_eq!(
-        out,
+        plain(&out),
         [Completion {
             token: t,
-            result: Ok(())
+            result: Ok(()),
+            checksums: vec![],
         }]
     );
     assert_eq!(sim.in_flight(), 0);
@@ -360,10 +395,11 @@ fn sim_bytes_land_exactly_at_due_time() {
     assert_eq!(pool.read(600_000, 100), vec![0; 100]);
     sim.poll(210, &mut out);
     assert_eq!(
-        out.last(),
+        plain(&out).last(),
         Some(&Completion {
             token: t,
-            result: Ok(())
+            result: Ok(()),
+            checksums: vec![],
         })
     );
     assert_eq!(pool.read(600_000, 100), src[..100]);
@@ -426,15 +462,17 @@ fn sim_fail_next_copies_nothing() {
     let mut out = Vec::new();
     sim.poll(FAR_FUTURE, &mut out);
     assert_eq!(
-        out,
+        plain(&out),
         [
             Completion {
                 token: failed,
-                result: Err(CopyError::Failed("injected".into()))
+                result: Err(CopyError::Failed("injected".into())),
+                checksums: vec![],
             },
             Completion {
                 token: ok,
-                result: Ok(())
+                result: Ok(()),
+                checksums: vec![],
             },
         ]
     );
@@ -460,18 +498,20 @@ fn sim_hold_and_delay() {
     let slow = sim.submit(HostToDevice, &[copy(0, r, 10, 10)], 0).unwrap(); // due 1010
     sim.poll(1_009, &mut out);
     assert_eq!(
-        out,
+        plain(&out),
         [Completion {
             token: held,
-            result: Ok(())
+            result: Ok(()),
+            checksums: vec![],
         }]
     );
     sim.poll(1_010, &mut out);
     assert_eq!(
-        out[1],
+        plain(&out)[1],
         Completion {
             token: slow,
-            result: Ok(())
+            result: Ok(()),
+            checksums: vec![],
         }
     );
     assert_eq!(arena.read(r, 0, 20).unwrap(), vec![5; 20]);
@@ -597,6 +637,7 @@ fn attached_host_memory_round_trips_and_bad_memory_is_refused() {
         region,
         device_offset,
         len: 1024,
+        expect_checksum: None,
     };
     let t = engine
         .submit(Direction::HostToDevice, &[copy(1024, 2048)], 0)
@@ -610,7 +651,8 @@ fn attached_host_memory_round_trips_and_bad_memory_is_refused() {
         done,
         vec![Completion {
             token: t,
-            result: Ok(())
+            result: Ok(()),
+            checksums: vec![xxhash_rust::xxh3::xxh3_64(&pool[1024..2048])],
         }]
     );
     assert_eq!(
@@ -649,4 +691,15 @@ fn attached_host_memory_round_trips_and_bad_memory_is_refused() {
     drop(engine);
     // The engine never freed the caller's memory; it holds what was copied.
     assert_eq!(owned[2048..3072], pool[1024..2048]);
+}
+
+/// Completions without their checksums (the tests below compare tokens and
+/// results; `copies_checksum_what_landed` covers the checksums).
+fn plain(out: &[Completion]) -> Vec<Completion> {
+    out.iter()
+        .map(|c| Completion {
+            checksums: vec![],
+            ..c.clone()
+        })
+        .collect()
 }

@@ -267,7 +267,7 @@ impl HostPool {
             reason: e.to_string(),
         };
         let (map, file) = if shared {
-            let (file, map) = shared_memory("orbitkv-host-pool", capacity).map_err(map_err)?;
+            let (file, map) = sealed_pool_memory("orbitkv-host-pool", capacity).map_err(map_err)?;
             (map, Some(file))
         } else {
             (MmapMut::map_anon(len).map_err(map_err)?, None)
@@ -285,12 +285,21 @@ impl HostPool {
         })
     }
 
-    /// A new descriptor for the shared pool's memory file, to hand to a
-    /// client process; `None` for a private pool.
+    /// A new read-only descriptor for the shared pool's memory file, to
+    /// hand to a client process; `None` for a private pool. The file is
+    /// sealed against writable mappings and resizing
+    /// ([`sealed_pool_memory`]), so no descriptor to it, however reopened,
+    /// lets a client change a byte.
     pub fn export_fd(&self) -> Option<std::os::fd::OwnedFd> {
-        self.file
-            .as_ref()?
-            .try_clone()
+        use std::os::fd::AsRawFd;
+        let file = self.file.as_ref()?;
+        // A fresh open file description, read-only (a dup would share the
+        // manager's read-write one).
+        // Without /proc, a duplicate: the seals protect the pool either way.
+        std::fs::OpenOptions::new()
+            .read(true)
+            .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .or_else(|_| file.try_clone())
             .ok()
             .map(std::os::fd::OwnedFd::from)
     }
@@ -652,6 +661,35 @@ impl HostPool {
         }
         Ok(())
     }
+}
+
+/// The shared pool's memory: a memfd mapped read-write by this process
+/// only. After the mapping it is sealed with `F_SEAL_FUTURE_WRITE` (no new
+/// writable mapping or `write(2)`, by anyone, ever), `F_SEAL_SHRINK` and
+/// `F_SEAL_GROW` (no client can fault the manager by truncating it), and
+/// `F_SEAL_SEAL`. Clients map it read-only and `mprotect` cannot add write
+/// access to their mappings.
+pub fn sealed_pool_memory(
+    name: &str,
+    len: u64,
+) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
+    let fd = memfd::MemfdOptions::default()
+        .close_on_exec(true)
+        .allow_sealing(true)
+        .create(name)
+        .map_err(std::io::Error::other)?;
+    fd.as_file().set_len(len)?;
+    // SAFETY: the file is ours; the mapping made here is the only writable
+    // one there will ever be (sealed below).
+    let map = unsafe { memmap2::MmapMut::map_mut(fd.as_file())? };
+    fd.add_seals(&[
+        memfd::FileSeal::SealFutureWrite,
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealSeal,
+    ])
+    .map_err(std::io::Error::other)?;
+    Ok((fd.into_file(), map))
 }
 
 /// An anonymous shared-memory file of `len` bytes (memfd), mapped.

@@ -9,7 +9,6 @@
 
 pub mod checksum;
 pub mod dram;
-pub mod ipc;
 pub mod lru;
 pub mod ssd;
 pub mod tier;

@@ -57,6 +57,12 @@ pub trait BackingTier: Send {
     /// Metadata-only lookup.
     fn lookup(&self, key: &StateKey) -> Option<TierEntry>;
 
+    /// Payload bytes held and the capacity, where the tier knows them
+    /// (`orbitkv inspect`).
+    fn occupancy(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// Registers the host pool that read destinations are offsets into.
     ///
     /// # Safety
@@ -82,12 +88,16 @@ pub trait BackingTier: Send {
     /// Demotion: keep a page DRAM is evicting. The payload is copied before
     /// this returns, so the caller frees its DRAM slot at once. A refusal
     /// is typed, and the runtime counts it by reason: nothing is dropped
-    /// silently.
+    /// silently. `checksum` is the one the page carries since its bytes
+    /// landed: the tier verifies the bytes it keeps against it (refusing
+    /// with [`DemoteRefused::Checksum`] when they differ) and never computes
+    /// a fresh one over whatever the bytes are now.
     fn demote(
         &mut self,
         _key: &StateKey,
         _format: [u8; 32],
         _payload: &[u8],
+        _checksum: u64,
         _now_us: u64,
     ) -> Result<(), DemoteRefused> {
         Err(DemoteRefused::NotWritable)
@@ -119,6 +129,10 @@ pub enum DemoteRefused {
     NoSpace,
     #[error("the tier is unavailable")]
     Unavailable,
+    /// The bytes no longer match the checksum the page carries since they
+    /// landed (altered in memory): never stored under a fresh checksum.
+    #[error("the bytes do not match the page's checksum")]
+    Checksum,
 }
 
 impl DemoteRefused {
@@ -133,6 +147,7 @@ impl DemoteRefused {
             DemoteRefused::Duplicate => "duplicate",
             DemoteRefused::NoSpace => "no_space",
             DemoteRefused::Unavailable => "unavailable",
+            DemoteRefused::Checksum => "checksum",
         }
     }
 }
@@ -392,13 +407,18 @@ impl BackingTier for MemoryTier {
         key: &StateKey,
         _format: [u8; 32],
         payload: &[u8],
+        checksum: u64,
         _now_us: u64,
     ) -> Result<(), DemoteRefused> {
         if !self.writable {
             return Err(DemoteRefused::NotWritable);
         }
-        let sum = page_checksum(payload);
-        self.pages().pages.insert(*key, (payload.to_vec(), sum));
+        let kept = payload.to_vec();
+        let sum = page_checksum(&kept);
+        if sum != checksum {
+            return Err(DemoteRefused::Checksum);
+        }
+        self.pages().pages.insert(*key, (kept, sum));
         self.demoted += 1;
         Ok(())
     }

@@ -1,8 +1,10 @@
 //! Stage 7, evict: keep DRAM within capacity. When an allocation failed this
 //! tick, free least-recently-used unleased pages of that slot class. Leased
 //! pages are never in the LRU, so they are never candidates. Each victim is
-//! offered to the first lower tier that takes writes (demotion); a refusal
-//! is counted by reason, and the page is dropped either way.
+//! offered to the first lower tier that takes writes (demotion) with the
+//! checksum it carries since its bytes landed, which the tier verifies its
+//! copy against; a refusal (`checksum` for bytes altered in memory) is
+//! counted by reason, and the page is dropped either way.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::ecs::{Leases, Page};
@@ -34,7 +36,7 @@ pub fn evict(
             if let Some(bytes) = dram.slot_bytes(page.residency.dram_slot, page.bytes) {
                 let outcome = tiers
                     .iter_mut()
-                    .map(|t| t.demote(&page.key, page.format, bytes, clock.now_us))
+                    .map(|t| t.demote(&page.key, page.format, bytes, page.checksum, clock.now_us))
                     .find(|r| *r != Err(DemoteRefused::NotWritable));
                 let key = match outcome {
                     Some(Ok(())) => "submitted",

@@ -104,6 +104,7 @@ fn plan(
             region: region.engine_region,
             device_offset: u64::from(dp.slot) * region.page_bytes,
             len: page.bytes,
+            checksum: page.checksum,
         });
     }
     Ok(plan)
@@ -159,5 +160,7 @@ fn page_copy(c: &PlannedCopy) -> PageCopy {
         region: c.region,
         device_offset: c.device_offset,
         len: c.len,
+        // Verified in the copy's pass: altered bytes are a miss.
+        expect_checksum: Some(c.checksum),
     }
 }

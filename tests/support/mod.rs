@@ -6,7 +6,7 @@ use std::time::Duration;
 use orbitkv_components::api::{Command, Event, PublishPage, Rank, SessionHandle};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
-use orbitkv_io::ipc::Client;
+use orbitkv_ipc::Client;
 
 pub const PAGE: u64 = 16;
 pub const BYTES: u64 = 4096;
@@ -21,6 +21,12 @@ pub fn free_port() -> u16 {
 }
 
 pub fn register(c: &mut Client) {
+    let e = c.call(register_command(), T).unwrap();
+    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
+}
+
+/// Registers instance "llama": one rank, one prefix group of `BYTES` pages.
+pub fn register_command() -> Command {
     let slot = StorageSlot {
         layer: 0,
         group: 0,
@@ -34,27 +40,21 @@ pub fn register(c: &mut Client) {
         strides: vec![1],
         device_addr: 0,
     };
-    let e = c
-        .call(
-            Command::RegisterInstance {
-                instance: "llama".into(),
-                identity: [9; 32],
-                layout: StorageLayout {
-                    slots: vec![slot],
-                    pool_capacity_pages: 0,
-                },
-                page_tokens: PAGE,
-                groups: vec![GroupSpec {
-                    id: 0,
-                    rule: Rule::Prefix,
-                    components: vec![ComponentKind::AttentionKv],
-                }],
-                ranks: vec![Rank { tp: 0, pp: 0 }],
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
+    Command::RegisterInstance {
+        instance: "llama".into(),
+        identity: [9; 32],
+        layout: StorageLayout {
+            slots: vec![slot],
+            pool_capacity_pages: 0,
+        },
+        page_tokens: PAGE,
+        groups: vec![GroupSpec {
+            id: 0,
+            rule: Rule::Prefix,
+            components: vec![ComponentKind::AttentionKv],
+        }],
+        ranks: vec![Rank { tp: 0, pp: 0 }],
+    }
 }
 
 pub fn alloc(c: &mut Client, s: SessionHandle, region: u64, slot: u32) -> u64 {

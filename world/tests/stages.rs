@@ -16,6 +16,7 @@ use orbitkv_components::ecs::{
 };
 use orbitkv_components::{Namespace, NativeHash, RequiredRange, StateKey, StorageLayout, seal};
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
+use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::tier::{MemoryTier, MemoryTierHandle};
 use orbitkv_systems::resources::{
     Budget, Clock, Copier, Dram, Inbound, Inbox, Metrics, Outbox, Registry, decrement,
@@ -113,14 +114,16 @@ fn key(ns: Namespace, i: u64) -> StateKey {
 }
 
 impl Bench {
-    /// Page `i` resident in DRAM and unleased (so in the LRU).
+    /// Page `i` resident in DRAM and unleased (so in the LRU), carrying the
+    /// checksum of its slot's bytes (restores and demotions verify it).
     fn resident(&mut self, i: u64) -> Entity {
         let key = key(self.ns, i);
         let (slot, offset) = self.w.resource_mut::<Dram>().alloc(BYTES).unwrap();
+        let checksum = page_checksum(self.w.resource::<Dram>().slot_bytes(slot, BYTES).unwrap());
         let page = Page {
             key,
             bytes: BYTES,
-            checksum: 0,
+            checksum,
             format: [2; 32],
             residency: Residency {
                 dram_slot: slot,
@@ -140,6 +143,14 @@ impl Bench {
         mark_state(&mut self.w.entity_mut(e), state);
         self.w.resource_mut::<Registry>().operations += 1;
         e
+    }
+
+    /// The page leased to need `i` of a recovery.
+    fn page_of_need(&self, op: Entity, i: usize) -> Entity {
+        let NeedState::Leased(lease) = self.w.get::<Recovery>(op).unwrap().needs[i].state else {
+            panic!("need {i} is not leased");
+        };
+        self.w.get::<LeaseOf>(lease).unwrap().0
     }
 
     fn lease(&mut self, page: Entity, op: Entity) -> Entity {
@@ -584,6 +595,49 @@ fn evict_demotes_the_least_recent_unleased_page() {
     let m = b.w.resource::<Metrics>();
     assert_eq!(m.demotions.get("submitted"), Some(&2));
     assert!(b.tier.contains(&key(b.ns, 0)));
+    b.check();
+}
+
+#[test]
+fn a_restore_of_a_page_altered_since_it_landed_is_a_checksum_miss() {
+    let mut b = copy_limited(4, 1);
+    let (op, _) = restoring(&mut b);
+    // The second page's bytes no longer match the checksum it carries.
+    let page = b.page_of_need(op, 1);
+    b.w.get_mut::<Page>(page).unwrap().checksum ^= 1;
+    b.run(restore::restore);
+    b.w.resource_mut::<Clock>().now_us += 100;
+    b.run(fence::land);
+    let o = b.w.get::<Operation>(op).unwrap().outcome;
+    assert_eq!(o, Some(Outcome::Miss(MissReason::Checksum)));
+    assert_eq!(b.w.resource::<Metrics>().checksum_failures, 1);
+    b.run(fence::retire);
+    let events: Vec<Event> = b.events().into_iter().map(|a| a.event).collect();
+    assert!(
+        matches!(
+            &events[..],
+            [Event::Miss {
+                reason: MissReason::Checksum,
+                ..
+            }]
+        ),
+        "{events:?}"
+    );
+    b.check();
+}
+
+#[test]
+fn evict_refuses_to_demote_bytes_that_changed_since_they_landed() {
+    let mut b = bench(|_| {});
+    let page = b.resident(0);
+    b.w.get_mut::<Page>(page).unwrap().checksum ^= 1;
+    b.w.resource_mut::<Dram>().pressure.insert(BYTES, 1);
+    b.run(evict::evict);
+    assert!(b.w.get_entity(page).is_err(), "evicted either way");
+    let m = b.w.resource::<Metrics>();
+    assert_eq!(m.demotions.get("checksum"), Some(&1));
+    assert_eq!(m.demotions.get("submitted"), None);
+    assert!(!b.tier.contains(&key(b.ns, 0)), "never stored");
     b.check();
 }
 

@@ -626,6 +626,22 @@ impl SsdStore {
         payload: &[u8],
         now_us: u64,
     ) -> Result<WriteToken, WriteRefused> {
+        self.submit_write_checked(key, format_digest, payload, None, now_us)
+    }
+
+    /// [`submit_write`](Self::submit_write) of bytes whose checksum is
+    /// already known (computed once, when they landed in DRAM): the copy in
+    /// the store's buffer is verified against it in the same pass, and
+    /// bytes that changed since are refused (`Checksum`), never stored
+    /// under a fresh checksum of whatever is there.
+    pub fn submit_write_checked(
+        &mut self,
+        key: &StateKey,
+        format_digest: [u8; 32],
+        payload: &[u8],
+        expected: Option<u64>,
+        now_us: u64,
+    ) -> Result<WriteToken, WriteRefused> {
         self.now_us = self.now_us.max(now_us);
         let r = self.admit(key, payload);
         if let Err(reason) = r {
@@ -643,6 +659,14 @@ impl SsdStore {
         body[..h].fill(0);
         body[h..h + len].copy_from_slice(payload);
         body[h + len..].fill(0);
+        // The checksum of the copy that will be written, verified against
+        // the one the page carries.
+        let checksum = page_checksum(&body[h..h + len]);
+        if expected.is_some_and(|e| e != checksum) {
+            self.bufs.put(buf);
+            self.stats.refusals.bump(WriteRefused::Checksum);
+            return Err(WriteRefused::Checksum);
+        }
         let token = WriteToken(self.next_write);
         self.next_write += 1;
         self.write_queue.push_back(QueuedWrite {
@@ -650,7 +674,7 @@ impl SsdStore {
             key: *key,
             digest: format_digest,
             payload_len: len as u64,
-            checksum: page_checksum(payload),
+            checksum,
             written_us: now_us,
             buf,
         });
@@ -1325,6 +1349,11 @@ impl BackingTier for SsdStore {
         "ssd"
     }
 
+    fn occupancy(&self) -> Option<(u64, u64)> {
+        let s = self.stats();
+        Some((s.bytes, s.capacity_bytes))
+    }
+
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {
         self.index.get(key).map(|e| TierEntry {
             bytes: e.payload_len,
@@ -1457,9 +1486,10 @@ impl BackingTier for SsdStore {
         key: &StateKey,
         format: [u8; 32],
         payload: &[u8],
+        checksum: u64,
         now_us: u64,
     ) -> Result<(), DemoteRefused> {
-        self.submit_write(key, format, payload, now_us)
+        self.submit_write_checked(key, format, payload, Some(checksum), now_us)
             .map(|_| ())
             .map_err(DemoteRefused::from)
     }

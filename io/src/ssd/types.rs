@@ -240,6 +240,8 @@ pub enum WriteRefused {
     NoSpace,
     #[error("segment files cannot be created (retrying shortly)")]
     Unavailable,
+    #[error("the bytes do not match the checksum they were stored with")]
+    Checksum,
 }
 
 impl WriteRefused {
@@ -253,6 +255,7 @@ impl WriteRefused {
             WriteRefused::Duplicate => "duplicate",
             WriteRefused::NoSpace => "no_space",
             WriteRefused::Unavailable => "unavailable",
+            WriteRefused::Checksum => "checksum",
         }
     }
 }
@@ -268,6 +271,7 @@ impl From<WriteRefused> for crate::tier::DemoteRefused {
             WriteRefused::Duplicate => D::Duplicate,
             WriteRefused::NoSpace => D::NoSpace,
             WriteRefused::Unavailable => D::Unavailable,
+            WriteRefused::Checksum => D::Checksum,
         }
     }
 }
@@ -321,6 +325,7 @@ pub struct Refusals {
     pub duplicate: u64,
     pub no_space: u64,
     pub unavailable: u64,
+    pub checksum: u64,
 }
 
 impl Refusals {
@@ -333,6 +338,7 @@ impl Refusals {
             WriteRefused::Duplicate => self.duplicate,
             WriteRefused::NoSpace => self.no_space,
             WriteRefused::Unavailable => self.unavailable,
+            WriteRefused::Checksum => self.checksum,
         }
     }
 
@@ -345,6 +351,7 @@ impl Refusals {
             WriteRefused::Duplicate => &mut self.duplicate,
             WriteRefused::NoSpace => &mut self.no_space,
             WriteRefused::Unavailable => &mut self.unavailable,
+            WriteRefused::Checksum => &mut self.checksum,
         };
         *c += 1;
     }
@@ -357,6 +364,7 @@ impl Refusals {
             + self.duplicate
             + self.no_space
             + self.unavailable
+            + self.checksum
     }
 }
 

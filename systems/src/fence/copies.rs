@@ -1,14 +1,14 @@
 //! Device copies completing: a restore batch records a failure (its
-//! destinations stay pinned until the restore retires); a publish batch
-//! checksums the pages that landed (in parallel: a publish is
-//! often hundreds of pages, and this is the tick's largest cost) and
-//! indexes them. Whether the operation is done is decided by `settle` once
-//! the batch's Transfer is gone.
+//! destinations stay pinned until the restore retires; a leased page whose
+//! bytes no longer match the checksum it carries is a `checksum` miss); a
+//! publish batch indexes the pages that landed under the checksums the copy
+//! computed in its own pass. Whether the operation is done is decided by
+//! `settle` once the batch's Transfer is gone.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::MissReason;
 use orbitkv_components::ecs::{ItemState, Outcome, Page, PublishJob, Residency, TransferKind};
-use orbitkv_gpu::Completion;
+use orbitkv_gpu::{Completion, CopyError};
 use orbitkv_io::checksum::page_checksum;
 use rayon::prelude::*;
 
@@ -34,15 +34,24 @@ pub(super) fn land_copies(
             .expect("an operation retires only after its transfers");
         let landed = completion.result.is_ok();
         match &transfer.kind {
-            TransferKind::Restore { .. } => {
-                if !landed {
+            TransferKind::Restore { .. } => match completion.result {
+                Ok(()) => {}
+                Err(CopyError::Checksum { .. }) => {
+                    // A leased page's bytes changed since they landed: never
+                    // a hit. The page stays until evicted, where demotion
+                    // refuses it for the same reason.
+                    landing.metrics.checksum_failures += 1;
+                    op.outcome
+                        .get_or_insert(Outcome::Miss(MissReason::Checksum));
+                }
+                Err(_) => {
                     op.outcome.get_or_insert(Outcome::Miss(MissReason::IoError));
                 }
-            }
+            },
             TransferKind::Publish { items } => {
                 // A failed batch drops its own pages; the others go on.
                 let mut job = job.expect("publish transfers belong to publish jobs");
-                landing.land(commands, &mut job, items, landed);
+                landing.land(commands, &mut job, items, landed, &completion.checksums);
             }
             TransferKind::TierRead { .. } => unreachable!("reads are indexed by tier"),
         }
@@ -51,15 +60,22 @@ pub(super) fn land_copies(
 
 impl Landing<'_> {
     /// Indexes each landed page of the batch under its checksum; a failed
-    /// copy or a key indexed meanwhile gives its slot back.
+    /// copy or a key indexed meanwhile gives its slot back. `copied` are the
+    /// checksums the copy computed in its pass, in batch order.
     fn land(
         &mut self,
         commands: &mut Commands,
         job: &mut PublishJob,
         items: &[usize],
         landed: bool,
+        copied: &[u64],
     ) {
-        let sums: Vec<u64> = if landed {
+        let sums: Vec<u64> = if landed && copied.len() == items.len() {
+            copied.to_vec()
+        } else if landed {
+            // A backend that did not checksum in its pass (none of ours):
+            // computed here, in parallel, as a publish is often hundreds of
+            // pages.
             let slices: Vec<&[u8]> = items
                 .iter()
                 .map(|&i| {

@@ -15,10 +15,13 @@
 //! | 2 `Welcome` | manager → client | [`Welcome`], with the pool's memfd when the pool is shared |
 //! | 3 `Submit` | client → manager | [`Submit`]: a tagged `Command` |
 //! | 4 `Accepted` | manager → client | [`Accepted`]: tag → command id, or why not |
-//! | 5 `Events` | manager → client | `Vec<Event>` routed to this connection; a `RegionRegistered` event carries its region's memfd |
+//! | 5 `Events` | manager → client | `Vec<Event>` addressed to this connection |
 //! | 6 `Error` | manager → client | [`ProtocolError`]; the manager closes the connection after it |
 //! | 7 `Ping` / 8 `Pong` | both | empty: liveness and round-trip measurement |
 //! | 9 `Wake` | manager → client | empty: hot-path responses wait for a client that blocked |
+//! | 10 `Descriptor` | manager → client | [`Descriptor`]: one memfd attached, and the handle it belongs to |
+//! | 11 `Inspect` | client → manager | empty: asks for a [`Snapshot`] |
+//! | 12 `Snapshot` | manager → client | [`Snapshot`]: the manager's live state (`orbitkv inspect`) |
 //!
 //! The hot path ([`hot`]): a client that asks for it in `Hello` gets an
 //! iceoryx2 request/response service name and a descriptor area (a memfd,
@@ -35,9 +38,11 @@ pub mod client;
 pub mod frame;
 pub mod hot;
 pub mod hot_server;
+pub mod snapshot;
 
 pub use client::{Client, ClientError, ClientOptions};
 pub use frame::{FrameError, Kind, MAX_FRAME_BYTES, PROTOCOL_VERSION};
+pub use snapshot::{ConnectionSummary, Snapshot, Window};
 
 use orbitkv_components::api::{Command, CommandError};
 use serde::{Deserialize, Serialize};
@@ -114,4 +119,25 @@ pub struct Accepted {
 #[serde(deny_unknown_fields)]
 pub struct ProtocolError {
     pub error: String,
+}
+
+/// What a `Descriptor` frame's memfd is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DescriptorKind {
+    /// A device region's shared memory (`region_registered`), mapped
+    /// read-write by the engine that registered it.
+    Region,
+}
+
+/// The payload of a `Descriptor` frame: which handle the attached memfd
+/// belongs to. Sent before the `Events` frame that names the handle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Descriptor {
+    pub kind: DescriptorKind,
+    /// The handle (a device region's `region` bits).
+    pub handle: u64,
+    /// Bytes of the shared memory.
+    pub bytes: u64,
 }

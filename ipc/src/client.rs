@@ -9,7 +9,7 @@
 //! With the hot path (the default; [`ClientOptions::hot_path`] or
 //! `ORBITKV_HOT_PATH=0` turn it off), query, prepare, restore, publish,
 //! release and cancel go over iceoryx2 and their events come back the same
-//! way ([`super::hot`]); the API does not change. A command the hot path
+//! way ([`crate::hot`]); the API does not change. A command the hot path
 //! cannot carry at the moment (its parts do not fit the descriptor area,
 //! too many requests open) silently takes the socket. A client that blocks
 //! says so in the descriptor area first; the manager then wakes it with a
@@ -26,9 +26,12 @@ use std::time::{Duration, Instant};
 use iceoryx2::prelude::{NodeBuilder, SignalHandlingMode};
 use orbitkv_components::api::{Command, CommandError, CommandId, Event, LeaseInfo};
 
-use super::frame::{self, FrameError, Kind};
-use super::hot::{self, Desc, HotError, HotRequest, HotResponse, Ipc, Reply};
-use super::{Accepted, Hello, HotPathInfo, ProtocolError, Submit, Welcome};
+use crate::frame::{self, FrameError, Kind};
+use crate::hot::{self, Desc, HotError, HotRequest, HotResponse, Ipc, Reply};
+use crate::{
+    Accepted, Descriptor, DescriptorKind, Hello, HotPathInfo, ProtocolError, Snapshot, Submit,
+    Welcome,
+};
 
 /// How long a waiting client spins before it blocks. Measured (see
 /// docs/serve.md, "Hot path"): a hot round trip takes 7-10 us while the
@@ -61,6 +64,11 @@ pub enum ClientError {
     Map(io::Error),
     #[error(transparent)]
     Hot(#[from] HotError),
+    #[error(
+        "the socket is served by uid {uid}, which is neither this process's nor trusted \
+         ({trusted:?}; ORBITKV_TRUSTED_UIDS)"
+    )]
+    Untrusted { uid: u32, trusted: Vec<u32> },
 }
 
 /// How a client connects.
@@ -71,6 +79,9 @@ pub struct ClientOptions {
     pub hot_path: bool,
     /// How long waits spin before blocking.
     pub spin: Duration,
+    /// Manager uids trusted besides this process's own. Default:
+    /// `ORBITKV_TRUSTED_UIDS` (comma-separated), else none.
+    pub trusted_uids: Vec<u32>,
 }
 
 impl Default for ClientOptions {
@@ -78,7 +89,18 @@ impl Default for ClientOptions {
         ClientOptions {
             hot_path: std::env::var("ORBITKV_HOT_PATH").map_or(true, |v| v != "0"),
             spin: DEFAULT_SPIN,
+            trusted_uids: std::env::var("ORBITKV_TRUSTED_UIDS")
+                .map(|v| v.split(',').filter_map(|u| u.trim().parse().ok()).collect())
+                .unwrap_or_default(),
         }
+    }
+}
+
+impl ClientOptions {
+    /// Whether a manager running as `uid` may serve this client.
+    pub fn trusts(&self, uid: u32) -> bool {
+        // SAFETY: getuid has no preconditions.
+        uid == unsafe { libc::getuid() } || self.trusted_uids.contains(&uid)
     }
 }
 
@@ -258,8 +280,12 @@ impl HotPath {
 
 pub struct Client {
     stream: UnixStream,
-    buf: Vec<u8>,
-    fds: Vec<OwnedFd>,
+    buf: frame::FrameReader,
+    /// Descriptors received and not yet claimed by the frame they came
+    /// with, in arrival order.
+    fds: VecDeque<OwnedFd>,
+    /// Scratch for `recv_some`.
+    fresh_fds: Vec<OwnedFd>,
     welcome: Welcome,
     pool: Option<memmap2::Mmap>,
     regions: HashMap<u64, memmap2::MmapMut>,
@@ -277,6 +303,7 @@ pub struct Client {
     blocked: bool,
     adaptive: bool,
     pongs: u64,
+    snapshot: Option<Snapshot>,
     hot: Option<HotPath>,
     hot_error: Option<String>,
 }
@@ -301,11 +328,21 @@ impl Client {
         options: ClientOptions,
     ) -> Result<Client, ClientError> {
         let stream = UnixStream::connect(path).map_err(ClientError::Connect)?;
+        // Nothing is sent before the manager proved who it is: an impostor
+        // bound at the path could otherwise serve "hits" of its choosing.
+        let (_, uid, _) = frame::peer_credentials(&stream).map_err(ClientError::Connect)?;
+        if !options.trusts(uid) {
+            return Err(ClientError::Untrusted {
+                uid,
+                trusted: options.trusted_uids.clone(),
+            });
+        }
         stream.set_nonblocking(true).map_err(ClientError::Connect)?;
         let mut c = Client {
             stream,
-            buf: Vec::new(),
-            fds: Vec::new(),
+            buf: frame::FrameReader::default(),
+            fds: VecDeque::new(),
+            fresh_fds: Vec::new(),
             welcome: Welcome {
                 protocol: 0,
                 incarnation: 0,
@@ -324,6 +361,7 @@ impl Client {
             blocked: false,
             adaptive: true,
             pongs: 0,
+            snapshot: None,
             hot: None,
             hot_error: None,
         };
@@ -418,10 +456,10 @@ impl Client {
     ) -> Result<Option<(Kind, Vec<u8>)>, ClientError> {
         let spin_until = Instant::now() + self.spin;
         loop {
-            if let Some(f) = frame::take_frame(&mut self.buf)? {
+            if let Some(f) = self.buf.next_frame()? {
                 return Ok(Some(f));
             }
-            match frame::recv_some(&self.stream, &mut self.buf, READ_CHUNK, &mut self.fds) {
+            match self.recv() {
                 Ok(0) => return Err(FrameError::Closed.into()),
                 Ok(_) => continue,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -450,6 +488,15 @@ impl Client {
         }
     }
 
+    /// Receives what the socket has, queueing descriptors in arrival order.
+    fn recv(&mut self) -> io::Result<usize> {
+        let n = self
+            .buf
+            .fill(&self.stream, READ_CHUNK, &mut self.fresh_fds)?;
+        self.fds.extend(self.fresh_fds.drain(..));
+        Ok(n)
+    }
+
     /// Waits until something arrives (a frame, handled; or hot responses,
     /// queued), spinning for the spin budget, then blocking on the socket
     /// (a hot-path client first says it sleeps, so the manager wakes it).
@@ -466,7 +513,7 @@ impl Client {
         self.blocked = false;
         let mut round = 0u32;
         loop {
-            if let Some((kind, payload)) = frame::take_frame(&mut self.buf)? {
+            if let Some((kind, payload)) = self.buf.next_frame()? {
                 self.absorb(kind, payload)?;
                 return Ok(true);
             }
@@ -479,7 +526,7 @@ impl Client {
             // look at it every 8th round of the spin.
             let hot_open = self.hot.as_ref().is_some_and(|h| !h.pending.is_empty());
             if !hot_open || round.is_multiple_of(8) {
-                match frame::recv_some(&self.stream, &mut self.buf, READ_CHUNK, &mut self.fds) {
+                match self.recv() {
                     Ok(0) => return Err(FrameError::Closed.into()),
                     Ok(_) => continue,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -550,10 +597,17 @@ impl Client {
             }
             Kind::Events => {
                 let events: Vec<Event> = frame::decode(kind, &payload)?;
-                for e in events {
-                    if let Event::RegionRegistered { region, .. } = &e
-                        && let Some(fd) = (!self.fds.is_empty()).then(|| self.fds.remove(0))
-                    {
+                self.events.extend(events);
+            }
+            Kind::Descriptor => {
+                let d: Descriptor = frame::decode(kind, &payload)?;
+                // The descriptor rode on this frame's first byte, so it
+                // arrived no later than the frame's last byte.
+                let fd = self.fds.pop_front().ok_or_else(|| {
+                    ClientError::Protocol(format!("descriptor for {:#x} did not arrive", d.handle))
+                })?;
+                match d.kind {
+                    DescriptorKind::Region => {
                         let file = std::fs::File::from(fd);
                         // SAFETY: the engine side of a shared device region:
                         // this client writes the pages it publishes and reads
@@ -561,17 +615,32 @@ impl Client {
                         // memory.
                         let map = unsafe { memmap2::MmapMut::map_mut(&file) }
                             .map_err(ClientError::Map)?;
-                        self.regions.insert(*region, map);
+                        if (map.len() as u64) < d.bytes {
+                            return Err(ClientError::Protocol(format!(
+                                "region {:#x} maps {} bytes, not {}",
+                                d.handle,
+                                map.len(),
+                                d.bytes
+                            )));
+                        }
+                        self.regions.insert(d.handle, map);
                     }
-                    self.events.push_back(e);
                 }
+            }
+            Kind::Snapshot => {
+                self.snapshot = Some(frame::decode(kind, &payload)?);
             }
             Kind::Error => {
                 let e: ProtocolError = frame::decode(kind, &payload)?;
                 return Err(ClientError::Protocol(e.error));
             }
             Kind::Pong => self.pongs += 1,
-            Kind::Wake | Kind::Ping | Kind::Hello | Kind::Welcome | Kind::Submit => {}
+            Kind::Wake
+            | Kind::Ping
+            | Kind::Hello
+            | Kind::Welcome
+            | Kind::Submit
+            | Kind::Inspect => {}
         }
         Ok(())
     }
@@ -726,6 +795,21 @@ impl Client {
             }
             if !self.pump(Some(deadline))? {
                 return Err(ClientError::Timeout(ACK_TIMEOUT));
+            }
+        }
+    }
+
+    /// The manager's live state (`orbitkv inspect`).
+    pub fn inspect(&mut self, timeout: Duration) -> Result<Snapshot, ClientError> {
+        self.snapshot = None;
+        self.send(&frame::encode(Kind::Inspect, &()))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.snapshot.take() {
+                return Ok(s);
+            }
+            if !self.pump(Some(deadline))? {
+                return Err(ClientError::Timeout(timeout));
             }
         }
     }

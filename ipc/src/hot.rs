@@ -29,7 +29,7 @@ use orbitkv_components::contract::RequiredRange;
 use orbitkv_components::{Namespace, NativeHash};
 
 /// The iceoryx2 service flavour both sides use: thread-safe ports, so a
-/// [`super::Client`] stays `Send` (the Python bridge moves it between
+/// [`crate::Client`] stays `Send` (the Python bridge moves it between
 /// threads).
 pub type Ipc = iceoryx2::service::ipc_threadsafe::Service;
 
@@ -352,10 +352,20 @@ impl Area {
         let half = ((bytes - AREA_HEADER_BYTES) / 2) & !(RECORD_ALIGN - 1);
         let fd = memfd::MemfdOptions::default()
             .close_on_exec(true)
+            .allow_sealing(true)
             .create(name)
             .map_err(io::Error::other)?;
+        fd.as_file()
+            .set_len((AREA_HEADER_BYTES + 2 * half) as u64)?;
+        // The client writes the area but must not resize it: a shrunk
+        // memfd would fault the manager's next read of it (SIGBUS).
+        fd.add_seals(&[
+            memfd::FileSeal::SealShrink,
+            memfd::FileSeal::SealGrow,
+            memfd::FileSeal::SealSeal,
+        ])
+        .map_err(io::Error::other)?;
         let file = fd.into_file();
-        file.set_len((AREA_HEADER_BYTES + 2 * half) as u64)?;
         let map = memmap2::MmapRaw::map_raw(&file)?;
         let area = Area {
             map,
@@ -1440,6 +1450,30 @@ pub fn remove_files_with_prefix(prefix: &str) -> usize {
     removed
 }
 
+/// Makes every file of an incarnation owner-only (mode 0600): iceoryx2
+/// creates its shared management segment writable by everyone, and no
+/// other uid may touch a hot path that carries another user's commands.
+/// Returns the files that still allow others any access.
+pub fn restrict_files_with_prefix(prefix: &str) -> Vec<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mut open = Vec::new();
+    for f in files_with_prefix(prefix) {
+        let Ok(meta) = std::fs::symlink_metadata(&f) else {
+            continue; // removed meanwhile
+        };
+        if meta.is_dir() || meta.file_type().is_symlink() {
+            continue;
+        }
+        let mode = meta.permissions().mode();
+        if mode & 0o077 != 0
+            && std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode & 0o700)).is_err()
+        {
+            open.push(f);
+        }
+    }
+    open
+}
+
 /// The incarnation prefixes (`iox2_okv<16 hex>_`) that have files here.
 pub fn incarnation_prefixes() -> Vec<String> {
     let mut found = std::collections::BTreeSet::new();
@@ -1447,10 +1481,13 @@ pub fn incarnation_prefixes() -> Vec<String> {
         let name = f.file_name().map(|n| n.to_string_lossy().into_owned());
         if let Some(name) = name
             && name.len() >= 25
-            && name.as_bytes()[24] == b'_'
-            && name[8..24].bytes().all(|b| b.is_ascii_hexdigit())
+            && name.as_bytes().get(24) == Some(&b'_')
+            && name
+                .get(8..24)
+                .is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+            && let Some(p) = name.get(..25)
         {
-            found.insert(name[..25].to_owned());
+            found.insert(p.to_owned());
         }
     }
     found.into_iter().collect()

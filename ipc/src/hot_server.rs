@@ -27,8 +27,8 @@ use iceoryx2::prelude::{
 };
 use orbitkv_components::api::{Command, CommandError, CommandId, Event};
 
-use super::HotPathInfo;
-use super::hot::{
+use crate::HotPathInfo;
+use crate::hot::{
     self, Area, HotError, HotErrorCode, HotRequest, HotResponse, Ipc, Op, RESP_LAST, RespKind,
     RingWriter,
 };
@@ -295,11 +295,19 @@ impl HotServer {
                     detail: r.token,
                 })
             };
+            // `decode_request` accepted the op, so it is known.
+            let checked = checked.and_then(|(conn, command)| {
+                Op::from_u32(r.op)
+                    .map(|op| (conn, command, op))
+                    .ok_or(HotError {
+                        code: HotErrorCode::UnknownOp,
+                        detail: u64::from(r.op),
+                    })
+            });
             match checked {
-                Ok((conn, command)) => {
+                Ok((conn, command, op)) => {
                     let key = self.next_key;
                     self.next_key += 1;
-                    let op = Op::from_u32(r.op).expect("decoded");
                     self.active.insert(
                         key,
                         Active {
@@ -355,8 +363,9 @@ impl HotServer {
                     )
                 });
                 let conn = c.conn;
-                let a = self.active.remove(&key).expect("checked");
-                let _ = a.request.send_copy(r);
+                if let Some(a) = self.active.remove(&key) {
+                    let _ = a.request.send_copy(r);
+                }
                 self.stats.responses += 1;
                 self.wake_check(token, conn);
             }
@@ -380,13 +389,23 @@ impl HotServer {
         }
     }
 
-    /// Sends `e` on the hot path when an open request answers it. `false`:
+    /// Sends `e` (addressed to connection `conn`) on the hot path when an
+    /// open request of that connection answers it. `false`:
     /// the caller sends it on the socket (no open request, or no room);
     /// the request is then still acknowledged and closed as it should be.
-    pub fn deliver(&mut self, e: &Event) -> bool {
+    pub fn deliver(&mut self, conn: ConnId, e: &Event) -> bool {
         let Some(key) = self.route(e) else {
             return false;
         };
+        // Only the addressee's own open request may carry its event.
+        let owner = self
+            .active
+            .get(&key)
+            .and_then(|a| self.conns.get(&a.token))
+            .map(|c| c.conn);
+        if owner != Some(conn) {
+            return false;
+        }
         let last = match e {
             Event::Rejected { .. } | Event::PublishDone { .. } => true,
             Event::QueryResult {
@@ -477,7 +496,9 @@ impl HotServer {
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
-            let a = self.active.get_mut(&key).expect("listed");
+            let Some(a) = self.active.get_mut(&key) else {
+                continue;
+            };
             a.this_tick = false;
             let keep = match a.op {
                 Op::Publish => true,
@@ -498,7 +519,9 @@ impl HotServer {
                     }
                 }
             }
-            let a = &self.active[&key];
+            let Some(a) = self.active.get(&key) else {
+                continue;
+            };
             if !matches!(a.op, Op::Publish)
                 && let Some(cid) = a.command
                 && self.by_command.get(&cid) == Some(&key)

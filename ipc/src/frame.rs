@@ -27,6 +27,16 @@ pub enum Kind {
     /// Manager → a hot-path client that said it is about to block: hot
     /// responses are waiting. Empty payload.
     Wake = 9,
+    /// Manager → client: one shared-memory descriptor, attached to this
+    /// frame's first byte, and the handle it belongs to
+    /// ([`crate::Descriptor`]). Descriptors pair with handles by name,
+    /// never by position.
+    Descriptor = 10,
+    /// Client → manager: asks for a [`crate::Snapshot`] (`orbitkv
+    /// inspect`). Empty payload.
+    Inspect = 11,
+    /// Manager → client: the answer to `Inspect`.
+    Snapshot = 12,
 }
 
 impl Kind {
@@ -41,6 +51,9 @@ impl Kind {
             7 => Kind::Ping,
             8 => Kind::Pong,
             9 => Kind::Wake,
+            10 => Kind::Descriptor,
+            11 => Kind::Inspect,
+            12 => Kind::Snapshot,
             _ => return None,
         })
     }
@@ -77,7 +90,8 @@ pub fn header(kind: Kind, len: u32) -> [u8; HEADER_BYTES] {
 
 /// Validates a header; returns the kind and payload length.
 pub fn parse_header(h: &[u8; HEADER_BYTES]) -> Result<(Kind, u32), FrameError> {
-    let magic: [u8; 4] = h[..4].try_into().expect("4 bytes");
+    let [m0, m1, m2, m3, ..] = *h;
+    let magic = [m0, m1, m2, m3];
     if magic != MAGIC {
         return Err(FrameError::Magic(magic));
     }
@@ -87,11 +101,11 @@ pub fn parse_header(h: &[u8; HEADER_BYTES]) -> Result<(Kind, u32), FrameError> {
     }
     let raw_kind = u16::from_le_bytes([h[6], h[7]]);
     let kind = Kind::from_u16(raw_kind).ok_or(FrameError::UnknownKind(raw_kind))?;
-    let len = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     if len > MAX_FRAME_BYTES {
         return Err(FrameError::TooLarge(len));
     }
-    let reserved = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
+    let reserved = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
     if reserved != 0 {
         return Err(FrameError::Reserved(reserved));
     }
@@ -167,6 +181,65 @@ pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Re
         }
     }
     write_all(stream, &bytes[sent..])
+}
+
+/// Sends what the socket takes now of `bytes`, with `fds` attached to the
+/// first byte; never waits. Returns the bytes sent (the descriptors went
+/// with them when that is more than 0); `WouldBlock` when nothing fit.
+pub fn send_some(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize> {
+    if bytes.is_empty() {
+        return Ok(0);
+    }
+    let fd_bytes = std::mem::size_of_val(fds);
+    let space = if fds.is_empty() {
+        0
+    } else {
+        // SAFETY: CMSG_SPACE is arithmetic on its argument.
+        unsafe { libc::CMSG_SPACE(fd_bytes as u32) as usize }
+    };
+    let mut cmsg_buf = vec![0u8; space];
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: msghdr is plain data; every pointer below points into buffers
+    // that outlive the sendmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space;
+        // SAFETY: the control buffer has CMSG_SPACE for `fds.len()` fds.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as usize;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(cmsg) as *mut RawFd,
+                fds.len(),
+            );
+        }
+    }
+    loop {
+        // SAFETY: a valid socket and message (above).
+        let n = unsafe {
+            libc::sendmsg(
+                stream.as_raw_fd(),
+                &msg,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 fn wait_writable(stream: &UnixStream) -> io::Result<()> {
@@ -257,13 +330,86 @@ pub fn recv_some(
     Ok(n)
 }
 
+/// A stream's received bytes, consumed from the front without moving the
+/// rest: taking a frame advances a cursor, and the unread tail moves to the
+/// front only when the buffer is refilled, so a burst of `n` small frames
+/// costs O(n), not O(n^2).
+#[derive(Debug, Default)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl FrameReader {
+    /// Unread bytes.
+    pub fn buffered(&self) -> usize {
+        self.buf.len() - self.start
+    }
+
+    /// Bytes the next frame still needs before it is complete (0 when a
+    /// whole frame or a bad header is buffered).
+    pub fn missing(&self) -> usize {
+        let unread = &self.buf[self.start..];
+        let Some(h) = unread.first_chunk::<HEADER_BYTES>() else {
+            return HEADER_BYTES - unread.len();
+        };
+        match parse_header(h) {
+            Ok((_, len)) => (HEADER_BYTES + len as usize).saturating_sub(unread.len()),
+            Err(_) => 0,
+        }
+    }
+
+    /// Receives up to `max` bytes (and any descriptors); see [`recv_some`].
+    pub fn fill(
+        &mut self,
+        stream: &UnixStream,
+        max: usize,
+        fds: &mut Vec<OwnedFd>,
+    ) -> io::Result<usize> {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        recv_some(stream, &mut self.buf, max, fds)
+    }
+
+    /// The next complete frame, if one is buffered.
+    pub fn next_frame(&mut self) -> Result<Option<(Kind, Vec<u8>)>, FrameError> {
+        let unread = &self.buf[self.start..];
+        let Some(h) = unread.first_chunk::<HEADER_BYTES>() else {
+            return Ok(None);
+        };
+        let (kind, len) = parse_header(h)?;
+        let total = HEADER_BYTES + len as usize;
+        let Some(payload) = unread.get(HEADER_BYTES..total) else {
+            return Ok(None);
+        };
+        let payload = payload.to_vec();
+        self.start += total;
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        }
+        Ok(Some((kind, payload)))
+    }
+
+    /// Gives back memory after a burst.
+    pub fn shrink(&mut self, keep: usize) {
+        if self.buf.is_empty() && self.buf.capacity() > keep {
+            self.buf = Vec::new();
+        }
+    }
+}
+
 /// Splits complete frames off the front of `buf`.
 pub fn take_frame(buf: &mut Vec<u8>) -> Result<Option<(Kind, Vec<u8>)>, FrameError> {
     if buf.len() < HEADER_BYTES {
         return Ok(None);
     }
-    let h: [u8; HEADER_BYTES] = buf[..HEADER_BYTES].try_into().expect("16 bytes");
-    let (kind, len) = parse_header(&h)?;
+    let Some(h) = buf.first_chunk::<HEADER_BYTES>() else {
+        return Ok(None);
+    };
+    let (kind, len) = parse_header(h)?;
     let total = HEADER_BYTES + len as usize;
     if buf.len() < total {
         return Ok(None);
@@ -301,6 +447,17 @@ pub fn peer_credentials(stream: &UnixStream) -> io::Result<(i32, u32, u32)> {
 mod tests {
     use super::*;
 
+    fn test_memfd(len: u64) -> io::Result<(std::fs::File, memmap2::MmapMut)> {
+        let file = memfd::MemfdOptions::default()
+            .create("t")
+            .map_err(io::Error::other)?
+            .into_file();
+        file.set_len(len)?;
+        // SAFETY: a fresh memfd only this test maps.
+        let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+        Ok((file, map))
+    }
+
     #[test]
     fn header_round_trip_and_rejections() {
         let h = header(Kind::Submit, 42);
@@ -337,9 +494,44 @@ mod tests {
     }
 
     #[test]
+    fn reader_takes_a_burst_and_waits_for_partial_frames() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut burst = Vec::new();
+        for _ in 0..1000 {
+            burst.extend(encode(Kind::Ping, &()));
+        }
+        let hello = encode(Kind::Hello, &serde_json::json!({"protocol": 1}));
+        burst.extend_from_slice(&hello[..10]);
+        write_all(&a, &burst).unwrap();
+        let mut r = FrameReader::default();
+        let mut fds = Vec::new();
+        while r.buffered() < burst.len() {
+            r.fill(&b, 1 << 16, &mut fds).unwrap();
+        }
+        for _ in 0..1000 {
+            assert_eq!(r.next_frame().unwrap().unwrap().0, Kind::Ping);
+        }
+        assert!(r.next_frame().unwrap().is_none());
+        assert_eq!(
+            r.missing(),
+            HEADER_BYTES - 10,
+            "the rest of the header first"
+        );
+        write_all(&a, &hello[10..]).unwrap();
+        r.fill(&b, 1 << 16, &mut fds).unwrap();
+        let (k, p) = r.next_frame().unwrap().unwrap();
+        assert_eq!((k, &p[..]), (Kind::Hello, &br#"{"protocol":1}"#[..]));
+        assert_eq!(r.buffered(), 0);
+        // A bad header is an error, not a wait.
+        write_all(&a, b"GARBAGE-NOT-A-FRAME!").unwrap();
+        r.fill(&b, 1 << 16, &mut fds).unwrap();
+        assert!(matches!(r.next_frame(), Err(FrameError::Magic(_))));
+    }
+
+    #[test]
     fn descriptors_travel_with_frames() {
         let (a, b) = UnixStream::pair().unwrap();
-        let (file, mut map) = crate::dram::shared_memory("t", 4096).unwrap();
+        let (file, mut map) = test_memfd(4096).unwrap();
         map[..5].copy_from_slice(b"hello");
         send_with_fds(&a, &encode(Kind::Ping, &()), &[file.as_raw_fd()]).unwrap();
         let mut buf = Vec::new();

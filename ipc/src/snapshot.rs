@@ -1,0 +1,64 @@
+//! [`Snapshot`]: a running manager's live state, the answer to an
+//! `Inspect` frame (`orbitkv inspect`).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One connected client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectionSummary {
+    pub id: u64,
+    /// The name the client gave in `Hello` (or its pid).
+    pub client: String,
+    pub pid: i32,
+    pub sessions: usize,
+    pub regions: usize,
+    /// Bytes queued for it that it has not read yet.
+    pub outbox_bytes: usize,
+    pub hot: bool,
+}
+
+/// Counts over a recent window (`orbitkv inspect` shows the last minute).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Window {
+    pub seconds: f64,
+    pub queries: u64,
+    pub hits: u64,
+    /// `hits / queries`, 0 without queries.
+    pub hit_rate: f64,
+    pub hit_tokens: u64,
+    pub queried_tokens: u64,
+    pub bytes_restored: u64,
+    pub bytes_published: u64,
+    /// Misses by reason (`MissReason` names).
+    pub misses: BTreeMap<String, u64>,
+    /// Evictions by reason.
+    pub evictions: BTreeMap<String, u64>,
+    pub checksum_failures: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub incarnation: u64,
+    pub uptime_s: f64,
+    pub connections: Vec<ConnectionSummary>,
+    pub instances: usize,
+    pub sessions: usize,
+    pub operations: usize,
+    pub operations_by_state: BTreeMap<String, usize>,
+    pub leases: usize,
+    pub transfers: usize,
+    pub device_pages: usize,
+    pub bytes_reserved: u64,
+    /// Pages resident in DRAM.
+    pub pages: usize,
+    pub pool_bytes_used: u64,
+    pub pool_capacity_bytes: u64,
+    /// Lower tiers: name → (bytes used, capacity), where the tier says.
+    pub tiers: BTreeMap<String, (u64, u64)>,
+    /// Since the manager started.
+    pub total: Window,
+    /// The last minute (or since start, when younger).
+    pub last_minute: Window,
+}

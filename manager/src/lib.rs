@@ -1,0 +1,138 @@
+//! `orbitkv serve` as a library: the manager process that every engine on
+//! a host connects to. One thread owns the runtime and every connection;
+//! nothing a client sends or fails to read can stall it, crash it, or touch
+//! another connection's state.
+//!
+//! The shape follows rust-analyzer's server split:
+//! - [`settings`]: flags, environment and config file → [`Settings`].
+//! - [`listener`]: where the socket may be created; stale entries.
+//! - [`connection`]: one client: framing, bounded outbox, quotas.
+//! - [`dispatch`]: one frame at a time (the protocol's state machine).
+//! - [`state`]: the loop's state and the operations on it (submit, tick
+//!   and deliver events, flush, disconnect).
+//! - [`main_loop`]: when things happen (`ppoll`, rounds, ticks).
+//! - [`metrics`], [`http`]: Prometheus metrics and their endpoint.
+//! - [`inspect`]: the `orbitkv inspect` snapshot.
+//!
+//! The hot path's server is [`orbitkv_ipc::hot_server`]; this crate drives
+//! it from the loop.
+
+pub mod connection;
+pub mod dispatch;
+pub mod http;
+pub mod inspect;
+pub mod listener;
+pub mod main_loop;
+pub mod metrics;
+pub mod settings;
+pub mod state;
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use orbitkv_ipc::hot_server::HotServer;
+use orbitkv_world::Runtime;
+use tracing::{info, warn};
+
+pub use settings::{Args, Settings};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{0}")]
+    Setting(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("socket {path}: {reason}")]
+    Socket { path: PathBuf, reason: String },
+    #[error("metrics address {addr}: {reason}")]
+    Metrics { addr: String, reason: String },
+    #[error("starting the runtime: {0}")]
+    Runtime(#[from] orbitkv_world::RuntimeError),
+}
+
+/// Runs the manager until `stop` is set (SIGTERM), then drains and
+/// removes its socket and iceoryx2 files.
+pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
+    // Everything this process creates is its user's alone (iceoryx2 files,
+    // the trace); the socket's mode is set explicitly too.
+    // SAFETY: umask only swaps the process's mask.
+    unsafe { libc::umask(0o077) };
+    let mut rt = Runtime::new(settings.runtime.clone())?;
+    if let Some(path) = &settings.record {
+        let f = std::fs::File::create(path).map_err(|e| ServeError::Io {
+            what: path.display().to_string(),
+            source: e,
+        })?;
+        rt.record(
+            Box::new(std::io::BufWriter::new(f)),
+            settings.idle_tick.as_micros() as u64,
+        )
+        .map_err(|e| ServeError::Io {
+            what: path.display().to_string(),
+            source: e,
+        })?;
+    }
+    let listener = listener::bind(&settings.socket)?;
+    let hot = if settings.hot_path {
+        match HotServer::new(
+            settings.runtime.incarnation,
+            settings.max_connections,
+            settings.hot_area_bytes,
+        ) {
+            Ok(h) => {
+                let open = orbitkv_ipc::hot::restrict_files_with_prefix(h.prefix());
+                if open.is_empty() {
+                    info!(service = h.service(), "hot path on iceoryx2");
+                    Some(h)
+                } else {
+                    warn!(files = ?open, "no hot path: its files could not be made owner-only");
+                    h.shutdown();
+                    None
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "no hot path: clients use the socket");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let metrics = metrics::Metrics::new();
+    if let Some(addr) = &settings.metrics_addr {
+        http::serve(
+            addr,
+            metrics.registry.clone(),
+            settings.max_metrics_connections,
+            settings.metrics_timeout,
+        )?;
+    }
+    info!(
+        socket = %settings.socket.display(),
+        dram_bytes = settings.runtime.dram.capacity_bytes,
+        ssd = ?settings.runtime.ssd.as_ref().map(|s| s.dir.display().to_string()),
+        incarnation = settings.runtime.incarnation,
+        first_touch_s_per_gib = ?rt.first_touch().map(|f| f.seconds_per_gib),
+        "orbitkv serving"
+    );
+    let mut st = state::State {
+        rt,
+        settings,
+        listener: Some(listener),
+        conns: Default::default(),
+        next_conn: 0,
+        // SAFETY: getuid has no preconditions.
+        uid: unsafe { libc::getuid() },
+        metrics,
+        hot,
+        last_tick: Instant::now(),
+        started: Instant::now(),
+    };
+    main_loop::run(&mut st, stop);
+    main_loop::shutdown(&mut st);
+    Ok(())
+}

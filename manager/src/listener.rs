@@ -1,0 +1,144 @@
+//! The manager's socket: where it may be created, what may be replaced.
+//!
+//! A process of another uid must not be able to stand in for the manager
+//! (bind the path first, or swap the file later), so the socket goes only
+//! into a directory no one else can write to, or a sticky one (like
+//! `/tmp`) where no one else can remove or rename what we own. Anything
+//! already at the path is replaced only when it is ours and not a live
+//! manager's: a stale socket from a crash, or a symlink (dangling or not;
+//! never followed).
+
+use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+
+use crate::ServeError;
+
+fn refuse(path: &Path, reason: impl Into<String>) -> ServeError {
+    ServeError::Socket {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Checks the socket's directory and clears a stale entry at `path`.
+pub fn prepare(path: &Path, uid: u32) -> Result<(), ServeError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let meta = std::fs::metadata(dir)
+        .map_err(|e| refuse(path, format!("its directory {}: {e}", dir.display())))?;
+    let mode = meta.mode();
+    let others_write = mode & 0o022 != 0;
+    let sticky = mode & 0o1000 != 0;
+    if others_write && !sticky {
+        return Err(refuse(
+            path,
+            format!(
+                "its directory {} (mode {:o}) is writable by others and not sticky: \
+                 another user could replace the socket",
+                dir.display(),
+                mode & 0o7777
+            ),
+        ));
+    }
+    if meta.uid() != uid && meta.uid() != 0 {
+        return Err(refuse(
+            path,
+            format!(
+                "its directory {} belongs to uid {}, not this user or root",
+                dir.display(),
+                meta.uid()
+            ),
+        ));
+    }
+    let Ok(existing) = std::fs::symlink_metadata(path) else {
+        return Ok(()); // nothing there
+    };
+    if existing.uid() != uid {
+        return Err(refuse(
+            path,
+            format!(
+                "it exists and belongs to uid {}; refusing to replace it",
+                existing.uid()
+            ),
+        ));
+    }
+    let kind = existing.file_type();
+    if kind.is_socket() {
+        // A live manager answers; a stale socket file from a crash does not.
+        if UnixStream::connect(path).is_ok() {
+            return Err(refuse(path, "it is in use by another manager"));
+        }
+    } else if !kind.is_symlink() {
+        return Err(refuse(
+            path,
+            "it exists and is not a socket; refusing to remove it",
+        ));
+    }
+    std::fs::remove_file(path).map_err(|e| refuse(path, format!("removing the stale entry: {e}")))
+}
+
+/// Binds the socket with mode 0600 (set through the umask, so there is no
+/// moment at which others could connect), non-blocking.
+pub fn bind(path: &Path) -> Result<UnixListener, ServeError> {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    prepare(path, uid)?;
+    // SAFETY: umask only swaps the process's mask; the manager binds before
+    // it starts any thread that creates files.
+    let old = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = bound.map_err(|e| refuse(path, format!("binding: {e}")))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| refuse(path, e.to_string()))?;
+    Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
+
+    fn uid() -> u32 {
+        // SAFETY: getuid has no preconditions.
+        unsafe { libc::getuid() }
+    }
+
+    #[test]
+    fn a_dangling_symlink_is_replaced_and_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        std::os::unix::fs::symlink(dir.path().join("nowhere"), &sock).unwrap();
+        let l = bind(&sock).unwrap();
+        drop(l);
+        assert!(!dir.path().join("nowhere").exists());
+        let m = std::fs::symlink_metadata(&sock).unwrap();
+        assert!(m.file_type().is_socket());
+        assert_eq!(m.mode() & 0o777, 0o600);
+    }
+
+    #[test]
+    fn an_open_directory_and_foreign_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = bind(&dir.path().join("s.sock")).unwrap_err().to_string();
+        assert!(err.contains("writable by others"), "{err}");
+        // Sticky is fine (like /tmp).
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+        drop(bind(&dir.path().join("s.sock")).unwrap());
+        // A regular file is never removed.
+        let file = dir.path().join("data");
+        std::fs::write(&file, b"keep").unwrap();
+        let err = prepare(&file, uid()).unwrap_err().to_string();
+        assert!(err.contains("not a socket"), "{err}");
+        // Another uid's entry is not ours to replace.
+        let err = prepare(&file, uid() + 1).unwrap_err().to_string();
+        assert!(err.contains("belongs to uid"), "{err}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+    }
+}

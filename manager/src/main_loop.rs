@@ -1,0 +1,255 @@
+//! The event loop: one thread, one `ppoll` per round over the listener,
+//! every connection (`POLLIN` while it may read ahead, `POLLOUT` while its
+//! outbox holds bytes) and the hot path's wake listener.
+//!
+//! A round: wait, accept, read what is readable, take at most
+//! `max_frames_per_round` frames per connection (and only while the
+//! runtime's inbox has room: a burst waits in its socket, not in memory),
+//! take hot requests, tick when commands came (or I/O is in flight, or
+//! 100 ms passed), then send what every connection has queued. Nothing in a
+//! round waits on a client.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tracing::info;
+
+use crate::connection::ConnId;
+use crate::dispatch;
+use crate::state::{Close, State};
+
+/// The longest sleep with nothing in flight: deadlines, stall checks and
+/// metrics move at this pace when the host is idle.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// How long the loop keeps polling without sleeping after commands: the
+/// next request of an engine step usually follows within microseconds.
+const SPIN_AFTER_WORK: Duration = Duration::from_micros(100);
+/// How often the metrics snapshot is refreshed (after a tick changed it).
+const METRICS_EVERY: Duration = Duration::from_millis(100);
+/// With no client connected and nothing in flight there is nothing to
+/// expire soon: the loop ticks (and refreshes the metrics) this rarely, so
+/// an idle manager costs next to nothing.
+const UNUSED_TICK: Duration = Duration::from_secs(1);
+
+pub fn run(st: &mut State, stop: &AtomicBool) {
+    let mut busy_until = Instant::now();
+    let mut refreshed = Instant::now();
+    let mut refreshed_tick = st.last_tick;
+    st.refresh_metrics();
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        let io_pending = st.rt.in_flight() > 0;
+        let every = if st.conns.is_empty() && !io_pending {
+            UNUSED_TICK
+        } else {
+            IDLE_WAIT
+        };
+        let timeout = if now < busy_until || backlog(st) || st.rt.inbox_len() > 0 {
+            Duration::ZERO
+        } else if io_pending {
+            st.settings.idle_tick
+        } else {
+            every.saturating_sub(st.last_tick.elapsed())
+        };
+        let (accept, readable) = wait(st, timeout);
+        st.metrics.counters.loop_rounds.inc();
+        if accept {
+            st.accept();
+        }
+        for id in readable {
+            if let Some(c) = st.conns.get_mut(&id) {
+                c.read();
+            }
+        }
+        let submitted = take_frames(st) + read_hot(st);
+        // The inbox also holds what departed connections left (close_origin).
+        if submitted > 0
+            || st.rt.inbox_len() > 0
+            || (io_pending && st.last_tick.elapsed() >= st.settings.idle_tick)
+            || st.last_tick.elapsed() >= every
+        {
+            st.tick();
+        }
+        if submitted > 0 {
+            busy_until = Instant::now() + SPIN_AFTER_WORK;
+        }
+        st.push_wakes();
+        st.flush();
+        if refreshed.elapsed() >= METRICS_EVERY
+            && (st.last_tick != refreshed_tick || refreshed.elapsed() >= UNUSED_TICK)
+        {
+            refreshed = Instant::now();
+            refreshed_tick = st.last_tick;
+            st.refresh_metrics();
+        }
+    }
+}
+
+/// Whether a connection holds a whole frame the loop has not taken yet.
+fn backlog(st: &State) -> bool {
+    st.conns
+        .values()
+        .any(|c| c.input.buffered() > 0 && c.input.missing() == 0)
+}
+
+/// Blocks until a socket is ready or `timeout` passes; returns whether the
+/// listener is readable and which connections are.
+fn wait(st: &mut State, timeout: Duration) -> (bool, Vec<ConnId>) {
+    let mut fds: Vec<libc::pollfd> = Vec::with_capacity(st.conns.len() + 2);
+    let pollfd = |fd, events| libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    use std::os::fd::AsRawFd as _;
+    let listening = st.listener.is_some();
+    if let Some(l) = &st.listener {
+        fds.push(pollfd(l.as_raw_fd(), libc::POLLIN));
+    }
+    let base = fds.len();
+    for c in st.conns.values() {
+        let mut events = 0;
+        if c.wants_read() {
+            events |= libc::POLLIN;
+        }
+        if !c.outbox.is_empty() {
+            events |= libc::POLLOUT;
+        }
+        fds.push(pollfd(c.stream.as_raw_fd(), events));
+    }
+    let mut timeout = timeout;
+    let mut sleeping = false;
+    if let Some(h) = &st.hot {
+        fds.push(pollfd(h.wake_fd(), libc::POLLIN));
+        if !timeout.is_zero() {
+            // Clients that send now notify the wake listener.
+            sleeping = true;
+            if h.prepare_sleep() {
+                timeout = Duration::ZERO;
+            }
+        }
+    }
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: a valid array of pollfds and a timespec.
+    let n = unsafe {
+        libc::ppoll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        )
+    };
+    if sleeping && let Some(h) = &st.hot {
+        h.woke();
+    }
+    // On an error (EINTR) look at everything once.
+    let ready = |i: usize| n < 0 || fds.get(i).is_some_and(|p| p.revents != 0);
+    let accept = listening && ready(0);
+    let readable = st
+        .conns
+        .keys()
+        .enumerate()
+        .filter(|(i, _)| ready(base + i))
+        .map(|(_, id)| *id)
+        .collect();
+    (accept, readable)
+}
+
+/// Takes buffered frames, bounded per connection and by the inbox's room;
+/// closes connections whose peer is gone once their frames are handled.
+fn take_frames(st: &mut State) -> usize {
+    let ids: Vec<ConnId> = st
+        .conns
+        .iter()
+        .filter(|(_, c)| c.eof || (c.input.buffered() > 0 && c.input.missing() == 0))
+        .map(|(id, _)| *id)
+        .collect();
+    let mut submitted = 0;
+    for id in ids {
+        let mut taken = 0;
+        while let Some(c) = st.conns.get_mut(&id) {
+            if taken >= st.settings.max_frames_per_round || st.rt.inbox_room() == 0 {
+                break;
+            }
+            match c.input.next_frame() {
+                Ok(None) => {
+                    if c.eof {
+                        st.disconnect(id, Close::PeerClosed);
+                    }
+                    break;
+                }
+                Ok(Some((kind, payload))) => {
+                    taken += 1;
+                    match dispatch::frame(st, id, kind, &payload) {
+                        Ok(n) => submitted += n,
+                        Err(e) => {
+                            st.refuse(id, &e.to_string());
+                            break;
+                        }
+                    }
+                }
+                Err(e) => {
+                    st.refuse(id, &e.to_string());
+                    break;
+                }
+            }
+        }
+        if let Some(c) = st.conns.get_mut(&id) {
+            c.input.shrink(1 << 20);
+        }
+    }
+    submitted
+}
+
+/// Takes hot requests (non-blocking, bounded by the inbox's room) and
+/// submits their commands. Bad requests were answered by the hot server.
+fn read_hot(st: &mut State) -> usize {
+    let room = st.rt.inbox_room().min(1024);
+    let Some(h) = st.hot.as_mut() else {
+        return 0;
+    };
+    if room == 0 {
+        return 0;
+    }
+    let incoming = h.receive(room);
+    let mut submitted = 0;
+    for inc in incoming {
+        let result = st.submit(inc.conn, inc.command);
+        submitted += usize::from(result.is_ok());
+        if let Some(h) = st.hot.as_mut() {
+            h.submitted(inc.key, result);
+        }
+    }
+    submitted
+}
+
+/// Graceful stop: no new connections or commands; submitted I/O drains.
+pub fn shutdown(st: &mut State) {
+    info!("shutting down: draining submitted I/O");
+    st.listener = None;
+    let ids: Vec<ConnId> = st.conns.keys().copied().collect();
+    for id in ids {
+        st.disconnect(id, Close::Shutdown);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        st.tick();
+        if st.rt.is_idle() {
+            break;
+        }
+        std::thread::sleep(st.settings.idle_tick);
+    }
+    if let Err(e) = st.rt.stop_recording() {
+        tracing::warn!(error = %e, "the trace recording is incomplete");
+    }
+    if let Some(h) = st.hot.take() {
+        // Every client is disconnected: the incarnation's iceoryx2 files
+        // can all go.
+        h.shutdown();
+    }
+    let _ = std::fs::remove_file(&st.settings.socket);
+    info!("stopped");
+}

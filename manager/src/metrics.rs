@@ -1,0 +1,562 @@
+//! Metrics: typed `prometheus-client` counters, gauges and latency
+//! histograms, refreshed from the runtime's snapshot by the event loop and
+//! served at `/metrics` by [`crate::http`]; and the windows `orbitkv
+//! inspect` shows (the last minute, from per-second samples).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use orbitkv_components::api::{Command, CommandId, Event, MissReason};
+use orbitkv_ipc::Window;
+use orbitkv_world::Stats;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Reason {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Stage {
+    pub stage: String,
+}
+
+/// The runtime's cumulative counters, mirrored into Prometheus counters by
+/// their increase since the last refresh.
+struct Mirrored {
+    queries: Counter,
+    hits: Counter,
+    hit_tokens: Counter,
+    queried_tokens: Counter,
+    bytes_restored: Counter,
+    bytes_published: Counter,
+    bytes_read: Counter,
+    checksum_failures: Counter,
+    transfers_overdue: Counter,
+    commands_rejected: Counter,
+    misses: Family<Reason, Counter>,
+    evictions: Family<Reason, Counter>,
+    demotions: Family<Outcome, Counter>,
+}
+
+struct Gauges {
+    pages: Gauge,
+    dram_bytes_used: Gauge,
+    dram_capacity_bytes: Gauge,
+    bytes_reserved: Gauge,
+    leases: Gauge,
+    operations: Gauge,
+    sessions: Gauge,
+    transfers: Gauge,
+    connections: Gauge,
+    outbox_bytes: Gauge,
+    hot_open_requests: Gauge,
+}
+
+/// Manager-side counters (the loop's own events).
+pub struct Counters {
+    /// Rounds of the event loop (its wake-ups): a few per second when idle.
+    pub loop_rounds: Counter,
+    pub disconnects: Family<Reason, Counter>,
+    pub protocol_errors: Counter,
+    pub hot_requests: Counter,
+    pub hot_errors: Counter,
+    pub hot_responses: Counter,
+    pub hot_fallbacks: Counter,
+    pub hot_wakes: Counter,
+}
+
+/// A clock a command starts: its own (answered by a command's reply), or
+/// its operation's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartClock {
+    Command(Timed),
+    Operation(u64, Timed),
+}
+
+/// What a pending latency measurement is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Timed {
+    Query,
+    Prepare,
+    Restore,
+    Publish,
+}
+
+impl Timed {
+    fn name(self) -> &'static str {
+        match self {
+            Timed::Query => "query",
+            Timed::Prepare => "prepare",
+            Timed::Restore => "restore",
+            Timed::Publish => "publish",
+        }
+    }
+}
+
+/// Latency measurements in flight, bounded: past the bound the oldest are
+/// forgotten (a missed sample, never unbounded memory).
+const MAX_TIMED: usize = 1 << 17;
+
+pub struct Metrics {
+    pub registry: Arc<Registry>,
+    mirrored: Mirrored,
+    gauges: Gauges,
+    pub counters: Counters,
+    latency: Family<Stage, Histogram>,
+    last: Option<orbitkv_world::Stats>,
+    by_command: HashMap<CommandId, (Timed, Instant)>,
+    by_operation: HashMap<(u64, Timed), Instant>,
+    order: VecDeque<CommandId>,
+    /// Per-second samples of the cumulative counters, the last minute.
+    samples: VecDeque<(Instant, Window)>,
+    started: Instant,
+    total: Window,
+    hot_last: orbitkv_ipc::hot_server::HotStats,
+}
+
+fn latency_buckets() -> Histogram {
+    // 1 us .. ~8 s.
+    Histogram::new(exponential_buckets(1e-6, 2.0, 24))
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut r = Registry::with_prefix("orbitkv");
+        let counter = |r: &mut Registry, name: &str, help: &str| {
+            let c = Counter::default();
+            r.register(name, help, c.clone());
+            c
+        };
+        let gauge = |r: &mut Registry, name: &str, help: &str| {
+            let g = Gauge::default();
+            r.register(name, help, g.clone());
+            g
+        };
+        let mirrored = Mirrored {
+            queries: counter(&mut r, "queries", "Queries validated"),
+            hits: counter(&mut r, "hits", "Recoveries restored"),
+            hit_tokens: counter(
+                &mut r,
+                "hit_tokens",
+                "Tokens restored instead of recomputed",
+            ),
+            queried_tokens: counter(&mut r, "queried_tokens", "Tokens queried past the origin"),
+            bytes_restored: counter(&mut r, "bytes_restored", "Bytes copied DRAM to device"),
+            bytes_published: counter(&mut r, "bytes_published", "Bytes copied device to DRAM"),
+            bytes_read: counter(&mut r, "bytes_read", "Bytes read from lower tiers"),
+            checksum_failures: counter(
+                &mut r,
+                "checksum_failures",
+                "Pages whose bytes failed verification (never served)",
+            ),
+            transfers_overdue: counter(&mut r, "transfers_overdue", "Transfers past their timeout"),
+            commands_rejected: counter(&mut r, "commands_rejected", "Commands refused"),
+            misses: Family::default(),
+            evictions: Family::default(),
+            demotions: Family::default(),
+        };
+        r.register("misses", "Misses by reason", mirrored.misses.clone());
+        r.register(
+            "evictions",
+            "Evictions by reason",
+            mirrored.evictions.clone(),
+        );
+        r.register(
+            "demotions",
+            "Evicted pages offered to a lower tier, by outcome",
+            mirrored.demotions.clone(),
+        );
+        // Every reason shows, at 0 until it happens.
+        for reason in MissReason::ALL {
+            let _ = mirrored.misses.get_or_create(&Reason {
+                reason: reason.as_str().into(),
+            });
+        }
+        let gauges = Gauges {
+            pages: gauge(&mut r, "pages", "Pages resident in DRAM"),
+            dram_bytes_used: gauge(&mut r, "dram_bytes_used", "DRAM pool bytes in use"),
+            dram_capacity_bytes: gauge(&mut r, "dram_capacity_bytes", "DRAM pool capacity"),
+            bytes_reserved: gauge(&mut r, "bytes_reserved", "Recovery bytes reserved"),
+            leases: gauge(&mut r, "leases", "Live leases"),
+            operations: gauge(&mut r, "operations", "Live operations"),
+            sessions: gauge(&mut r, "sessions", "Open sessions"),
+            transfers: gauge(&mut r, "transfers", "Transfers in flight"),
+            connections: gauge(&mut r, "connections", "Connected clients"),
+            outbox_bytes: gauge(&mut r, "outbox_bytes", "Bytes queued for clients, unread"),
+            hot_open_requests: gauge(&mut r, "hot_open_requests", "Hot requests open"),
+        };
+        let counters = Counters {
+            loop_rounds: counter(
+                &mut r,
+                "loop_rounds",
+                "Rounds of the manager's event loop (wake-ups)",
+            ),
+            disconnects: Family::default(),
+            protocol_errors: counter(
+                &mut r,
+                "protocol_errors",
+                "Connections closed for a malformed or out-of-order frame",
+            ),
+            hot_requests: counter(&mut r, "hot_requests", "Hot-path requests received"),
+            hot_errors: counter(
+                &mut r,
+                "hot_errors",
+                "Hot-path requests refused as malformed",
+            ),
+            hot_responses: counter(&mut r, "hot_responses", "Hot-path responses sent"),
+            hot_fallbacks: counter(
+                &mut r,
+                "hot_fallbacks",
+                "Answers to hot requests sent on the socket",
+            ),
+            hot_wakes: counter(
+                &mut r,
+                "hot_wakes",
+                "Wake frames sent to blocked hot clients",
+            ),
+        };
+        r.register(
+            "disconnects",
+            "Connections closed, by reason",
+            counters.disconnects.clone(),
+        );
+        let latency =
+            Family::<Stage, Histogram>::new_with_constructor(latency_buckets as fn() -> _);
+        r.register(
+            "latency_seconds",
+            "Time from a command's arrival to its answer, by stage (query: query_result; \
+             prepare: ready or miss; restore: restore_done; publish: publish_done; tick: one \
+             runtime tick)",
+            latency.clone(),
+        );
+        for stage in ["query", "prepare", "restore", "publish", "tick"] {
+            let _ = latency.get_or_create(&Stage {
+                stage: stage.into(),
+            });
+        }
+        let now = Instant::now();
+        Metrics {
+            registry: Arc::new(r),
+            mirrored,
+            gauges,
+            counters,
+            latency,
+            last: None,
+            by_command: HashMap::new(),
+            by_operation: HashMap::new(),
+            order: VecDeque::new(),
+            samples: VecDeque::new(),
+            started: now,
+            total: Window::default(),
+            hot_last: Default::default(),
+        }
+    }
+
+    /// Mirrors the hot server's cumulative counters.
+    pub fn hot(&mut self, st: orbitkv_ipc::hot_server::HotStats) {
+        let p = std::mem::replace(&mut self.hot_last, st);
+        let c = &self.counters;
+        c.hot_requests
+            .inc_by(st.requests.saturating_sub(p.requests));
+        c.hot_errors.inc_by(st.errors.saturating_sub(p.errors));
+        c.hot_responses
+            .inc_by(st.responses.saturating_sub(p.responses));
+        c.hot_fallbacks
+            .inc_by(st.fallbacks.saturating_sub(p.fallbacks));
+        c.hot_wakes.inc_by(st.wakes.saturating_sub(p.wakes));
+    }
+
+    pub fn disconnected(&self, reason: &str) {
+        self.counters
+            .disconnects
+            .get_or_create(&Reason {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    pub fn tick_took(&self, d: Duration) {
+        self.observe("tick", d);
+    }
+
+    fn observe(&self, stage: &str, d: Duration) {
+        self.latency
+            .get_or_create(&Stage {
+                stage: stage.into(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
+    /// What clock a command starts, if any (taken before the command moves
+    /// into the runtime, so nothing of it is copied).
+    pub fn clock_of(command: &Command) -> Option<StartClock> {
+        Some(match command {
+            Command::Query { .. } => StartClock::Command(Timed::Query),
+            Command::Publish { .. } => StartClock::Command(Timed::Publish),
+            Command::Prepare { operation, .. } => StartClock::Operation(*operation, Timed::Prepare),
+            Command::Restore { operation, .. } => StartClock::Operation(*operation, Timed::Restore),
+            _ => return None,
+        })
+    }
+
+    /// A command was queued: start the clock of what answers it.
+    pub fn submitted(&mut self, cid: CommandId, clock: StartClock) {
+        let now = Instant::now();
+        match clock {
+            StartClock::Operation(op, t) => {
+                if self.by_operation.len() >= MAX_TIMED {
+                    self.by_operation.clear();
+                }
+                self.by_operation.insert((op, t), now);
+            }
+            StartClock::Command(t) => {
+                self.by_command.insert(cid, (t, now));
+                self.order.push_back(cid);
+                while self.order.len() > MAX_TIMED {
+                    if let Some(old) = self.order.pop_front() {
+                        self.by_command.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+
+    /// An event came out of a tick: stop the clocks it answers.
+    pub fn event(&mut self, e: &Event) {
+        let now = Instant::now();
+        match e {
+            Event::QueryResult {
+                command,
+                operation,
+                miss,
+                ..
+            } => {
+                if let Some((_, at)) = self.by_command.remove(command) {
+                    self.observe(Timed::Query.name(), now - at);
+                    if miss.is_none() {
+                        self.by_operation.insert((*operation, Timed::Prepare), at);
+                    }
+                }
+            }
+            Event::PublishDone { command, .. } | Event::Rejected { command, .. } => {
+                if let Some((t, at)) = self.by_command.remove(command)
+                    && t == Timed::Publish
+                {
+                    self.observe(t.name(), now - at);
+                }
+            }
+            Event::Ready { operation, .. } => {
+                if let Some(at) = self.by_operation.remove(&(*operation, Timed::Prepare)) {
+                    self.observe(Timed::Prepare.name(), now - at);
+                }
+            }
+            Event::RestoreDone { operation, .. } => {
+                if let Some(at) = self.by_operation.remove(&(*operation, Timed::Restore)) {
+                    self.observe(Timed::Restore.name(), now - at);
+                }
+            }
+            Event::Miss { operation, .. } | Event::Released { operation } => {
+                self.by_operation.remove(&(*operation, Timed::Prepare));
+                self.by_operation.remove(&(*operation, Timed::Restore));
+            }
+            _ => {}
+        }
+    }
+
+    /// Refreshes counters and gauges from the runtime's snapshot.
+    pub fn refresh(&mut self, s: &Stats, connections: usize, outbox_bytes: usize, hot_open: usize) {
+        let m = &s.metrics;
+        let prev = self.last.as_ref().map(|p| &p.metrics);
+        let inc = |c: &Counter, now: u64, before: Option<u64>| {
+            c.inc_by(now.saturating_sub(before.unwrap_or(0)));
+        };
+        let x = &self.mirrored;
+        inc(&x.queries, m.queries, prev.map(|p| p.queries));
+        inc(&x.hits, m.hits, prev.map(|p| p.hits));
+        inc(&x.hit_tokens, m.hit_tokens, prev.map(|p| p.hit_tokens));
+        inc(
+            &x.queried_tokens,
+            m.queried_tokens,
+            prev.map(|p| p.queried_tokens),
+        );
+        inc(
+            &x.bytes_restored,
+            m.bytes_restored,
+            prev.map(|p| p.bytes_restored),
+        );
+        inc(
+            &x.bytes_published,
+            m.bytes_published,
+            prev.map(|p| p.bytes_published),
+        );
+        inc(&x.bytes_read, m.bytes_read, prev.map(|p| p.bytes_read));
+        inc(
+            &x.checksum_failures,
+            m.checksum_failures,
+            prev.map(|p| p.checksum_failures),
+        );
+        inc(
+            &x.transfers_overdue,
+            m.transfers_overdue,
+            prev.map(|p| p.transfers_overdue),
+        );
+        inc(
+            &x.commands_rejected,
+            m.commands_rejected,
+            prev.map(|p| p.commands_rejected),
+        );
+        for (r, v) in &m.misses {
+            let before = prev.and_then(|p| p.misses.get(r).copied());
+            inc(
+                &x.misses.get_or_create(&Reason {
+                    reason: r.as_str().into(),
+                }),
+                *v,
+                before,
+            );
+        }
+        for (r, v) in &m.evictions {
+            let before = prev.and_then(|p| p.evictions.get(r).copied());
+            inc(
+                &x.evictions.get_or_create(&Reason { reason: label(r) }),
+                *v,
+                before,
+            );
+        }
+        for (k, v) in &m.demotions {
+            let before = prev.and_then(|p| p.demotions.get(k).copied());
+            inc(
+                &x.demotions.get_or_create(&Outcome { outcome: k.clone() }),
+                *v,
+                before,
+            );
+        }
+        let g = &self.gauges;
+        let set = |g: &Gauge, v: u64| {
+            g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        };
+        set(&g.pages, s.pages as u64);
+        set(&g.dram_bytes_used, s.pool_bytes_used);
+        set(&g.dram_capacity_bytes, s.pool_capacity_bytes);
+        set(&g.bytes_reserved, s.bytes_reserved);
+        set(&g.leases, s.leases as u64);
+        set(&g.operations, s.operations as u64);
+        set(&g.sessions, s.sessions as u64);
+        set(&g.transfers, s.transfers as u64);
+        set(&g.connections, connections as u64);
+        set(&g.outbox_bytes, outbox_bytes as u64);
+        set(&g.hot_open_requests, hot_open as u64);
+        self.total = window(s, self.started.elapsed());
+        self.last = Some(s.clone());
+        let now = Instant::now();
+        if self
+            .samples
+            .back()
+            .is_none_or(|(at, _)| now - *at >= Duration::from_secs(1))
+        {
+            self.samples.push_back((now, self.total.clone()));
+            while self
+                .samples
+                .front()
+                .is_some_and(|(at, _)| now - *at > Duration::from_secs(61))
+            {
+                self.samples.pop_front();
+            }
+        }
+    }
+
+    /// Totals since start and over the last minute.
+    pub fn windows(&self) -> (Window, Window) {
+        let now = Instant::now();
+        let base = self
+            .samples
+            .iter()
+            .find(|(at, _)| now - *at <= Duration::from_secs(60))
+            .map(|(at, w)| (now - *at, w.clone()));
+        let last = match base {
+            Some((age, w)) => diff(&self.total, &w, age),
+            None => self.total.clone(),
+        };
+        (self.total.clone(), last)
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+fn label<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+fn window(s: &Stats, age: Duration) -> Window {
+    let m = &s.metrics;
+    let mut w = Window {
+        seconds: age.as_secs_f64(),
+        queries: m.queries,
+        hits: m.hits,
+        hit_rate: 0.0,
+        hit_tokens: m.hit_tokens,
+        queried_tokens: m.queried_tokens,
+        bytes_restored: m.bytes_restored,
+        bytes_published: m.bytes_published,
+        misses: m
+            .misses
+            .iter()
+            .map(|(r, v)| (r.as_str().to_owned(), *v))
+            .collect(),
+        evictions: m.evictions.iter().map(|(r, v)| (label(r), *v)).collect(),
+        checksum_failures: m.checksum_failures,
+    };
+    w.hit_rate = rate(w.hits, w.queries);
+    w
+}
+
+fn rate(hits: u64, queries: u64) -> f64 {
+    if queries == 0 {
+        0.0
+    } else {
+        hits as f64 / queries as f64
+    }
+}
+
+fn diff(now: &Window, then: &Window, age: Duration) -> Window {
+    let sub = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| {
+        a.iter()
+            .map(|(k, v)| (k.clone(), v.saturating_sub(b.get(k).copied().unwrap_or(0))))
+            .filter(|(_, v)| *v > 0)
+            .collect()
+    };
+    let mut w = Window {
+        seconds: age.as_secs_f64(),
+        queries: now.queries.saturating_sub(then.queries),
+        hits: now.hits.saturating_sub(then.hits),
+        hit_rate: 0.0,
+        hit_tokens: now.hit_tokens.saturating_sub(then.hit_tokens),
+        queried_tokens: now.queried_tokens.saturating_sub(then.queried_tokens),
+        bytes_restored: now.bytes_restored.saturating_sub(then.bytes_restored),
+        bytes_published: now.bytes_published.saturating_sub(then.bytes_published),
+        misses: sub(&now.misses, &then.misses),
+        evictions: sub(&now.evictions, &then.evictions),
+        checksum_failures: now.checksum_failures.saturating_sub(then.checksum_failures),
+    };
+    w.hit_rate = rate(w.hits, w.queries);
+    w
+}

@@ -1,0 +1,272 @@
+//! What the manager runs with: flags, environment and the config file's
+//! `[serve]` table, merged into [`Settings`] (flags win over the
+//! environment, which wins over the file). Every bound of a connection is
+//! here, by name.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use orbitkv_world::Config;
+use serde::Deserialize;
+
+use crate::ServeError;
+
+#[derive(clap::Args, Debug, Default)]
+pub struct Args {
+    /// Unix socket to listen on (created with mode 0600).
+    #[arg(long, env = "ORBITKV_SOCKET")]
+    pub socket: Option<PathBuf>,
+    /// DRAM tier size, e.g. 4GiB.
+    #[arg(long, env = "ORBITKV_DRAM")]
+    pub dram: Option<String>,
+    /// SSD tier as DIR:SIZE, e.g. /mnt/nvme/orbitkv:200GiB.
+    #[arg(long, env = "ORBITKV_SSD")]
+    pub ssd: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9400.
+    #[arg(long, env = "ORBITKV_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
+    /// Record every command as a trace `orbitkv replay` runs.
+    #[arg(long, env = "ORBITKV_RECORD")]
+    pub record: Option<PathBuf>,
+    /// TOML config: a `[serve]` table with the options above, and the
+    /// runtime configuration (`[dram]`, `[budget]`, `[limits]`, ...).
+    #[arg(long, env = "ORBITKV_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Tick interval while I/O is in flight and no commands arrive.
+    #[arg(long, env = "ORBITKV_IDLE_TICK_US")]
+    pub idle_tick_us: Option<u64>,
+}
+
+/// The `[serve]` table of the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServeFile {
+    socket: Option<PathBuf>,
+    dram: Option<String>,
+    ssd: Option<String>,
+    metrics_addr: Option<String>,
+    record: Option<PathBuf>,
+    idle_tick_us: Option<u64>,
+    max_connections: Option<usize>,
+    max_outbox_bytes: Option<SizeValue>,
+    stall_timeout_ms: Option<u64>,
+    max_sessions_per_connection: Option<usize>,
+    max_regions_per_connection: Option<usize>,
+    max_frames_per_round: Option<usize>,
+    max_metrics_connections: Option<usize>,
+    metrics_timeout_ms: Option<u64>,
+    hot_path: Option<bool>,
+    hot_area: Option<String>,
+}
+
+/// A size in the config file: bytes, or a string with a unit (`"64MiB"`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum SizeValue {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeValue {
+    fn bytes(&self) -> Result<u64, ServeError> {
+        match self {
+            SizeValue::Bytes(n) => Ok(*n),
+            SizeValue::Text(s) => parse_size(s),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct FileConfig {
+    #[serde(default)]
+    serve: ServeFile,
+    #[serde(flatten)]
+    runtime: toml::Table,
+}
+
+/// Everything the manager runs with, after file, environment and flags.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub socket: PathBuf,
+    pub metrics_addr: Option<String>,
+    pub record: Option<PathBuf>,
+    /// Tick interval while I/O is in flight.
+    pub idle_tick: Duration,
+    /// Connections served at once; more get an `Error` frame.
+    pub max_connections: usize,
+    /// Bytes queued for one client (frames it has not read); past it the
+    /// client is disconnected and its sessions close as on a crash.
+    pub max_outbox_bytes: usize,
+    /// A client with bytes queued that reads none of them for this long is
+    /// disconnected the same way.
+    pub stall_timeout: Duration,
+    /// Sessions one connection may hold open (or have asked for).
+    pub max_sessions_per_connection: usize,
+    /// Device regions one connection may hold (or have asked for).
+    pub max_regions_per_connection: usize,
+    /// Frames taken from one connection per loop round, so one client's
+    /// burst cannot hold the loop while others wait.
+    pub max_frames_per_round: usize,
+    /// Open connections to the metrics endpoint; more wait in the backlog.
+    pub max_metrics_connections: usize,
+    /// A metrics connection that does not finish its request (or sits idle
+    /// between requests) for this long is closed.
+    pub metrics_timeout: Duration,
+    pub hot_path: bool,
+    pub hot_area_bytes: u64,
+    pub runtime: Config,
+}
+
+/// Parses `4GiB`, `512MiB`, `100MB`, `1G`, or plain bytes.
+pub fn parse_size(s: &str) -> Result<u64, ServeError> {
+    let bad = |why: &str| ServeError::Setting(format!("size {s:?} {why}"));
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| bad("has no number"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(bad("has an unknown unit")),
+    };
+    n.checked_mul(mult).ok_or_else(|| bad("overflows"))
+}
+
+/// `$XDG_RUNTIME_DIR/orbitkv.sock`, else `/tmp/orbitkv.sock`.
+pub fn default_socket() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map_or_else(|| PathBuf::from("/tmp"), PathBuf::from)
+        .join("orbitkv.sock")
+}
+
+impl Settings {
+    pub fn from_args(args: &Args) -> Result<Settings, ServeError> {
+        let file: FileConfig = match &args.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| ServeError::Io {
+                    what: p.display().to_string(),
+                    source: e,
+                })?;
+                toml::from_str(&text)
+                    .map_err(|e| ServeError::Setting(format!("{}: {}", p.display(), e.message())))?
+            }
+            None => FileConfig {
+                serve: ServeFile::default(),
+                runtime: toml::Table::new(),
+            },
+        };
+        let mut runtime: Config =
+            toml::Value::Table(file.runtime)
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    ServeError::Setting(format!("runtime configuration: {}", e.message()))
+                })?;
+        let serve = file.serve;
+        if let Some(d) = args.dram.as_ref().or(serve.dram.as_ref()) {
+            runtime.dram.capacity_bytes = parse_size(d)?;
+        }
+        if let Some(spec) = args.ssd.as_ref().or(serve.ssd.as_ref()) {
+            let (dir, size) = spec
+                .rsplit_once(':')
+                .ok_or_else(|| ServeError::Setting(format!("--ssd {spec:?} is not DIR:SIZE")))?;
+            let mut ssd = runtime.ssd.take().unwrap_or_default();
+            ssd.dir = PathBuf::from(dir);
+            ssd.capacity_bytes = parse_size(size)?;
+            runtime.ssd = Some(ssd);
+        }
+        // The pool and device regions are shared with clients.
+        runtime.dram.shared = true;
+        runtime.copy.shared_regions = true;
+        runtime.incarnation = incarnation();
+        runtime
+            .validate()
+            .map_err(|e| ServeError::Setting(e.to_string()))?;
+        let positive = |name: &str, v: usize| {
+            if v == 0 {
+                Err(ServeError::Setting(format!("[serve] {name} must be > 0")))
+            } else {
+                Ok(v)
+            }
+        };
+        let max_outbox_bytes = match &serve.max_outbox_bytes {
+            Some(s) => usize::try_from(s.bytes()?)
+                .map_err(|_| ServeError::Setting("max_outbox_bytes overflows".into()))?,
+            None => 64 << 20,
+        };
+        Ok(Settings {
+            socket: args
+                .socket
+                .clone()
+                .or(serve.socket)
+                .unwrap_or_else(default_socket),
+            metrics_addr: args.metrics_addr.clone().or(serve.metrics_addr),
+            record: args.record.clone().or(serve.record),
+            idle_tick: Duration::from_micros(
+                args.idle_tick_us
+                    .or(serve.idle_tick_us)
+                    .unwrap_or(200)
+                    .max(10),
+            ),
+            max_connections: positive("max_connections", serve.max_connections.unwrap_or(256))?,
+            max_outbox_bytes: positive("max_outbox_bytes", max_outbox_bytes)?,
+            stall_timeout: Duration::from_millis(serve.stall_timeout_ms.unwrap_or(30_000).max(1)),
+            max_sessions_per_connection: positive(
+                "max_sessions_per_connection",
+                serve.max_sessions_per_connection.unwrap_or(64),
+            )?,
+            max_regions_per_connection: positive(
+                "max_regions_per_connection",
+                serve.max_regions_per_connection.unwrap_or(256),
+            )?,
+            max_frames_per_round: positive(
+                "max_frames_per_round",
+                serve.max_frames_per_round.unwrap_or(512),
+            )?,
+            max_metrics_connections: positive(
+                "max_metrics_connections",
+                serve.max_metrics_connections.unwrap_or(512),
+            )?,
+            metrics_timeout: Duration::from_millis(
+                serve.metrics_timeout_ms.unwrap_or(10_000).max(1),
+            ),
+            hot_path: serve.hot_path.unwrap_or(true)
+                && std::env::var("ORBITKV_HOT_PATH").map_or(true, |v| v != "0"),
+            hot_area_bytes: match &serve.hot_area {
+                Some(s) => parse_size(s)?,
+                None => orbitkv_ipc::hot::DEFAULT_AREA_BYTES,
+            },
+            runtime,
+        })
+    }
+}
+
+/// A fresh id per manager start, so handles from a previous manager are
+/// stale (`StaleSession`).
+fn incarnation() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    (nanos ^ (u64::from(std::process::id()) << 40)) | 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units_and_refuse_nonsense() {
+        assert_eq!(parse_size("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_size("100MB").unwrap(), 100_000_000);
+        assert_eq!(parse_size("512").unwrap(), 512);
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("4XB").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+    }
+}

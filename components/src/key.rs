@@ -14,6 +14,7 @@
 //! domains because the engine is part of the namespace's identity.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
 
 use serde::{Deserialize, Serialize};
 
@@ -44,7 +45,10 @@ pub enum KeyError {
 }
 
 /// An engine-native chained prefix hash, stored inline so keys are `Copy`.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Bytes past `len` are always zero (`new` is the only constructor), so the
+/// derived order agrees with the used-bytes equality below.
+#[derive(Clone, Copy, PartialOrd, Ord)]
 pub struct NativeHash {
     len: u8,
     bytes: [u8; MAX_NATIVE_HASH_BYTES],
@@ -76,6 +80,24 @@ impl NativeHash {
     }
 }
 
+// Equality and hashing look at the used bytes only: engine hashes are 8-32
+// bytes, and the inline buffer holds 64.
+impl PartialEq for NativeHash {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for NativeHash {}
+
+impl Hash for NativeHash {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // No length prefix: equal bytes imply equal length, and a collision
+        // between lengths is only a collision.
+        state.write(self.as_bytes());
+    }
+}
+
 /// Serialized as lowercase hex.
 impl Serialize for NativeHash {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -99,12 +121,37 @@ impl fmt::Debug for NativeHash {
 
 /// A stored page's identity: the namespace it was computed under, the cache
 /// group, and the engine's chained prefix hash.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Hashing feeds 8 bytes of the namespace digest (already uniformly
+/// distributed), the group and the used native bytes, so a lookup hashes
+/// 20-44 bytes instead of ~100; equality still compares every field. Maps
+/// keyed by it use [`KeyMap`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct StateKey {
     pub namespace: Namespace,
     pub group: u32,
     pub native: NativeHash,
 }
+
+impl Hash for StateKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let ns = &self.namespace.0;
+        state.write_u64(u64::from_le_bytes([
+            ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6], ns[7],
+        ]));
+        state.write_u32(self.group);
+        self.native.hash(state);
+    }
+}
+
+/// The hasher of every map keyed by [`StateKey`]: foldhash, seeded per
+/// process. Keys are digests, so a fast non-cryptographic hash spreads them
+/// well; the random seed keeps a client that picks its own native hashes
+/// from steering them into one bucket.
+pub type KeyHasher = foldhash::fast::RandomState;
+
+/// A hash map keyed by [`StateKey`] (see [`KeyHasher`]).
+pub type KeyMap<V> = std::collections::HashMap<StateKey, V, KeyHasher>;
 
 impl StateKey {
     pub fn new(namespace: Namespace, group: u32, native: &[u8]) -> Result<Self, KeyError> {

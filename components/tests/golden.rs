@@ -220,3 +220,34 @@ fn state_format_golden_digest() {
     bad.tp_rank = 2;
     assert!(bad.digest().is_err());
 }
+
+/// `KeyMap` hashes only part of the namespace and the used native bytes;
+/// equality must still tell apart every field, so keys that differ only past
+/// the hashed namespace prefix, only in length, or only in group are all
+/// distinct entries, and a decoded key finds its original.
+#[test]
+fn key_map_distinguishes_every_field() {
+    use orbitkv_components::KeyMap;
+    let mut late = [7u8; 32];
+    late[31] = 8; // differs only past the 8 hashed namespace bytes
+    let keys = [
+        StateKey::new(ns(7), 0, &[1, 2, 3]).unwrap(),
+        StateKey::new(Namespace(late), 0, &[1, 2, 3]).unwrap(),
+        StateKey::new(ns(7), 1, &[1, 2, 3]).unwrap(),
+        StateKey::new(ns(7), 0, &[1, 2, 3, 0]).unwrap(), // same prefix, longer
+        StateKey::new(ns(7), 0, &[1, 2]).unwrap(),
+    ];
+    let mut map: KeyMap<usize> = KeyMap::default();
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(
+            map.insert(*k, i),
+            None,
+            "{k:?} collided with an earlier key"
+        );
+    }
+    for (i, k) in keys.iter().enumerate() {
+        let decoded = StateKey::decode(&k.encode()).unwrap();
+        assert_eq!(map.get(&decoded), Some(&i));
+    }
+    assert_ne!(keys[3].native, keys[0].native);
+}

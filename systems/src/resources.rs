@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::StateKey;
+use orbitkv_components::KeyMap;
 use orbitkv_components::api::{Addressed, Command, CommandId, Event, MissReason, Origin};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_io::dram::{HostPool, SlotKey};
@@ -147,10 +147,10 @@ pub struct Tiers(pub Exclusive<Vec<Box<dyn BackingTier>>>);
 #[derive(Resource)]
 pub struct Dram {
     pub pool: HostPool,
-    pub index: HashMap<StateKey, Entity>,
+    pub index: KeyMap<Entity>,
     /// Keys with a lower-tier read in flight, so concurrent operations share
     /// one read instead of issuing two.
-    pub reading: HashMap<StateKey, Entity>,
+    pub reading: KeyMap<Entity>,
     /// Unleased resident pages per slot class. Leased pages are not in it,
     /// so eviction never has to skip one.
     pub lru: BTreeMap<u64, LruOrder<Entity>>,
@@ -162,8 +162,8 @@ impl Dram {
     pub fn new(pool: HostPool) -> Self {
         Dram {
             pool,
-            index: HashMap::new(),
-            reading: HashMap::new(),
+            index: KeyMap::default(),
+            reading: KeyMap::default(),
             lru: BTreeMap::new(),
             pressure: BTreeMap::new(),
         }

@@ -32,11 +32,15 @@ use std::process::{Child, Command as Proc, Stdio};
 use std::time::{Duration, Instant};
 
 use iceoryx2::prelude::{NodeBuilder, SignalHandlingMode};
-use orbitkv_components::api::{Command, Event, GroupHashes, PublishPage, Rank, SessionHandle};
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
+use orbitkv_components::NativeHash;
+use orbitkv_components::api::{Command, Event, GroupHashes, PublishPage, SessionHandle};
 use orbitkv_ipc::hot::{self, HotRequest, HotResponse, Ipc};
 use orbitkv_ipc::{Client, ClientOptions};
+use orbitkv_world::driver;
+
+#[path = "../tests/support/port.rs"]
+mod port;
+use port::with_driver;
 
 const PAGE: u64 = 16;
 const BYTES: u64 = 4096;
@@ -248,57 +252,14 @@ fn start(bin: &Path, dir: &Path) -> Child {
     child
 }
 
-fn register(c: &mut Client) {
-    let slot = StorageSlot {
-        layer: 0,
-        group: 0,
-        tp_rank: 0,
-        pp_rank: 0,
-        segment_bytes: BYTES,
-        padded_page_bytes: BYTES,
-        page_tokens: PAGE as u32,
-        dtype: "bf16".into(),
-        layout: "NHD".into(),
-        strides: vec![1],
-        device_addr: 0,
-    };
-    let e = c
-        .call(
-            Command::RegisterInstance {
-                instance: "bench".into(),
-                identity: [3; 32],
-                layout: StorageLayout {
-                    slots: vec![slot],
-                    pool_capacity_pages: 0,
-                },
-                page_tokens: PAGE,
-                groups: vec![GroupSpec {
-                    id: 0,
-                    rule: Rule::Prefix,
-                    components: vec![ComponentKind::AttentionKv],
-                }],
-                ranks: vec![Rank { tp: 0, pp: 0 }],
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
-}
-
+/// Registers "bench" (the test engines' layout) and opens a session.
 fn setup(c: &mut Client) -> SessionHandle {
-    register(c);
-    match c
-        .call(
-            Command::OpenSession {
-                instance: "bench".into(),
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::SessionOpened { session, .. } => session,
-        e => panic!("{e:?}"),
-    }
+    let register = driver::register_command("bench", [3; 32], driver::dense(), 1, PAGE, BYTES);
+    with_driver(c, T, |d| {
+        d.register(register)?;
+        d.open("bench")
+    })
+    .unwrap()
 }
 
 fn hashes() -> Vec<NativeHash> {
@@ -309,55 +270,23 @@ fn hashes() -> Vec<NativeHash> {
 
 fn publish(a: &mut Client) {
     let s = setup(a);
-    let region = match a
-        .call(
-            Command::RegisterDeviceRegion {
-                session: s,
+    let done = with_driver(a, T, |d| {
+        let region = d.region(s, (0, 0), PAGES as u32)?.region;
+        let dps = d.alloc_many(s, region, 0..PAGES as u32)?;
+        let pages = dps
+            .into_iter()
+            .zip(hashes())
+            .map(|(device_page, hash)| PublishPage {
                 rank: 0,
                 group: 0,
-                slots: PAGES as u32,
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::RegionRegistered { region, .. } => region,
-        e => panic!("{e:?}"),
-    };
-    let mut pages = Vec::new();
-    for i in 0..PAGES {
-        let dp = match a
-            .call(
-                Command::DevicePageAlloc {
-                    session: s,
-                    region,
-                    slot: i as u32,
-                },
-                T,
-            )
-            .unwrap()
-        {
-            Event::DevicePageAllocated { device_page, .. } => device_page,
-            e => panic!("{e:?}"),
-        };
-        pages.push(PublishPage {
-            rank: 0,
-            group: 0,
-            hash: hashes()[i as usize],
-            device_page: dp,
-        });
-    }
-    let e = a
-        .call(
-            Command::Publish {
-                session: s,
-                request: 1,
-                pages,
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::PublishDone { .. }), "{e:?}");
+                hash,
+                device_page,
+            })
+            .collect();
+        d.publish(s, 1, pages)
+    })
+    .unwrap();
+    assert_eq!(done.inserted, PAGES, "{done:?}");
 }
 
 /// Timed: `call(query)` (or query with prepare until `ready`); untimed:

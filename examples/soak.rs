@@ -24,12 +24,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use orbitkv_components::api::{
-    Command, Event, GroupHashes, PagePos, PublishPage, Rank, RestoreTarget, SessionHandle,
-};
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
+use orbitkv_components::NativeHash;
+use orbitkv_components::api::{Command, Event, GroupHashes, PublishPage, SessionHandle};
 use orbitkv_ipc::Client;
+use orbitkv_world::driver::{self, target};
+
+#[path = "../tests/support/port.rs"]
+mod port;
+use port::with_driver;
 
 const PAGE: u64 = 16;
 const BYTES: u64 = 4096;
@@ -88,76 +90,18 @@ fn hashes(client: u64, prompt: u64) -> Vec<NativeHash> {
         .collect()
 }
 
+/// Registers "soak" (the test engines' layout), opens a session with a
+/// 64-slot region and allocates its first `2 * PROMPT_PAGES` pages.
 fn setup(c: &mut Client) -> (SessionHandle, u64, Vec<u64>) {
-    let slot = StorageSlot {
-        layer: 0,
-        group: 0,
-        tp_rank: 0,
-        pp_rank: 0,
-        segment_bytes: BYTES,
-        padded_page_bytes: BYTES,
-        page_tokens: PAGE as u32,
-        dtype: "bf16".into(),
-        layout: "NHD".into(),
-        strides: vec![1],
-        device_addr: 0,
-    };
-    c.call(
-        Command::RegisterInstance {
-            instance: "soak".into(),
-            identity: [3; 32],
-            layout: StorageLayout {
-                slots: vec![slot],
-                pool_capacity_pages: 0,
-            },
-            page_tokens: PAGE,
-            groups: vec![GroupSpec {
-                id: 0,
-                rule: Rule::Prefix,
-                components: vec![ComponentKind::AttentionKv],
-            }],
-            ranks: vec![Rank { tp: 0, pp: 0 }],
-        },
-        T,
-    )
-    .expect("register");
-    let s = match c.call(
-        Command::OpenSession {
-            instance: "soak".into(),
-        },
-        T,
-    ) {
-        Ok(Event::SessionOpened { session, .. }) => session,
-        e => panic!("open: {e:?}"),
-    };
-    let region = match c.call(
-        Command::RegisterDeviceRegion {
-            session: s,
-            rank: 0,
-            group: 0,
-            slots: 64,
-        },
-        T,
-    ) {
-        Ok(Event::RegionRegistered { region, .. }) => region,
-        e => panic!("region: {e:?}"),
-    };
-    let pages = (0..2 * PROMPT_PAGES as u32)
-        .map(|slot| {
-            match c.call(
-                Command::DevicePageAlloc {
-                    session: s,
-                    region,
-                    slot,
-                },
-                T,
-            ) {
-                Ok(Event::DevicePageAllocated { device_page, .. }) => device_page,
-                e => panic!("alloc: {e:?}"),
-            }
-        })
-        .collect();
-    (s, region, pages)
+    let register = driver::register_command("soak", [3; 32], driver::dense(), 1, PAGE, BYTES);
+    with_driver(c, T, |d| {
+        d.register(register)?;
+        let s = d.open("soak")?;
+        let region = d.region(s, (0, 0), 64)?.region;
+        let pages = d.alloc_many(s, region, 0..2 * PROMPT_PAGES as u32)?;
+        Ok::<_, driver::DriverError<_>>((s, region, pages))
+    })
+    .expect("setup")
 }
 
 /// One engine step; `Err` on anything unexpected.
@@ -177,24 +121,14 @@ fn step(
         let r = c.region_mut(region).ok_or("no region mapping")?;
         r[at..at + BYTES as usize].copy_from_slice(&payload(id, prompt, p));
     }
-    let publish = Command::Publish {
-        session: s,
-        request: prompt,
-        pages: (0..PROMPT_PAGES)
-            .map(|p| PublishPage {
-                rank: 0,
-                group: 0,
-                hash: hs[p as usize],
-                device_page: pages[p as usize],
-            })
-            .collect(),
-    };
-    match c.call(publish, T).map_err(|e| e.to_string())? {
-        Event::PublishDone { .. } => {}
-        e => return Err(format!("publish: {e:?}")),
-    }
-    // Query with prepare until ready.
-    let t = Instant::now();
+    let publish: Vec<PublishPage> = (0..PROMPT_PAGES)
+        .map(|p| PublishPage {
+            rank: 0,
+            group: 0,
+            hash: hs[p as usize],
+            device_page: pages[p as usize],
+        })
+        .collect();
     let q = Command::Query {
         session: s,
         request: prompt,
@@ -208,57 +142,35 @@ fn step(
         prepare: true,
         speculative: false,
     };
-    let operation = match c.call(q, T).map_err(|e| e.to_string())? {
-        Event::QueryResult {
-            operation,
-            miss: None,
-            ..
-        } => operation,
-        Event::QueryResult { miss: Some(_), .. } => {
-            iv.lock().unwrap().misses += 1;
-            return Ok(());
+    let outcome = with_driver(c, T, |d| {
+        d.publish(s, prompt, publish)?;
+        // Query with prepare until ready.
+        let t = Instant::now();
+        let qr = d.query(q)?;
+        if qr.miss.is_some() {
+            return Ok(None);
         }
-        e => return Err(format!("query: {e:?}")),
-    };
-    let ready = c
-        .wait_event(T, |e| {
-            matches!(e, Event::Ready { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
-        })
-        .map_err(|e| e.to_string())?
-        .ok_or("no ready")?;
-    let query_us = t.elapsed().as_secs_f64() * 1e6;
-    let Event::Ready { leases, .. } = ready else {
-        iv.lock().unwrap().misses += 1;
-        return Ok(());
-    };
-    // Restore into device slots 4..8 and compare.
-    let t = Instant::now();
-    let targets: Vec<RestoreTarget> = leases
-        .iter()
-        .map(|l| RestoreTarget {
-            pos: PagePos {
-                rank: 0,
-                group: 0,
-                page_end: l.pos.page_end,
-            },
-            device_page: pages[(PROMPT_PAGES + l.pos.page_end / PAGE - 1) as usize],
-        })
-        .collect();
-    c.submit(Command::Restore {
-        session: s,
-        operation,
-        targets,
-        retained: vec![],
+        let Event::Ready { leases, .. } = d.ready(qr.operation)? else {
+            return Ok(None);
+        };
+        let query_us = t.elapsed().as_secs_f64() * 1e6;
+        // Restore into device slots 4..8.
+        let t = Instant::now();
+        let targets = leases
+            .iter()
+            .map(|l| {
+                let slot = (PROMPT_PAGES + l.pos.page_end / PAGE - 1) as usize;
+                target(0, 0, l.pos.page_end, pages[slot])
+            })
+            .collect();
+        let done = d.restore(s, qr.operation, targets, vec![])?;
+        let restore_us = t.elapsed().as_secs_f64() * 1e6;
+        Ok::<_, driver::DriverError<_>>(
+            matches!(done, Event::RestoreDone { .. }).then_some((leases, query_us, restore_us)),
+        )
     })
     .map_err(|e| e.to_string())?;
-    let done = c
-        .wait_event(T, |e| {
-            matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
-        })
-        .map_err(|e| e.to_string())?
-        .ok_or("no restore_done")?;
-    let restore_us = t.elapsed().as_secs_f64() * 1e6;
-    let Event::RestoreDone { .. } = done else {
+    let Some((leases, query_us, restore_us)) = outcome else {
         iv.lock().unwrap().misses += 1;
         return Ok(());
     };

@@ -158,30 +158,19 @@ fn query(s: SessionHandle, pages: u64, prepare: bool) -> Command {
 /// Query (prepare) → Ready; returns the operation, checking the leased
 /// bytes in the shared pool.
 fn query_ready(b: &mut Client, s: SessionHandle) -> u64 {
-    let qr = b.call(query(s, 5, true), T).unwrap();
-    let Event::QueryResult {
-        operation,
-        selected: Some(sel),
-        candidates,
-        common,
-        ..
-    } = qr
-    else {
-        panic!("{qr:?}")
-    };
-    assert_eq!(sel, 4 * PAGE);
-    assert_eq!(candidates.len(), 1);
-    assert_eq!(candidates[0].page_ends, vec![16, 32, 48, 64]);
-    assert!(common.contains(&64), "{common:?}");
-    let ready = b
-        .wait_event(
-            T,
-            |e| matches!(e, Event::Ready { operation: o, .. } if *o == operation),
-        )
-        .unwrap()
-        .expect("ready");
+    let (qr, ready) = with_driver(b, T, |d| {
+        let qr = d.query(query(s, 5, true))?;
+        let ready = d.ready(qr.operation)?;
+        Ok::<_, orbitkv_world::driver::DriverError<_>>((qr, ready))
+    })
+    .unwrap();
+    assert_eq!(qr.selected, Some(4 * PAGE), "{qr:?}");
+    assert_eq!(qr.candidates.len(), 1);
+    assert_eq!(qr.candidates[0].page_ends, vec![16, 32, 48, 64]);
+    assert!(qr.common.contains(&64), "{:?}", qr.common);
+    let operation = qr.operation;
     let Event::Ready { leases, .. } = ready else {
-        unreachable!()
+        panic!("{ready:?}")
     };
     assert_eq!(leases.len(), 4);
     for l in &leases {

@@ -814,26 +814,17 @@ fn inspect_shows_sessions_leases_and_the_last_minute() {
     let mut a = Client::connect(&m.socket, "engine-a").unwrap();
     let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x5000 + i)).collect();
     publish_four(&mut a, &hashes, |i| vec![i as u8; BYTES as usize]);
-    let s = match a
-        .call(
-            Command::OpenSession {
-                instance: "llama".into(),
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::SessionOpened { session, .. } => session,
-        e => panic!("{e:?}"),
-    };
-    let mut q = query(s, 1);
-    if let Command::Query { prepare, .. } = &mut q {
-        *prepare = true;
-    }
-    a.call(q, T).unwrap();
-    a.wait_event(T, |e| matches!(e, Event::Ready { .. }))
-        .unwrap()
-        .unwrap();
+    let ready = with_driver(&mut a, T, |d| {
+        let s = d.open("llama")?;
+        let mut q = query(s, 1);
+        if let Command::Query { prepare, .. } = &mut q {
+            *prepare = true;
+        }
+        let operation = d.query(q)?.operation;
+        d.ready(operation)
+    })
+    .unwrap();
+    assert!(matches!(ready, Event::Ready { .. }), "{ready:?}");
     let out = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
         .args(["inspect", "--socket", m.socket.to_str().unwrap(), "--json"])
         .output()
@@ -932,19 +923,19 @@ fn prepared(c: &mut Client, s: SessionHandle, hashes: &[NativeHash]) -> Event {
         prepare: true,
         speculative: false,
     };
-    match c.call(q, T).unwrap() {
-        Event::QueryResult {
-            operation,
-            miss: None,
-            ..
-        } => c
-            .wait_event(T, |e| {
-                matches!(e, Event::Ready { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
-            })
-            .unwrap()
-            .unwrap(),
-        e => e,
-    }
+    with_driver(c, T, |d| {
+        let id = d.submit(q)?;
+        d.tick()?;
+        match d.reply("query", id)? {
+            Event::QueryResult {
+                operation,
+                miss: None,
+                ..
+            } => d.ready(operation),
+            e => Ok(e),
+        }
+    })
+    .unwrap()
 }
 
 #[test]
@@ -991,26 +982,20 @@ fn a_page_altered_in_memory_is_a_checksum_miss_on_every_tier() {
     else {
         panic!("the index still lists the page");
     };
-    let targets = leases
-        .iter()
-        .map(|l| orbitkv_components::api::RestoreTarget {
-            pos: l.pos,
-            device_page: alloc(&mut a, s, region, 20 + (l.pos.page_end / PAGE) as u32),
-        })
-        .collect();
-    a.submit(Command::Restore {
-        session: s,
-        operation,
-        targets,
-        retained: vec![],
+    let done = with_driver(&mut a, T, |d| {
+        let slots = leases.iter().map(|l| 20 + (l.pos.page_end / PAGE) as u32);
+        let dps = d.alloc_many(s, region, slots)?;
+        let targets = leases
+            .iter()
+            .zip(dps)
+            .map(|(l, dp)| orbitkv_components::api::RestoreTarget {
+                pos: l.pos,
+                device_page: dp,
+            })
+            .collect();
+        d.restore(s, operation, targets, vec![])
     })
     .unwrap();
-    let done = a
-        .wait_event(T, |e| {
-            matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
-        })
-        .unwrap()
-        .unwrap();
     assert!(
         matches!(
             done,
@@ -1027,25 +1012,20 @@ fn a_page_altered_in_memory_is_a_checksum_miss_on_every_tier() {
     // others are demoted.
     for round in 0..12u64 {
         let (fs, fr) = open(&mut a);
-        let pages = (0..48u64)
-            .map(|i| orbitkv_components::api::PublishPage {
-                rank: 0,
-                group: 0,
-                hash: NativeHash::from_u64(0x9_0000 + round * 64 + i),
-                device_page: alloc(&mut a, fs, fr, i as u32),
-            })
-            .collect();
-        let e = a
-            .call(
-                Command::Publish {
-                    session: fs,
-                    request: 100 + round,
-                    pages,
-                },
-                T,
-            )
-            .unwrap();
-        assert!(matches!(e, Event::PublishDone { .. }), "{e:?}");
+        with_driver(&mut a, T, |d| {
+            let dps = d.alloc_many(fs, fr, 0..48)?;
+            let pages = (0..48u64)
+                .zip(dps)
+                .map(|(i, dp)| orbitkv_components::api::PublishPage {
+                    rank: 0,
+                    group: 0,
+                    hash: NativeHash::from_u64(0x9_0000 + round * 64 + i),
+                    device_page: dp,
+                })
+                .collect();
+            d.publish(fs, 100 + round, pages)
+        })
+        .unwrap();
     }
     m.wait_metric("orbitkv_demotions_total{outcome=\"checksum\"}", |v| v == 1);
     m.wait_metric("orbitkv_demotions_total{outcome=\"written\"}", |v| v >= 3);
@@ -1564,42 +1544,9 @@ fn another_cache_scope_never_reads_these_pages() {
     let mut a = Client::connect(&m.socket, "tenant-a").unwrap();
     publish_four(&mut a, &hashes, |i| vec![i as u8 + 1; BYTES as usize]);
     let mut b = Client::connect(&m.socket, "tenant-b").unwrap();
-    let Command::RegisterInstance {
-        layout,
-        page_tokens,
-        groups,
-        ranks,
-        ..
-    } = register_command()
-    else {
-        unreachable!()
-    };
-    let e = b
-        .call(
-            Command::RegisterInstance {
-                instance: "llama-scope-b".into(),
-                identity: [10; 32], // the same model under another scope
-                layout,
-                page_tokens,
-                groups,
-                ranks,
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
-    let s = match b
-        .call(
-            Command::OpenSession {
-                instance: "llama-scope-b".into(),
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::SessionOpened { session, .. } => session,
-        e => panic!("{e:?}"),
-    };
+    // The same model and layout under another scope: another identity.
+    register_as(&mut b, "llama-scope-b", [10; 32]);
+    let s = with_driver(&mut b, T, |d| d.open("llama-scope-b")).unwrap();
     let r = prepared(&mut b, s, &hashes);
     assert!(
         matches!(

@@ -14,12 +14,9 @@ use std::process::{Child, Command as Proc, Stdio};
 use std::time::{Duration, Instant};
 
 use orbitkv_components::NativeHash;
-use orbitkv_components::api::{
-    Command, Event, GroupHashes, MissReason, PagePos, Rank, RestoreTarget, SessionHandle,
-};
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{StorageLayout, StorageSlot};
+use orbitkv_components::api::{Command, Event, GroupHashes, MissReason, SessionHandle};
 use orbitkv_ipc::Client;
+use orbitkv_world::driver::{DriverError, target};
 
 struct Manager {
     child: Child,
@@ -143,76 +140,6 @@ fn hashes(n: u64) -> Vec<NativeHash> {
     (0..n).map(|i| NativeHash::from_u64(0x5e0 + i)).collect()
 }
 
-/// Registers `instance` with an identity of its own (`identity` differs
-/// from `support::register`'s when not `[9; 32]`).
-fn register_as(c: &mut Client, instance: &str, identity: [u8; 32]) {
-    let slot = StorageSlot {
-        layer: 0,
-        group: 0,
-        tp_rank: 0,
-        pp_rank: 0,
-        segment_bytes: BYTES,
-        padded_page_bytes: BYTES,
-        page_tokens: PAGE as u32,
-        dtype: "bf16".into(),
-        layout: "NHD".into(),
-        strides: vec![1],
-        device_addr: 0,
-    };
-    let e = c
-        .call(
-            Command::RegisterInstance {
-                instance: instance.into(),
-                identity,
-                layout: StorageLayout {
-                    slots: vec![slot],
-                    pool_capacity_pages: 0,
-                },
-                page_tokens: PAGE,
-                groups: vec![GroupSpec {
-                    id: 0,
-                    rule: Rule::Prefix,
-                    components: vec![ComponentKind::AttentionKv],
-                }],
-                ranks: vec![Rank { tp: 0, pp: 0 }],
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
-}
-
-fn open_as(c: &mut Client, instance: &str) -> (SessionHandle, u64) {
-    let s = match c
-        .call(
-            Command::OpenSession {
-                instance: instance.into(),
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::SessionOpened { session, .. } => session,
-        e => panic!("{e:?}"),
-    };
-    let region = match c
-        .call(
-            Command::RegisterDeviceRegion {
-                session: s,
-                rank: 0,
-                group: 0,
-                slots: 64,
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::RegionRegistered { region, .. } => region,
-        e => panic!("{e:?}"),
-    };
-    (s, region)
-}
-
 fn query(s: SessionHandle, request: u64, pages: u64) -> Command {
     Command::Query {
         session: s,
@@ -238,65 +165,37 @@ enum Outcome {
 }
 
 fn ask(c: &mut Client, s: SessionHandle, request: u64, pages: u64) -> Outcome {
-    let qr = c.call(query(s, request, pages), T).unwrap();
-    let Event::QueryResult {
-        operation,
-        selected,
-        miss,
-        ..
-    } = qr
-    else {
-        panic!("{qr:?}")
-    };
-    if selected.is_none() {
-        return Outcome::Miss(miss);
-    }
-    let e = c
-        .wait_event(T, |e| {
-            matches!(e, Event::Ready { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
+    with_driver(c, T, |d| {
+        let qr = d.query(query(s, request, pages))?;
+        if qr.selected.is_none() {
+            return Ok(Outcome::Miss(qr.miss));
+        }
+        Ok::<_, DriverError<_>>(match d.ready(qr.operation)? {
+            Event::Ready {
+                boundary,
+                pages_from_dram,
+                pages_from_tiers,
+                ..
+            } => Outcome::Ready(qr.operation, boundary, pages_from_dram, pages_from_tiers),
+            Event::Miss { reason, .. } => Outcome::Miss(Some(reason)),
+            e => panic!("{e:?}"),
         })
-        .unwrap()
-        .unwrap();
-    match e {
-        Event::Ready {
-            boundary,
-            pages_from_dram,
-            pages_from_tiers,
-            ..
-        } => Outcome::Ready(operation, boundary, pages_from_dram, pages_from_tiers),
-        Event::Miss { reason, .. } => Outcome::Miss(Some(reason)),
-        _ => unreachable!(),
-    }
+    })
+    .unwrap()
 }
 
 /// Restores the ready operation's `n` pages into device slots 20.. and
 /// checks every byte.
 fn restore_and_check(c: &mut Client, s: SessionHandle, region: u64, operation: u64, n: u64) {
-    let mut targets = Vec::new();
-    for i in 0..n {
-        let dp = alloc(c, s, region, 20 + i as u32);
-        targets.push(RestoreTarget {
-            pos: PagePos {
-                rank: 0,
-                group: 0,
-                page_end: (i + 1) * PAGE,
-            },
-            device_page: dp,
-        });
-    }
-    c.submit(Command::Restore {
-        session: s,
-        operation,
-        targets,
-        retained: vec![],
+    let done = with_driver(c, T, |d| {
+        let dps = d.alloc_many(s, region, (0..n as u32).map(|i| 20 + i))?;
+        let targets = (0..n)
+            .zip(dps)
+            .map(|(i, dp)| target(0, 0, (i + 1) * PAGE, dp))
+            .collect();
+        d.restore(s, operation, targets, vec![])
     })
     .unwrap();
-    let done = c
-        .wait_event(T, |e| {
-            matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
-        })
-        .unwrap()
-        .unwrap();
     assert!(
         matches!(done, Event::RestoreDone { pages, .. } if pages == n),
         "{done:?}"

@@ -783,6 +783,15 @@ impl Client {
         r
     }
 
+    /// Puts events taken by [`poll_events`](Self::poll_events) and not
+    /// consumed back in front of the queue, in their order (a driver that
+    /// borrowed the connection returns what it did not wait for).
+    pub fn requeue(&mut self, events: Vec<Event>) {
+        for e in events.into_iter().rev() {
+            self.events.push_front(e);
+        }
+    }
+
     /// Round trip of an empty frame through the manager's loop.
     pub fn ping(&mut self) -> Result<Duration, ClientError> {
         let start = Instant::now();

@@ -1,12 +1,17 @@
-//! Helpers shared by the tests that drive a real `orbitkv serve`.
+//! Helpers shared by the tests that drive a real `orbitkv serve`, on the
+//! engine-side driver (`orbitkv_world::driver`) through [`ClientPort`].
 #![allow(dead_code)]
 
 use std::time::Duration;
 
-use orbitkv_components::api::{Command, Event, PublishPage, Rank, SessionHandle};
-use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
-use orbitkv_components::{NativeHash, StorageLayout, StorageSlot};
+use orbitkv_components::NativeHash;
+use orbitkv_components::api::{Command, PublishPage, SessionHandle};
 use orbitkv_ipc::Client;
+use orbitkv_world::driver;
+
+mod port;
+#[allow(unused_imports)]
+pub use port::{ClientPort, with_driver};
 
 pub const PAGE: u64 = 16;
 pub const BYTES: u64 = 4096;
@@ -21,87 +26,37 @@ pub fn free_port() -> u16 {
 }
 
 pub fn register(c: &mut Client) {
-    let e = c.call(register_command(), T).unwrap();
-    assert!(matches!(e, Event::InstanceRegistered { .. }), "{e:?}");
+    register_as(c, "llama", [9; 32]);
 }
 
-/// Registers instance "llama": one rank, one prefix group of `BYTES` pages.
+/// Registers `instance` under `identity`: the layout of `register_command`.
+pub fn register_as(c: &mut Client, instance: &str, identity: [u8; 32]) {
+    let command = driver::register_command(instance, identity, driver::dense(), 1, PAGE, BYTES);
+    with_driver(c, T, |d| d.register(command)).unwrap();
+}
+
+/// Registers instance "llama": one rank, one prefix group of `BYTES` pages
+/// (`world::driver::register_command`, the test engines' layout).
 pub fn register_command() -> Command {
-    let slot = StorageSlot {
-        layer: 0,
-        group: 0,
-        tp_rank: 0,
-        pp_rank: 0,
-        segment_bytes: BYTES,
-        padded_page_bytes: BYTES,
-        page_tokens: PAGE as u32,
-        dtype: "bf16".into(),
-        layout: "NHD".into(),
-        strides: vec![1],
-        device_addr: 0,
-    };
-    Command::RegisterInstance {
-        instance: "llama".into(),
-        identity: [9; 32],
-        layout: StorageLayout {
-            slots: vec![slot],
-            pool_capacity_pages: 0,
-        },
-        page_tokens: PAGE,
-        groups: vec![GroupSpec {
-            id: 0,
-            rule: Rule::Prefix,
-            components: vec![ComponentKind::AttentionKv],
-        }],
-        ranks: vec![Rank { tp: 0, pp: 0 }],
-    }
+    driver::register_command("llama", [9; 32], driver::dense(), 1, PAGE, BYTES)
 }
 
 pub fn alloc(c: &mut Client, s: SessionHandle, region: u64, slot: u32) -> u64 {
-    match c
-        .call(
-            Command::DevicePageAlloc {
-                session: s,
-                region,
-                slot,
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::DevicePageAllocated { device_page, .. } => device_page,
-        e => panic!("{e:?}"),
-    }
+    with_driver(c, T, |d| d.alloc(s, region, slot)).unwrap()
 }
 
 pub fn open(c: &mut Client) -> (SessionHandle, u64) {
-    let s = match c
-        .call(
-            Command::OpenSession {
-                instance: "llama".into(),
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::SessionOpened { session, .. } => session,
-        e => panic!("{e:?}"),
-    };
-    let region = match c
-        .call(
-            Command::RegisterDeviceRegion {
-                session: s,
-                rank: 0,
-                group: 0,
-                slots: 64,
-            },
-            T,
-        )
-        .unwrap()
-    {
-        Event::RegionRegistered { region, .. } => region,
-        e => panic!("{e:?}"),
-    };
+    open_as(c, "llama")
+}
+
+/// Opens a session of `instance` and registers a 64-slot region of its
+/// rank 0, group 0, whose shared memory comes with the reply.
+pub fn open_as(c: &mut Client, instance: &str) -> (SessionHandle, u64) {
+    let (s, region) = with_driver(c, T, |d| {
+        let s = d.open(instance)?;
+        Ok::<_, driver::DriverError<_>>((s, d.region(s, (0, 0), 64)?.region))
+    })
+    .unwrap();
     assert!(
         c.region_mut(region).is_some(),
         "the region's shared memory came with the reply"
@@ -114,27 +69,18 @@ pub fn open(c: &mut Client) -> (SessionHandle, u64) {
 pub fn publish_four(a: &mut Client, hashes: &[NativeHash], payload: impl Fn(u64) -> Vec<u8>) {
     register(a);
     let (sa, ra) = open(a);
+    let dps = with_driver(a, T, |d| d.alloc_many(sa, ra, 0..4)).unwrap();
     let mut pages = Vec::new();
-    for i in 0..4u64 {
-        let dp = alloc(a, sa, ra, i as u32);
-        a.region_mut(ra).unwrap()[(i * BYTES) as usize..((i + 1) * BYTES) as usize]
-            .copy_from_slice(&payload(i));
+    for (i, dp) in dps.into_iter().enumerate() {
+        a.region_mut(ra).unwrap()[i * BYTES as usize..(i + 1) * BYTES as usize]
+            .copy_from_slice(&payload(i as u64));
         pages.push(PublishPage {
             rank: 0,
             group: 0,
-            hash: hashes[i as usize],
+            hash: hashes[i],
             device_page: dp,
         });
     }
-    let e = a
-        .call(
-            Command::Publish {
-                session: sa,
-                request: 1,
-                pages,
-            },
-            T,
-        )
-        .unwrap();
-    assert!(matches!(e, Event::PublishDone { inserted: 4, .. }), "{e:?}");
+    let done = with_driver(a, T, |d| d.publish(sa, 1, pages)).unwrap();
+    assert_eq!(done.inserted, 4, "{done:?}");
 }

@@ -288,19 +288,156 @@ pub enum CommandError {
     #[error("device slot {slot} of region {region:#x} is already allocated")]
     SlotInUse { region: u64, slot: u32 },
     #[error("invalid command: {0}")]
-    Invalid(String),
+    Invalid(InvalidCommand),
     #[error("limit {name} ({limit}) exceeded")]
     Limit { name: LimitName, limit: u64 },
     #[error("load does not cover the required range exactly: {0}")]
-    LoadInvalid(String),
+    LoadInvalid(LoadRefusal),
     #[error("copy engine: {0}")]
-    Copy(String),
+    Copy(CopyRefusal),
     #[error("the runtime's clock is not simulated")]
     WallClock,
     #[error(
         "the command names a session, operation, device region or device page of another origin"
     )]
     NotOwner,
+}
+
+/// Why a command is malformed: its shape, not the runtime's state
+/// (`CommandError::Invalid`). On the wire, `detail` is this enum with its
+/// `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum InvalidCommand {
+    #[error("instance name is empty")]
+    EmptyInstanceName,
+    #[error("instance declares no ranks")]
+    NoRanks,
+    #[error("a rank is listed twice")]
+    DuplicateRank,
+    #[error("slot of layer {layer} names rank (tp {tp}, pp {pp}), which is not registered")]
+    SlotRank { layer: u32, tp: u32, pp: u32 },
+    #[error("slot of layer {layer} names unknown group {group}")]
+    SlotGroup { layer: u32, group: u32 },
+    #[error("slot of layer {layer} has {slot} tokens per page, the instance {instance}")]
+    SlotPageTokens {
+        layer: u32,
+        slot: u32,
+        instance: u64,
+    },
+    /// The rank's storage layout cannot be sealed or encoded
+    /// (`LayoutError`'s text).
+    #[error("rank (tp {tp}, pp {pp}): {reason}")]
+    Layout { tp: u32, pp: u32, reason: String },
+    /// The groups do not compile into a recovery contract
+    /// (`ContractError`'s text).
+    #[error("{reason}")]
+    Contract { reason: String },
+    #[error("rank (tp {tp}, pp {pp}) has no slots for group {group}")]
+    RankWithoutGroup { tp: u32, pp: u32, group: u32 },
+    #[error("a region needs 1..={max} slots, got {slots}")]
+    RegionSlots { slots: u32, max: u32 },
+    #[error("unknown rank index {rank}")]
+    UnknownRank { rank: u32 },
+    #[error("unknown group {group}")]
+    UnknownGroup { group: u32 },
+    #[error("region size overflows")]
+    RegionTooLarge,
+    #[error("slot {slot} is outside the region's {slots} slots")]
+    SlotOutOfRange { slot: u32, slots: u32 },
+    #[error("publish has no pages")]
+    EmptyPublish,
+    #[error(
+        "device page {device_page:#x} is in (rank {region_rank}, group {region_group}), not (rank {rank}, group {group})"
+    )]
+    WrongRegion {
+        device_page: u64,
+        region_rank: u32,
+        region_group: u32,
+        rank: u32,
+        group: u32,
+    },
+    #[error("a key or device page appears twice in one publish")]
+    DuplicatePublishPage,
+    #[error("query gives hashes for groups {given:?}; the instance has {declared:?}")]
+    QueryGroups { given: Vec<u32>, declared: Vec<u32> },
+    #[error("every group must give the same number of page hashes")]
+    UnevenHashes,
+    #[error("origin {origin} must be page-aligned and within the {end} hashed tokens")]
+    Origin { origin: u64, end: u64 },
+    #[error("expect_namespaces must give one namespace per rank")]
+    ExpectNamespaces,
+    #[error("operation is not a recovery")]
+    NotRecovery,
+    #[error("device page {device_page:#x} is targeted twice")]
+    DuplicateTarget { device_page: u64 },
+    #[error("no hash for page ending at {page_end}")]
+    NoHash { page_end: u64 },
+}
+
+/// Why a restore's pages do not cover its required ranges exactly
+/// (`CommandError::LoadInvalid`). Keys are their encoding in hex.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LoadRefusal {
+    #[error("range of group {group} [{start}, {end}) needs {expected} keys, {got} were given")]
+    RangeKeyCount {
+        group: u32,
+        start: u64,
+        end: u64,
+        expected: u64,
+        got: u64,
+    },
+    #[error("key {key} does not belong to this range's namespace and group")]
+    ForeignKey { key: String },
+    #[error("key {key} appears twice")]
+    DuplicateKey { key: String },
+    #[error("key {key} is both transferred and retained")]
+    Overlap { key: String },
+    #[error("key {key} of the range is neither transferred nor retained")]
+    Missing { key: String },
+    #[error("key {key} is not part of the range")]
+    Unexpected { key: String },
+    #[error("page {pos:?} is outside the required ranges")]
+    OutsideRanges { pos: PagePos },
+}
+
+impl From<crate::contract::LoadError> for LoadRefusal {
+    fn from(e: crate::contract::LoadError) -> Self {
+        use crate::contract::LoadError as L;
+        let hex = |k: crate::key::StateKey| hex::encode(k.encode());
+        match e {
+            L::RangeKeyCount {
+                group,
+                start,
+                end,
+                expected,
+                got,
+            } => LoadRefusal::RangeKeyCount {
+                group,
+                start,
+                end,
+                expected,
+                got: got as u64,
+            },
+            L::ForeignKey(k) => LoadRefusal::ForeignKey { key: hex(k) },
+            L::DuplicateKey(k) => LoadRefusal::DuplicateKey { key: hex(k) },
+            L::Overlap(k) => LoadRefusal::Overlap { key: hex(k) },
+            L::Missing(k) => LoadRefusal::Missing { key: hex(k) },
+            L::Unexpected(k) => LoadRefusal::Unexpected { key: hex(k) },
+        }
+    }
+}
+
+/// Why the copy engine refused a command's work (`CommandError::Copy`).
+/// The reason is the engine's own words (an OS or driver error).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CopyRefusal {
+    #[error("a device region of {bytes} bytes was refused: {reason}")]
+    RegionRejected { bytes: u64, reason: String },
+    #[error("{reason}")]
+    Failed { reason: String },
 }
 
 /// Where an operation is. A recovery goes discover → validate → selected →
@@ -589,13 +726,19 @@ mod tests {
             },
             CommandError::UnknownRegion(1),
             CommandError::SlotInUse { region: 1, slot: 2 },
-            CommandError::Invalid("x".into()),
+            CommandError::Invalid(InvalidCommand::NoRanks),
             CommandError::Limit {
                 name: LimitName::MaxInbox,
                 limit: 1,
             },
-            CommandError::LoadInvalid("x".into()),
-            CommandError::Copy("x".into()),
+            CommandError::LoadInvalid(LoadRefusal::OutsideRanges {
+                pos: PagePos {
+                    rank: 0,
+                    group: 0,
+                    page_end: 16,
+                },
+            }),
+            CommandError::Copy(CopyRefusal::Failed { reason: "x".into() }),
             CommandError::WallClock,
             CommandError::NotOwner,
         ];
@@ -628,6 +771,35 @@ mod tests {
         for name in [LimitName::MaxInbox, LimitName::MaxRegionSlots] {
             let v = serde_json::to_value(CommandError::Limit { name, limit: 3 }).unwrap();
             assert_eq!(v["detail"]["name"], name.as_str());
+        }
+    }
+
+    #[test]
+    fn refusal_details_are_typed_on_the_wire() {
+        let cases = [
+            (
+                CommandError::Invalid(InvalidCommand::SlotOutOfRange { slot: 9, slots: 4 }),
+                serde_json::json!({"error": "invalid", "detail": {"kind": "slot_out_of_range", "slot": 9, "slots": 4}}),
+            ),
+            (
+                CommandError::Invalid(InvalidCommand::UnknownGroup { group: 3 }),
+                serde_json::json!({"error": "invalid", "detail": {"kind": "unknown_group", "group": 3}}),
+            ),
+            (
+                CommandError::LoadInvalid(LoadRefusal::Missing { key: "ab".into() }),
+                serde_json::json!({"error": "load_invalid", "detail": {"kind": "missing", "key": "ab"}}),
+            ),
+            (
+                CommandError::Copy(CopyRefusal::RegionRejected {
+                    bytes: 64,
+                    reason: "no memory".into(),
+                }),
+                serde_json::json!({"error": "copy", "detail": {"kind": "region_rejected", "bytes": 64, "reason": "no memory"}}),
+            ),
+        ];
+        for (e, wire) in cases {
+            assert_eq!(serde_json::to_value(&e).unwrap(), wire, "{e}");
+            assert_eq!(serde_json::from_value::<CommandError>(wire).unwrap(), e);
         }
     }
 

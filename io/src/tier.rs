@@ -113,7 +113,7 @@ pub trait BackingTier: Send {
 
     /// Demotions that finished since the last call: `Ok` once visible to
     /// `lookup` (and durable per the tier's policy), or why they failed.
-    fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), String>>) {}
+    fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), DemoteFailed>>) {}
 
     /// Write-through: a page was just published into DRAM and stays there;
     /// a tier that shares pages with other hosts copies it now. `checksum`
@@ -182,6 +182,39 @@ pub enum DemoteRefused {
     /// landed (altered in memory): never stored under a fresh checksum.
     #[error("the bytes do not match the page's checksum")]
     Checksum,
+}
+
+/// Why a demotion the tier accepted did not become visible. The strings
+/// are the operating system's or the store's own words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DemoteFailed {
+    #[error("the tier ran out of space")]
+    NoSpace,
+    /// The write or its sync failed (or wrote short).
+    #[error("write failed: {0}")]
+    Io(String),
+    /// The store could not be reached (files cannot be created, the remote
+    /// is down or refused the connection).
+    #[error("the tier is unavailable: {0}")]
+    Unavailable(String),
+    #[error("the write passed its deadline")]
+    Timeout,
+    /// The store answered with an error.
+    #[error("the store refused the write: {0}")]
+    Refused(String),
+}
+
+impl DemoteFailed {
+    /// The failure's name in metrics and reports.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DemoteFailed::NoSpace => "no_space",
+            DemoteFailed::Io(_) => "io",
+            DemoteFailed::Unavailable(_) => "unavailable",
+            DemoteFailed::Timeout => "timeout",
+            DemoteFailed::Refused(_) => "refused",
+        }
+    }
 }
 
 impl DemoteRefused {
@@ -658,7 +691,7 @@ impl BackingTier for MemoryTier {
         Ok(())
     }
 
-    fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), String>>) {
+    fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
         out.extend((0..std::mem::take(&mut self.demoted)).map(|_| Ok(())));
     }
 

@@ -14,8 +14,9 @@ mod ssd_common;
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
+use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::ssd::{IoBackend, SsdConfig, SsdError, SsdStore, WriteError, WriteRefused};
-use orbitkv_io::tier::BackingTier;
+use orbitkv_io::tier::{BackingTier, DemoteFailed};
 use ssd_common::*;
 
 fn is_root() -> bool {
@@ -238,6 +239,20 @@ fn enospc_with_nothing_to_evict() {
         assert_eq!(s.refusals.no_space, 1);
         assert_eq!(s.write_failures.no_space, 1);
         assert_eq!(s.records, 0);
+        // The same through the tier interface: the demotion is accepted,
+        // then reported as a typed failure.
+        let t = t + 2_000_000;
+        let page = [2u8; 100];
+        BackingTier::demote(&mut store, &key(2), DIGEST, &page, page_checksum(&page), t).unwrap();
+        let mut failed = Vec::new();
+        for _ in 0..1000 {
+            store.poll_demotions(t, &mut failed);
+            if !failed.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(failed, vec![Err(DemoteFailed::NoSpace)]);
         drop(store);
     }
 }

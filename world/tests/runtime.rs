@@ -4,7 +4,9 @@
 mod common;
 
 use common::*;
-use orbitkv_components::api::{Command, CommandError, Event, MissReason, Origin, PagePos};
+use orbitkv_components::api::{
+    Command, CommandError, Event, InvalidCommand, LoadRefusal, MissReason, Origin, PagePos,
+};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_world::Runtime;
 
@@ -1275,7 +1277,11 @@ fn registration_is_idempotent_and_conflicts_are_typed() {
         matches!(
             e,
             Event::Rejected {
-                error: CommandError::Invalid(_),
+                error: CommandError::Invalid(InvalidCommand::RankWithoutGroup {
+                    tp: 0,
+                    pp: 0,
+                    group: 1
+                }),
                 ..
             }
         ),
@@ -1318,10 +1324,18 @@ fn bad_commands_are_typed_errors_without_effect() {
                 prepare: false,
                 speculative: false,
             },
-            |e| matches!(e, CommandError::Invalid(_)),
+            |e| {
+                matches!(
+                    e,
+                    CommandError::Invalid(InvalidCommand::Origin {
+                        origin: 10,
+                        end
+                    }) if *end == 3 * PAGE
+                )
+            },
         ),
         (query(s, 1, 50, &[0, 1], 3, 3 * PAGE, true), |e| {
-            matches!(e, CommandError::Invalid(_))
+            matches!(e, CommandError::Invalid(InvalidCommand::QueryGroups { .. }))
         }),
         (
             Command::Prepare {
@@ -1336,7 +1350,12 @@ fn bad_commands_are_typed_errors_without_effect() {
                 region: d.region,
                 slot: 64,
             },
-            |e| matches!(e, CommandError::Invalid(_)),
+            |e| {
+                matches!(
+                    e,
+                    CommandError::Invalid(InvalidCommand::SlotOutOfRange { slot: 64, .. })
+                )
+            },
         ),
         (
             Command::DevicePageAlloc {
@@ -1353,13 +1372,18 @@ fn bad_commands_are_typed_errors_without_effect() {
                 group: 0,
                 slots: 4,
             },
-            |e| matches!(e, CommandError::Invalid(_)),
+            |e| {
+                matches!(
+                    e,
+                    CommandError::Invalid(InvalidCommand::UnknownRank { rank: 3 })
+                )
+            },
         ),
         (publish_cmd(s, 1, 0, vec![(0, hash(1, 0, 0), 4242)]), |e| {
             matches!(e, CommandError::StaleGeneration(_))
         }),
         (publish_cmd(s, 1, 0, vec![]), |e| {
-            matches!(e, CommandError::Invalid(_))
+            matches!(e, CommandError::Invalid(InvalidCommand::EmptyPublish))
         }),
     ];
     for (cmd, check) in cases {
@@ -1399,7 +1423,7 @@ fn bad_commands_are_typed_errors_without_effect() {
         matches!(
             e,
             Event::Rejected {
-                error: CommandError::LoadInvalid(_),
+                error: CommandError::LoadInvalid(LoadRefusal::Missing { .. }),
                 ..
             }
         ),
@@ -1426,7 +1450,7 @@ fn bad_commands_are_typed_errors_without_effect() {
         matches!(
             e,
             Event::Rejected {
-                error: CommandError::LoadInvalid(_),
+                error: CommandError::LoadInvalid(LoadRefusal::Overlap { .. }),
                 ..
             }
         ),

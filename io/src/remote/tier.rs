@@ -18,7 +18,8 @@ use super::record::{Expect, RecordHeader, data_key, directory_key, shard_of, ver
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
 use crate::checksum::page_checksum;
 use crate::tier::{
-    BackingTier, DemoteRefused, ReadDone, ReadToken, TierEntry, TierError, remote_miss_reason,
+    BackingTier, DemoteFailed, DemoteRefused, ReadDone, ReadToken, TierEntry, TierError,
+    remote_miss_reason,
 };
 
 /// A read's destination, claimed by exactly one side: the worker (to copy
@@ -232,7 +233,7 @@ pub struct RemoteTier {
     abandoned: HashMap<u64, Arc<AtomicU8>>,
     writes: HashMap<StateKey, u64>,
     write_bytes: u64,
-    demoted: Vec<Result<(), String>>,
+    demoted: Vec<Result<(), DemoteFailed>>,
     /// Reads finished but not yet reported (drained outside `poll`).
     ready: Vec<ReadDone>,
     last_error: Option<String>,
@@ -552,7 +553,8 @@ impl RemoteTier {
                     self.last_error = Some(format!("write: {why}"));
                 }
                 if origin == Origin::Demote {
-                    self.demoted.push(result.map_err(|(_, why)| why));
+                    self.demoted
+                        .push(result.map_err(|(kind, why)| demote_failed(kind, why)));
                 }
                 self.publish_gauges();
                 None
@@ -738,7 +740,7 @@ impl BackingTier for RemoteTier {
         self.offer_write(key, format, payload, checksum, Origin::Demote)
     }
 
-    fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), String>>) {
+    fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
         self.drain();
         out.append(&mut self.demoted);
     }
@@ -759,6 +761,15 @@ impl BackingTier for RemoteTier {
 
     fn miss_reason(&self, e: &TierError) -> MissReason {
         remote_miss_reason(e)
+    }
+}
+
+/// A failed remote write of a demotion, typed by the kind of failure.
+fn demote_failed(kind: ErrorKind, why: String) -> DemoteFailed {
+    match kind {
+        ErrorKind::Unavailable => DemoteFailed::Unavailable(why),
+        ErrorKind::Timeout => DemoteFailed::Timeout,
+        ErrorKind::Corrupt | ErrorKind::Missing | ErrorKind::Server => DemoteFailed::Refused(why),
     }
 }
 

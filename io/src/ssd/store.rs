@@ -20,7 +20,9 @@ use super::scan::{open_regular, scan_segment};
 use super::types::*;
 use super::uring::UringEngine;
 use crate::checksum::page_checksum;
-use crate::tier::{BackingTier, DemoteRefused, ReadDone, ReadToken, TierEntry, TierError};
+use crate::tier::{
+    BackingTier, DemoteFailed, DemoteRefused, ReadDone, ReadToken, TierEntry, TierError,
+};
 
 /// Fdatasync operations in flight at once (one per segment at most).
 const MAX_SYNCS: usize = 4;
@@ -1494,12 +1496,12 @@ impl BackingTier for SsdStore {
             .map_err(DemoteRefused::from)
     }
 
-    fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), String>>) {
+    fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
         let mut done = Vec::new();
         self.poll_writes(now_us, &mut done);
         out.extend(
             done.into_iter()
-                .map(|d| d.result.map_err(|e| e.to_string())),
+                .map(|d| d.result.map_err(DemoteFailed::from)),
         );
     }
 }

@@ -276,6 +276,20 @@ impl From<WriteRefused> for crate::tier::DemoteRefused {
     }
 }
 
+impl From<WriteError> for crate::tier::DemoteFailed {
+    fn from(e: WriteError) -> Self {
+        use crate::tier::DemoteFailed as D;
+        match e {
+            WriteError::NoSpace => D::NoSpace,
+            WriteError::Unavailable(why) => D::Unavailable(why),
+            e @ (WriteError::Io(_)
+            | WriteError::Short { .. }
+            | WriteError::Sync(_)
+            | WriteError::Misaligned(_)) => D::Io(e.to_string()),
+        }
+    }
+}
+
 /// Why an accepted write failed. Counted in [`SsdStats::write_failures`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {

@@ -3,12 +3,24 @@
 //! page.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::api::{CommandError, Event, SessionHandle};
+use orbitkv_components::api::{CommandError, CopyRefusal, Event, InvalidCommand, SessionHandle};
 use orbitkv_components::ecs::{DevicePage, DeviceRegion, Instance, PageOf, RegionOf};
 
 use super::resolve::{self, invalid};
 use super::{Ctx, Result, emit};
 use crate::resources::{Copier, Limits};
+
+/// The copy engine's refusal of a region, typed for the engine.
+fn copy_refusal(bytes: u64, e: orbitkv_gpu::CopyError) -> CopyRefusal {
+    match e {
+        orbitkv_gpu::CopyError::RegionRejected(_, reason) => {
+            CopyRefusal::RegionRejected { bytes, reason }
+        }
+        e => CopyRefusal::Failed {
+            reason: e.to_string(),
+        },
+    }
+}
 
 pub(super) fn register_region(
     world: &mut World,
@@ -21,28 +33,26 @@ pub(super) fn register_region(
     let owned = resolve::session(world, ctx.origin, handle)?;
     let max = world.resource::<Limits>().max_region_slots;
     if slots == 0 || slots > max {
-        return Err(invalid(format!(
-            "a region needs 1..={max} slots, got {slots}"
-        )));
+        return Err(invalid(InvalidCommand::RegionSlots { slots, max }));
     }
     let instance = world
         .get::<Instance>(owned.instance)
         .expect("sessions point at live instances");
     let page_bytes = instance
         .rank(rank)
-        .ok_or_else(|| invalid(format!("unknown rank index {rank}")))?
+        .ok_or(invalid(InvalidCommand::UnknownRank { rank }))?
         .page_bytes(group)
-        .ok_or_else(|| invalid(format!("unknown group {group}")))?;
+        .ok_or(invalid(InvalidCommand::UnknownGroup { group }))?;
     let bytes = page_bytes
         .checked_mul(u64::from(slots))
-        .ok_or_else(|| invalid("region size overflows"))?;
+        .ok_or(invalid(InvalidCommand::RegionTooLarge))?;
     // Apply: the copy engine first, the one step that can still refuse.
     let engine_region = world
         .resource_mut::<Copier>()
         .0
         .get_mut()
         .register_device_region(bytes)
-        .map_err(|e| CommandError::Copy(e.to_string()))?;
+        .map_err(|e| CommandError::Copy(copy_refusal(bytes, e)))?;
     let region = DeviceRegion {
         origin: ctx.origin,
         rank,
@@ -75,10 +85,10 @@ pub(super) fn alloc(
     let region_entity = resolve::region(world, owned.session, region_bits)?;
     let region = world.get::<DeviceRegion>(region_entity).expect("resolved");
     if slot >= region.slots {
-        return Err(invalid(format!(
-            "slot {slot} is outside the region's {} slots",
-            region.slots
-        )));
+        return Err(invalid(InvalidCommand::SlotOutOfRange {
+            slot,
+            slots: region.slots,
+        }));
     }
     if region.by_slot.contains_key(&slot) {
         return Err(CommandError::SlotInUse {

@@ -5,13 +5,22 @@
 use std::collections::HashSet;
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::api::{CommandError, Event, LimitName, Rank};
+use orbitkv_components::api::{CommandError, Event, InvalidCommand, LimitName, Rank};
 use orbitkv_components::ecs::{Group, GroupOf, Instance, RankState, Session, Sessions};
 use orbitkv_components::{ContractSpec, GroupSpec, RecoveryContract, StorageLayout, seal};
 
 use super::resolve::{invalid, limit};
 use super::{Ctx, Result, emit};
 use crate::resources::{Limits, Registry};
+
+/// A rank's layout that cannot be sealed or encoded.
+fn layout_error(rank: Rank, e: &orbitkv_components::layout::LayoutError) -> CommandError {
+    invalid(InvalidCommand::Layout {
+        tp: rank.tp,
+        pp: rank.pp,
+        reason: e.to_string(),
+    })
+}
 
 pub(super) struct Args {
     pub name: String,
@@ -47,10 +56,10 @@ pub(super) fn register(world: &mut World, ctx: Ctx, args: Args) -> Result<()> {
 /// declared group and the instance's page size.
 fn check_shape(limits: &Limits, a: &Args) -> Result<()> {
     if a.name.is_empty() {
-        return Err(invalid("instance name is empty"));
+        return Err(invalid(InvalidCommand::EmptyInstanceName));
     }
     if a.ranks.is_empty() {
-        return Err(invalid("instance declares no ranks"));
+        return Err(invalid(InvalidCommand::NoRanks));
     }
     if a.ranks.len() > limits.max_ranks {
         return Err(limit(LimitName::MaxRanks, limits.max_ranks));
@@ -60,7 +69,7 @@ fn check_shape(limits: &Limits, a: &Args) -> Result<()> {
     }
     let ranks: HashSet<Rank> = a.ranks.iter().copied().collect();
     if ranks.len() != a.ranks.len() {
-        return Err(invalid("a rank is listed twice"));
+        return Err(invalid(InvalidCommand::DuplicateRank));
     }
     let group_ids: HashSet<u32> = a.groups.iter().map(|g| g.id).collect();
     for slot in &a.layout.slots {
@@ -69,21 +78,21 @@ fn check_shape(limits: &Limits, a: &Args) -> Result<()> {
             tp: slot.tp_rank,
             pp: slot.pp_rank,
         }) {
-            return Err(invalid(format!(
-                "slot of layer {layer} names rank (tp {}, pp {}), which is not registered",
-                slot.tp_rank, slot.pp_rank
-            )));
+            return Err(invalid(InvalidCommand::SlotRank {
+                layer,
+                tp: slot.tp_rank,
+                pp: slot.pp_rank,
+            }));
         }
         if !group_ids.contains(&group) {
-            return Err(invalid(format!(
-                "slot of layer {layer} names unknown group {group}"
-            )));
+            return Err(invalid(InvalidCommand::SlotGroup { layer, group }));
         }
         if u64::from(slot.page_tokens) != a.page_tokens {
-            return Err(invalid(format!(
-                "slot of layer {layer} has {} tokens per page, the instance {}",
-                slot.page_tokens, a.page_tokens
-            )));
+            return Err(invalid(InvalidCommand::SlotPageTokens {
+                layer,
+                slot: slot.page_tokens,
+                instance: a.page_tokens,
+            }));
         }
     }
     Ok(())
@@ -97,14 +106,17 @@ fn rank_states(a: &Args) -> Result<Vec<RankState>> {
 
 fn rank_state(a: &Args, rank: Rank) -> Result<RankState> {
     let own = a.layout.for_rank(rank.tp, rank.pp);
-    let namespace =
-        seal(&a.identity, &own, &a.groups).map_err(|e| invalid(format!("rank {rank:?}: {e}")))?;
+    let namespace = seal(&a.identity, &own, &a.groups).map_err(|e| layout_error(rank, &e))?;
     let contract = RecoveryContract::compile(&ContractSpec {
         namespace,
         page_tokens: a.page_tokens,
         groups: a.groups.clone(),
     })
-    .map_err(|e| invalid(e.to_string()))?;
+    .map_err(|e| {
+        invalid(InvalidCommand::Contract {
+            reason: e.to_string(),
+        })
+    })?;
     let mut page_bytes = Vec::new();
     for g in contract.groups() {
         let bytes: u64 = own
@@ -114,16 +126,15 @@ fn rank_state(a: &Args, rank: Rank) -> Result<RankState> {
             .map(|s| s.padded_page_bytes)
             .sum();
         if bytes == 0 {
-            return Err(invalid(format!(
-                "rank {rank:?} has no slots for group {}",
-                g.id
-            )));
+            return Err(invalid(InvalidCommand::RankWithoutGroup {
+                tp: rank.tp,
+                pp: rank.pp,
+                group: g.id,
+            }));
         }
         page_bytes.push((g.id, bytes));
     }
-    let encoded = own
-        .encode()
-        .map_err(|e| invalid(format!("rank {rank:?}: {e}")))?;
+    let encoded = own.encode().map_err(|e| layout_error(rank, &e))?;
     Ok(RankState {
         rank,
         namespace,

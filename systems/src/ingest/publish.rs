@@ -6,7 +6,7 @@ use std::collections::HashSet;
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::StateKey;
-use orbitkv_components::api::{LimitName, PublishPage, SessionHandle};
+use orbitkv_components::api::{InvalidCommand, LimitName, PublishPage, SessionHandle};
 use orbitkv_components::ecs::{
     DevicePage, DeviceRegion, Instance, ItemState, OpState, Operation, OperationOf, PublishItem,
     PublishJob, at,
@@ -59,7 +59,7 @@ pub(super) fn publish(
 fn plan(world: &World, owned: Owned, pages: &[PublishPage]) -> Result<Vec<PublishItem>> {
     let limits = world.resource::<Limits>();
     if pages.is_empty() {
-        return Err(invalid("publish has no pages"));
+        return Err(invalid(InvalidCommand::EmptyPublish));
     }
     if pages.len() > limits.max_publish_pages {
         return Err(limit(LimitName::MaxPublishPages, limits.max_publish_pages));
@@ -77,17 +77,20 @@ fn plan(world: &World, owned: Owned, pages: &[PublishPage]) -> Result<Vec<Publis
     for p in pages {
         let state = ranks
             .get(p.rank as usize)
-            .ok_or_else(|| invalid(format!("unknown rank index {}", p.rank)))?;
+            .ok_or(invalid(InvalidCommand::UnknownRank { rank: p.rank }))?;
         let bytes = state
             .page_bytes(p.group)
-            .ok_or_else(|| invalid(format!("unknown group {}", p.group)))?;
+            .ok_or(invalid(InvalidCommand::UnknownGroup { group: p.group }))?;
         let (device_page, region) = resolve::device_page(world, owned.session, p.device_page)?;
         let region = world.get::<DeviceRegion>(region).expect("resolved");
         if (region.rank, region.group) != (p.rank, p.group) {
-            return Err(invalid(format!(
-                "device page {:#x} is in (rank {}, group {}), not (rank {}, group {})",
-                p.device_page, region.rank, region.group, p.rank, p.group
-            )));
+            return Err(invalid(InvalidCommand::WrongRegion {
+                device_page: p.device_page,
+                region_rank: region.rank,
+                region_group: region.group,
+                rank: p.rank,
+                group: p.group,
+            }));
         }
         let key = StateKey {
             namespace: state.namespace,
@@ -95,7 +98,7 @@ fn plan(world: &World, owned: Owned, pages: &[PublishPage]) -> Result<Vec<Publis
             native: p.hash,
         };
         if !keys.insert(key) || !sources.insert(device_page) {
-            return Err(invalid("a key or device page appears twice in one publish"));
+            return Err(invalid(InvalidCommand::DuplicatePublishPage));
         }
         items.push(PublishItem {
             key,

@@ -5,7 +5,8 @@ use std::collections::HashSet;
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{
-    CommandError, GroupHashes, LimitName, PagePos, RestoreTarget, SessionHandle,
+    CommandError, GroupHashes, InvalidCommand, LimitName, LoadRefusal, PagePos, RestoreTarget,
+    SessionHandle,
 };
 use orbitkv_components::ecs::{Instance, OpState, Operation, OperationOf, Outcome, Recovery, at};
 use orbitkv_components::{Namespace, StateKey};
@@ -76,15 +77,11 @@ fn plan_query(world: &World, owned: Owned, mut q: QueryArgs) -> Result<(QueryArg
         .collect();
     let given: Vec<u32> = q.groups.iter().map(|g| g.group).collect();
     if declared != given {
-        return Err(invalid(format!(
-            "query gives hashes for groups {given:?}; the instance has {declared:?}"
-        )));
+        return Err(invalid(InvalidCommand::QueryGroups { given, declared }));
     }
     let pages = q.groups[0].hashes.len();
     if q.groups.iter().any(|g| g.hashes.len() != pages) {
-        return Err(invalid(
-            "every group must give the same number of page hashes",
-        ));
+        return Err(invalid(InvalidCommand::UnevenHashes));
     }
     if pages > limits.max_query_pages {
         return Err(limit(LimitName::MaxQueryPages, limits.max_query_pages));
@@ -92,15 +89,13 @@ fn plan_query(world: &World, owned: Owned, mut q: QueryArgs) -> Result<(QueryArg
     let page = instance.page_tokens;
     let end = pages as u64 * page;
     if !q.origin.is_multiple_of(page) || q.origin > end {
-        return Err(invalid(format!(
-            "origin {} must be page-aligned and within the {end} hashed tokens",
-            q.origin
-        )));
+        return Err(invalid(InvalidCommand::Origin {
+            origin: q.origin,
+            end,
+        }));
     }
     if !q.expect_namespaces.is_empty() && q.expect_namespaces.len() != instance.ranks.len() {
-        return Err(invalid(
-            "expect_namespaces must give one namespace per rank",
-        ));
+        return Err(invalid(InvalidCommand::ExpectNamespaces));
     }
     Ok((q, end))
 }
@@ -142,7 +137,7 @@ pub(super) fn restore(
     }
     let rec = world
         .get::<Recovery>(op)
-        .ok_or_else(|| invalid("operation is not a recovery"))?;
+        .ok_or(invalid(InvalidCommand::NotRecovery))?;
     let instance = world
         .get::<Instance>(owned.instance)
         .expect("sessions point at live instances");
@@ -170,18 +165,19 @@ fn check_load(
 ) -> Result<()> {
     let mut seen = HashSet::new();
     if let Some(t) = targets.iter().find(|t| !seen.insert(t.device_page)) {
-        return Err(invalid(format!(
-            "device page {:#x} is targeted twice",
-            t.device_page
-        )));
+        return Err(invalid(InvalidCommand::DuplicateTarget {
+            device_page: t.device_page,
+        }));
     }
     let page = instance.page_tokens;
     for (rank, range) in &rec.ranges {
         let state = &instance.ranks[*rank as usize];
         let key_at = |p: &PagePos| -> Result<StateKey> {
-            let native = rec
-                .hash_at(p.group, p.page_end, page)
-                .ok_or_else(|| invalid(format!("no hash for page ending at {}", p.page_end)))?;
+            let native =
+                rec.hash_at(p.group, p.page_end, page)
+                    .ok_or(invalid(InvalidCommand::NoHash {
+                        page_end: p.page_end,
+                    }))?;
             Ok(StateKey {
                 namespace: state.namespace,
                 group: p.group,
@@ -212,7 +208,7 @@ fn check_load(
         state
             .contract
             .validate_load(range, &range_keys, &moved, &kept)
-            .map_err(|e| CommandError::LoadInvalid(e.to_string()))?;
+            .map_err(|e| CommandError::LoadInvalid(e.into()))?;
     }
     // Positions outside every range were not counted above.
     let covered = |p: &PagePos| {
@@ -226,9 +222,9 @@ fn check_load(
         .chain(retained)
         .find(|p| !covered(p))
     {
-        Some(p) => Err(CommandError::LoadInvalid(format!(
-            "page {p:?} is outside the required ranges"
-        ))),
+        Some(p) => Err(CommandError::LoadInvalid(LoadRefusal::OutsideRanges {
+            pos: *p,
+        })),
         None => Ok(()),
     }
 }

@@ -4,7 +4,7 @@
 //! session is `NotOwner`.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::api::{CommandError, LimitName, Origin, SessionHandle};
+use orbitkv_components::api::{CommandError, InvalidCommand, LimitName, Origin, SessionHandle};
 use orbitkv_components::ecs::{
     DevicePage, DeviceRegion, OpState, Operation, OperationOf, PageOf, RegionOf, Session, SessionOf,
 };
@@ -12,8 +12,8 @@ use orbitkv_components::ecs::{
 use super::Result;
 use crate::resources::Registry;
 
-pub(super) fn invalid(msg: impl Into<String>) -> CommandError {
-    CommandError::Invalid(msg.into())
+pub(super) fn invalid(why: InvalidCommand) -> CommandError {
+    CommandError::Invalid(why)
 }
 
 pub(super) fn limit(name: LimitName, limit: usize) -> CommandError {

@@ -112,6 +112,10 @@ fn remote_urls(test: &str, cluster: bool) -> Option<String> {
     match std::env::var(var) {
         Ok(v) if !v.is_empty() => Some(v),
         _ => {
+            assert!(
+                std::env::var_os("ORBITKV_REQUIRE_REDIS").is_none(),
+                "{test}: Redis is required here (ORBITKV_REQUIRE_REDIS is set) but its address is unset"
+            );
             eprintln!(
                 "\n!!!! SKIPPED {test}: {var} is unset. Run `eval \"$(scripts/redis.sh start)\"` first; \
                  CI always sets it. !!!!\n"

@@ -17,6 +17,10 @@ pub fn single_url(test: &str) -> Option<String> {
     match std::env::var("ORBITKV_TEST_REDIS") {
         Ok(u) if !u.is_empty() => Some(u),
         _ => {
+            assert!(
+                std::env::var_os("ORBITKV_REQUIRE_REDIS").is_none(),
+                "{test}: Redis is required here (ORBITKV_REQUIRE_REDIS is set) but its address is unset"
+            );
             eprintln!(
                 "\n!!!! SKIPPED {test}: ORBITKV_TEST_REDIS is unset. Run `eval \"$(scripts/redis.sh start)\"` \
                  first; CI always sets it. !!!!\n"
@@ -31,6 +35,10 @@ pub fn cluster_urls(test: &str) -> Option<Vec<String>> {
     match std::env::var("ORBITKV_TEST_REDIS_CLUSTER") {
         Ok(u) if !u.is_empty() => Some(RemoteConfig::parse_urls(&u)),
         _ => {
+            assert!(
+                std::env::var_os("ORBITKV_REQUIRE_REDIS").is_none(),
+                "{test}: Redis is required here (ORBITKV_REQUIRE_REDIS is set) but its address is unset"
+            );
             eprintln!(
                 "\n!!!! SKIPPED {test}: ORBITKV_TEST_REDIS_CLUSTER is unset. Run `eval \"$(scripts/redis.sh start)\"` \
                  first; CI always sets it. !!!!\n"

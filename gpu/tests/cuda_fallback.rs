@@ -72,9 +72,13 @@ fn without_cuda_the_probe_reports_why_and_the_host_engine_round_trips() {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].result, Ok(()));
     };
-    engine.submit(Direction::HostToDevice, &copies(0), 0).unwrap();
+    engine
+        .submit(Direction::HostToDevice, &copies(0), 0)
+        .unwrap();
     wait(&mut engine);
-    engine.submit(Direction::DeviceToHost, &copies(4), 0).unwrap();
+    engine
+        .submit(Direction::DeviceToHost, &copies(4), 0)
+        .unwrap();
     wait(&mut engine);
     drop(engine);
     let mut back = vec![0u8; 4 * PAGE];
@@ -83,8 +87,14 @@ fn without_cuda_the_probe_reports_why_and_the_host_engine_round_trips() {
     assert_eq!(back, src);
     // SAFETY: from Box::into_raw of 8 * PAGE bytes each.
     unsafe {
-        drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(pool, 8 * PAGE)));
-        drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(device, 8 * PAGE)));
+        drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+            pool,
+            8 * PAGE,
+        )));
+        drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+            device,
+            8 * PAGE,
+        )));
     }
 }
 

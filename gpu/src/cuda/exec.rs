@@ -175,7 +175,11 @@ impl<D: Driver> Executor<D> {
             .pin_host(self.config.home_device, base, len, read_only)
             .map_err(|e| failed("pinning the host pool", &e))?;
         if pinned == Pinned::AlreadyPinned {
-            tracing::info!(base, len, "host pool was already page-locked; using it as is");
+            tracing::info!(
+                base,
+                len,
+                "host pool was already page-locked; using it as is"
+            );
         }
         self.host = Some(HostPin {
             base,
@@ -316,7 +320,11 @@ impl<D: Driver> Executor<D> {
         for copy in copies {
             let region = self.live_region(copy.region)?;
             check_bounds(copy, host.len, region.len)?;
-            if let Some(reason) = self.devices.get(&region.device).and_then(|d| d.lost.as_ref()) {
+            if let Some(reason) = self
+                .devices
+                .get(&region.device)
+                .and_then(|d| d.lost.as_ref())
+            {
                 return Err(CopyError::Failed(format!(
                     "device {} is lost: {reason}",
                     region.device
@@ -412,7 +420,10 @@ impl<D: Driver> Executor<D> {
             // and `validate` bounds the batches in flight by the number of
             // events created per device.
             debug_assert!(false, "no free event on device {device}");
-            self.fail_batch(token, CopyError::Failed(format!("no free event on device {device}")));
+            self.fail_batch(
+                token,
+                CopyError::Failed(format!("no free event on device {device}")),
+            );
             return;
         };
         self.stats.runs += runs.len() as u64;
@@ -500,7 +511,11 @@ impl<D: Driver> Executor<D> {
         };
         let before = batch.parts.len();
         batch.parts.retain(|&p| p != (device, event));
-        assert_eq!(batch.parts.len() + 1, before, "batch {token}: part finished twice");
+        assert_eq!(
+            batch.parts.len() + 1,
+            before,
+            "batch {token}: part finished twice"
+        );
         if let Err(e) = result {
             batch.error.get_or_insert(e);
         }
@@ -635,7 +650,10 @@ impl<D: Driver> Drop for Executor<D> {
         for device in devices {
             if let Some(state) = self.devices.remove(&device) {
                 if state.lost.is_none() {
-                    let events = state.free.into_iter().chain(state.queue.into_iter().map(|p| p.event));
+                    let events = state
+                        .free
+                        .into_iter()
+                        .chain(state.queue.into_iter().map(|p| p.event));
                     for event in events {
                         self.driver.destroy_event(device, event);
                     }

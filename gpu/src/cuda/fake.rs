@@ -16,14 +16,28 @@ use crate::Direction;
 pub(crate) enum Call {
     Open(Ordinal),
     Close(Ordinal),
-    Pin { device: Ordinal, base: u64, len: u64, read_only: bool },
+    Pin {
+        device: Ordinal,
+        base: u64,
+        len: u64,
+        read_only: bool,
+    },
     Unpin(u64),
     CreateEvent(Ordinal),
     DestroyEvent(EventId),
-    Enqueue { device: Ordinal, direction: Direction, runs: Vec<Run>, api: CopyApi },
+    Enqueue {
+        device: Ordinal,
+        direction: Direction,
+        runs: Vec<Run>,
+        api: CopyApi,
+    },
     Record(Ordinal, EventId),
     Synchronize(Ordinal),
-    StreamWait { device: Ordinal, event: EventId, stream: u64 },
+    StreamWait {
+        device: Ordinal,
+        event: EventId,
+        stream: u64,
+    },
 }
 
 enum Op {
@@ -108,9 +122,7 @@ impl Fake {
                     // SAFETY: the tests keep every pool and "device" buffer
                     // alive while copies on them are queued, and the
                     // executor validated the ranges.
-                    unsafe {
-                        std::ptr::copy(src as *const u8, dst as *mut u8, run.len as usize)
-                    };
+                    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, run.len as usize) };
                 }
                 Op::Record(ev) => s.pending_events.retain(|&e| e != ev),
             }
@@ -188,7 +200,11 @@ impl Driver for FakeDriver {
         Ok(())
     }
 
-    fn allocation(&mut self, _device: Ordinal, ptr: u64) -> Result<Option<Allocation>, DriverError> {
+    fn allocation(
+        &mut self,
+        _device: Ordinal,
+        ptr: u64,
+    ) -> Result<Option<Allocation>, DriverError> {
         Ok(self
             .0
             .state()
@@ -200,7 +216,11 @@ impl Driver for FakeDriver {
 
     fn create_event(&mut self, device: Ordinal) -> Result<EventId, DriverError> {
         let mut s = self.0.state();
-        let created = s.calls.iter().filter(|c| matches!(c, Call::CreateEvent(_))).count();
+        let created = s
+            .calls
+            .iter()
+            .filter(|c| matches!(c, Call::CreateEvent(_)))
+            .count();
         if s.fail_create_event_after.is_some_and(|n| created >= n) {
             return Err(err("cuEventCreate", 2));
         }
@@ -251,7 +271,10 @@ impl Driver for FakeDriver {
         }
         s.calls.push(Call::Record(device, event));
         s.pending_events.push(event);
-        s.streams.entry(device).or_default().push_back(Op::Record(event));
+        s.streams
+            .entry(device)
+            .or_default()
+            .push_back(Op::Record(event));
         Ok(())
     }
 
@@ -275,7 +298,12 @@ impl Driver for FakeDriver {
         Ok(())
     }
 
-    fn stream_wait(&mut self, device: Ordinal, event: EventId, stream: u64) -> Result<(), DriverError> {
+    fn stream_wait(
+        &mut self,
+        device: Ordinal,
+        event: EventId,
+        stream: u64,
+    ) -> Result<(), DriverError> {
         self.0.state().calls.push(Call::StreamWait {
             device,
             event,

@@ -26,11 +26,11 @@
 
 pub mod driver;
 mod exec;
+#[cfg(test)]
+mod fake;
 mod real;
 mod runs;
 pub mod testing;
-#[cfg(test)]
-mod fake;
 #[cfg(test)]
 mod tests;
 

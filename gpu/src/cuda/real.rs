@@ -29,7 +29,9 @@ fn error(code: sys::CUresult, call: &'static str) -> DriverError {
     let ok = unsafe { sys::cuGetErrorName(code, &mut name) } == sys::CUresult::CUDA_SUCCESS;
     let name = if ok && !name.is_null() {
         // SAFETY: non-null, NUL-terminated and static (driver contract).
-        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
     } else {
         format!("CUresult {}", code as u32)
     };
@@ -195,7 +197,12 @@ impl CudaDriver {
             let (code, call) = unsafe {
                 match direction {
                     Direction::HostToDevice => (
-                        sys::cuMemcpyHtoDAsync_v2(run.device, run.host as *const c_void, len, stream),
+                        sys::cuMemcpyHtoDAsync_v2(
+                            run.device,
+                            run.host as *const c_void,
+                            len,
+                            stream,
+                        ),
                         "cuMemcpyHtoDAsync",
                     ),
                     Direction::DeviceToHost => (
@@ -269,7 +276,11 @@ impl CudaDriver {
                 // Conservative: earlier chunks are queued; of this one, the
                 // copies before `fail_index` may be.
                 enqueued: chunk_index * self.max_runs_per_call
-                    + if fail_index < chunk.len() { fail_index } else { 0 },
+                    + if fail_index < chunk.len() {
+                        fail_index
+                    } else {
+                        0
+                    },
                 error,
             })?;
         }
@@ -309,7 +320,10 @@ impl Driver for CudaDriver {
         }
         let mut handle: sys::CUdevice = 0;
         // SAFETY: writes one handle; an out-of-range ordinal is an error.
-        check(unsafe { sys::cuDeviceGet(&mut handle, ordinal) }, "cuDeviceGet")?;
+        check(
+            unsafe { sys::cuDeviceGet(&mut handle, ordinal) },
+            "cuDeviceGet",
+        )?;
         let mut context: sys::CUcontext = ptr::null_mut();
         // SAFETY: retains (creating if needed) the device's primary
         // context; released in `close`.
@@ -352,7 +366,13 @@ impl Driver for CudaDriver {
         self.close(ordinal);
     }
 
-    fn pin_host(&mut self, device: Ordinal, base: u64, len: u64, read_only: bool) -> Result<Pinned> {
+    fn pin_host(
+        &mut self,
+        device: Ordinal,
+        base: u64,
+        len: u64,
+        read_only: bool,
+    ) -> Result<Pinned> {
         let (_, _bound) = self.bind(device, "cuMemHostRegister")?;
         let mut flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
         if read_only {
@@ -477,7 +497,10 @@ impl Driver for CudaDriver {
     fn record(&mut self, device: Ordinal, id: EventId) -> Result<()> {
         let (d, _bound) = self.bind(device, "cuEventRecord")?;
         // SAFETY: our event and stream, same context.
-        check(unsafe { sys::cuEventRecord(event(id), d.stream) }, "cuEventRecord")
+        check(
+            unsafe { sys::cuEventRecord(event(id), d.stream) },
+            "cuEventRecord",
+        )
     }
 
     fn query(&mut self, device: Ordinal, id: EventId) -> Result<bool> {
@@ -493,7 +516,10 @@ impl Driver for CudaDriver {
     fn synchronize(&mut self, device: Ordinal) -> Result<()> {
         let (d, _bound) = self.bind(device, "cuStreamSynchronize")?;
         // SAFETY: our stream.
-        check(unsafe { sys::cuStreamSynchronize(d.stream) }, "cuStreamSynchronize")
+        check(
+            unsafe { sys::cuStreamSynchronize(d.stream) },
+            "cuStreamSynchronize",
+        )
     }
 
     fn stream_wait(&mut self, device: Ordinal, id: EventId, stream: u64) -> Result<()> {

@@ -26,7 +26,10 @@ impl Primary {
         check(unsafe { sys::cuInit(0) }, "cuInit")?;
         let mut handle = 0;
         // SAFETY: writes one handle.
-        check(unsafe { sys::cuDeviceGet(&mut handle, device) }, "cuDeviceGet")?;
+        check(
+            unsafe { sys::cuDeviceGet(&mut handle, device) },
+            "cuDeviceGet",
+        )?;
         let mut context = ptr::null_mut();
         // SAFETY: retains the primary context; released on drop.
         check(
@@ -191,7 +194,12 @@ pub unsafe fn raw_copy_seconds(
         };
         result = check(code, "cuMemcpyAsync")
             // SAFETY: our stream.
-            .and_then(|()| check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize"));
+            .and_then(|()| {
+                check(
+                    unsafe { sys::cuStreamSynchronize(stream) },
+                    "cuStreamSynchronize",
+                )
+            });
         if result.is_err() {
             break;
         }

@@ -79,7 +79,8 @@ fn rig_with(devices: i32, batch_api: bool, cfg: CudaConfig) -> Rig {
     let fake = Fake::new(devices, batch_api);
     let mut exec = Executor::open(fake.driver(), cfg).expect("fake opens");
     let pool = Buf::new(64 * PAGE as usize);
-    exec.register_host_pool(pool.addr(), pool.len as u64).unwrap();
+    exec.register_host_pool(pool.addr(), pool.len as u64)
+        .unwrap();
     Rig {
         exec,
         fake,
@@ -227,7 +228,12 @@ fn round_trip_exact_bytes_only_after_events_complete() {
 
     // Back to other pool pages, scattered: device 4,5 → pool 20,21 (one
     // run), device 6 → pool 30, device 7 → pool 10.
-    let publish = [page(20, r, 4), page(21, r, 5), page(30, r, 6), page(10, r, 7)];
+    let publish = [
+        page(20, r, 4),
+        page(21, r, 5),
+        page(30, r, 6),
+        page(10, r, 7),
+    ];
     let t = rig.exec.submit(DeviceToHost, &publish).unwrap();
     rig.fake.run_all();
     assert_eq!(rig.poll(), vec![ok(t)]);
@@ -360,8 +366,14 @@ fn regions_must_lie_inside_one_device_allocation_on_the_stated_device() {
     };
     let cuda = |device, ptr, len| ExternalMemory::Cuda { device, ptr, len };
     assert!(rejected(&mut rig, cuda(0, base, PAGE)), "wrong device");
-    assert!(rejected(&mut rig, cuda(1, base + PAGE, 4 * PAGE)), "runs past the allocation");
-    assert!(rejected(&mut rig, cuda(1, host.addr(), PAGE)), "not device memory");
+    assert!(
+        rejected(&mut rig, cuda(1, base + PAGE, 4 * PAGE)),
+        "runs past the allocation"
+    );
+    assert!(
+        rejected(&mut rig, cuda(1, host.addr(), PAGE)),
+        "not device memory"
+    );
     assert!(rejected(&mut rig, cuda(2, base, PAGE)), "no such device");
     assert!(rejected(&mut rig, cuda(-1, base, PAGE)), "negative ordinal");
     assert!(rejected(&mut rig, cuda(1, base, 0)), "empty");
@@ -426,7 +438,10 @@ fn a_batch_spanning_two_devices_completes_when_both_streams_did() {
     rig.fake.step(1, usize::MAX);
     assert_eq!(rig.poll(), vec![ok(t)]);
     assert_eq!(rig.device[0].read(0, PAGE as usize), src[..PAGE as usize]);
-    assert_eq!(rig.device[1].read(3 * PAGE as usize, PAGE as usize), src[PAGE as usize..]);
+    assert_eq!(
+        rig.device[1].read(3 * PAGE as usize, PAGE as usize),
+        src[PAGE as usize..]
+    );
 }
 
 #[test]
@@ -439,7 +454,11 @@ fn a_failed_enqueue_fails_its_batch_after_the_queued_part_drained() {
         .exec
         .submit(HostToDevice, &[page(0, r, 0), page(4, r, 4)])
         .unwrap();
-    assert_eq!(rig.exec.query(t), TokenState::Pending, "one run is still queued");
+    assert_eq!(
+        rig.exec.query(t),
+        TokenState::Pending,
+        "one run is still queued"
+    );
     rig.fake.run_all();
     let done = rig.poll();
     assert_eq!(done.len(), 1);
@@ -458,7 +477,11 @@ fn a_failed_event_record_waits_for_the_stream_then_fails_the_batch() {
     rig.fake.state().fail_record = Some(1);
     let t = rig.exec.submit(HostToDevice, &[page(0, r, 0)]).unwrap();
     assert!(rig.fake.calls().contains(&Call::Synchronize(0)));
-    assert_eq!(rig.fake.queued(0), 0, "the stream was drained before reporting");
+    assert_eq!(
+        rig.fake.queued(0),
+        0,
+        "the stream was drained before reporting"
+    );
     let done = rig.poll();
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].token, t);
@@ -478,7 +501,11 @@ fn a_fatal_error_loses_the_device_and_fails_everything_pending_on_it() {
     rig.fake.state().fail_query = Some(700);
     rig.fake.step(1, usize::MAX);
     let done = rig.poll();
-    let failed: Vec<_> = done.iter().filter(|d| d.result.is_err()).map(|d| d.token).collect();
+    let failed: Vec<_> = done
+        .iter()
+        .filter(|d| d.result.is_err())
+        .map(|d| d.token)
+        .collect();
     assert_eq!(failed, vec![a, b]);
     assert!(done.contains(&ok(c)), "device 1 is unaffected: {done:?}");
     assert!(matches!(
@@ -524,7 +551,11 @@ fn unregister_fences_new_copies_and_returns_once_in_flight_ones_landed() {
     // When unregister returned, the copy had landed and nothing is queued.
     assert_eq!(rig.fake.queued(0), 0);
     assert_eq!(rig.device[0].read(2 * PAGE as usize, PAGE as usize), src);
-    assert_eq!(rig.poll(), vec![ok(t)], "the in-flight batch completes normally");
+    assert_eq!(
+        rig.poll(),
+        vec![ok(t)],
+        "the in-flight batch completes normally"
+    );
     assert_eq!(
         rig.exec.submit(HostToDevice, &[page(0, r, 0)]),
         Err(CopyError::UnknownRegion(r))
@@ -645,7 +676,13 @@ fn a_read_only_pool_refuses_device_to_host_copies() {
         },
     );
     let r = rig.region(0, 8);
-    assert!(rig.fake.calls().iter().any(|c| matches!(c, Call::Pin { read_only: true, .. })));
+    assert!(rig.fake.calls().iter().any(|c| matches!(
+        c,
+        Call::Pin {
+            read_only: true,
+            ..
+        }
+    )));
     assert!(matches!(
         rig.exec.submit(DeviceToHost, &[page(0, r, 0)]),
         Err(CopyError::Failed(m)) if m.contains("read-only")

@@ -106,16 +106,18 @@ pub enum CopyApi {
     Batch,
 }
 
-/// Every driver call the executor makes. Each device has one dedicated
-/// non-blocking stream, created by `open_device`; copies and event records
-/// go on it in call order, so events complete in the order recorded.
+/// Every driver call the executor makes. Each device has two dedicated
+/// non-blocking streams, one per [`Direction`] (so restores and publishes
+/// use both copy engines at once), created by `open_device`; copies and
+/// event records go on their direction's stream in call order, so events of
+/// one stream complete in the order recorded.
 pub(crate) trait Driver: Send {
     fn info(&self) -> DriverInfo;
 
-    /// Makes the device usable: its context, its stream. Idempotent.
+    /// Makes the device usable: its context, its streams. Idempotent.
     fn open_device(&mut self, device: Ordinal) -> Result<(), DriverError>;
 
-    /// Destroys the device's stream and releases its context. Best effort:
+    /// Destroys the device's streams and releases its context. Best effort:
     /// called on drop, after `synchronize`.
     fn close_device(&mut self, device: Ordinal);
 
@@ -138,7 +140,7 @@ pub(crate) trait Driver: Send {
 
     fn destroy_event(&mut self, device: Ordinal, event: EventId);
 
-    /// Queues `runs` on the device's stream, in order.
+    /// Queues `runs` on the device's `direction` stream, in order.
     fn enqueue(
         &mut self,
         device: Ordinal,
@@ -147,15 +149,20 @@ pub(crate) trait Driver: Send {
         api: CopyApi,
     ) -> Result<(), EnqueueError>;
 
-    /// Records `event` on the device's stream: it completes when everything
-    /// queued before it has.
-    fn record(&mut self, device: Ordinal, event: EventId) -> Result<(), DriverError>;
+    /// Records `event` on the device's `direction` stream: it completes when
+    /// everything queued there before it has.
+    fn record(
+        &mut self,
+        device: Ordinal,
+        direction: Direction,
+        event: EventId,
+    ) -> Result<(), DriverError>;
 
     /// `Ok(true)` once the work before the event's last record finished.
     /// Never blocks.
     fn query(&mut self, device: Ordinal, event: EventId) -> Result<bool, DriverError>;
 
-    /// Blocks until the device's stream is idle. Only on error paths,
+    /// Blocks until both of the device's streams are idle. Only on error paths,
     /// fencing and drop: never on the copy path.
     fn synchronize(&mut self, device: Ordinal) -> Result<(), DriverError>;
 

@@ -1,9 +1,10 @@
 //! The executor: everything the CUDA engine decides, over any [`Driver`].
 //!
 //! A batch is validated whole, coalesced into runs, split per device, and
-//! queued on each device's stream followed by one event record. `poll`
-//! queries only the oldest event of each device (streams complete in
-//! order), so a poll costs one `cuEventQuery` per device with work pending.
+//! queued on each device's stream for its direction, followed by one event
+//! record. `poll` queries only the oldest event of each stream (a stream
+//! completes in order), so a poll costs one `cuEventQuery` per stream with
+//! work pending.
 //! Nothing here blocks the host on the copy path; only `unregister`
 //! (fencing), error recovery and drop wait for a stream.
 
@@ -36,6 +37,7 @@ struct Region {
     fenced: bool,
 }
 
+#[derive(Clone, Copy)]
 struct Pending {
     token: u64,
     event: EventId,
@@ -47,8 +49,9 @@ struct DeviceState {
     lost: Option<String>,
     /// Events not recorded on anything pending; one per possible batch.
     free: Vec<EventId>,
-    /// Recorded events in stream order.
-    queue: VecDeque<Pending>,
+    /// Recorded events in stream order, one queue per direction's stream
+    /// (`lane`).
+    queues: [VecDeque<Pending>; 2],
 }
 
 struct Batch {
@@ -80,6 +83,15 @@ struct Scratch {
     device_runs: Vec<Run>,
     devices: Vec<Ordinal>,
 }
+
+fn lane(direction: Direction) -> usize {
+    match direction {
+        Direction::HostToDevice => 0,
+        Direction::DeviceToHost => 1,
+    }
+}
+
+const LANES: [Direction; 2] = [Direction::HostToDevice, Direction::DeviceToHost];
 
 fn failed(what: &str, e: &DriverError) -> CopyError {
     CopyError::Failed(format!("{what}: {e}"))
@@ -439,10 +451,10 @@ impl<D: Driver> Executor<D> {
                 fatal = Some(e.error);
             }
         }
-        match self.driver.record(device, event) {
+        match self.driver.record(device, direction, event) {
             Ok(()) => {
                 if let Some(d) = self.devices.get_mut(&device) {
-                    d.queue.push_back(Pending { token, event });
+                    d.queues[lane(direction)].push_back(Pending { token, event });
                 }
                 if let Some(b) = self.batches.get_mut(&token) {
                     b.parts.push((device, event));
@@ -486,7 +498,7 @@ impl<D: Driver> Executor<D> {
             self.stats.devices_lost += 1;
             state.lost = Some(error.to_string());
         }
-        let pending: Vec<Pending> = state.queue.drain(..).collect();
+        let pending: Vec<Pending> = state.queues.iter_mut().flat_map(|q| q.drain(..)).collect();
         for p in pending {
             // Events of a dead context are not reused (nor destroyable).
             self.finish_part(
@@ -555,37 +567,43 @@ impl<D: Driver> Executor<D> {
     pub(crate) fn progress(&mut self) {
         let devices: Vec<Ordinal> = self.devices.keys().copied().collect();
         for device in devices {
-            loop {
-                let Some(front) = self.devices.get(&device).and_then(|d| d.queue.front()) else {
+            for direction in LANES {
+                self.progress_lane(device, lane(direction));
+            }
+        }
+    }
+
+    fn progress_lane(&mut self, device: Ordinal, lane: usize) {
+        while let Some(&Pending { token, event }) = self
+            .devices
+            .get(&device)
+            .and_then(|d| d.queues[lane].front())
+        {
+            match self.driver.query(device, event) {
+                Ok(false) => break,
+                Ok(true) => {
+                    if let Some(d) = self.devices.get_mut(&device) {
+                        d.queues[lane].pop_front();
+                        d.free.push(event);
+                    }
+                    self.finish_part(token, device, event, Ok(()));
+                }
+                Err(e) if e.is_fatal() => {
+                    self.lose_device(device, &e);
                     break;
-                };
-                let (token, event) = (front.token, front.event);
-                match self.driver.query(device, event) {
-                    Ok(false) => break,
-                    Ok(true) => {
-                        if let Some(d) = self.devices.get_mut(&device) {
-                            d.queue.pop_front();
-                            d.free.push(event);
-                        }
-                        self.finish_part(token, device, event, Ok(()));
+                }
+                Err(e) => {
+                    // The event is in an unknown state: retire it.
+                    if let Some(d) = self.devices.get_mut(&device) {
+                        d.queues[lane].pop_front();
                     }
-                    Err(e) if e.is_fatal() => {
-                        self.lose_device(device, &e);
-                        break;
+                    self.driver.destroy_event(device, event);
+                    if let Ok(fresh) = self.driver.create_event(device)
+                        && let Some(d) = self.devices.get_mut(&device)
+                    {
+                        d.free.push(fresh);
                     }
-                    Err(e) => {
-                        // The event is in an unknown state: retire it.
-                        if let Some(d) = self.devices.get_mut(&device) {
-                            d.queue.pop_front();
-                        }
-                        self.driver.destroy_event(device, event);
-                        if let Ok(fresh) = self.driver.create_event(device)
-                            && let Some(d) = self.devices.get_mut(&device)
-                        {
-                            d.free.push(fresh);
-                        }
-                        self.finish_part(token, device, event, Err(failed("copy", &e)));
-                    }
+                    self.finish_part(token, device, event, Err(failed("copy", &e)));
                 }
             }
         }
@@ -653,7 +671,7 @@ impl<D: Driver> Drop for Executor<D> {
                     let events = state
                         .free
                         .into_iter()
-                        .chain(state.queue.into_iter().map(|p| p.event));
+                        .chain(state.queues.into_iter().flatten().map(|p| p.event));
                     for event in events {
                         self.driver.destroy_event(device, event);
                     }

@@ -31,7 +31,7 @@ pub(crate) enum Call {
         runs: Vec<Run>,
         api: CopyApi,
     },
-    Record(Ordinal, EventId),
+    Record(Ordinal, Direction, EventId),
     Synchronize(Ordinal),
     StreamWait {
         device: Ordinal,
@@ -51,7 +51,7 @@ pub(crate) struct State {
     pub calls: Vec<Call>,
     pub allocations: Vec<Allocation>,
     pub already_pinned: bool,
-    streams: HashMap<Ordinal, VecDeque<Op>>,
+    streams: HashMap<(Ordinal, Direction), VecDeque<Op>>,
     /// Recorded and not yet reached by its stream.
     pending_events: Vec<EventId>,
     next_event: u64,
@@ -105,12 +105,17 @@ impl Fake {
         base
     }
 
-    /// Runs up to `ops` operations of `device`'s stream; returns how many ran.
-    pub fn step(&self, device: Ordinal, ops: usize) -> usize {
+    /// Runs up to `ops` operations of one of `device`'s streams; returns how
+    /// many ran.
+    pub fn step(&self, device: Ordinal, lane: Direction, ops: usize) -> usize {
         let mut s = self.state();
         let mut ran = 0;
         while ran < ops {
-            let Some(op) = s.streams.get_mut(&device).and_then(VecDeque::pop_front) else {
+            let Some(op) = s
+                .streams
+                .get_mut(&(device, lane))
+                .and_then(VecDeque::pop_front)
+            else {
                 break;
             };
             match op {
@@ -131,16 +136,28 @@ impl Fake {
         ran
     }
 
+    /// Runs everything queued on both of `device`'s streams.
+    pub fn run_device(&self, device: Ordinal) {
+        self.step(device, Direction::HostToDevice, usize::MAX);
+        self.step(device, Direction::DeviceToHost, usize::MAX);
+    }
+
     /// Runs everything queued on every stream.
     pub fn run_all(&self) {
-        let devices: Vec<Ordinal> = self.state().streams.keys().copied().collect();
-        for d in devices {
-            self.step(d, usize::MAX);
+        let lanes: Vec<(Ordinal, Direction)> = self.state().streams.keys().copied().collect();
+        for (d, lane) in lanes {
+            self.step(d, lane, usize::MAX);
         }
     }
 
+    /// Operations queued on `device`'s streams.
     pub fn queued(&self, device: Ordinal) -> usize {
-        self.state().streams.get(&device).map_or(0, VecDeque::len)
+        let s = self.state();
+        s.streams
+            .iter()
+            .filter(|((d, _), _)| *d == device)
+            .map(|(_, q)| q.len())
+            .sum()
     }
 
     pub fn calls(&self) -> Vec<Call> {
@@ -166,7 +183,6 @@ impl Driver for FakeDriver {
     fn open_device(&mut self, device: Ordinal) -> Result<(), DriverError> {
         let mut s = self.0.state();
         s.calls.push(Call::Open(device));
-        s.streams.entry(device).or_default();
         Ok(())
     }
 
@@ -251,7 +267,7 @@ impl Driver for FakeDriver {
             Some((n, code)) => (n.min(runs.len()), Some(code)),
             None => (runs.len(), None),
         };
-        let stream = s.streams.entry(device).or_default();
+        let stream = s.streams.entry((device, direction)).or_default();
         for run in &runs[..take] {
             stream.push_back(Op::Copy(direction, *run));
         }
@@ -264,15 +280,20 @@ impl Driver for FakeDriver {
         }
     }
 
-    fn record(&mut self, device: Ordinal, event: EventId) -> Result<(), DriverError> {
+    fn record(
+        &mut self,
+        device: Ordinal,
+        direction: Direction,
+        event: EventId,
+    ) -> Result<(), DriverError> {
         let mut s = self.0.state();
         if let Some(code) = s.fail_record.take() {
             return Err(err("cuEventRecord", code));
         }
-        s.calls.push(Call::Record(device, event));
+        s.calls.push(Call::Record(device, direction, event));
         s.pending_events.push(event);
         s.streams
-            .entry(device)
+            .entry((device, direction))
             .or_default()
             .push_back(Op::Record(event));
         Ok(())
@@ -294,7 +315,7 @@ impl Driver for FakeDriver {
                 return Err(err("cuStreamSynchronize", code));
             }
         }
-        self.0.step(device, usize::MAX);
+        self.0.run_device(device);
         Ok(())
     }
 

@@ -93,7 +93,17 @@ pub fn probe() -> std::result::Result<DriverInfo, Unavailable> {
 struct Device {
     handle: sys::CUdevice,
     context: sys::CUcontext,
-    stream: sys::CUstream,
+    /// One stream per direction: `[HostToDevice, DeviceToHost]`.
+    streams: [sys::CUstream; 2],
+}
+
+impl Device {
+    fn stream(&self, direction: Direction) -> sys::CUstream {
+        match direction {
+            Direction::HostToDevice => self.streams[0],
+            Direction::DeviceToHost => self.streams[1],
+        }
+    }
 }
 
 /// Scratch arrays for `cuMemcpyBatchAsync`, reused across calls so the copy
@@ -105,7 +115,7 @@ struct Scratch {
     sizes: Vec<usize>,
 }
 
-/// The real driver. Owns one stream per open device.
+/// The real driver. Owns two streams per open device.
 pub struct CudaDriver {
     info: DriverInfo,
     max_runs_per_call: usize,
@@ -290,9 +300,11 @@ impl CudaDriver {
     fn close(&mut self, ordinal: Ordinal) {
         if let Some(d) = self.devices.remove(&ordinal) {
             if let Ok(_bound) = Bound::new(d.context) {
-                // SAFETY: our stream, on its context (current); nothing is
-                // queued (the executor synchronised first).
-                let _ = unsafe { sys::cuStreamDestroy_v2(d.stream) };
+                for stream in d.streams {
+                    // SAFETY: our stream, on its context (current); nothing
+                    // is queued (the executor synchronised first).
+                    let _ = unsafe { sys::cuStreamDestroy_v2(stream) };
+                }
             }
             // SAFETY: balances the retain in `open_device`.
             let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(d.handle) };
@@ -331,20 +343,30 @@ impl Driver for CudaDriver {
             unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, handle) },
             "cuDevicePrimaryCtxRetain",
         )?;
-        let mut stream: sys::CUstream = ptr::null_mut();
+        let mut streams: [sys::CUstream; 2] = [ptr::null_mut(); 2];
         let created = Bound::new(context).and_then(|_bound| {
-            // SAFETY: creates a stream on the current (primary) context.
-            // Non-blocking: it never serialises with the legacy default
-            // stream the engine may use.
-            check(
-                unsafe {
-                    sys::cuStreamCreate(
-                        &mut stream,
-                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                    )
-                },
-                "cuStreamCreate",
-            )
+            for i in 0..streams.len() {
+                // SAFETY: creates a stream on the current (primary)
+                // context. Non-blocking: it never serialises with the
+                // legacy default stream the engine may use.
+                let made = check(
+                    unsafe {
+                        sys::cuStreamCreate(
+                            &mut streams[i],
+                            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                        )
+                    },
+                    "cuStreamCreate",
+                );
+                if let Err(e) = made {
+                    for s in &streams[..i] {
+                        // SAFETY: created just above, unused.
+                        let _ = unsafe { sys::cuStreamDestroy_v2(*s) };
+                    }
+                    return Err(e);
+                }
+            }
+            Ok(())
         });
         if let Err(e) = created {
             // SAFETY: balances the retain above.
@@ -356,7 +378,7 @@ impl Driver for CudaDriver {
             Device {
                 handle,
                 context,
-                stream,
+                streams,
             },
         );
         Ok(())
@@ -481,7 +503,7 @@ impl Driver for CudaDriver {
         api: CopyApi,
     ) -> std::result::Result<(), EnqueueError> {
         let (stream, bound) = match self.bind(device, "cuMemcpyAsync") {
-            Ok((d, bound)) => (d.stream, bound),
+            Ok((d, bound)) => (d.stream(direction), bound),
             Err(error) => return Err(EnqueueError { enqueued: 0, error }),
         };
         let result = match api {
@@ -494,11 +516,11 @@ impl Driver for CudaDriver {
         result
     }
 
-    fn record(&mut self, device: Ordinal, id: EventId) -> Result<()> {
+    fn record(&mut self, device: Ordinal, direction: Direction, id: EventId) -> Result<()> {
         let (d, _bound) = self.bind(device, "cuEventRecord")?;
         // SAFETY: our event and stream, same context.
         check(
-            unsafe { sys::cuEventRecord(event(id), d.stream) },
+            unsafe { sys::cuEventRecord(event(id), d.stream(direction)) },
             "cuEventRecord",
         )
     }
@@ -515,11 +537,14 @@ impl Driver for CudaDriver {
 
     fn synchronize(&mut self, device: Ordinal) -> Result<()> {
         let (d, _bound) = self.bind(device, "cuStreamSynchronize")?;
-        // SAFETY: our stream.
-        check(
-            unsafe { sys::cuStreamSynchronize(d.stream) },
-            "cuStreamSynchronize",
-        )
+        for stream in d.streams {
+            // SAFETY: our stream.
+            check(
+                unsafe { sys::cuStreamSynchronize(stream) },
+                "cuStreamSynchronize",
+            )?;
+        }
+        Ok(())
     }
 
     fn stream_wait(&mut self, device: Ordinal, id: EventId, stream: u64) -> Result<()> {

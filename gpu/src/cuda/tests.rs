@@ -260,7 +260,7 @@ fn events_complete_in_stream_order_and_are_reused() {
         let t1 = rig.exec.submit(HostToDevice, &[page(0, r, 0)]).unwrap();
         let t2 = rig.exec.submit(HostToDevice, &[page(1, r, 1)]).unwrap();
         // The first batch's copy and event only: t1 done, t2 not.
-        assert_eq!(rig.fake.step(0, 2), 2);
+        assert_eq!(rig.fake.step(0, HostToDevice, 2), 2);
         assert_eq!(rig.poll(), vec![ok(t1)], "round {round}");
         assert_eq!(rig.exec.query(t2), TokenState::Pending);
         rig.fake.run_all();
@@ -271,6 +271,19 @@ fn events_complete_in_stream_order_and_are_reused() {
         created,
         "the copy path never creates events"
     );
+}
+
+#[test]
+fn restores_do_not_wait_behind_publishes() {
+    let mut rig = rig();
+    let r = rig.region(0, 8);
+    let publish = rig.exec.submit(DeviceToHost, &[page(8, r, 0)]).unwrap();
+    let restore = rig.exec.submit(HostToDevice, &[page(0, r, 1)]).unwrap();
+    rig.fake.step(0, HostToDevice, usize::MAX);
+    assert_eq!(rig.poll(), vec![ok(restore)]);
+    assert_eq!(rig.exec.query(publish), TokenState::Pending);
+    rig.fake.step(0, DeviceToHost, usize::MAX);
+    assert_eq!(rig.poll(), vec![ok(publish)]);
 }
 
 #[test]
@@ -433,9 +446,9 @@ fn a_batch_spanning_two_devices_completes_when_both_streams_did() {
         .exec
         .submit(HostToDevice, &[page(0, r0, 0), page(1, r1, 3)])
         .unwrap();
-    rig.fake.step(0, usize::MAX);
+    rig.fake.run_device(0);
     assert_eq!(rig.exec.query(t), TokenState::Pending);
-    rig.fake.step(1, usize::MAX);
+    rig.fake.run_device(1);
     assert_eq!(rig.poll(), vec![ok(t)]);
     assert_eq!(rig.device[0].read(0, PAGE as usize), src[..PAGE as usize]);
     assert_eq!(
@@ -499,7 +512,7 @@ fn a_fatal_error_loses_the_device_and_fails_everything_pending_on_it() {
     let c = rig.exec.submit(HostToDevice, &[page(2, r1, 2)]).unwrap();
     // CUDA_ERROR_ILLEGAL_ADDRESS (700) from the first event query: sticky.
     rig.fake.state().fail_query = Some(700);
-    rig.fake.step(1, usize::MAX);
+    rig.fake.run_device(1);
     let done = rig.poll();
     let failed: Vec<_> = done
         .iter()
@@ -601,7 +614,7 @@ fn stream_wait_hands_the_batch_event_to_the_callers_stream() {
         .filter(|c| matches!(c, Call::StreamWait { .. }))
         .collect();
     let recorded = rig.fake.calls().into_iter().find_map(|c| match c {
-        Call::Record(0, e) => Some(e),
+        Call::Record(0, HostToDevice, e) => Some(e),
         _ => None,
     });
     assert_eq!(

@@ -12,17 +12,18 @@
 //! - A region is a device pointer, size and ordinal, validated against the
 //!   allocation it lies in (`cuPointerGetAttribute`,
 //!   `cuMemGetAddressRange`).
-//! - Each device has one dedicated non-blocking stream. A batch is
-//!   coalesced into contiguous runs and queued with `cuMemcpyBatchAsync`
-//!   where the driver exports it, else one async copy per run; one event
-//!   recorded after it says it landed. `poll` queries events and never
-//!   blocks.
+//! - Each device has two dedicated non-blocking streams, one per direction.
+//!   A batch is coalesced into contiguous runs and queued with
+//!   `cuMemcpyBatchAsync` where the driver exports it, else one async copy
+//!   per run; one event recorded after it says it landed. `poll` queries
+//!   events and never blocks.
 //! - A driver error fails the batch (the runtime keeps ownership of every
 //!   page it named); a fatal one marks the device lost.
 //!
 //! Every driver call goes through [`driver::Driver`], so the logic in
 //! `exec.rs` is tested on a fake driver (`tests.rs`); `real.rs` is the only
-//! code that calls CUDA.
+//! engine code that calls CUDA (`testing.rs` allocates device memory for
+//! GPU tests and benchmarks).
 
 pub mod driver;
 mod exec;

@@ -29,6 +29,11 @@ pub(crate) struct Allocation {
     pub base: u64,
     pub len: u64,
     pub device: Ordinal,
+    /// The allocation belongs to the device's primary context (the one the
+    /// engine's PyTorch uses and our streams run on), or to none (virtual
+    /// memory management mappings). Memory of another context is not
+    /// addressable from our streams.
+    pub primary_context: bool,
 }
 
 /// How host memory ended up page-locked.

@@ -101,6 +101,7 @@ impl Fake {
             base,
             len: buf.len() as u64,
             device,
+            primary_context: true,
         });
         base
     }

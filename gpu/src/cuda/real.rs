@@ -420,11 +420,12 @@ impl Driver for CudaDriver {
     }
 
     fn allocation(&mut self, device: Ordinal, ptr: u64) -> Result<Option<Allocation>> {
-        let (_, _bound) = self.bind(device, "cuPointerGetAttribute")?;
+        let (d, _bound) = self.bind(device, "cuPointerGetAttribute")?;
+        let primary = d.context;
         let attribute = |out: *mut c_void, which| {
             // SAFETY: `out` points at storage of the attribute's size
             // (unsigned int for MEMORY_TYPE and IS_MANAGED, int for
-            // DEVICE_ORDINAL).
+            // DEVICE_ORDINAL, a CUcontext for CONTEXT).
             unsafe { sys::cuPointerGetAttribute(out, which, ptr) }
         };
         let mut memory_type: u32 = 0;
@@ -460,6 +461,14 @@ impl Driver for CudaDriver {
             ),
             "cuPointerGetAttribute(DEVICE_ORDINAL)",
         )?;
+        let mut context: sys::CUcontext = ptr::null_mut();
+        check(
+            attribute(
+                (&raw mut context).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT,
+            ),
+            "cuPointerGetAttribute(CONTEXT)",
+        )?;
         let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: writes the base and size of the allocation `ptr` is in.
         check(
@@ -470,6 +479,7 @@ impl Driver for CudaDriver {
             base,
             len: len as u64,
             device: ordinal,
+            primary_context: context.is_null() || context == primary,
         }))
     }
 

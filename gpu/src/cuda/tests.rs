@@ -192,6 +192,41 @@ fn adjacent_pages_merge_into_one_run_only_when_both_sides_are_contiguous() {
     assert_eq!(devs, vec![0, 1]);
 }
 
+proptest::proptest! {
+    /// Coalescing keeps the exact byte mapping, in order, and leaves no two
+    /// neighbouring runs that could have merged.
+    #[test]
+    fn coalescing_preserves_every_byte_in_order(
+        copies in proptest::collection::vec((0u64..2, 0u64..16, 0u64..16, 0u64..3), 0..40)
+    ) {
+        let input: Vec<Resolved> = copies
+            .iter()
+            .map(|&(dev, h, d, n)| resolved(dev as i32, h * PAGE, 1 << 20 | d * PAGE, n * PAGE))
+            .collect();
+        let mut out = Vec::new();
+        coalesce(input.iter().copied(), &mut out);
+        let units = |rs: &[Resolved]| -> Vec<(i32, u64, u64)> {
+            rs.iter()
+                .flat_map(|r| {
+                    (0..r.run.len / PAGE)
+                        .map(move |i| (r.device, r.run.host + i * PAGE, r.run.device + i * PAGE))
+                })
+                .collect()
+        };
+        proptest::prop_assert_eq!(units(&input), units(&out));
+        for pair in out.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            proptest::prop_assert!(a.run.len > 0);
+            proptest::prop_assert!(
+                !(a.device == b.device
+                    && a.run.host + a.run.len == b.run.host
+                    && a.run.device + a.run.len == b.run.device),
+                "mergeable neighbours {:?} {:?}", a, b
+            );
+        }
+    }
+}
+
 #[test]
 fn coalescing_never_merges_past_the_address_space() {
     let mut out = Vec::new();
@@ -392,6 +427,18 @@ fn regions_must_lie_inside_one_device_allocation_on_the_stated_device() {
     assert!(rejected(&mut rig, cuda(1, base, 0)), "empty");
     assert!(rejected(&mut rig, cuda(1, 0, PAGE)), "null");
     assert!(rejected(&mut rig, cuda(1, u64::MAX - 1, PAGE)), "wraps");
+    let foreign = Buf::new(PAGE as usize);
+    let foreign_ptr = foreign.declare(&rig.fake, 1);
+    rig.fake
+        .state()
+        .allocations
+        .last_mut()
+        .unwrap()
+        .primary_context = false;
+    assert!(
+        rejected(&mut rig, cuda(1, foreign_ptr, PAGE)),
+        "another context's memory"
+    );
     assert!(rejected(
         &mut rig,
         ExternalMemory::Host {
@@ -531,6 +578,29 @@ fn a_fatal_error_loses_the_device_and_fails_everything_pending_on_it() {
     let t = rig.exec.submit(HostToDevice, &[page(3, r1, 3)]).unwrap();
     rig.fake.run_all();
     assert_eq!(rig.poll(), vec![ok(t)]);
+}
+
+#[test]
+fn a_device_lost_while_queueing_a_two_device_batch_still_queues_the_other_part() {
+    let mut rig = rig();
+    let r0 = rig.region(0, 4);
+    let r1 = rig.region(1, 4);
+    rig.fake.state().fail_enqueue = Some((0, 700));
+    let t = rig
+        .exec
+        .submit(HostToDevice, &[page(0, r0, 0), page(1, r1, 1)])
+        .unwrap();
+    assert_eq!(rig.enqueues().len(), 2, "device 1's part is queued too");
+    assert_eq!(
+        rig.exec.query(t),
+        TokenState::Pending,
+        "device 1 still copies"
+    );
+    rig.fake.run_device(1);
+    let done = rig.poll();
+    assert_eq!(done.len(), 1);
+    assert!(done[0].result.is_err());
+    assert_eq!(rig.exec.in_flight(), 0);
 }
 
 #[test]

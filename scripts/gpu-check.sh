@@ -73,12 +73,16 @@ fi
 echo
 echo "== GPU"
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
-if ! probe=$("$BIN"/cuda_probe); then
-    echo "$probe"
+probe=$("$BIN"/cuda_probe 2>&1)
+rc=$?
+echo "$probe"
+if [ $rc -eq 3 ]; then
     echo "gpu-check: NO GPU: nothing was run (${probe#no CUDA: })"
     exit 2
+elif [ $rc -ne 0 ]; then
+    echo "gpu-check: the probe itself failed (exit $rc); rebuild on this machine if the binaries do not run here"
+    exit 1
 fi
-echo "$probe"
 
 step "cuda tests (exact bytes 1/64/4096 pages, fencing, per-layer tokens, region checks)" 150 \
     "$BIN"/cuda_gpu --ignored --test-threads=1

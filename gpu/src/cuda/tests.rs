@@ -201,7 +201,7 @@ proptest::proptest! {
     ) {
         let input: Vec<Resolved> = copies
             .iter()
-            .map(|&(dev, h, d, n)| resolved(dev as i32, h * PAGE, 1 << 20 | d * PAGE, n * PAGE))
+            .map(|&(dev, h, d, n)| resolved(dev as i32, h * PAGE, (1 << 20) + d * PAGE, n * PAGE))
             .collect();
         let mut out = Vec::new();
         coalesce(input.iter().copied(), &mut out);

@@ -117,6 +117,13 @@ fn run() -> Result<(), String> {
         ("H2D", Direction::HostToDevice),
         ("D2H", Direction::DeviceToHost),
     ];
+    // Restores as the runtime sends them: each page carries its checksum,
+    // which the engine verifies on the CPU before queueing.
+    let rows = [
+        ("H2D", Direction::HostToDevice, false),
+        ("H2D+verify", Direction::HostToDevice, true),
+        ("D2H", Direction::DeviceToHost, false),
+    ];
     let mut baseline = [0.0f64; 2];
     let mut worst_ratio = f64::INFINITY;
     for api in apis {
@@ -167,13 +174,25 @@ fn run() -> Result<(), String> {
                         region,
                         device_offset: slots[i as usize] * page,
                         len: page,
+                        expect_checksum: None,
                     })
                     .collect();
-                for (i, (name, dir)) in dirs.iter().enumerate() {
+                let verified: Vec<PageCopy> = copies
+                    .iter()
+                    .map(|c| PageCopy {
+                        expect_checksum: Some(orbitkv_gpu::page_checksum(
+                            &pool[c.host_offset as usize..(c.host_offset + c.len) as usize],
+                        )),
+                        ..*c
+                    })
+                    .collect();
+                for (name, dir, verify) in rows {
+                    let i = usize::from(dir == Direction::DeviceToHost);
+                    let copies = if verify { &verified } else { &copies };
                     let before = engine.stats();
                     let mut best = f64::INFINITY;
                     for _ in 0..a.repeats {
-                        best = best.min(timed(&mut engine, *dir, &copies, a.batch)?);
+                        best = best.min(timed(&mut engine, dir, copies, a.batch)?);
                     }
                     let after = engine.stats();
                     let runs_per_batch = (after.runs - before.runs) as f64

@@ -146,12 +146,16 @@ fn round_trip(pages: u64) {
         let src = pattern(pages, bytes as usize);
         pool.write(0, &src);
         let slots = shuffled(pages, pages + 1);
+        // Restores carry their pages' checksums, as the runtime's do.
         let restore: Vec<PageCopy> = (0..pages)
             .map(|i| PageCopy {
                 host_offset: i * PAGE,
                 region,
                 device_offset: slots[i as usize] * PAGE,
                 len: PAGE,
+                expect_checksum: Some(orbitkv_gpu::page_checksum(
+                    &src[(i * PAGE) as usize..((i + 1) * PAGE) as usize],
+                )),
             })
             .collect();
         for c in run_all(&mut engine, HostToDevice, &restore, 256) {
@@ -176,6 +180,7 @@ fn round_trip(pages: u64) {
             .iter()
             .map(|c| PageCopy {
                 host_offset: bytes + c.host_offset,
+                expect_checksum: None,
                 ..*c
             })
             .collect();
@@ -248,6 +253,7 @@ fn unregister_returns_after_in_flight_copies_and_nothing_lands_later() {
                 region,
                 device_offset: (PAGES - 1 - i) * PAGE,
                 len: PAGE,
+                expect_checksum: None,
             })
             .collect()
     };
@@ -346,6 +352,7 @@ fn per_layer_tokens_complete_with_their_bytes() {
                         region,
                         device_offset: off,
                         len: PAGE,
+                        expect_checksum: None,
                     }
                 })
                 .collect();

@@ -96,6 +96,42 @@ fn lane(direction: Direction) -> usize {
 
 const LANES: [Direction; 2] = [Direction::HostToDevice, Direction::DeviceToHost];
 
+/// Verified bytes below which one thread hashes: splitting costs more.
+const PARALLEL_VERIFY_BYTES: u64 = 4 << 20;
+
+/// Checks each restore's source pool page against the checksum it carries,
+/// before anything is queued: a page altered in memory fails the batch
+/// (`CopyError::Checksum`) and never reaches the device. The pool pages of
+/// a restore are leased, so nothing changes them between this check and
+/// the DMA that reads them.
+fn verify_sources(host_base: u64, copies: &[PageCopy]) -> Result<(), CopyError> {
+    use rayon::prelude::*;
+    let mismatch = |c: &PageCopy| {
+        let expected = c.expect_checksum?;
+        // SAFETY: `validate` checked the range lies in the registered pool,
+        // which the `register_host_pool` contract keeps mapped; the
+        // runtime's leases keep restore sources unchanged while copies run.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((host_base + c.host_offset) as *const u8, c.len as usize)
+        };
+        (crate::page_checksum(bytes) != expected).then_some(c.host_offset)
+    };
+    let verified: u64 = copies
+        .iter()
+        .filter(|c| c.expect_checksum.is_some())
+        .map(|c| c.len)
+        .sum();
+    let bad = if verified >= PARALLEL_VERIFY_BYTES {
+        copies.par_iter().find_map_first(mismatch)
+    } else {
+        copies.iter().find_map(mismatch)
+    };
+    match bad {
+        Some(host_offset) => Err(CopyError::Checksum { host_offset }),
+        None => Ok(()),
+    }
+}
+
 fn failed(what: &str, e: &DriverError) -> CopyError {
     CopyError::Failed(format!("{what}: {e}"))
 }
@@ -359,6 +395,9 @@ impl<D: Driver> Executor<D> {
                 self.config.max_in_flight_batches,
             ));
         }
+        if direction == Direction::HostToDevice {
+            verify_sources(host.base, copies)?;
+        }
         Ok(())
     }
 
@@ -571,9 +610,13 @@ impl<D: Driver> Executor<D> {
             }
             None => Ok(()),
         };
+        // Device → host checksums are left to the runtime, which hashes
+        // the landed pool pages when a backend reports none: this engine
+        // never reads the bytes its DMA moved.
         self.ready.push_back(Completion {
             token: CompletionToken(token),
             result,
+            checksums: Vec::new(),
         });
     }
 

@@ -134,6 +134,7 @@ fn page(host_page: u64, region: u32, device_page: u64) -> PageCopy {
         region,
         device_offset: device_page * PAGE,
         len: PAGE,
+        expect_checksum: None,
     }
 }
 
@@ -147,6 +148,7 @@ fn ok(token: CompletionToken) -> Completion {
     Completion {
         token,
         result: Ok(()),
+        checksums: Vec::new(),
     }
 }
 
@@ -366,6 +368,7 @@ fn invalid_batches_are_typed_errors_and_queue_nothing() {
                 region: r,
                 device_offset: 0,
                 len: 2,
+                expect_checksum: None,
             }],
             CopyError::OutOfBounds {
                 what: "host pool",
@@ -380,6 +383,7 @@ fn invalid_batches_are_typed_errors_and_queue_nothing() {
                 region: r,
                 device_offset: u64::MAX,
                 len: 2,
+                expect_checksum: None,
             }],
             CopyError::OutOfBounds {
                 what: "device region",
@@ -401,6 +405,90 @@ fn invalid_batches_are_typed_errors_and_queue_nothing() {
         no_pool.submit(HostToDevice, &[page(0, 0, 0)]),
         Err(CopyError::NoHostPool)
     );
+}
+
+#[test]
+fn restores_verify_their_source_checksums_before_anything_is_queued() {
+    let mut rig = rig();
+    let r = rig.region(0, 8);
+    let src = pattern(4, 4 * PAGE as usize);
+    rig.pool.write(0, &src);
+    let sum = |i: usize| crate::page_checksum(&src[i * PAGE as usize..(i + 1) * PAGE as usize]);
+    let mut copies: Vec<PageCopy> = (0..4)
+        .map(|i| PageCopy {
+            expect_checksum: Some(sum(i as usize)),
+            ..page(i, r, i)
+        })
+        .collect();
+    let t = rig.exec.submit(HostToDevice, &copies).unwrap();
+    rig.fake.run_all();
+    assert_eq!(rig.poll(), vec![ok(t)]);
+    // The pool page changed in memory after its checksum was taken.
+    rig.pool.write(2 * PAGE as usize + 7, &[0x5a]);
+    copies[2].device_offset = 6 * PAGE;
+    let before = rig.enqueues().len();
+    assert_eq!(
+        rig.exec.submit(HostToDevice, &copies),
+        Err(CopyError::Checksum {
+            host_offset: 2 * PAGE
+        })
+    );
+    assert_eq!(
+        rig.enqueues().len(),
+        before,
+        "nothing of the batch was queued"
+    );
+    assert_eq!(rig.exec.in_flight(), 0);
+}
+
+#[test]
+fn large_restores_verify_in_parallel_and_name_the_first_bad_page() {
+    const BIG: u64 = 64 << 10;
+    let fake = Fake::new(1, false);
+    let mut exec = Executor::open(fake.driver(), config()).unwrap();
+    let pool = Buf::new((128 * BIG) as usize);
+    let data = pattern(8, pool.len);
+    pool.write(0, &data);
+    exec.register_host_pool(pool.addr(), pool.len as u64)
+        .unwrap();
+    let device = Buf::new((128 * BIG) as usize);
+    let ptr = device.declare(&fake, 0);
+    let region = exec
+        .attach(ExternalMemory::Cuda {
+            device: 0,
+            ptr,
+            len: 128 * BIG,
+        })
+        .unwrap();
+    let copies: Vec<PageCopy> = (0..128u64)
+        .map(|i| {
+            let at = (i * BIG) as usize;
+            PageCopy {
+                host_offset: i * BIG,
+                region,
+                device_offset: (127 - i) * BIG,
+                len: BIG,
+                expect_checksum: Some(crate::page_checksum(&data[at..at + BIG as usize])),
+            }
+        })
+        .collect();
+    pool.write((77 * BIG) as usize, &[0]);
+    pool.write((90 * BIG) as usize, &[0]);
+    assert_eq!(
+        exec.submit(HostToDevice, &copies),
+        Err(CopyError::Checksum {
+            host_offset: 77 * BIG
+        })
+    );
+    pool.write((77 * BIG) as usize, &data[(77 * BIG) as usize..][..1]);
+    pool.write((90 * BIG) as usize, &data[(90 * BIG) as usize..][..1]);
+    let t = exec.submit(HostToDevice, &copies).unwrap();
+    fake.run_all();
+    let mut out = Vec::new();
+    exec.poll(&mut out);
+    assert_eq!(out, vec![ok(t)]);
+    assert_eq!(device.read(0, BIG as usize), data[(127 * BIG) as usize..]);
+    drop(exec);
 }
 
 #[test]
@@ -829,6 +917,7 @@ fn empty_copies_complete_without_touching_a_stream() {
                 region: r,
                 device_offset: 0,
                 len: 0,
+                expect_checksum: None,
             }],
         )
         .unwrap();

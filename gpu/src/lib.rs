@@ -6,11 +6,14 @@
 //!   worker threads and complete through tokens. Used where no GPU exists.
 //! - [`sim::SimCopyEngine`]: deterministic; a copy completes after a set
 //!   number of simulated microseconds. Used by replays and runtime tests.
-//! - CUDA (cudarc) arrives in a later issue behind the same trait.
+//! - [`cuda::CudaCopyEngine`]: CUDA memory an engine process lends, through
+//!   the CUDA driver (cudarc, loaded at run time); [`cuda::best_engine`]
+//!   falls back to the host engine where CUDA is unavailable.
 //!
 //! The trait never assumes synchronous completion: `submit` returns a token,
 //! and only `poll` reports that the bytes landed.
 
+pub mod cuda;
 pub mod host;
 pub mod sim;
 
@@ -21,7 +24,7 @@ pub type RegionId = u32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CompletionToken(pub u64);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Direction {
     /// Restore: host pool → device.
     HostToDevice,

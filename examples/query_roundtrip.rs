@@ -316,6 +316,7 @@ fn publish(a: &mut Client) {
                 rank: 0,
                 group: 0,
                 slots: PAGES as u32,
+                agent: None,
             },
             T,
         )

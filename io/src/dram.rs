@@ -446,6 +446,33 @@ impl HostPool {
         self.map.get_mut(range)
     }
 
+    /// Mutable views of several live slots at once (the first `len` bytes
+    /// of each, in the order given), so they can be filled in parallel.
+    /// `None` if a key is stale, a `len` exceeds its slot, or two entries
+    /// name the same slot.
+    pub fn slots_mut(&mut self, slots: &[(SlotKey, u64)]) -> Option<Vec<&mut [u8]>> {
+        let mut ranges: Vec<(usize, std::ops::Range<usize>)> = slots
+            .iter()
+            .enumerate()
+            .map(|(n, &(key, len))| Some((n, self.range(key, len)?)))
+            .collect::<Option<_>>()?;
+        ranges.sort_by_key(|(_, r)| r.start);
+        // Carve the map front to back; live slots never overlap, and a
+        // repeated slot is refused here rather than aliased.
+        let mut out: Vec<Option<&mut [u8]>> = (0..slots.len()).map(|_| None).collect();
+        let mut rest: &mut [u8] = &mut self.map[..];
+        let mut at = 0usize;
+        for (n, r) in ranges {
+            let skip = r.start.checked_sub(at)?;
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut_checked(skip)?;
+            let (view, tail) = tail.split_at_mut_checked(r.len())?;
+            out[n] = Some(view);
+            rest = tail;
+            at = r.end;
+        }
+        out.into_iter().collect()
+    }
+
     /// Address of offset 0, for DMA registration and device copies. Valid
     /// until the pool is dropped; add a slot's [`offset`](Self::offset) at
     /// the moment of use rather than storing derived pointers.

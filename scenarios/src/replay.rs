@@ -700,6 +700,7 @@ impl<'o> Replay<'o> {
                 rank,
                 group,
                 slots,
+                agent: _,
             } => Some(RawPending::Region {
                 session: session.id,
                 rank: *rank,
@@ -1072,6 +1073,7 @@ impl<'o> Replay<'o> {
                     rank,
                     group: g.id,
                     slots: o.region_slots,
+                    agent: None,
                 });
                 ids.push((id, rank, g.id));
             }

@@ -94,6 +94,7 @@ pub fn open(c: &mut Client) -> (SessionHandle, u64) {
                 rank: 0,
                 group: 0,
                 slots: 64,
+                agent: None,
             },
             T,
         )

@@ -1352,6 +1352,7 @@ fn bad_commands_are_typed_errors_without_effect() {
                 rank: 3,
                 group: 0,
                 slots: 4,
+                agent: None,
             },
             |e| matches!(e, CommandError::Invalid(_)),
         ),

@@ -210,6 +210,14 @@ impl Devices<'_, '_> {
 
 type Closing<'a> = (Entity, &'a Session, &'a SessionOf, Option<&'a Regions>);
 
+/// What a closed session's regions are given back to: the copy engine
+/// (manager-owned regions) and the agents (its origin's staging area).
+#[derive(SystemParam)]
+pub struct Executors<'w> {
+    copier: ResMut<'w, Copier>,
+    agents: ResMut<'w, Agents>,
+}
+
 /// Despawns closing sessions once they own no operation, with their
 /// regions and device pages (no page is pinned then: pins belong to
 /// operations). A retired instance goes with its last session.
@@ -219,8 +227,7 @@ pub fn close_sessions(
     all: Query<(Entity, &Session)>,
     instances: Query<(&Instance, &Sessions)>,
     regions: Query<&DeviceRegion>,
-    mut copier: ResMut<Copier>,
-    mut agents: ResMut<Agents>,
+    mut executors: Executors,
     mut registry: ResMut<Registry>,
     mut outbox: ResMut<Outbox>,
 ) {
@@ -243,7 +250,8 @@ pub fn close_sessions(
             if let Ok(r) = regions.get(region)
                 && r.executor == Executor::Local
             {
-                let _ = copier.0.get_mut().unregister_device_region(r.engine_region);
+                let engine = executors.copier.0.get_mut();
+                let _ = engine.unregister_device_region(r.engine_region);
             }
         }
         decrement(&mut registry.sessions, 1, "registry.sessions");
@@ -252,7 +260,7 @@ pub fn close_sessions(
         // Its regions and their pages go with it.
         commands.entity(entity).despawn();
     }
-    drop_idle_staging(&all, &gone, &mut agents);
+    drop_idle_staging(&all, &gone, &mut executors.agents);
 }
 
 /// An origin's staging area goes with its last session: no copy can hold

@@ -210,12 +210,13 @@ impl Devices<'_, '_> {
 
 type Closing<'a> = (Entity, &'a Session, &'a SessionOf, Option<&'a Regions>);
 
-/// What a closed session's regions are given back to: the copy engine
-/// (manager-owned regions) and the agents (its origin's staging area).
+/// What a closed session gives back to: the copy engine (manager-owned
+/// regions), the agents (its origin's staging area) and the registry.
 #[derive(SystemParam)]
 pub struct Executors<'w> {
     copier: ResMut<'w, Copier>,
     agents: ResMut<'w, Agents>,
+    registry: ResMut<'w, Registry>,
 }
 
 /// Despawns closing sessions once they own no operation, with their
@@ -228,7 +229,6 @@ pub fn close_sessions(
     instances: Query<(&Instance, &Sessions)>,
     regions: Query<&DeviceRegion>,
     mut executors: Executors,
-    mut registry: ResMut<Registry>,
     mut outbox: ResMut<Outbox>,
 ) {
     let gone: Vec<Entity> = sessions
@@ -254,6 +254,7 @@ pub fn close_sessions(
                 let _ = engine.unregister_device_region(r.engine_region);
             }
         }
+        let registry = &mut executors.registry;
         decrement(&mut registry.sessions, 1, "registry.sessions");
         let handle = session_handle(entity, session.epoch, registry.incarnation);
         outbox.push(session.origin, Event::SessionClosed { session: handle });

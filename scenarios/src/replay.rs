@@ -1559,6 +1559,11 @@ impl<'o> Replay<'o> {
                 }
             }
             Event::TransferOverdue { .. } => {}
+            // A replay registers manager-owned regions only (the recorder
+            // writes agent regions as such); a raw `cmd` line that asks for
+            // an agent region gets copies nobody runs, which fail at their
+            // deadline like a lost agent's.
+            Event::AgentCopy { .. } => {}
         }
     }
 

@@ -559,9 +559,13 @@ pub enum Event {
     RegionRegistered {
         command: CommandId,
         region: u64,
-        /// The copy engine's id for the region (CUDA/host backends).
+        /// The executor's id for the region: the manager's copy engine's,
+        /// or (an agent region) the agent's own, echoed.
         engine_region: u32,
         page_bytes: u64,
+        /// An agent-owned region: the manager has no memory of it to share.
+        #[serde(default, skip_serializing_if = "is_false")]
+        agent: bool,
     },
     DevicePageAllocated {
         command: CommandId,
@@ -647,6 +651,10 @@ impl Event {
             _ => None,
         }
     }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

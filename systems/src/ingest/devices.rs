@@ -83,6 +83,7 @@ pub(super) fn register_region(
         region: entity.to_bits(),
         engine_region,
         page_bytes,
+        agent: executor != Executor::Local,
     };
     emit(world, ctx.origin, event);
     Ok(())

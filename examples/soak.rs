@@ -136,6 +136,7 @@ fn setup(c: &mut Client) -> (SessionHandle, u64, Vec<u64>) {
             rank: 0,
             group: 0,
             slots: 64,
+            agent: None,
         },
         T,
     ) {

@@ -92,7 +92,34 @@ fn page(host_offset: u64, region: u32, slot: u64) -> AgentPageCopy {
         region,
         region_offset: slot * PAGE,
         len: PAGE,
+        checksum: None,
     }
+}
+
+#[test]
+fn restored_pool_pages_are_verified_against_their_checksums() {
+    let mut a = agent();
+    let (pool, _staging) = window(&mut a);
+    let mut mem = Memory::new();
+    let (region, _) = unsafe { a.attach(SLOTS, &mem.chunks()) }.unwrap();
+    let sum =
+        |n: u64| xxhash_rust::xxh3::xxh3_64(&pool[(n * PAGE) as usize..((n + 1) * PAGE) as usize]);
+    let good = AgentPageCopy {
+        checksum: Some(sum(2)),
+        ..page(2 * PAGE, region, 0)
+    };
+    assert_eq!(
+        run(&mut a, 1, AgentDirection::PoolToRegion, vec![good]),
+        None
+    );
+    assert_eq!(mem.page(0), pool[2 * PAGE as usize..3 * PAGE as usize]);
+    // The bytes in the pool are not what the page's checksum says.
+    let bad = AgentPageCopy {
+        checksum: Some(sum(2) ^ 1),
+        ..page(2 * PAGE, region, 1)
+    };
+    let f = run(&mut a, 2, AgentDirection::PoolToRegion, vec![good, bad]);
+    assert_eq!(f, Some(CopyFailure::Checksum(2 * PAGE)));
 }
 
 #[test]
@@ -187,6 +214,7 @@ fn bad_copies_are_typed_failures_and_touch_nothing() {
                 region,
                 region_offset: 100,
                 len: PAGE,
+                checksum: None,
             },
             "out_of_bounds",
         ),
@@ -197,6 +225,7 @@ fn bad_copies_are_typed_failures_and_touch_nothing() {
                 region,
                 region_offset: 0,
                 len: PAGE / 2,
+                checksum: None,
             },
             "out_of_bounds",
         ),

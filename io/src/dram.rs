@@ -203,6 +203,9 @@ pub struct HostPool {
     map: MmapMut,
     /// The shared-memory file behind `map`, when the pool is shared.
     file: Option<std::fs::File>,
+    /// A staging pool ([`HostPool::staging`]): its one client writes it,
+    /// so its file is not sealed and its descriptor is read-write.
+    client_writable: bool,
     capacity: u64,
     extent_bytes: u64,
     slot_align: u64,
@@ -230,6 +233,19 @@ impl HostPool {
     /// Validates `config` and maps the region. Memory is reserved, not
     /// touched: call [`HostPool::first_touch`] to fault it in.
     pub fn new(config: HostPoolConfig) -> Result<HostPool, PoolError> {
+        Self::build(config, false)
+    }
+
+    /// A shared pool one client writes into and the manager reads from: a
+    /// copy agent's staging area. Its file is not sealed, and
+    /// [`export_fd`](Self::export_fd) hands out a read-write descriptor.
+    /// Never use it for pages other clients read.
+    pub fn staging(mut config: HostPoolConfig) -> Result<HostPool, PoolError> {
+        config.shared = true;
+        Self::build(config, true)
+    }
+
+    fn build(config: HostPoolConfig, client_writable: bool) -> Result<HostPool, PoolError> {
         let HostPoolConfig {
             capacity_bytes,
             extent_bytes,
@@ -266,7 +282,10 @@ impl HostPool {
             bytes: capacity,
             reason: e.to_string(),
         };
-        let (map, file) = if shared {
+        let (map, file) = if client_writable {
+            let (file, map) = shared_memory("orbitkv-staging", capacity).map_err(map_err)?;
+            (map, Some(file))
+        } else if shared {
             let (file, map) = sealed_pool_memory("orbitkv-host-pool", capacity).map_err(map_err)?;
             (map, Some(file))
         } else {
@@ -275,6 +294,7 @@ impl HostPool {
         Ok(HostPool {
             map,
             file,
+            client_writable,
             capacity,
             extent_bytes,
             slot_align,
@@ -286,13 +306,17 @@ impl HostPool {
     }
 
     /// A new read-only descriptor for the shared pool's memory file, to
-    /// hand to a client process; `None` for a private pool. The file is
+    /// hand to a client process; `None` for a private pool (read-write for
+    /// a staging pool). The file is
     /// sealed against writable mappings and resizing
     /// ([`sealed_pool_memory`]), so no descriptor to it, however reopened,
     /// lets a client change a byte.
     pub fn export_fd(&self) -> Option<std::os::fd::OwnedFd> {
         use std::os::fd::AsRawFd;
         let file = self.file.as_ref()?;
+        if self.client_writable {
+            return file.try_clone().ok().map(std::os::fd::OwnedFd::from);
+        }
         // A fresh open file description, read-only (a dup would share the
         // manager's read-write one).
         // Without /proc, a duplicate: the seals protect the pool either way.

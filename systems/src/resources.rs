@@ -288,7 +288,7 @@ impl Agents {
             return Ok(());
         }
         let (extent_bytes, slot_align) = self.staging_shape;
-        let pool = HostPool::new(HostPoolConfig {
+        let pool = HostPool::staging(HostPoolConfig {
             capacity_bytes: bytes,
             extent_bytes,
             slot_align,

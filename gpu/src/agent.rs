@@ -57,12 +57,15 @@ pub enum AgentError {
     TooManyRegions,
 }
 
+/// Pool pages to verify after a restore: (pool offset, length, checksum).
+type Checks = Vec<(u64, u64, u64)>;
+
 /// A batch translated for the executor, with the pool pages to verify
 /// afterwards: (pool offset, length, checksum).
 struct Planned {
     direction: Direction,
     copies: Vec<PageCopy>,
-    verify: Vec<(u64, u64, u64)>,
+    verify: Checks,
 }
 
 /// An attached region: its page size and where each chunk lives.
@@ -180,7 +183,7 @@ pub struct CopyAgent {
     regions: HashMap<u32, Region>,
     next_region: u32,
     /// Executor token → copy id and the pages to verify once it landed.
-    running: HashMap<CompletionToken, (u64, Vec<(u64, u64, u64)>)>,
+    running: HashMap<CompletionToken, (u64, Checks)>,
     /// Accepted copies the executor had no room for yet (bounded by the
     /// runtime's `max_agent_copies_per_origin`).
     waiting: VecDeque<(u64, Planned)>,

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use orbitkv_components::api::{Addressed, Command, Origin};
 use orbitkv_gpu::CopyEngine;
-use orbitkv_gpu::agent::{Chunk, CopyAgent, HostWindow, MemoryKind};
+use orbitkv_gpu::agent::{CopyAgent, HostWindow};
 use orbitkv_gpu::host::{DeviceArena, HostCopyConfig, HostCopyEngine};
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
 use orbitkv_io::tier::BackingTier;
@@ -441,20 +441,7 @@ impl PyRuntime {
         owner: Py<PyAny>,
         device: &str,
     ) -> PyResult<(u32, u64)> {
-        if device != "cpu" {
-            return Err(PyValueError::new_err(format!(
-                "agent memory on {device:?}: only host memory (\"cpu\") has an executor in this build"
-            )));
-        }
-        let chunks: Vec<Chunk> = chunks
-            .into_iter()
-            .map(|(ptr, stride, len)| Chunk {
-                kind: MemoryKind::Host,
-                ptr,
-                stride,
-                len,
-            })
-            .collect();
+        let chunks = crate::agent::host_chunks(chunks, device).map_err(PyValueError::new_err)?;
         // SAFETY: the caller promises the memory stays put while attached,
         // and `owner` (kept until detach) keeps it allocated.
         let (region, page_bytes) = self

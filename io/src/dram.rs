@@ -283,7 +283,7 @@ impl HostPool {
             reason: e.to_string(),
         };
         let (map, file) = if client_writable {
-            let (file, map) = shared_memory("orbitkv-staging", capacity).map_err(map_err)?;
+            let (file, map) = staging_memory("orbitkv-staging", capacity).map_err(map_err)?;
             (map, Some(file))
         } else if shared {
             let (file, map) = sealed_pool_memory("orbitkv-host-pool", capacity).map_err(map_err)?;
@@ -741,6 +741,31 @@ pub fn sealed_pool_memory(
     ])
     .map_err(std::io::Error::other)?;
     Ok((fd.into_file(), map))
+}
+
+/// A staging area's memory file: its one client maps it writable, so only
+/// its size is sealed (`F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`): the
+/// client cannot truncate it under the manager's reads, which would fault
+/// the manager.
+pub fn staging_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
+    let fd = memfd::MemfdOptions::default()
+        .close_on_exec(true)
+        .allow_sealing(true)
+        .create(name)
+        .map_err(std::io::Error::other)?;
+    fd.as_file().set_len(len)?;
+    fd.add_seals(&[
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealSeal,
+    ])
+    .map_err(std::io::Error::other)?;
+    let file = fd.into_file();
+    // SAFETY: the manager reads only slots whose copy its agent reported;
+    // the bytes may still change under it, which the fused copy tolerates
+    // (it checksums what it wrote into the pool).
+    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+    Ok((file, map))
 }
 
 /// An anonymous shared-memory file of `len` bytes (memfd), mapped.

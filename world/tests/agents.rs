@@ -147,6 +147,10 @@ fn publish_and_restore_through_the_agent_move_exact_bytes() {
     );
     h.assert_idle();
     assert_eq!(h.rt().staging_capacity(Origin::EMBEDDED), Some(1 << 20));
+    // The agent writes the staging area but cannot resize it under the
+    // runtime's reads.
+    let staging = std::fs::File::from(h.rt().export_staging(Origin::EMBEDDED).unwrap());
+    assert!(staging.set_len(0).is_err() && staging.set_len(2 << 20).is_err());
     // Restore them into slots 5..8 of the same region.
     for slot in 5..8 {
         mem.write(slot, &[0u8; PAGE_BYTES as usize]);

@@ -369,6 +369,35 @@ class Client:
         :raises ValueError: not a region this client registered.
         """
 
+    def attach_agent_memory(
+        self,
+        slots: int,
+        chunks: Sequence[Tuple[int, int, int]],
+        owner: object,
+        device: str = "cpu",
+    ) -> Tuple[int, int]:
+        """Attaches engine memory to this connection's copy agent, laid out
+        as for :meth:`Runtime.attach_agent_memory`; returns ``(region,
+        page_bytes)`` for a ``register_device_region`` command's
+        ``"agent"``. The manager never maps this memory: it sends each copy
+        to this client's agent, which runs it on worker threads (off the
+        Python thread) inside this client's waits and reports it; the
+        ``agent_copy`` events never reach the caller. The agent maps the
+        pool read-only and this connection's staging area (sent by the
+        manager with the first agent region), the only memory it writes for
+        the manager. ``owner`` is kept alive until
+        :meth:`detach_agent_memory`.
+
+        :raises ValueError: a device other than ``"cpu"``, or a bad layout.
+        """
+
+    def detach_agent_memory(self, region: int) -> bool:
+        """Detaches an agent region once its session is closed and lets go
+        of its owner; ``False`` if there is no such region.
+
+        :raises RuntimeError: copies are still running.
+        """
+
     def close(self) -> None:
         """Closes the connection (idempotent). Later calls raise
         :class:`ConnectionError`; views already handed out stay valid."""

@@ -15,7 +15,7 @@ use orbitkv_gpu::agent::{Chunk, CopyAgent, HostWindow, MemoryKind};
 use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
 
 /// How long a lost connection waits for running copies before reporting.
-const DRAIN: Duration = Duration::from_secs(10);
+pub const DRAIN: Duration = Duration::from_secs(10);
 
 /// The agent and the staging area its window maps (device and inode).
 pub struct AgentState {

@@ -453,17 +453,27 @@ impl PyClient {
         Ok(found)
     }
 
-    /// Closes the connection: the manager closes this client's sessions
+    /// Closes the connection (after the copy agent's running copies, if
+    /// any, finished): the manager closes this client's sessions
     /// (their leases and reservations return). Views already handed out stay
     /// valid memory. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let client = py.detach(|| {
-            let mut st = self.lock();
-            st.pool = None;
-            st.regions.clear();
-            st.client.take()
+        py.detach(|| {
+            let client = {
+                let mut st = self.lock();
+                st.pool = None;
+                st.regions.clear();
+                st.client.take()
+            };
+            drop(client);
+            // The manager fails the copies it sent; none may still write
+            // engine memory once close returns.
+            let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(agent) = agent {
+                let mut discard = Vec::new();
+                agent.lock().agent.drain(crate::agent::DRAIN, &mut discard);
+            }
         });
-        drop(client);
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

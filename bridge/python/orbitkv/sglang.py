@@ -413,7 +413,7 @@ def _agent_layout(pool: _Pool) -> Optional[Tuple[int, List[Tuple[int, int, int]]
     if math.prod(outer) > 4096:
         return None  # too fragmented to be worth a copy per run
     chunks: List[Tuple[int, int, int]] = []
-    for idx in (range(1) if not outer else _indices(outer)):
+    for idx in _indices(outer):
         off = sum(i * st for i, st in zip(idx, strides[:inner])) * es
         chunks.append((v0.data_ptr() + off, stride, run))
     if sum(c[2] for c in chunks) != pool.page_bytes or run > stride:

@@ -137,7 +137,7 @@ class WorkerSide:
         self, kv_caches: Dict[str, Any], mover: Optional[PageMover] = None
     ) -> None:
         blocks = EngineBlocks(self.spec, kv_caches, self.num_blocks)
-        if mover is None and blocks.device.type == "cpu":
+        if mover is None and blocks.device.type == "cpu" and self.settings.copy_agent:
             mover = AgentPageMover(blocks, self.rank, self.settings.timeout_s)
         self.mover = mover or HostPageMover(
             blocks, self.rank, self.settings.staging_pages, self.settings.timeout_s

@@ -206,6 +206,7 @@ fn open_as(c: &mut Client, instance: &str) -> (SessionHandle, u64) {
                 rank: 0,
                 group: 0,
                 slots: 64,
+                agent: None,
             },
             T,
         )

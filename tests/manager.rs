@@ -534,6 +534,7 @@ fn sixty_four_regions_in_one_burst_are_all_mapped_by_handle() {
                 rank: 0,
                 group: 0,
                 slots: 4 + tag as u32,
+                agent: None,
             },
         );
     }
@@ -613,6 +614,7 @@ fn per_connection_quotas_are_typed_refusals() {
             rank: 0,
             group: 0,
             slots: 4,
+            agent: None,
         })
         .unwrap_err();
     assert!(
@@ -1513,6 +1515,7 @@ fn forty_regions_of_the_largest_size_keep_rss_small() {
                 rank: 0,
                 group: 0,
                 slots: 1 << 22, // the default max_region_slots
+                agent: None,
             },
         );
     }

@@ -19,6 +19,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::agent::{SharedAgent, host_chunks};
 use crate::buffer::{Mapping, memoryview};
 use crate::convert::{deserialize_dict, serialize};
 use crate::{ConnectionError, QueueFull};
@@ -32,6 +33,11 @@ const SLICE: Duration = Duration::from_millis(100);
 #[pyclass(module = "orbitkv", name = "Client", frozen)]
 pub struct PyClient {
     state: Mutex<State>,
+    /// The copy agent (created with the first agent memory), then the
+    /// owners of the memory attached to it: dropped after the agent, which
+    /// drains its copies when dropped.
+    agent: Mutex<Option<SharedAgent>>,
+    keep: Mutex<HashMap<u32, Py<PyAny>>>,
     socket: String,
     name: String,
     incarnation: u64,
@@ -180,6 +186,8 @@ impl PyClient {
                 pool: None,
                 regions: HashMap::new(),
             }),
+            agent: Mutex::new(None),
+            keep: Mutex::new(HashMap::new()),
             socket: socket.display().to_string(),
             name: name.to_owned(),
             incarnation,
@@ -378,17 +386,94 @@ impl PyClient {
         memoryview(py, map, 0, len, false)
     }
 
-    /// Closes the connection: the manager closes this client's sessions
+    /// Attaches engine memory to this connection's copy agent as one region
+    /// of `slots` page slots laid out as `chunks` per page (each a
+    /// `(data_ptr, stride, length)` run; see `Runtime.attach_agent_memory`).
+    /// Returns `(region, page_bytes)` for a `register_device_region`
+    /// command's `"agent"`. The manager never maps this memory: its copies
+    /// run in this process, off the Python thread, inside this client's
+    /// waits (the `agent_copy` events never reach the caller). `owner` is
+    /// kept alive until `detach_agent_memory`.
+    #[pyo3(signature = (slots, chunks, owner, device="cpu"))]
+    fn attach_agent_memory(
+        &self,
+        py: Python<'_>,
+        slots: u32,
+        chunks: Vec<(u64, u64, u64)>,
+        owner: Py<PyAny>,
+        device: &str,
+    ) -> PyResult<(u32, u64)> {
+        let chunks = host_chunks(chunks, device).map_err(PyValueError::new_err)?;
+        let got = py.detach(|| -> Result<(u32, u64), Failure> {
+            let agent = {
+                let mut a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
+                a.get_or_insert_with(|| SharedAgent::host(2)).clone()
+            };
+            let mut st = self.lock();
+            let client = st.client()?;
+            if !client.has_agent() {
+                client.set_agent(Box::new(agent.clone()))?;
+            }
+            drop(st);
+            // SAFETY: the caller promises the memory stays put while
+            // attached, and `owner` (kept until detach) keeps it allocated.
+            unsafe { agent.lock().agent.attach(slots, &chunks) }
+                .map_err(|e| Failure::Value(e.to_string()))
+        })?;
+        self.keep
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(got.0, owner);
+        Ok(got)
+    }
+
+    /// Detaches an agent region (after its session closed) and lets go of
+    /// its owner; `False` if there is no such region. Refused while the
+    /// agent has copies running.
+    fn detach_agent_memory(&self, py: Python<'_>, region: u32) -> PyResult<bool> {
+        let found = py.detach(|| -> Result<bool, Failure> {
+            let a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(agent) = a.as_ref() else {
+                return Ok(false);
+            };
+            let mut st = agent.lock();
+            if st.agent.busy() {
+                return Err(Failure::Os(
+                    "the copy agent has copies running; wait for their operations first".into(),
+                ));
+            }
+            Ok(st.agent.detach(region))
+        })?;
+        let owner = self
+            .keep
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&region);
+        drop(owner);
+        Ok(found)
+    }
+
+    /// Closes the connection (after the copy agent's running copies, if
+    /// any, finished): the manager closes this client's sessions
     /// (their leases and reservations return). Views already handed out stay
     /// valid memory. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let client = py.detach(|| {
-            let mut st = self.lock();
-            st.pool = None;
-            st.regions.clear();
-            st.client.take()
+        py.detach(|| {
+            let client = {
+                let mut st = self.lock();
+                st.pool = None;
+                st.regions.clear();
+                st.client.take()
+            };
+            drop(client);
+            // The manager fails the copies it sent; none may still write
+            // engine memory once close returns.
+            let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(agent) = agent {
+                let mut discard = Vec::new();
+                agent.lock().agent.drain(crate::agent::DRAIN, &mut discard);
+            }
         });
-        drop(client);
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -20,6 +20,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyConnectionError, PyException, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+pub mod agent;
 pub mod bench;
 pub mod buffer;
 pub mod client;

@@ -7,8 +7,11 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use orbitkv_components::api::{Command, Origin};
+use std::collections::HashMap;
+
+use orbitkv_components::api::{Addressed, Command, Origin};
 use orbitkv_gpu::CopyEngine;
+use orbitkv_gpu::agent::{CopyAgent, HostWindow};
 use orbitkv_gpu::host::{DeviceArena, HostCopyConfig, HostCopyEngine};
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
 use orbitkv_io::tier::BackingTier;
@@ -21,6 +24,10 @@ use crate::buffer::{Mapping, memoryview};
 use crate::convert::{deserialize_dict, serialize};
 use crate::{InvariantError, QueueFull};
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The embedded runtime: commands in, events out, one `tick` at a time.
 ///
 /// Every call locks the runtime and runs without the GIL, so a `tick` on one
@@ -28,12 +35,81 @@ use crate::{InvariantError, QueueFull};
 /// serialized.
 #[pyclass(module = "orbitkv", name = "Runtime", frozen)]
 pub struct PyRuntime {
-    inner: Mutex<Runtime>,
+    inner: Mutex<Embedded>,
     /// The copy engine's "device" memory, for `device_write`/`device_read`.
     arena: DeviceArena,
     simulated: bool,
     /// Set when a call panicked: the state is no longer trusted.
     broken: AtomicBool,
+    /// The Python objects owning each agent region's memory, kept alive
+    /// until the region is detached (and after the agent, which drains
+    /// its copies when dropped: declared after `inner`).
+    keep: Mutex<HashMap<u32, Py<PyAny>>>,
+}
+
+/// The runtime and the embedded caller's copy agent (created with its
+/// first agent region). `tick` hands the agent its `AgentCopy` events and
+/// submits its reports, as a bridge agent does over a manager connection.
+struct Embedded {
+    rt: Runtime,
+    agent: Option<CopyAgent>,
+    workers: usize,
+}
+
+impl Embedded {
+    /// One tick, with the agent's reports submitted first and its copy
+    /// events taken out of what the caller sees.
+    fn tick(&mut self) -> Result<Vec<Addressed>, SubmitError> {
+        if let Some(agent) = &mut self.agent {
+            let mut done = Vec::new();
+            agent.poll(&mut done);
+            for command in done {
+                self.rt.submit(Origin::EMBEDDED, command)?;
+            }
+        }
+        let mut events = self.rt.tick();
+        self.map_window();
+        if let Some(agent) = &mut self.agent {
+            events.retain(|a| !(a.to == Origin::EMBEDDED && agent.handle(&a.event)));
+        }
+        Ok(events)
+    }
+
+    /// Maps the agent's window once the caller has a staging area (its
+    /// first agent region was registered). Until then a copy could not be
+    /// sent to it anyway.
+    fn map_window(&mut self) {
+        let Some(agent) = &mut self.agent else {
+            return;
+        };
+        if agent.has_window() {
+            return;
+        }
+        let rt = &self.rt;
+        let (Some(pool), Some(staging), Some(staging_len)) = (
+            rt.export_pool(),
+            rt.export_staging(Origin::EMBEDDED),
+            rt.staging_capacity(Origin::EMBEDDED),
+        ) else {
+            return;
+        };
+        // A window that cannot be mapped leaves the agent without one: its
+        // copies then fail (`shutdown`) and the operations miss.
+        if let Ok(window) = HostWindow::map(pool, rt.pool_capacity(), staging, staging_len) {
+            let _ = agent.set_window(window);
+        }
+    }
+
+    fn agent(&mut self) -> &mut CopyAgent {
+        let workers = self.workers;
+        self.agent.get_or_insert_with(|| {
+            CopyAgent::new(Box::new(HostCopyEngine::new(HostCopyConfig {
+                workers,
+                max_in_flight_batches: 64,
+                shared_regions: false,
+            })))
+        })
+    }
 }
 
 fn parse_config(config: Option<&Bound<'_, PyAny>>) -> PyResult<Config> {
@@ -117,6 +193,14 @@ impl PyRuntime {
         py: Python<'_>,
         f: impl FnOnce(&mut Runtime) -> T + Send,
     ) -> PyResult<T> {
+        self.with_embedded(py, |e| f(&mut e.rt))
+    }
+
+    fn with_embedded<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Embedded) -> T + Send,
+    ) -> PyResult<T> {
         py.detach(|| {
             if self.broken.load(Ordering::Acquire) {
                 return Err(Failure::Broken);
@@ -126,7 +210,7 @@ impl PyRuntime {
                 Ok(v) => Ok(v),
                 Err(payload) => {
                     self.broken.store(true, Ordering::Release);
-                    let violations = catch_unwind(AssertUnwindSafe(|| rt.check_invariants()))
+                    let violations = catch_unwind(AssertUnwindSafe(|| rt.rt.check_invariants()))
                         .ok()
                         .and_then(Result::err);
                     Err(Failure::Panicked {
@@ -149,7 +233,11 @@ impl PyRuntime {
         config: Option<&Bound<'_, PyAny>>,
         simulated_clock: bool,
     ) -> PyResult<Self> {
-        let config = parse_config(config)?;
+        let mut config = parse_config(config)?;
+        // The pool is a memory file, so the in-process copy agent maps it
+        // read-only like an agent in another process does.
+        config.dram.shared = true;
+        let workers = config.copy.workers;
         let (copy, arena, tiers): (Box<dyn CopyEngine>, DeviceArena, Vec<Box<dyn BackingTier>>) =
             if simulated_clock {
                 if config.ssd.is_some() {
@@ -192,10 +280,15 @@ impl PyRuntime {
             .detach(|| Runtime::with_backends(config, backends))
             .map_err(runtime_error)?;
         Ok(PyRuntime {
-            inner: Mutex::new(rt),
+            inner: Mutex::new(Embedded {
+                rt,
+                agent: None,
+                workers,
+            }),
             arena,
             simulated: simulated_clock,
             broken: AtomicBool::new(false),
+            keep: Mutex::new(HashMap::new()),
         })
     }
 
@@ -215,9 +308,14 @@ impl PyRuntime {
             .map_err(|e: SubmitError| QueueFull::new_err(e.to_string()))
     }
 
-    /// Runs every stage once; returns the events it produced.
+    /// Runs every stage once; returns the events it produced. Copies into
+    /// and out of agent regions run in the runtime's in-process copy agent
+    /// (their `agent_copy` events are its, not the caller's) off the
+    /// Python thread; a later tick reports them.
     fn tick<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.with(py, |rt| rt.tick())?;
+        let events = self
+            .with_embedded(py, |e| e.tick())?
+            .map_err(|e: SubmitError| QueueFull::new_err(e.to_string()))?;
         let list = PyList::empty(py);
         for a in &events {
             list.append(serialize(py, &a.event)?)?;
@@ -320,6 +418,58 @@ impl PyRuntime {
         })?;
         let len = map.len();
         memoryview(py, Arc::new(map), 0, len, false)
+    }
+
+    /// Attaches engine memory to the in-process copy agent as one region
+    /// of `slots` page slots, laid out as `chunks` per page: each chunk a
+    /// `(data_ptr, stride, length)` run, slot `s`'s run at `data_ptr + s *
+    /// stride`, the page being the chunks' runs in order (one chunk of
+    /// `(ptr, page_bytes, page_bytes)` for a contiguous buffer). Returns
+    /// `(region, page_bytes)`: register it with a `register_device_region`
+    /// command carrying `"agent": {"region": region, "page_bytes":
+    /// page_bytes}`. The runtime never maps this memory; copies run here.
+    ///
+    /// `owner` (e.g. the tensor or array) is kept alive until
+    /// `detach_agent_memory`; the memory must not move or be freed before.
+    /// Host memory only (`device="cpu"`).
+    #[pyo3(signature = (slots, chunks, owner, device="cpu"))]
+    fn attach_agent_memory(
+        &self,
+        py: Python<'_>,
+        slots: u32,
+        chunks: Vec<(u64, u64, u64)>,
+        owner: Py<PyAny>,
+        device: &str,
+    ) -> PyResult<(u32, u64)> {
+        let chunks = crate::agent::host_chunks(chunks, device).map_err(PyValueError::new_err)?;
+        // SAFETY: the caller promises the memory stays put while attached,
+        // and `owner` (kept until detach) keeps it allocated.
+        let (region, page_bytes) = self
+            .with_embedded(py, |e| unsafe { e.agent().attach(slots, &chunks) })?
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        lock(&self.keep).insert(region, owner);
+        Ok((region, page_bytes))
+    }
+
+    /// Detaches an agent region (after its session closed) and lets go of
+    /// its owner. Refused while the agent has copies running.
+    fn detach_agent_memory(&self, py: Python<'_>, region: u32) -> PyResult<bool> {
+        let detached = self.with_embedded(py, |e| match &mut e.agent {
+            Some(agent) if agent.busy() => Err(()),
+            Some(agent) => Ok(agent.detach(region)),
+            None => Ok(false),
+        })?;
+        match detached {
+            Err(()) => Err(PyRuntimeError::new_err(
+                "the copy agent has copies running; tick until they are reported",
+            )),
+            Ok(found) => {
+                // The owner goes without the GIL held by the lock.
+                let owner = lock(&self.keep).remove(&region);
+                drop(owner);
+                Ok(found)
+            }
+        }
     }
 
     fn __repr__(&self) -> String {

@@ -151,7 +151,9 @@ def test_preemption(model, manager, async_scheduling):
 def test_finished_request_keeps_blocks_until_published(model, manager):
     # The manager is stopped while A's pages are being published: A finishes,
     # but vLLM keeps its blocks until the worker reports the saves answered.
-    with engine(model, manager.socket, max_batched=16) as e:
+    # Staged copies: saves are asynchronous there (the copy agent's wait in
+    # wait_for_save is its own test).
+    with engine(model, manager.socket, max_batched=16, extra={"copy_agent": False}) as e:
         e.add("A", PROMPT)
         e.step()  # the lookup (a miss) happens while the manager runs
         os.kill(manager.proc.pid, signal.SIGSTOP)
@@ -287,7 +289,7 @@ def test_expired_leases_are_never_used(model, orbitkv_bin):
     )
     try:
         m.start()
-        with engine(model, m.socket) as e:
+        with engine(model, m.socket, extra={"copy_agent": False}) as e:
             w = e.workers[0].worker
             real = w.mover.restore
 
@@ -313,7 +315,7 @@ def test_copy_error_recomputes(model, manager, window):
     # A load whose copy fails half way (garbage in the first block) is
     # reported: by block with one group, by request with two. vLLM
     # recomputes and the garbage never reaches attention (the oracle).
-    with engine(model, manager.socket, sliding_window=window) as e:
+    with engine(model, manager.socket, sliding_window=window, extra={"copy_agent": False}) as e:
         w = e.workers[0].worker
 
         def broken(gid, pages):
@@ -328,6 +330,60 @@ def test_copy_error_recomputes(model, manager, window):
         assert w.stats.loads_failed == 1, w.stats
         assert "B" in e.finished
     no_leaks(manager)
+
+
+@pytest.mark.parametrize("window", [None, 32], ids=["one_group", "hybrid"])
+def test_agent_restore_refused_recomputes(model, manager, window):
+    # The KV blocks are agent regions; the load's device pages are refused
+    # (a region handle the manager does not know): nothing is copied, the
+    # load fails and vLLM recomputes (the oracle checks every byte).
+    from orbitkv.vllm.copy import AgentPageMover
+
+    with engine(model, manager.socket, sliding_window=window) as e:
+        w = e.workers[0].worker
+        assert isinstance(w.mover, AgentPageMover)
+
+        def refuse():
+            w.mover.region = lambda gid: 0x7777_0000_0001
+
+        promised = hit_then_fail(e, PROMPT, refuse)
+        assert promised == 64
+        assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
+        # B's own saves are refused the same way (dropped, never stored).
+        assert "restore_alloc" in w.stats.failures_by_reason, w.stats
+        assert set(w.stats.failures_by_reason) <= {"restore_alloc", "publish_alloc"}, w.stats
+        assert "B" in e.finished
+    no_leaks(manager)
+
+
+def test_agent_restore_after_the_prepare_deadline_recomputes(model, orbitkv_bin):
+    # The manager expires a prepared operation after 300 ms; the worker
+    # submits its restore later: the manager's miss (or its refusal of the
+    # restore) fails the load, and nothing is copied into B's blocks.
+    m = ss.Manager(
+        orbitkv_bin, dram="64MiB", config=ss.CONFIG + "[limits]\nprepare_deadline_us = 300000\n"
+    )
+    try:
+        m.start()
+        with engine(model, m.socket) as e:
+            w = e.workers[0].worker
+            real = w.mover.region
+
+            def slow(gid):
+                time.sleep(0.6)
+                return real(gid)
+
+            promised = hit_then_fail(e, PROMPT, lambda: setattr(w.mover, "region", slow))
+            assert promised == 64
+            assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
+            reasons = set(w.stats.failures_by_reason)
+            assert reasons and all(
+                r == "miss_deadline" or r.startswith("restore_") for r in reasons
+            ), w.stats
+        no_leaks(m)
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
 
 
 def test_corrupt_page_on_ssd_is_a_miss(model, orbitkv_bin, tmp_path):

@@ -173,19 +173,21 @@ def test_manager_killed_mid_prefetch(manager, monkeypatch):
     be = orbit(cc)
     tokens = list(range(300, 300 + 4 * PAGE))
     kills = []
-    real = okv._StagedCopies.page_to_host
+    # The host pool is an agent region: the restore into it is where the
+    # leases are held and the copy agent is about to write the host pool.
+    real = okv._Conn.restore
 
-    def dying(pool, index, src):
+    def dying(conn, op, targets):
         if not kills:
             kills.append(threading.current_thread().name)
             manager.proc.kill()
             manager.proc.wait(10)
-        return real(pool, index, src)
+        return real(conn, op, targets)
 
     try:
         _, exp, written = backup(cc, host, tokens, seed=21)
         assert written == len(tokens)
-        monkeypatch.setattr(okv._StagedCopies, "page_to_host", staticmethod(dying))
+        monkeypatch.setattr(okv._Conn, "restore", dying)
         hit, done, idx = prefetch(cc, host, tokens, "k1")
         # Killed from SGLang's prefetch I/O thread, while it held the leases.
         assert len(kills) == 1 and kills[0] != threading.main_thread().name

@@ -194,11 +194,17 @@ pub enum Command {
         session: SessionHandle,
     },
     /// A device KV pool for one (rank, group) with `slots` page slots.
+    /// Without `agent` the manager's copy engine allocates it (tests,
+    /// replays); with `agent` it is memory the submitting origin owns, and
+    /// every copy into or out of it runs in that origin's copy agent
+    /// (`Event::AgentCopy`, answered by `Command::CopyDone`).
     RegisterDeviceRegion {
         session: SessionHandle,
         rank: u32,
         group: u32,
         slots: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent: Option<AgentRegion>,
     },
     /// The engine put a page into `slot`; the reply is a fresh handle.
     DevicePageAlloc {
@@ -256,10 +262,93 @@ pub enum Command {
         session: SessionHandle,
         operation: u64,
     },
+    /// A copy agent finished copy `copy` (of an `Event::AgentCopy` it was
+    /// sent): every page landed, or `failure` says why not. Only the origin
+    /// the copy was sent to may report it, once.
+    CopyDone {
+        copy: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        failure: Option<CopyFailure>,
+    },
     /// Simulated clock only: move time forward.
     AdvanceClock {
         us: u64,
     },
+}
+
+/// An agent-owned device region: the agent's own id for the memory (echoed
+/// in every `AgentCopy`) and the page size the agent laid out, which must
+/// equal the group's page size on that rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentRegion {
+    pub region: u32,
+    pub page_bytes: u64,
+}
+
+/// Which way an agent copy moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentDirection {
+    /// Restore: from the shared pool (mapped read-only in the agent) into
+    /// the region. `host_offset` is a pool offset.
+    PoolToRegion,
+    /// Publish: from the region into the origin's own staging area; the
+    /// manager then moves the bytes into the pool. `host_offset` is a
+    /// staging offset.
+    RegionToStaging,
+}
+
+/// One page of an agent copy: `len` bytes between `host_offset` (in the
+/// pool or the staging area, per the direction) and `region_offset` of the
+/// agent's region `region` (slot `s` starts at `s * page_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentPageCopy {
+    pub host_offset: u64,
+    pub region: u32,
+    pub region_offset: u64,
+    pub len: u64,
+    /// `pool_to_region`: the checksum the pool page carries. The agent
+    /// verifies the bytes it copied against it and reports `checksum`
+    /// otherwise: a page altered in memory is never a hit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<u64>,
+}
+
+/// Why a copy agent could not complete a copy. The copy failed as a whole;
+/// the runtime treats every page of it as not copied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "reason", content = "detail", rename_all = "snake_case")]
+pub enum CopyFailure {
+    #[error("the agent has no region {0}")]
+    UnknownRegion(u32),
+    #[error("a copy lies outside its region, the pool or the staging area: {0}")]
+    OutOfBounds(String),
+    #[error("the agent's executor failed: {0}")]
+    Executor(String),
+    #[error("the agent is shutting down")]
+    Shutdown,
+    /// A pool page's bytes did not match the checksum it carries.
+    #[error("pool bytes at {0} do not match their checksum")]
+    Checksum(u64),
+    /// Set by the runtime, never sent: the origin went away with the copy
+    /// in flight, or did not report it within `agent_copy_deadline_us`.
+    #[error("the copy agent was lost or missed its deadline")]
+    Lost,
+}
+
+impl CopyFailure {
+    /// The serde name of the variant, for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CopyFailure::UnknownRegion(_) => "unknown_region",
+            CopyFailure::OutOfBounds(_) => "out_of_bounds",
+            CopyFailure::Executor(_) => "executor",
+            CopyFailure::Shutdown => "shutdown",
+            CopyFailure::Checksum(_) => "checksum",
+            CopyFailure::Lost => "lost",
+        }
+    }
 }
 
 /// A typed refusal of a command. The command had no effect.
@@ -298,9 +387,11 @@ pub enum CommandError {
     #[error("the runtime's clock is not simulated")]
     WallClock,
     #[error(
-        "the command names a session, operation, device region or device page of another origin"
+        "the command names a session, operation, device region, device page or copy of another origin"
     )]
     NotOwner,
+    #[error("unknown or finished agent copy {0:#x}")]
+    UnknownCopy(u64),
 }
 
 /// Why a command is malformed: its shape, not the runtime's state
@@ -343,6 +434,15 @@ pub enum InvalidCommand {
     UnknownGroup { group: u32 },
     #[error("region size overflows")]
     RegionTooLarge,
+    #[error(
+        "the agent laid out pages of {agent} bytes; (rank {rank}, group {group}) pages are {page_bytes}"
+    )]
+    AgentPageBytes {
+        agent: u64,
+        rank: u32,
+        group: u32,
+        page_bytes: u64,
+    },
     #[error("slot {slot} is outside the region's {slots} slots")]
     SlotOutOfRange { slot: u32, slots: u32 },
     #[error("publish has no pages")]
@@ -564,6 +664,7 @@ impl CommandError {
             CommandError::Copy(_) => "copy",
             CommandError::WallClock => "wall_clock",
             CommandError::NotOwner => "not_owner",
+            CommandError::UnknownCopy(_) => "unknown_copy",
         }
     }
 }
@@ -604,9 +705,13 @@ pub enum Event {
     RegionRegistered {
         command: CommandId,
         region: u64,
-        /// The copy engine's id for the region (CUDA/host backends).
+        /// The executor's id for the region: the manager's copy engine's,
+        /// or (an agent region) the agent's own, echoed.
         engine_region: u32,
         page_bytes: u64,
+        /// An agent-owned region: the manager has no memory of it to share.
+        #[serde(default, skip_serializing_if = "is_false")]
+        agent: bool,
     },
     DevicePageAllocated {
         command: CommandId,
@@ -666,6 +771,14 @@ pub enum Event {
     Released {
         operation: u64,
     },
+    /// Addressed to the origin that owns the regions: run these page copies
+    /// in its copy agent and answer with `Command::CopyDone { copy }`. The
+    /// pages stay pinned and the pool pages leased until then.
+    AgentCopy {
+        copy: u64,
+        direction: AgentDirection,
+        pages: Vec<AgentPageCopy>,
+    },
 }
 
 impl Event {
@@ -684,6 +797,10 @@ impl Event {
             _ => None,
         }
     }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -741,6 +858,7 @@ mod tests {
             CommandError::Copy(CopyRefusal::Failed { reason: "x".into() }),
             CommandError::WallClock,
             CommandError::NotOwner,
+            CommandError::UnknownCopy(1),
         ];
         for e in all {
             let v = serde_json::to_value(&e).unwrap();

@@ -332,13 +332,24 @@ pub struct Recovery {
 pub struct PlannedCopy {
     pub device_page: Entity,
     pub host_offset: u64,
-    /// The copy engine's region id.
+    /// The executor's region id (the copy engine's, or the agent's).
     pub region: u32,
     pub device_offset: u64,
     pub len: u64,
     /// The leased page's checksum, which the copy verifies the bytes it
     /// delivers against.
     pub checksum: u64,
+    /// Who runs it: the manager's copy engine, or the region owner's agent.
+    pub executor: Executor,
+}
+
+/// Who runs a device copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Executor {
+    /// The runtime's own copy engine (`Copier`): manager-owned regions.
+    Local,
+    /// The copy agent of the origin that owns the region.
+    Agent(Origin),
 }
 
 impl Recovery {
@@ -401,6 +412,9 @@ pub struct PublishItem {
     /// `SlotKey::to_bits()` once allocated.
     pub dram_slot: Option<u64>,
     pub dram_offset: u64,
+    /// From an agent-owned region: the origin's staging slot the agent
+    /// writes into (`SlotKey::to_bits()` and offset), held while copying.
+    pub staging: Option<(u64, u64)>,
     pub state: ItemState,
 }
 
@@ -442,7 +456,11 @@ pub enum TransferKind {
 /// operation retires only once it has no `Transfers`.
 #[derive(Component, Debug, Clone)]
 pub struct Transfer {
+    /// The copy engine's completion token, a tier's read token, or the
+    /// agent copy id (`executor`).
     pub token: u64,
+    /// Device copies: who runs it. Tier reads are `Local`.
+    pub executor: Executor,
     pub kind: TransferKind,
     pub submitted_us: u64,
     /// Reported overdue once; it keeps its buffers regardless, because a
@@ -470,8 +488,12 @@ pub struct DeviceRegion {
     pub group: u32,
     pub slots: u32,
     pub page_bytes: u64,
-    /// The copy engine's region id.
+    /// The executor's region id: the copy engine's for a manager-owned
+    /// region, the agent's own for an agent-owned one.
     pub engine_region: u32,
+    /// Who owns the memory and runs its copies: `Local` (the manager's
+    /// copy engine allocated it) or `Agent(origin)` (the engine process's).
+    pub executor: Executor,
     /// The live device page of each allocated slot: an index over
     /// `RegionPages`, as large as what is allocated (not the slot count).
     pub by_slot: std::collections::HashMap<u32, Entity>,

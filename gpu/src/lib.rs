@@ -13,6 +13,7 @@
 //! The trait never assumes synchronous completion: `submit` returns a token,
 //! and only `poll` reports that the bytes landed.
 
+pub mod agent;
 pub mod cuda;
 pub mod host;
 pub mod sim;

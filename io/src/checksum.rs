@@ -5,3 +5,45 @@
 pub fn page_checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
 }
+
+/// Bytes copied (then hashed while still in cache) per step of
+/// [`copy_with_checksum`].
+const FUSED_CHUNK: usize = 64 << 10;
+
+/// Copies `src` into `dst` (same length) and returns the page checksum of
+/// the bytes written, in one pass: each chunk is hashed from `dst` right
+/// after it is copied, so the checksum covers exactly what landed even if
+/// `src` changes meanwhile (an agent's staging area is writable by the
+/// agent). Equal to `page_checksum(dst)` afterwards.
+pub fn copy_with_checksum(dst: &mut [u8], src: &[u8]) -> u64 {
+    assert_eq!(dst.len(), src.len(), "copy_with_checksum: lengths differ");
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for (d, s) in dst.chunks_mut(FUSED_CHUNK).zip(src.chunks(FUSED_CHUNK)) {
+        d.copy_from_slice(s);
+        hasher.update(d);
+    }
+    hasher.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_copy_checksums_what_it_wrote() {
+        for len in [
+            0usize,
+            1,
+            4095,
+            FUSED_CHUNK,
+            FUSED_CHUNK + 17,
+            3 * FUSED_CHUNK,
+        ] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 31 + 7) as u8).collect();
+            let mut dst = vec![0u8; len];
+            let sum = copy_with_checksum(&mut dst, &src);
+            assert_eq!(dst, src);
+            assert_eq!(sum, page_checksum(&src), "len {len}");
+        }
+    }
+}

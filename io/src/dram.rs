@@ -203,6 +203,9 @@ pub struct HostPool {
     map: MmapMut,
     /// The shared-memory file behind `map`, when the pool is shared.
     file: Option<std::fs::File>,
+    /// A staging pool ([`HostPool::staging`]): its one client writes it,
+    /// so its file is not sealed and its descriptor is read-write.
+    client_writable: bool,
     capacity: u64,
     extent_bytes: u64,
     slot_align: u64,
@@ -230,6 +233,19 @@ impl HostPool {
     /// Validates `config` and maps the region. Memory is reserved, not
     /// touched: call [`HostPool::first_touch`] to fault it in.
     pub fn new(config: HostPoolConfig) -> Result<HostPool, PoolError> {
+        Self::build(config, false)
+    }
+
+    /// A shared pool one client writes into and the manager reads from: a
+    /// copy agent's staging area. Its file is not sealed, and
+    /// [`export_fd`](Self::export_fd) hands out a read-write descriptor.
+    /// Never use it for pages other clients read.
+    pub fn staging(mut config: HostPoolConfig) -> Result<HostPool, PoolError> {
+        config.shared = true;
+        Self::build(config, true)
+    }
+
+    fn build(config: HostPoolConfig, client_writable: bool) -> Result<HostPool, PoolError> {
         let HostPoolConfig {
             capacity_bytes,
             extent_bytes,
@@ -266,7 +282,10 @@ impl HostPool {
             bytes: capacity,
             reason: e.to_string(),
         };
-        let (map, file) = if shared {
+        let (map, file) = if client_writable {
+            let (file, map) = staging_memory("orbitkv-staging", capacity).map_err(map_err)?;
+            (map, Some(file))
+        } else if shared {
             let (file, map) = sealed_pool_memory("orbitkv-host-pool", capacity).map_err(map_err)?;
             (map, Some(file))
         } else {
@@ -275,6 +294,7 @@ impl HostPool {
         Ok(HostPool {
             map,
             file,
+            client_writable,
             capacity,
             extent_bytes,
             slot_align,
@@ -286,13 +306,17 @@ impl HostPool {
     }
 
     /// A new read-only descriptor for the shared pool's memory file, to
-    /// hand to a client process; `None` for a private pool. The file is
+    /// hand to a client process; `None` for a private pool (read-write for
+    /// a staging pool). The file is
     /// sealed against writable mappings and resizing
     /// ([`sealed_pool_memory`]), so no descriptor to it, however reopened,
     /// lets a client change a byte.
     pub fn export_fd(&self) -> Option<std::os::fd::OwnedFd> {
         use std::os::fd::AsRawFd;
         let file = self.file.as_ref()?;
+        if self.client_writable {
+            return file.try_clone().ok().map(std::os::fd::OwnedFd::from);
+        }
         // A fresh open file description, read-only (a dup would share the
         // manager's read-write one).
         // Without /proc, a duplicate: the seals protect the pool either way.
@@ -444,6 +468,33 @@ impl HostPool {
     pub fn bytes_mut(&mut self, key: SlotKey, len: u64) -> Option<&mut [u8]> {
         let range = self.range(key, len)?;
         self.map.get_mut(range)
+    }
+
+    /// Mutable views of several live slots at once (the first `len` bytes
+    /// of each, in the order given), so they can be filled in parallel.
+    /// `None` if a key is stale, a `len` exceeds its slot, or two entries
+    /// name the same slot.
+    pub fn slots_mut(&mut self, slots: &[(SlotKey, u64)]) -> Option<Vec<&mut [u8]>> {
+        let mut ranges: Vec<(usize, std::ops::Range<usize>)> = slots
+            .iter()
+            .enumerate()
+            .map(|(n, &(key, len))| Some((n, self.range(key, len)?)))
+            .collect::<Option<_>>()?;
+        ranges.sort_by_key(|(_, r)| r.start);
+        // Carve the map front to back; live slots never overlap, and a
+        // repeated slot is refused here rather than aliased.
+        let mut out: Vec<Option<&mut [u8]>> = (0..slots.len()).map(|_| None).collect();
+        let mut rest: &mut [u8] = &mut self.map[..];
+        let mut at = 0usize;
+        for (n, r) in ranges {
+            let skip = r.start.checked_sub(at)?;
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut_checked(skip)?;
+            let (view, tail) = tail.split_at_mut_checked(r.len())?;
+            out[n] = Some(view);
+            rest = tail;
+            at = r.end;
+        }
+        out.into_iter().collect()
     }
 
     /// Address of offset 0, for DMA registration and device copies. Valid
@@ -690,6 +741,31 @@ pub fn sealed_pool_memory(
     ])
     .map_err(std::io::Error::other)?;
     Ok((fd.into_file(), map))
+}
+
+/// A staging area's memory file: its one client maps it writable, so only
+/// its size is sealed (`F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`): the
+/// client cannot truncate it under the manager's reads, which would fault
+/// the manager.
+pub fn staging_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
+    let fd = memfd::MemfdOptions::default()
+        .close_on_exec(true)
+        .allow_sealing(true)
+        .create(name)
+        .map_err(std::io::Error::other)?;
+    fd.as_file().set_len(len)?;
+    fd.add_seals(&[
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealSeal,
+    ])
+    .map_err(std::io::Error::other)?;
+    let file = fd.into_file();
+    // SAFETY: the manager reads only slots whose copy its agent reported;
+    // the bytes may still change under it, which the fused copy tolerates
+    // (it checksums what it wrote into the pool).
+    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+    Ok((file, map))
 }
 
 /// An anonymous shared-memory file of `len` bytes (memfd), mapped.

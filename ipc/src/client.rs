@@ -278,6 +278,34 @@ impl HotPath {
     }
 }
 
+/// A copy agent riding on a client (the bridge's, over its executor): it
+/// takes the events the client's user never sees (`AgentCopy`) and sends
+/// its reports (`CopyDone`), inside every wait of the client, so a copy the
+/// manager sends while the user waits for its outcome runs meanwhile.
+pub trait Agent: Send {
+    /// The pool (read-only) and the connection's staging area arrived.
+    fn window(
+        &mut self,
+        pool: &std::fs::File,
+        pool_len: u64,
+        staging: std::fs::File,
+        staging_len: u64,
+    ) -> Result<(), String>;
+    /// Takes `event` if it is the agent's.
+    fn take(&mut self, event: &Event) -> bool;
+    /// Appends the reports to send now.
+    fn reports(&mut self, out: &mut Vec<Command>);
+    /// Copies are running: waits look again soon rather than block.
+    fn busy(&self) -> bool;
+    /// The connection is gone: wait for running copies (they write engine
+    /// memory the engine may reuse once the failure is reported).
+    fn lost(&mut self);
+}
+
+/// How long a wait blocks at most while the agent has copies running
+/// (their completions do not wake the socket).
+const AGENT_POLL: Duration = Duration::from_micros(100);
+
 pub struct Client {
     stream: UnixStream,
     buf: frame::FrameReader,
@@ -288,6 +316,15 @@ pub struct Client {
     fresh_fds: Vec<OwnedFd>,
     welcome: Welcome,
     pool: Option<memmap2::Mmap>,
+    /// The pool's (read-only) descriptor, for the agent's window.
+    pool_file: Option<std::fs::File>,
+    /// The staging area's descriptor, until an agent takes it.
+    staging: Option<(std::fs::File, u64)>,
+    agent: Option<Box<dyn Agent>>,
+    /// Tags of the agent's reports: their acceptances are not waited for.
+    report_tags: std::collections::HashSet<u64>,
+    /// Reports the manager refused (a copy it had already failed).
+    pub reports_refused: u64,
     regions: HashMap<u64, memmap2::MmapMut>,
     next_tag: u64,
     accepted: HashMap<u64, Result<u64, CommandError>>,
@@ -351,6 +388,11 @@ impl Client {
                 hot: None,
             },
             pool: None,
+            pool_file: None,
+            staging: None,
+            agent: None,
+            report_tags: Default::default(),
+            reports_refused: 0,
             regions: HashMap::new(),
             next_tag: 0,
             accepted: HashMap::new(),
@@ -389,6 +431,7 @@ impl Client {
                         // under a lease this client holds do not change.
                         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(ClientError::Map)?;
                         c.pool = Some(map);
+                        c.pool_file = Some(file);
                     }
                     if let Some(info) = c.welcome.hot.clone() {
                         match fds.next() {
@@ -502,6 +545,32 @@ impl Client {
     /// (a hot-path client first says it sleeps, so the manager wakes it).
     /// `Ok(false)` at the deadline.
     fn pump(&mut self, deadline: Option<Instant>) -> Result<bool, ClientError> {
+        let r = self.pump_inner(deadline);
+        if r.is_err()
+            && let Some(agent) = self.agent.as_mut()
+        {
+            agent.lost();
+        }
+        r
+    }
+
+    /// Sends the agent's reports, without waiting for their acceptance.
+    fn send_reports(&mut self) -> Result<(), ClientError> {
+        let Some(agent) = self.agent.as_mut() else {
+            return Ok(());
+        };
+        let mut out = Vec::new();
+        agent.reports(&mut out);
+        for command in out {
+            let tag = self.next_tag;
+            self.next_tag += 1;
+            self.report_tags.insert(tag);
+            self.send(&frame::encode(Kind::Submit, &Submit { tag, command }))?;
+        }
+        Ok(())
+    }
+
+    fn pump_inner(&mut self, deadline: Option<Instant>) -> Result<bool, ClientError> {
         let start = Instant::now();
         let spin = if self.adaptive && start < self.no_spin_until {
             Duration::ZERO
@@ -513,6 +582,7 @@ impl Client {
         self.blocked = false;
         let mut round = 0u32;
         loop {
+            self.send_reports()?;
             if let Some((kind, payload)) = self.buf.next_frame()? {
                 self.absorb(kind, payload)?;
                 return Ok(true);
@@ -579,8 +649,21 @@ impl Client {
                 events: libc::POLLIN,
                 revents: 0,
             };
-            // SAFETY: one valid pollfd.
-            unsafe { libc::poll(&mut p, 1, wait_ms) };
+            if self.agent.as_ref().is_some_and(|a| a.busy()) {
+                // Copies are running: look again soon for their reports.
+                let remaining = deadline.map_or(AGENT_POLL, |d| {
+                    d.saturating_duration_since(now).min(AGENT_POLL)
+                });
+                let ts = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: remaining.as_nanos() as libc::c_long,
+                };
+                // SAFETY: one valid pollfd, a valid timespec, no signal mask.
+                unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+            } else {
+                // SAFETY: one valid pollfd.
+                unsafe { libc::poll(&mut p, 1, wait_ms) };
+            }
             if let Some(h) = self.hot.as_ref() {
                 h.area.client_sleeping().store(0, Ordering::Relaxed);
             }
@@ -593,11 +676,22 @@ impl Client {
         match kind {
             Kind::Accepted => {
                 let a: Accepted = frame::decode(kind, &payload)?;
-                self.accepted.insert(a.tag, a.result);
+                if self.report_tags.remove(&a.tag) {
+                    // A report of a copy the manager already failed (lost
+                    // or past its deadline): nothing waits for it.
+                    self.reports_refused += u64::from(a.result.is_err());
+                } else {
+                    self.accepted.insert(a.tag, a.result);
+                }
             }
             Kind::Events => {
                 let events: Vec<Event> = frame::decode(kind, &payload)?;
-                self.events.extend(events);
+                for e in events {
+                    let taken = self.agent.as_mut().is_some_and(|a| a.take(&e));
+                    if !taken {
+                        self.events.push_back(e);
+                    }
+                }
             }
             Kind::Descriptor => {
                 let d: Descriptor = frame::decode(kind, &payload)?;
@@ -625,6 +719,10 @@ impl Client {
                         }
                         self.regions.insert(d.handle, map);
                     }
+                    DescriptorKind::Staging => {
+                        self.staging = Some((std::fs::File::from(fd), d.bytes));
+                        self.give_window()?;
+                    }
                 }
             }
             Kind::Snapshot => {
@@ -643,6 +741,32 @@ impl Client {
             | Kind::Inspect => {}
         }
         Ok(())
+    }
+
+    /// Lets `agent` run this connection's copies: it takes every
+    /// `AgentCopy` event from now on (the user never sees them) and its
+    /// reports go out inside every wait. Replaces an earlier agent.
+    pub fn set_agent(&mut self, agent: Box<dyn Agent>) -> Result<(), ClientError> {
+        self.agent = Some(agent);
+        self.give_window()
+    }
+
+    /// Whether this client has an agent.
+    pub fn has_agent(&self) -> bool {
+        self.agent.is_some()
+    }
+
+    /// Hands the agent the pool and the staging area, once both are here.
+    fn give_window(&mut self) -> Result<(), ClientError> {
+        let (Some(agent), Some(pool)) = (self.agent.as_mut(), self.pool_file.as_ref()) else {
+            return Ok(());
+        };
+        let Some((staging, bytes)) = self.staging.take() else {
+            return Ok(());
+        };
+        agent
+            .window(pool, self.welcome.pool_bytes, staging, bytes)
+            .map_err(|e| ClientError::Protocol(format!("the copy agent's window: {e}")))
     }
 
     /// Queues a command; returns its id once the manager accepted it.

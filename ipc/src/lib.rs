@@ -40,7 +40,7 @@ pub mod hot;
 pub mod hot_server;
 pub mod snapshot;
 
-pub use client::{Client, ClientError, ClientOptions};
+pub use client::{Agent, Client, ClientError, ClientOptions};
 pub use frame::{FrameError, Kind, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use snapshot::{ConnectionSummary, Snapshot, Window};
 
@@ -128,6 +128,10 @@ pub enum DescriptorKind {
     /// A device region's shared memory (`region_registered`), mapped
     /// read-write by the engine that registered it.
     Region,
+    /// The connection's staging area (sent before the `region_registered`
+    /// of an agent-owned region): the one memory the client's copy agent
+    /// writes for the manager, mapped read-write beside the read-only pool.
+    Staging,
 }
 
 /// The payload of a `Descriptor` frame: which handle the attached memfd

@@ -207,6 +207,27 @@ impl State {
         conn.learn(&e);
         if let Event::RegionRegistered {
             region,
+            agent: true,
+            ..
+        } = &e
+        {
+            // Engine memory the manager never maps: the client's agent gets
+            // the connection's staging area instead (each time: a new one
+            // follows a session-less spell), before the event.
+            if let (Some(fd), Some(bytes)) =
+                (self.rt.export_staging(to), self.rt.staging_capacity(to))
+            {
+                conn.seal_events();
+                let d = Descriptor {
+                    kind: DescriptorKind::Staging,
+                    handle: *region,
+                    bytes,
+                };
+                conn.outbox
+                    .push_with_fds(frame::encode(Kind::Descriptor, &d), vec![fd]);
+            }
+        } else if let Event::RegionRegistered {
+            region,
             engine_region,
             ..
         } = &e

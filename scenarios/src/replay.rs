@@ -700,6 +700,7 @@ impl<'o> Replay<'o> {
                 rank,
                 group,
                 slots,
+                agent: _,
             } => Some(RawPending::Region {
                 session: session.id,
                 rank: *rank,
@@ -1072,6 +1073,7 @@ impl<'o> Replay<'o> {
                     rank,
                     group: g.id,
                     slots: o.region_slots,
+                    agent: None,
                 });
                 ids.push((id, rank, g.id));
             }
@@ -1557,6 +1559,11 @@ impl<'o> Replay<'o> {
                 }
             }
             Event::TransferOverdue { .. } => {}
+            // A replay registers manager-owned regions only (the recorder
+            // writes agent regions as such); a raw `cmd` line that asks for
+            // an agent region gets copies nobody runs, which fail at their
+            // deadline like a lost agent's.
+            Event::AgentCopy { .. } => {}
         }
     }
 

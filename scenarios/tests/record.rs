@@ -110,6 +110,7 @@ fn recorded_trace_replays_to_the_same_events() {
             rank: 0,
             group: 0,
             slots: 16,
+            agent: None,
         },
         |e| match e {
             Event::RegionRegistered {

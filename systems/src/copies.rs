@@ -1,22 +1,29 @@
-//! What the copy stages share: submitting a batch to the copy engine within
-//! the bounds (`Copies`), and pinning and unpinning device pages
-//! (`Devices`).
+//! What the copy stages share: submitting a batch within the bounds to
+//! whoever runs it (`Copies`: the copy engine for manager-owned regions,
+//! the owning origin's copy agent for agent-owned ones), and pinning and
+//! unpinning device pages (`Devices`).
 
 use bevy_ecs::prelude::*;
 use bevy_ecs::system::SystemParam;
+use orbitkv_components::api::{AgentDirection, AgentPageCopy, Event};
 use orbitkv_components::ecs::{
-    DevicePage, DeviceRegion, PageOf, RegionOf, Transfer, TransferKind, TransferOf,
+    DevicePage, DeviceRegion, Executor, PageOf, RegionOf, Transfer, TransferKind, TransferOf,
 };
 use orbitkv_gpu::{CopyError, Direction, PageCopy};
 
 use crate::lifecycle::unpin_device_page;
-use crate::resources::{Clock, Copier, Limits, Outbox, TransferIndex};
+use crate::resources::{
+    AgentCopyEntry, Agents, Clock, Copier, Limits, Metrics, Outbox, TransferIndex,
+};
 
-/// The copy engine with its bounds: what submitting a batch needs.
+/// The copy engine and the agents with their bounds: what submitting a
+/// batch needs.
 #[derive(SystemParam)]
 pub struct Copies<'w> {
     copier: ResMut<'w, Copier>,
+    agents: ResMut<'w, Agents>,
     index: ResMut<'w, TransferIndex>,
+    metrics: ResMut<'w, Metrics>,
     limits: Res<'w, Limits>,
     clock: Res<'w, Clock>,
 }
@@ -38,8 +45,18 @@ impl Copies<'_> {
         self.limits.max_copy_batch_pages.max(1)
     }
 
-    /// Submits one batch for `operation` and spawns its Transfer, or says
-    /// why not.
+    /// The staging area of `origin`'s agent, where publishes from its
+    /// regions land before the manager moves them into the pool.
+    pub fn staging(
+        &mut self,
+        origin: orbitkv_components::api::Origin,
+    ) -> Option<&mut orbitkv_io::dram::HostPool> {
+        self.agents.staging.get_mut(&origin)
+    }
+
+    /// Submits one batch for `operation` to `executor` and spawns its
+    /// Transfer, or says why not. For an agent, `host_offset`s are pool
+    /// offsets toward the device and staging offsets from it.
     pub fn submit(
         &mut self,
         commands: &mut Commands,
@@ -47,7 +64,15 @@ impl Copies<'_> {
         direction: Direction,
         copies: &[PageCopy],
         kind: TransferKind,
+        executor: Executor,
     ) -> Result<(), Refused> {
+        if let Executor::Agent(origin) = executor {
+            if !self.has_room(executor) {
+                return Err(Refused::Full);
+            }
+            self.send_to_agent(commands, operation, direction, copies, kind, origin);
+            return Ok(());
+        }
         let engine = self.copier.0.get_mut();
         if engine.in_flight() >= self.limits.max_inflight_copies {
             return Err(Refused::Full);
@@ -60,6 +85,7 @@ impl Copies<'_> {
         };
         let transfer = Transfer {
             token: token.0,
+            executor: Executor::Local,
             submitted_us: now_us,
             overdue: false,
             kind,
@@ -68,6 +94,70 @@ impl Copies<'_> {
         self.index.copies.insert(token.0, transfer);
         Ok(())
     }
+
+    /// Whether `executor` can take one more batch now.
+    pub fn has_room(&self, executor: Executor) -> bool {
+        match executor {
+            Executor::Local => true, // the engine's own queue decides
+            Executor::Agent(origin) => {
+                self.agents.in_flight(origin) < self.limits.max_agent_copies_per_origin
+            }
+        }
+    }
+
+    /// Sends a batch to `origin`'s agent as an addressed `AgentCopy`. The
+    /// caller checked `has_room`; the agent validates the offsets against
+    /// its own memory and reports a failure rather than trusting them.
+    fn send_to_agent(
+        &mut self,
+        commands: &mut Commands,
+        operation: Entity,
+        direction: Direction,
+        copies: &[PageCopy],
+        kind: TransferKind,
+        origin: orbitkv_components::api::Origin,
+    ) {
+        let copy = self.agents.next_id();
+        let transfer = Transfer {
+            token: copy,
+            executor: Executor::Agent(origin),
+            submitted_us: self.clock.now_us,
+            overdue: false,
+            kind,
+        };
+        let transfer = commands.spawn((transfer, TransferOf(operation))).id();
+        let entry = AgentCopyEntry { origin, transfer };
+        self.agents.sent.insert(copy, entry);
+        let direction = match direction {
+            Direction::HostToDevice => AgentDirection::PoolToRegion,
+            Direction::DeviceToHost => AgentDirection::RegionToStaging,
+        };
+        let pages = copies
+            .iter()
+            .map(|c| AgentPageCopy {
+                host_offset: c.host_offset,
+                region: c.region,
+                region_offset: c.device_offset,
+                len: c.len,
+                checksum: c.expect_checksum,
+            })
+            .collect();
+        let event = Event::AgentCopy {
+            copy,
+            direction,
+            pages,
+        };
+        self.agents
+            .events
+            .push(orbitkv_components::api::Addressed { to: origin, event });
+        self.metrics.agent_copies += 1;
+    }
+}
+
+/// Moves this tick's agent copy events to the outbox, after the copy
+/// stages (which cannot hold the outbox: `Devices` does).
+pub fn flush_agent_events(mut agents: ResMut<Agents>, mut outbox: ResMut<Outbox>) {
+    outbox.0.append(&mut agents.events);
 }
 
 /// Device pages and their regions, for resolving, pinning and unpinning.

@@ -4,8 +4,10 @@
 //! copy room allows, until the publish's deadline.
 
 use bevy_ecs::prelude::*;
+use orbitkv_components::api::Origin;
 use orbitkv_components::ecs::{
-    ItemState, OpState, Operation, Outcome, PublishItem, PublishJob, TransferKind, Transfers, at,
+    Executor, ItemState, OpState, Operation, Outcome, PublishItem, PublishJob, TransferKind,
+    Transfers, at,
 };
 use orbitkv_gpu::{Direction, PageCopy};
 
@@ -141,7 +143,9 @@ fn drop_unsent(job: &mut PublishJob, dram: &mut Dram) {
 }
 
 /// Submits batches of allocated pages while there is room; returns how
-/// many batches it submitted.
+/// many batches it submitted. A batch goes to one executor; pages from an
+/// agent-owned region each take a slot of the origin's staging area first
+/// (the agent writes there, never into the pool).
 fn send(
     commands: &mut Commands,
     entity: Entity,
@@ -152,12 +156,26 @@ fn send(
 ) -> usize {
     let mut sent = 0;
     loop {
-        let batch: Vec<usize> = (0..job.items.len())
-            .filter(|&i| job.items[i].state == ItemState::Waiting)
+        let Some(first) = job.items.iter().position(|i| i.state == ItemState::Waiting) else {
+            return sent;
+        };
+        let executor = devices.source(job.items[first].device_page).1.executor;
+        let mut batch: Vec<usize> = (first..job.items.len())
+            .filter(|&i| {
+                job.items[i].state == ItemState::Waiting
+                    && devices.source(job.items[i].device_page).1.executor == executor
+            })
             .take(copies.batch_pages())
             .collect();
-        if batch.is_empty() {
-            return sent;
+        if let Executor::Agent(origin) = executor {
+            if !copies.has_room(executor) {
+                return sent;
+            }
+            let staged = stage(job, &batch, copies, origin);
+            if staged == 0 {
+                return sent; // the staging area is full: wait for landings
+            }
+            batch.truncate(staged);
         }
         let page_copies: Vec<PageCopy> = batch
             .iter()
@@ -166,13 +184,8 @@ fn send(
         let kind = TransferKind::Publish {
             items: batch.clone(),
         };
-        match copies.submit(
-            commands,
-            entity,
-            Direction::DeviceToHost,
-            &page_copies,
-            kind,
-        ) {
+        let from_device = Direction::DeviceToHost;
+        match copies.submit(commands, entity, from_device, &page_copies, kind, executor) {
             Ok(()) => {
                 sent += 1;
                 for &i in &batch {
@@ -191,10 +204,32 @@ fn send(
     }
 }
 
+/// Gives the leading items of `batch` a staging slot each, stopping at the
+/// first that does not fit; returns how many got one.
+fn stage(job: &mut PublishJob, batch: &[usize], copies: &mut Copies, origin: Origin) -> usize {
+    let Some(staging) = copies.staging(origin) else {
+        return 0; // no staging area: the items wait and drop at the deadline
+    };
+    let mut staged = 0;
+    for &i in batch {
+        let item = &mut job.items[i];
+        debug_assert!(item.staging.is_none(), "waiting items hold no staging");
+        let Ok(slot) = staging.alloc(item.bytes) else {
+            break;
+        };
+        let offset = staging.offset(slot).expect("a fresh slot has an offset");
+        item.staging = Some((slot.to_bits(), offset));
+        staged += 1;
+    }
+    staged
+}
+
+/// The copy of one item: from its source device page into its DRAM slot,
+/// or into its staging slot when an agent runs it.
 fn source_copy(item: &PublishItem, devices: &Devices) -> PageCopy {
     let (page, region) = devices.source(item.device_page);
     PageCopy {
-        host_offset: item.dram_offset,
+        host_offset: item.staging.map_or(item.dram_offset, |(_, offset)| offset),
         region: region.engine_region,
         device_offset: u64::from(page.slot) * region.page_bytes,
         len: item.bytes,

@@ -9,7 +9,7 @@ use bevy_ecs::system::SystemParam;
 use orbitkv_components::StateKey;
 use orbitkv_components::api::{Event, LeaseInfo, MissReason, PagePos};
 use orbitkv_components::ecs::{
-    Instance, NeedState, OpState, Operation, Outcome, Page, PageNeed, Recovery, Transfer,
+    Executor, Instance, NeedState, OpState, Operation, Outcome, Page, PageNeed, Recovery, Transfer,
     TransferKind, TransferOf, at,
 };
 use orbitkv_io::tier::{BackingTier, TierError};
@@ -276,6 +276,7 @@ impl ReadStep<'_> {
         };
         let transfer = Transfer {
             token,
+            executor: Executor::Local,
             kind,
             submitted_us: now_us,
             overdue: false,

@@ -6,9 +6,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::KeyMap;
-use orbitkv_components::api::{Addressed, Command, CommandId, Event, MissReason, Origin};
+use orbitkv_components::api::{
+    Addressed, Command, CommandId, CopyFailure, Event, MissReason, Origin,
+};
 use orbitkv_gpu::CopyEngine;
-use orbitkv_io::dram::{HostPool, SlotKey};
+use orbitkv_io::dram::{HostPool, HostPoolConfig, SlotKey};
 use orbitkv_io::lru::LruOrder;
 use orbitkv_io::tier::BackingTier;
 use serde::{Deserialize, Serialize};
@@ -59,6 +61,18 @@ pub struct Limits {
     pub max_evictions_per_tick: usize,
     /// A transfer not complete after this long is reported overdue.
     pub transfer_timeout_us: u64,
+    /// Agent copy batches in flight per origin (sent, not yet reported by
+    /// `CopyDone`); more wait for room like local copies do.
+    pub max_agent_copies_per_origin: usize,
+    /// Time an agent has to report a copy. Past it the copy has failed (its
+    /// operation misses with `deadline`), but its pins, leases and staging
+    /// stay held until the agent reports or its origin closes: a late
+    /// agent may still be touching them.
+    pub agent_copy_deadline_us: u64,
+    /// Size of each origin's staging area, the only memory an agent writes
+    /// for the manager (publishes from agent-owned regions land there
+    /// before the manager moves them into the pool).
+    pub max_staging_bytes: u64,
 }
 
 impl Default for Limits {
@@ -83,6 +97,9 @@ impl Default for Limits {
             restore_deadline_us: 5_000_000,
             max_evictions_per_tick: 4096,
             transfer_timeout_us: 10_000_000,
+            max_agent_copies_per_origin: 64,
+            agent_copy_deadline_us: 10_000_000,
+            max_staging_bytes: 64 << 20,
         }
     }
 }
@@ -212,6 +229,94 @@ impl Dram {
     }
 }
 
+/// One agent copy the runtime sent and has not fenced yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentCopyEntry {
+    /// The origin it was sent to: the only one that may report it.
+    pub origin: Origin,
+    /// Its Transfer entity.
+    pub transfer: Entity,
+}
+
+/// Copy agents: the copies sent to them, what they reported, and each
+/// origin's staging area. The runtime never maps an agent's region; it
+/// sends `Event::AgentCopy` and waits for `Command::CopyDone`.
+#[derive(Resource)]
+pub struct Agents {
+    next_copy: u64,
+    /// Sent and not reported, by copy id.
+    pub sent: HashMap<u64, AgentCopyEntry>,
+    /// Reported (or failed by the runtime), for the fence to land.
+    pub reported: Vec<(u64, Entity, Result<(), CopyFailure>)>,
+    /// This tick's copy events, moved to the outbox after the copy stages.
+    pub events: Vec<Addressed>,
+    /// Each origin's staging area, created with its first agent region.
+    pub staging: HashMap<Origin, HostPool>,
+    /// The shape of a staging area: extent and slot alignment of the DRAM
+    /// pool (so every page that fits the pool fits it), and its size.
+    pub staging_shape: (u64, u64),
+}
+
+impl Agents {
+    pub fn new(extent_bytes: u64, slot_align: u64) -> Self {
+        Agents {
+            next_copy: 1,
+            sent: HashMap::new(),
+            reported: Vec::new(),
+            events: Vec::new(),
+            staging: HashMap::new(),
+            staging_shape: (extent_bytes, slot_align),
+        }
+    }
+
+    /// Copies of `origin` sent and not reported.
+    pub fn in_flight(&self, origin: Origin) -> usize {
+        self.sent.values().filter(|e| e.origin == origin).count()
+    }
+
+    /// A fresh copy id (never reused: a late report of a fenced copy is
+    /// `unknown_copy`, never another copy's).
+    pub fn next_id(&mut self) -> u64 {
+        let id = self.next_copy;
+        self.next_copy += 1;
+        id
+    }
+
+    /// Creates `origin`'s staging area of `bytes` if it has none.
+    pub fn ensure_staging(&mut self, origin: Origin, bytes: u64) -> Result<(), String> {
+        if self.staging.contains_key(&origin) {
+            return Ok(());
+        }
+        let (extent_bytes, slot_align) = self.staging_shape;
+        let pool = HostPool::staging(HostPoolConfig {
+            capacity_bytes: bytes,
+            extent_bytes,
+            slot_align,
+            shared: true,
+        })
+        .map_err(|e| e.to_string())?;
+        self.staging.insert(origin, pool);
+        Ok(())
+    }
+
+    /// Fails every copy sent to `origin` (it went away): the fence lands
+    /// them as failed.
+    pub fn lose(&mut self, origin: Origin) {
+        let mut lost: Vec<u64> = self
+            .sent
+            .iter()
+            .filter(|(_, e)| e.origin == origin)
+            .map(|(id, _)| *id)
+            .collect();
+        lost.sort_unstable();
+        for id in lost {
+            let entry = self.sent.remove(&id).expect("collected above");
+            self.reported
+                .push((id, entry.transfer, Err(CopyFailure::Lost)));
+        }
+    }
+}
+
 /// Subtracts `n` from a counter kept by hand, asserting it holds that much:
 /// a double return is a bug that must stop here, not wrap into a budget
 /// that is full forever.
@@ -308,6 +413,9 @@ pub struct Metrics {
     pub evictions: BTreeMap<EvictReason, u64>,
     pub commands_rejected: u64,
     pub transfers_overdue: u64,
+    /// Copy batches sent to copy agents, and those that failed, by reason.
+    pub agent_copies: u64,
+    pub agent_copy_failures: BTreeMap<String, u64>,
     /// Evicted pages offered to a lower tier: `submitted`, or the refusal
     /// reason; then `written` or `failed` as the writes finish.
     pub demotions: BTreeMap<String, u64>,

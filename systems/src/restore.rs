@@ -105,6 +105,7 @@ fn plan(
             device_offset: u64::from(dp.slot) * region.page_bytes,
             len: page.bytes,
             checksum: page.checksum,
+            executor: region.executor,
         });
     }
     Ok(plan)
@@ -129,14 +130,27 @@ impl RestoreJob<'_> {
             op.outcome = Some(Outcome::Miss(MissReason::Deadline));
         }
         while op.outcome.is_none() && rec.copies_sent < rec.copies.len() {
+            // A batch goes to one executor: the copy engine, or one agent.
+            let executor = rec.copies[rec.copies_sent].executor;
             let end = (rec.copies_sent + copies.batch_pages()).min(rec.copies.len());
+            let end = rec.copies[rec.copies_sent..end]
+                .iter()
+                .position(|c| c.executor != executor)
+                .map_or(end, |n| rec.copies_sent + n);
             let batch = &rec.copies[rec.copies_sent..end];
             let page_copies: Vec<PageCopy> = batch.iter().map(page_copy).collect();
             let kind = TransferKind::Restore {
                 device_pages: batch.iter().map(|c| c.device_page).collect(),
             };
             let to_device = Direction::HostToDevice;
-            match copies.submit(commands, self.entity, to_device, &page_copies, kind) {
+            match copies.submit(
+                commands,
+                self.entity,
+                to_device,
+                &page_copies,
+                kind,
+                executor,
+            ) {
                 Ok(()) => {
                     self.in_flight += 1;
                     rec.copies_sent = end;

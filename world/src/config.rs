@@ -171,6 +171,10 @@ impl Config {
             ("limits.max_publish_pages", l.max_publish_pages),
             ("limits.max_operations", l.max_operations),
             ("limits.max_evictions_per_tick", l.max_evictions_per_tick),
+            (
+                "limits.max_agent_copies_per_origin",
+                l.max_agent_copies_per_origin,
+            ),
             ("copy.workers", self.copy.workers),
             (
                 "copy.max_in_flight_batches",
@@ -180,6 +184,11 @@ impl Config {
             if v == 0 {
                 return Err(ConfigError::Invalid(format!("{name} must be positive")));
             }
+        }
+        if l.max_staging_bytes < self.dram.extent_bytes {
+            return bad(
+                "limits.max_staging_bytes must hold at least one extent (dram.extent_bytes)",
+            );
         }
         Ok(())
     }

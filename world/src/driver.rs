@@ -14,6 +14,9 @@ use orbitkv_components::api::{
 use orbitkv_components::contract::GroupSpec;
 use orbitkv_components::{Namespace, StorageLayout};
 
+use orbitkv_components::api::AgentRegion;
+use orbitkv_gpu::agent::{Chunk, CopyAgent, HostWindow};
+
 use crate::runtime::{Runtime, SubmitError};
 
 /// Where commands go and events come from.
@@ -233,6 +236,7 @@ impl<P: Port> Driver<P> {
             rank,
             group,
             slots,
+            agent: None,
         };
         match self.call("region", command)? {
             Event::RegionRegistered {
@@ -383,6 +387,11 @@ fn unexpected<T, E: std::fmt::Debug>(what: &'static str, event: Event) -> Driven
 /// The embedded runtime as a port, for one origin. With a simulated clock,
 /// each step first moves time by `advance_us` (`AdvanceClock`); with a wall
 /// clock it yields the thread.
+///
+/// With an `agent`, the origin's copy agent runs in-process: each step
+/// hands it the origin's `AgentCopy` events (they are the agent's, not the
+/// driver's) and submits its `CopyDone` reports, exactly as a bridge agent
+/// does over a manager connection.
 pub struct Embedded {
     pub rt: Runtime,
     pub origin: Origin,
@@ -390,6 +399,32 @@ pub struct Embedded {
     pub advance_us: Option<u64>,
     /// Ticks run through this port.
     pub ticks: u64,
+    pub agent: Option<CopyAgent>,
+}
+
+impl Embedded {
+    pub fn new(rt: Runtime, origin: Origin, advance_us: Option<u64>) -> Self {
+        Embedded {
+            rt,
+            origin,
+            advance_us,
+            ticks: 0,
+            agent: None,
+        }
+    }
+
+    /// Submits what the agent finished.
+    fn report(&mut self) -> std::result::Result<(), SubmitError> {
+        let Some(agent) = &mut self.agent else {
+            return Ok(());
+        };
+        let mut done = Vec::new();
+        agent.poll(&mut done);
+        for command in done {
+            self.rt.submit(self.origin, command)?;
+        }
+        Ok(())
+    }
 }
 
 impl Port for Embedded {
@@ -411,15 +446,115 @@ impl Port for Embedded {
             None if advance => std::thread::yield_now(),
             _ => {}
         }
+        self.report()?;
         let origin = self.origin;
         self.ticks += 1;
-        events.extend(
-            self.rt
-                .tick()
-                .into_iter()
-                .filter(|a| a.to == origin)
-                .map(|a| a.event),
-        );
+        for a in self.rt.tick() {
+            if a.to != origin {
+                continue;
+            }
+            let taken = self
+                .agent
+                .as_mut()
+                .is_some_and(|agent| agent.handle(&a.event));
+            if !taken {
+                events.push(a.event);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why an agent-owned region could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentSetupError<E: std::fmt::Debug> {
+    #[error("the port has no copy agent")]
+    NoAgent,
+    #[error(transparent)]
+    Agent(#[from] orbitkv_gpu::agent::AgentError),
+    #[error("the runtime exports no {0} (an agent needs `dram.shared`)")]
+    NoExport(&'static str),
+    #[error(transparent)]
+    Driver(DriverError<E>),
+}
+
+impl Driver<Embedded> {
+    /// Registers engine memory laid out as `chunks` per page over `slots`
+    /// slots as an agent-owned region of (rank, group): attached to the
+    /// port's agent first, then registered with the runtime (the agent's
+    /// host window is mapped once the origin has a staging area).
+    ///
+    /// # Safety
+    /// As [`CopyAgent::attach`]: the memory outlives the region and every
+    /// copy against it.
+    pub unsafe fn agent_region(
+        &mut self,
+        session: SessionHandle,
+        (rank, group): (u32, u32),
+        slots: u32,
+        chunks: &[Chunk],
+    ) -> std::result::Result<Region, AgentSetupError<SubmitError>> {
+        let agent = self.port.agent.as_mut().ok_or(AgentSetupError::NoAgent)?;
+        // SAFETY: forwarded from this function's contract.
+        let (id, page_bytes) = unsafe { agent.attach(slots, chunks)? };
+        let command = Command::RegisterDeviceRegion {
+            session,
+            rank,
+            group,
+            slots,
+            agent: Some(AgentRegion {
+                region: id,
+                page_bytes,
+            }),
+        };
+        let region = match self.call("agent region", command) {
+            Ok(Event::RegionRegistered {
+                region,
+                engine_region,
+                page_bytes,
+                ..
+            }) => Region {
+                region,
+                engine_region,
+                page_bytes,
+            },
+            Ok(event) => Err(AgentSetupError::Driver(DriverError::Unexpected {
+                what: "agent region",
+                event: Box::new(event),
+            }))?,
+            Err(e) => {
+                if let Some(agent) = &mut self.port.agent {
+                    agent.detach(id);
+                }
+                return Err(AgentSetupError::Driver(e));
+            }
+        };
+        self.map_agent_window()?;
+        Ok(region)
+    }
+
+    /// Maps the agent's host window (the pool read-only, the origin's
+    /// staging area writable) if it has none yet.
+    pub fn map_agent_window(&mut self) -> std::result::Result<(), AgentSetupError<SubmitError>> {
+        let port = &mut self.port;
+        let agent = port.agent.as_mut().ok_or(AgentSetupError::NoAgent)?;
+        if agent.has_window() {
+            return Ok(());
+        }
+        let pool = port
+            .rt
+            .export_pool()
+            .ok_or(AgentSetupError::NoExport("pool"))?;
+        let staging = port
+            .rt
+            .export_staging(port.origin)
+            .ok_or(AgentSetupError::NoExport("staging area"))?;
+        let staging_len = port
+            .rt
+            .staging_capacity(port.origin)
+            .ok_or(AgentSetupError::NoExport("staging area"))?;
+        let window = HostWindow::map(pool, port.rt.pool_capacity(), staging, staging_len)?;
+        agent.set_window(window)?;
         Ok(())
     }
 }

@@ -11,12 +11,14 @@
 use std::collections::{HashMap, HashSet};
 
 use bevy_ecs::prelude::*;
+use orbitkv_components::api::Origin;
 use orbitkv_components::ecs::{
-    DevicePage, DeviceRegion, HeldBy, Instance, LeaseOf, Leases, NeedState, Operation, Page,
-    PageOf, PublishJob, Recovery, RegionPages, Session, Transfer, TransferKind, TransferOf, at,
+    DevicePage, DeviceRegion, Executor, HeldBy, Instance, ItemState, LeaseOf, Leases, NeedState,
+    Operation, Page, PageOf, PublishJob, Recovery, RegionPages, Session, Transfer, TransferKind,
+    TransferOf, at,
 };
 use orbitkv_io::dram::SlotKey;
-use orbitkv_systems::resources::{Budget, Dram, Registry};
+use orbitkv_systems::resources::{Agents, Budget, Dram, Registry};
 
 pub fn check(world: &mut World) -> Vec<String> {
     let mut v = Vec::new();
@@ -28,7 +30,68 @@ pub fn check(world: &mut World) -> Vec<String> {
     regions(world, &mut v);
     states(world, &mut v);
     counts(world, &mut v);
+    agents(world, &mut v);
     v
+}
+
+/// Every agent copy in flight is exactly one live agent Transfer sent to
+/// the origin that owns its regions; each staging slot in use belongs to
+/// exactly one copying publish item of that origin.
+fn agents(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<(Entity, &Transfer)>();
+    let agent_transfers: HashMap<u64, (Entity, Origin)> = q
+        .iter(world)
+        .filter_map(|(e, t)| match t.executor {
+            Executor::Agent(origin) => Some((t.token, (e, origin))),
+            Executor::Local => None,
+        })
+        .collect();
+    let agents = world.resource::<Agents>();
+    if !agents.reported.is_empty() || !agents.events.is_empty() {
+        v.push("agent reports or copy events left over after a tick".into());
+    }
+    if agents.sent.len() != agent_transfers.len() {
+        v.push(format!(
+            "{} agent copies sent and unreported, {} agent transfers live",
+            agents.sent.len(),
+            agent_transfers.len()
+        ));
+    }
+    for (copy, entry) in &agents.sent {
+        if agent_transfers.get(copy) != Some(&(entry.transfer, entry.origin)) {
+            v.push(format!("agent copy {copy} has no matching transfer"));
+        }
+    }
+    let mut staged: HashMap<Origin, u64> = HashMap::new();
+    let mut q = world.query::<(&PublishJob, &Operation)>();
+    for (job, op) in q.iter(world) {
+        for item in job.items.iter().filter(|i| i.staging.is_some()) {
+            if item.state != ItemState::Copying {
+                v.push(format!(
+                    "a {:?} publish item holds a staging slot",
+                    item.state
+                ));
+            }
+            *staged.entry(op.origin).or_default() += 1;
+        }
+    }
+    let agents = world.resource::<Agents>();
+    for (origin, pool) in &agents.staging {
+        let used = pool.stats().slots_used;
+        if used != staged.get(origin).copied().unwrap_or(0) {
+            v.push(format!(
+                "{origin}'s staging area has {used} slots in use, its publishes hold {}",
+                staged.get(origin).copied().unwrap_or(0)
+            ));
+        }
+    }
+    for origin in staged.keys() {
+        if !agents.staging.contains_key(origin) {
+            v.push(format!(
+                "{origin} holds staging slots but has no staging area"
+            ));
+        }
+    }
 }
 
 /// A lease pins a live page for a live operation of the page's instance

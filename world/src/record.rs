@@ -86,7 +86,16 @@ impl Recorder {
     }
 
     pub fn command(&mut self, now_us: u64, id: CommandId, _origin: Origin, command: &Command) {
+        // A replay is one process with manager-owned regions: an agent
+        // region is recorded as one (the replay's copy engine then does the
+        // agent's copies), and the agent's reports are not commands of it.
+        if let Command::CopyDone { .. } = command {
+            return;
+        }
         let mut v = serde_json::to_value(command).expect("commands serialize");
+        if let (Command::RegisterDeviceRegion { .. }, Value::Object(map)) = (command, &mut v) {
+            map.remove("agent");
+        }
         self.rewrite(&mut v);
         let creates = matches!(
             command,

@@ -12,8 +12,8 @@ use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
 use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
 use orbitkv_io::tier::BackingTier;
 use orbitkv_systems::resources::{
-    Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, Metrics, Outbox, Registry,
-    SimulatedClock, Tiers, TransferIndex,
+    Agents, Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, Metrics, Outbox,
+    Registry, SimulatedClock, Tiers, TransferIndex,
 };
 use serde::Serialize;
 
@@ -168,6 +168,10 @@ impl RuntimeWorld {
             ..Default::default()
         });
         world.insert_resource(TransferIndex::default());
+        world.insert_resource(Agents::new(
+            config.dram.extent_bytes,
+            config.dram.slot_align_bytes,
+        ));
         world.insert_resource(Metrics::default());
         // The LRU holds exactly the unleased pages: leases come and go with
         // the ECS's `Leases` lists.
@@ -447,6 +451,28 @@ impl Runtime {
             .0
             .get_mut()
             .export_region(engine_region)
+    }
+
+    /// A descriptor for `origin`'s staging area (it has one once it
+    /// registered an agent-owned region), for its copy agent to map
+    /// writable: the only memory an agent writes for the runtime.
+    pub fn export_staging(&self, origin: Origin) -> Option<std::os::fd::OwnedFd> {
+        self.world
+            .resource::<Agents>()
+            .staging
+            .get(&origin)?
+            .export_fd()
+    }
+
+    /// Bytes of `origin`'s staging area, if it has one.
+    pub fn staging_capacity(&self, origin: Origin) -> Option<u64> {
+        Some(
+            self.world
+                .resource::<Agents>()
+                .staging
+                .get(&origin)?
+                .capacity(),
+        )
     }
 
     /// Transfers (lower-tier reads and device copies) in flight: O(1).

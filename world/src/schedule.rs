@@ -4,8 +4,8 @@ use bevy_ecs::prelude::*;
 use bevy_ecs::query::QueryFilter;
 use bevy_ecs::schedule::SingleThreadedExecutor;
 use orbitkv_components::ecs::{Operation, Session, at};
-use orbitkv_systems::resources::{Dram, Inbox};
-use orbitkv_systems::{discover, evict, fence, ingest, publish, read, restore, validate};
+use orbitkv_systems::resources::{Agents, Dram, Inbox};
+use orbitkv_systems::{copies, discover, evict, fence, ingest, publish, read, restore, validate};
 
 /// The seven stages, run in this order every tick.
 #[derive(SystemSet, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -57,6 +57,7 @@ pub fn build() -> Schedule {
         (
             restore::restore.run_if(any::<Or<(With<at::RestorePending>, With<at::Restoring>)>>),
             publish::publish.run_if(any::<Or<(With<at::PublishPending>, With<at::Publishing>)>>),
+            copies::flush_agent_events.run_if(agent_events),
         )
             .chain()
             .in_set(Stage::Restore),
@@ -88,6 +89,11 @@ fn any<F: QueryFilter>(q: Query<(), F>) -> bool {
 
 fn commands_queued(inbox: Res<Inbox>) -> bool {
     !inbox.0.is_empty()
+}
+
+/// The copy stages sent work to copy agents this tick.
+fn agent_events(agents: Res<Agents>) -> bool {
+    !agents.events.is_empty()
 }
 
 /// An allocation failed this tick: the evict stage has work.

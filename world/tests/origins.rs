@@ -76,6 +76,7 @@ fn region(h: &mut Harness, origin: Origin, session: SessionHandle) -> (u64, u32)
         rank: 0,
         group: 0,
         slots: 32,
+        agent: None,
     };
     match ask(h, origin, command).0 {
         Event::RegionRegistered {
@@ -346,6 +347,7 @@ fn every_cross_origin_command_is_refused_without_effect() {
                 rank: 0,
                 group: 0,
                 slots: 4,
+                agent: None,
             },
         ),
     ];

@@ -1371,6 +1371,7 @@ fn bad_commands_are_typed_errors_without_effect() {
                 rank: 3,
                 group: 0,
                 slots: 4,
+                agent: None,
             },
             |e| {
                 matches!(

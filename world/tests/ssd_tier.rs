@@ -87,6 +87,7 @@ fn node(dir: &Path, backend: IoBackend) -> Node {
         rank: 0,
         group: 0,
         slots: 64,
+        agent: None,
     }) {
         Event::RegionRegistered {
             region,

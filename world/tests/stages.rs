@@ -173,6 +173,7 @@ impl Bench {
             slots,
             page_bytes: BYTES,
             engine_region,
+            executor: orbitkv_components::ecs::Executor::Local,
             by_slot: Default::default(),
         };
         let r = self.w.spawn((region, RegionOf(self.session))).id();

@@ -214,6 +214,40 @@ class Runtime:
         :raises OSError: the region could not be mapped.
         """
 
+    def attach_agent_memory(
+        self,
+        slots: int,
+        chunks: Sequence[Tuple[int, int, int]],
+        owner: object,
+        device: str = "cpu",
+    ) -> Tuple[int, int]:
+        """Attaches engine memory to the runtime's in-process copy agent as
+        one region of ``slots`` page slots. A page is the ``chunks``' runs in
+        order: each chunk is ``(data_ptr, stride, length)`` and slot ``s``'s
+        run starts at ``data_ptr + s * stride`` (one chunk ``(ptr,
+        page_bytes, page_bytes)`` for a contiguous buffer; one per layer's
+        K and V block for a KV cache). Register the returned ``(region,
+        page_bytes)`` with ``{"command": "register_device_region", ...,
+        "agent": {"region": region, "page_bytes": page_bytes}}``.
+
+        The runtime never maps this memory: restores and publishes of the
+        region run in the agent, off the Python thread, on the runtime's
+        instruction (``agent_copy`` events, which :meth:`tick` hands to the
+        agent instead of returning them). ``owner`` (the tensor or array)
+        is kept alive until :meth:`detach_agent_memory`; the memory must not
+        move or be freed before that.
+
+        :raises ValueError: a device other than ``"cpu"``, or a bad layout
+            (empty, null, a stride shorter than its run, wrapping).
+        """
+
+    def detach_agent_memory(self, region: int) -> bool:
+        """Detaches an agent region once its session is closed and lets go
+        of its owner; ``False`` if there is no such region.
+
+        :raises RuntimeError: copies are still running (tick first).
+        """
+
 @final
 class Client:
     """A connection to a standalone manager (``orbitkv serve``) over its
@@ -333,6 +367,35 @@ class Client:
         them after ``restore_done``.
 
         :raises ValueError: not a region this client registered.
+        """
+
+    def attach_agent_memory(
+        self,
+        slots: int,
+        chunks: Sequence[Tuple[int, int, int]],
+        owner: object,
+        device: str = "cpu",
+    ) -> Tuple[int, int]:
+        """Attaches engine memory to this connection's copy agent, laid out
+        as for :meth:`Runtime.attach_agent_memory`; returns ``(region,
+        page_bytes)`` for a ``register_device_region`` command's
+        ``"agent"``. The manager never maps this memory: it sends each copy
+        to this client's agent, which runs it on worker threads (off the
+        Python thread) inside this client's waits and reports it; the
+        ``agent_copy`` events never reach the caller. The agent maps the
+        pool read-only and this connection's staging area (sent by the
+        manager with the first agent region), the only memory it writes for
+        the manager. ``owner`` is kept alive until
+        :meth:`detach_agent_memory`.
+
+        :raises ValueError: a device other than ``"cpu"``, or a bad layout.
+        """
+
+    def detach_agent_memory(self, region: int) -> bool:
+        """Detaches an agent region once its session is closed and lets go
+        of its owner; ``False`` if there is no such region.
+
+        :raises RuntimeError: copies are still running.
         """
 
     def close(self) -> None:

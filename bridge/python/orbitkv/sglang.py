@@ -379,6 +379,67 @@ class _StagedCopies:
         return target
 
 
+def _agent_layout(pool: _Pool) -> Optional[Tuple[int, List[Tuple[int, int, int]]]]:
+    """The host pool as a copy agent's region: ``(slots, chunks)``, slot
+    ``s`` being the page that starts at host index ``s * page_size``, and
+    each chunk a ``(data_ptr, stride, length)`` run whose concatenation is
+    exactly the flat page (``get_data_page(flat=True)``). Derived from the
+    page views' own strides, so it holds for every host layout whose pages
+    are views; ``None`` (phase A copies then) when it cannot be described:
+    not a CPU tensor, or pages that are not views of one buffer."""
+    host = pool.host
+    p = pool.page_tokens
+    slots = int(host.size) // p
+    if slots < 2:
+        return None
+    v0 = host.get_data_page(0, flat=False)
+    v1 = host.get_data_page(p, flat=False)
+    vl = host.get_data_page((slots - 1) * p, flat=False)
+    if v0.device.type != "cpu" or v0.shape != v1.shape or v0.stride() != v1.stride():
+        return None
+    es = v0.element_size()
+    stride = (v1.data_ptr() - v0.data_ptr())
+    if stride <= 0 or vl.data_ptr() - v0.data_ptr() != (slots - 1) * stride:
+        return None
+    # The innermost dims that are contiguous make one run; the others are
+    # enumerated, in row-major order (the flat page's order).
+    shape, strides = list(v0.shape), list(v0.stride())
+    inner, expect = len(shape), 1
+    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == expect):
+        expect *= shape[inner - 1]
+        inner -= 1
+    run = expect * es
+    outer = shape[:inner]
+    if math.prod(outer) > 4096:
+        return None  # too fragmented to be worth a copy per run
+    chunks: List[Tuple[int, int, int]] = []
+    for idx in _indices(outer):
+        off = sum(i * st for i, st in zip(idx, strides[:inner])) * es
+        chunks.append((v0.data_ptr() + off, stride, run))
+    if sum(c[2] for c in chunks) != pool.page_bytes or run > stride:
+        return None
+    return slots, chunks
+
+
+def _indices(shape: List[int]) -> Iterator[Tuple[int, ...]]:
+    """Every index of ``shape`` in row-major order."""
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (i,) + rest
+
+
+@dataclass
+class _AgentRegion:
+    """The host pool registered on one connection as an agent-owned
+    region: the manager's handle and the page size."""
+
+    region: int
+    page_tokens: int
+
+
 # ---------------------------------------------------------------------------
 # The registration: identity, layout, contract
 
@@ -637,6 +698,12 @@ class _Conn:
         self.incarnation = self.client.incarnation
         self._request = 0
         self.staging: Dict[int, _Staging] = {}
+        #: Per group: the host pool as an agent region of this connection
+        #: (None: it cannot be described; phase A copies then).
+        self.agent: Dict[int, Optional[_AgentRegion]] = {}
+        #: The operation `leased` holds, and whether a restore ended it.
+        self.operation: Optional[int] = None
+        self.finished = False
         try:
             r = self._reply(self.client.call(reg.command, cfg.timeout_s), "instance_registered")
             if r["namespaces"] != [reg.namespace]:
@@ -710,12 +777,14 @@ class _Conn:
     @contextlib.contextmanager
     def leased(self, hashes: List[str]) -> Iterator[Tuple[Optional[str], List[Dict[str, Any]]]]:
         """Queries with prepare and yields (miss reason, leases) while the
-        leases are held; releases them afterwards."""
+        leases are held; releases them afterwards (unless a restore ended
+        the operation: ``self.finished``). ``self.operation`` names it."""
         qr = self._reply(self.client.call(self._query_cmd(hashes, True), self.cfg.timeout_s), "query_result")
         if qr["miss"] is not None:
             yield qr["miss"], []
             return
         op = qr["operation"]
+        self.operation, self.finished = op, False
         deadline = time.monotonic() + self.cfg.timeout_s
         leases: Optional[List[Dict[str, Any]]] = None
         while leases is None:
@@ -739,7 +808,90 @@ class _Conn:
         try:
             yield None, leases
         finally:
-            self.client.submit({"command": "release", "session": self.session, "operation": op})
+            if not self.finished:
+                self.client.submit({"command": "release", "session": self.session, "operation": op})
+
+    # -- the host pool as an agent region ----------------------------------
+
+    def agent_region(self, pool: _Pool) -> Optional[_AgentRegion]:
+        """Registers the host pool as an agent-owned region of this
+        connection once: the manager never maps it, this process's copy
+        agent copies pages straight between it and the shared pool."""
+        if pool.group in self.agent:
+            return self.agent[pool.group]
+        layout = _agent_layout(pool)
+        if layout is None:
+            self.agent[pool.group] = None
+            return None
+        slots, chunks = layout
+        agent_id, page_bytes = self.client.attach_agent_memory(slots, chunks, pool.host)
+        r = self._reply(
+            self.client.call(
+                {
+                    "command": "register_device_region",
+                    "session": self.session,
+                    "rank": 0,
+                    "group": pool.group,
+                    "slots": slots,
+                    "agent": {"region": agent_id, "page_bytes": page_bytes},
+                },
+                self.cfg.timeout_s,
+            ),
+            "region_registered",
+        )
+        a = _AgentRegion(r["region"], pool.page_tokens)
+        self.agent[pool.group] = a
+        return a
+
+    def device_pages(self, region: int, slots: Sequence[int]) -> List[int]:
+        """Device pages for host slots, allocated in one pipelined round."""
+        ids = [
+            self.client.submit(
+                {"command": "device_page_alloc", "session": self.session, "region": region, "slot": s}
+            )
+            for s in slots
+        ]
+        got: Dict[int, int] = {}
+        want = set(ids)
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while want:
+            left = deadline - time.monotonic()
+            e = self.client.wait_event(left) if left > 0 else None
+            if e is None:
+                raise _Broken("device page allocation timed out", reason="timeout")
+            cid = e.get("command")
+            if cid in want:
+                got[cid] = self._reply(e, "device_page_allocated")["device_page"]
+                want.discard(cid)
+        return [got[c] for c in ids]
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        """Frees device pages (answers are drained later)."""
+        for dp in pages:
+            self.client.submit({"command": "device_page_free", "session": self.session, "device_page": dp})
+
+    def restore(self, op: int, targets: List[Dict[str, Any]]) -> Optional[str]:
+        """Restores leased pages into device pages; None when every byte
+        landed, else the miss reason. The operation is over either way."""
+        self.client.submit(
+            {"command": "restore", "session": self.session, "operation": op, "targets": targets, "retained": []}
+        )
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            e = self.client.wait_event(left, operation=op) if left > 0 else None
+            if e is None:
+                # The agent may still be copying into the host pool: the
+                # connection is closed (the agent drains first).
+                raise _Broken(f"no restore_done within {self.cfg.timeout_s}s", reason="timeout")
+            kind = e.get("event")
+            if kind == "restore_done":
+                return None
+            if kind == "miss":
+                return e["reason"]
+            if kind == "transfer_overdue":
+                continue
+            raise _Broken(f"unexpected event for restore {op}: {kind}")
 
     # -- writes ----------------------------------------------------------
 
@@ -778,6 +930,28 @@ class _Conn:
         s = _Staging(region, self.client.region(region), slots, pool.page_bytes, pages)
         self.staging[pool.group] = s
         return s
+
+    def publish_from_host(self, pool: _Pool, region: _AgentRegion, hashes: List[str], starts: List[int]) -> int:
+        """Publishes pages straight from the host pool (an agent region):
+        the agent copies them into this connection's staging area, the
+        manager into its pool. Returns how many leading pages are stored."""
+        pages = self.device_pages(region.region, [st // region.page_tokens for st in starts])
+        try:
+            items = [
+                {"rank": 0, "group": pool.group, "hash": h, "device_page": dp}
+                for h, dp in zip(hashes, pages)
+            ]
+            cmd = {"command": "publish", "session": self.session, "request": self._next(), "pages": items}
+            try:
+                done = self._reply(self.client.call(cmd, self.cfg.timeout_s), "publish_done")
+            except TimeoutError as e:
+                raise _Broken(f"publish: {e}", reason="timeout") from e
+        finally:
+            self.free_pages(pages)
+        if done["dropped"] == 0 and done["inserted"] + done["duplicates"] == len(hashes):
+            return len(hashes)
+        qr = self.query(hashes)
+        return _prefix_pages(qr, pool.group, self.reg.page_tokens, len(hashes))
 
     def publish(self, pool: _Pool, hashes: List[str], fill: Callable[[int, memoryview], None]) -> int:
         """Publishes ``hashes`` in chunks of the staging slots; ``fill(i,
@@ -1199,6 +1373,93 @@ class OrbitKVStorage(HiCacheStorage):
             self.stats.miss("incomplete_group" if any(done) else "not_found", n - got)
         return out
 
+    def _agent_ok(self, reg: _Registration, pool: _Pool, starts: List[int]) -> bool:
+        """Whether a v1 call can go through the copy agent: one storage
+        group (a restore covers every required page) and page-aligned host
+        slots (an agent region's slots are whole pages)."""
+        return len(reg.groups()) == 1 and all(s % pool.page_tokens == 0 for s in starts)
+
+    def _load_into_host(self, pool: _Pool, keys: Sequence[str], starts: List[int]) -> List[bool]:
+        """``_load`` with the copies run by this process's copy agent on the
+        manager's instruction, straight from the shared pool into the host
+        pool's slots."""
+        reg = self._registration()
+        hashes = self._check_keys(keys)
+        n = len(hashes)
+        if n == 0:
+            return []
+        done = [False] * n
+        with self._conns.borrow() as conn:
+            region = conn.agent_region(pool)
+            if region is not None:
+                miss = self._restore_into_host(conn, region, reg, pool, hashes, starts, done)
+                if miss is not None:
+                    self.stats.miss(miss, n)
+                    return [False] * n
+        if region is None:
+            return self._load(pool, keys, lambda i, src: _StagedCopies.page_to_host(pool, starts[i], src))
+        out = _prefix_mask(done)
+        got = sum(out)
+        self.stats.add("pages_loaded", got)
+        self.stats.add("bytes_loaded", got * pool.page_bytes)
+        if got < n:
+            self.stats.miss("incomplete_group" if any(done) else "not_found", n - got)
+        return out
+
+    @staticmethod
+    def _restore_into_host(
+        conn: "_Conn",
+        region: _AgentRegion,
+        reg: _Registration,
+        pool: _Pool,
+        hashes: List[str],
+        starts: List[int],
+        done: List[bool],
+    ) -> Optional[str]:
+        """Leases the pages and restores them into their host slots;
+        marks ``done``; returns a miss reason if nothing was restored."""
+        n = len(hashes)
+        with conn.leased(hashes) as (miss, leases):
+            if miss is not None:
+                return miss
+            index: List[int] = []
+            for lease in leases:
+                pos = lease["pos"]
+                i = pos["page_end"] // reg.page_tokens - 1
+                if pos["group"] != pool.group or not (0 <= i < n) or lease["bytes"] != pool.page_bytes:
+                    raise _Broken(f"lease {pos} of {lease['bytes']} bytes does not fit the call")
+                index.append(i)
+            pages = conn.device_pages(region.region, [starts[i] // pool.page_tokens for i in index])
+            try:
+                targets = [{"pos": l["pos"], "device_page": dp} for l, dp in zip(leases, pages)]
+                conn.finished = True
+                reason = conn.restore(conn.operation, targets)
+            finally:
+                conn.free_pages(pages)
+            if reason is not None:
+                return reason
+            for i in index:
+                done[i] = True
+        return None
+
+    def _store_from_host(self, pool: _Pool, keys: Sequence[str], starts: List[int]) -> List[bool]:
+        """``_store`` with the copies run by this process's copy agent."""
+        hashes = self._check_keys(keys)
+        if not hashes:
+            return []
+        self._registration()
+        with self._conns.borrow() as conn:
+            region = conn.agent_region(pool)
+            if region is None:
+                stored = conn.publish(pool, hashes, lambda i, dst: _StagedCopies.host_to_slot(pool, starts[i], dst))
+            else:
+                stored = conn.publish_from_host(pool, region, hashes, starts)
+        self.stats.add("pages_stored", stored)
+        self.stats.add("bytes_stored", stored * pool.page_bytes)
+        if stored < len(hashes):
+            self.stats.miss("publish_dropped", len(hashes) - stored, "the manager dropped pages of a publish")
+        return [True] * stored + [False] * (len(hashes) - stored)
+
     def _store(self, pool: _Pool, keys: Sequence[str], fill: Callable[[int, memoryview], None]) -> List[bool]:
         hashes = self._check_keys(keys)
         if not hashes:
@@ -1226,6 +1487,8 @@ class OrbitKVStorage(HiCacheStorage):
         def run() -> List[bool]:
             pool = self._kv()
             starts = self._page_starts(pool, host_indices, n)
+            if self._agent_ok(self._registration(), pool, starts):
+                return self._load_into_host(pool, keys, starts)
             return self._load(pool, keys, lambda i, src: _StagedCopies.page_to_host(pool, starts[i], src))
 
         return self._guard("batch_get_v1", n, [False] * n, run)
@@ -1241,6 +1504,8 @@ class OrbitKVStorage(HiCacheStorage):
         def run() -> List[bool]:
             pool = self._kv()
             starts = self._page_starts(pool, host_indices, n)
+            if self._agent_ok(self._registration(), pool, starts):
+                return self._store_from_host(pool, keys, starts)
             return self._store(pool, keys, lambda i, dst: _StagedCopies.host_to_slot(pool, starts[i], dst))
 
         return self._guard("batch_set_v1", n, [False] * n, run)

@@ -1,21 +1,37 @@
-//! Device copies completing: a restore batch records a failure (its
-//! destinations stay pinned until the restore retires; a leased page whose
-//! bytes no longer match the checksum it carries is a `checksum` miss); a
-//! publish batch indexes the pages that landed under the checksums the copy
-//! computed in its own pass. Whether the operation is done is decided by
+//! Device copies completing, from the copy engine or reported by copy
+//! agents: a restore batch records a failure (its destinations stay pinned
+//! until the restore retires; a leased page whose bytes no longer match the
+//! checksum it carries is a `checksum` miss); a publish batch indexes the
+//! pages that landed under the checksums the copy computed in its own pass.
+//! A publish an agent ran lands in the origin's staging area: its pages are
+//! copied into their pool slots and checksummed in that same pass here, and
+//! the staging slots freed. Whether the operation is done is decided by
 //! `settle` once the batch's Transfer is gone.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::api::MissReason;
+use orbitkv_components::api::{CopyFailure, MissReason};
 use orbitkv_components::ecs::{
-    ItemState, Outcome, Page, PublishItem, PublishJob, Residency, TransferKind,
+    Executor, ItemState, Outcome, Page, PublishItem, PublishJob, Residency, Transfer, TransferKind,
 };
 use orbitkv_gpu::{Completion, CopyError};
-use orbitkv_io::checksum::page_checksum;
+use orbitkv_io::checksum::{copy_with_checksum, page_checksum};
+use orbitkv_io::dram::SlotKey;
 use orbitkv_io::tier::DemoteRefused;
 use rayon::prelude::*;
 
 use super::{Landing, Ops, Transfers};
+
+/// How a batch ended, whoever ran it.
+enum Landed {
+    Ok {
+        /// Checksums the copy computed in its pass (local publishes).
+        checksums: Vec<u64>,
+    },
+    /// A leased page's bytes no longer matched their checksum (a restore;
+    /// for a publish it is a failure like any other).
+    Checksum,
+    Failed,
+}
 
 pub(super) fn land_copies(
     commands: &mut Commands,
@@ -26,71 +42,105 @@ pub(super) fn land_copies(
     let mut done: Vec<Completion> = Vec::new();
     let now_us = landing.clock.now_us;
     landing.copier.0.get_mut().poll(now_us, &mut done);
+    let mut landed: Vec<(Entity, Landed)> = Vec::new();
     for completion in done {
         let Some(entity) = landing.index.copies.remove(&completion.token.0) else {
             continue;
         };
+        let how = match completion.result {
+            Ok(()) => Landed::Ok {
+                checksums: completion.checksums,
+            },
+            Err(CopyError::Checksum { .. }) => Landed::Checksum,
+            Err(_) => Landed::Failed,
+        };
+        landed.push((entity, how));
+    }
+    for (_, entity, result) in std::mem::take(&mut landing.agents.reported) {
+        let (transfer, _) = transfers.get(entity).expect("reported transfers are live");
+        // Past its deadline a copy has failed, whatever the agent says.
+        let failure = match result {
+            Err(f) => Some(f),
+            Ok(()) if transfer.overdue => Some(CopyFailure::Lost),
+            Ok(()) => None,
+        };
+        let how = match failure {
+            Some(f) => {
+                let kind = f.kind().to_owned();
+                *landing.metrics.agent_copy_failures.entry(kind).or_default() += 1;
+                match f {
+                    CopyFailure::Checksum(_) => Landed::Checksum,
+                    _ => Landed::Failed,
+                }
+            }
+            None => Landed::Ok {
+                checksums: Vec::new(),
+            },
+        };
+        landed.push((entity, how));
+    }
+    for (entity, how) in landed {
         let (transfer, of) = transfers.get(entity).expect("indexed transfers are live");
         commands.entity(entity).despawn();
         let (mut op, _, job) = ops
             .get_mut(of.0)
             .expect("an operation retires only after its transfers");
-        let landed = completion.result.is_ok();
-        match &transfer.kind {
-            TransferKind::Restore { .. } => match completion.result {
-                Ok(()) => {}
-                Err(CopyError::Checksum { .. }) => {
-                    // A leased page's bytes changed since they landed: never
-                    // a hit. The page stays until evicted, where demotion
-                    // refuses it for the same reason.
-                    landing.metrics.checksum_failures += 1;
-                    op.outcome
-                        .get_or_insert(Outcome::Miss(MissReason::Checksum));
-                }
-                Err(_) => {
-                    op.outcome.get_or_insert(Outcome::Miss(MissReason::IoError));
-                }
-            },
-            TransferKind::Publish { items } => {
+        match (&transfer.kind, how) {
+            (TransferKind::Restore { .. }, Landed::Ok { .. }) => {}
+            (TransferKind::Restore { .. }, Landed::Checksum) => {
+                // A leased page's bytes changed since they landed: never
+                // a hit. The page stays until evicted, where demotion
+                // refuses it for the same reason.
+                landing.metrics.checksum_failures += 1;
+                op.outcome
+                    .get_or_insert(Outcome::Miss(MissReason::Checksum));
+            }
+            (TransferKind::Restore { .. }, Landed::Failed) => {
+                let reason = if transfer.overdue {
+                    MissReason::Deadline
+                } else {
+                    MissReason::IoError
+                };
+                op.outcome.get_or_insert(Outcome::Miss(reason));
+            }
+            (TransferKind::Publish { items }, how) => {
                 // A failed batch drops its own pages; the others go on.
                 let mut job = job.expect("publish transfers belong to publish jobs");
-                landing.land(commands, &mut job, items, landed, &completion.checksums);
+                let checksums = match how {
+                    Landed::Ok { checksums } => Some(checksums),
+                    _ => None,
+                };
+                landing.land(commands, &mut job, items, checksums, transfer);
             }
-            TransferKind::TierRead { .. } => unreachable!("reads are indexed by tier"),
+            (TransferKind::TierRead { .. }, _) => unreachable!("reads are indexed by tier"),
         }
     }
 }
 
 impl Landing<'_> {
     /// Indexes each landed page of the batch under its checksum; a failed
-    /// copy or a key indexed meanwhile gives its slot back. `copied` are the
-    /// checksums the copy computed in its pass, in batch order.
+    /// copy (`copied` is `None`) or a key indexed meanwhile gives its slot
+    /// back. `copied` are the checksums the copy computed in its pass, in
+    /// batch order (empty when it did not compute them).
     fn land(
         &mut self,
         commands: &mut Commands,
         job: &mut PublishJob,
         items: &[usize],
-        landed: bool,
-        copied: &[u64],
+        copied: Option<Vec<u64>>,
+        transfer: &Transfer,
     ) {
-        let sums: Vec<u64> = if landed && copied.len() == items.len() {
-            copied.to_vec()
-        } else if landed {
-            // A backend that did not checksum in its pass (none of ours):
-            // computed here, in parallel, as a publish is often hundreds of
-            // pages.
-            let slices: Vec<&[u8]> = items
-                .iter()
-                .map(|&i| {
-                    let item = &job.items[i];
-                    let slot = item.dram_slot.expect("copying items own a slot");
-                    self.dram.slot_bytes(slot, item.bytes).expect("live slot")
-                })
-                .collect();
-            slices.par_iter().map(|b| page_checksum(b)).collect()
-        } else {
-            Vec::new()
+        let landed = copied.is_some();
+        let sums: Vec<u64> = match (copied, transfer.executor) {
+            (None, _) => Vec::new(),
+            (Some(_), Executor::Agent(origin)) => self.unstage(job, items, origin),
+            (Some(sums), Executor::Local) if sums.len() == items.len() => sums,
+            // A backend that did not checksum in its pass (none of ours).
+            (Some(_), Executor::Local) => self.checksums(job, items),
         };
+        if let Executor::Agent(origin) = transfer.executor {
+            self.free_staging(job, items, origin);
+        }
         for (n, &i) in items.iter().enumerate() {
             let item = &mut job.items[i];
             let slot = item.dram_slot.take().expect("copying items own a slot");
@@ -141,6 +191,84 @@ impl Landing<'_> {
                 .write_through
                 .entry(outcome.to_owned())
                 .or_default() += 1;
+        }
+    }
+
+    /// Checksums of pages the copy engine wrote into their pool slots.
+    fn checksums(&self, job: &PublishJob, items: &[usize]) -> Vec<u64> {
+        let slices: Vec<&[u8]> = items
+            .iter()
+            .map(|&i| {
+                let item = &job.items[i];
+                let slot = item.dram_slot.expect("copying items own a slot");
+                self.dram.slot_bytes(slot, item.bytes).expect("live slot")
+            })
+            .collect();
+        slices.par_iter().map(|b| page_checksum(b)).collect()
+    }
+
+    /// Moves pages an agent wrote into `origin`'s staging area into their
+    /// pool slots, checksumming each in the same pass (in parallel).
+    fn unstage(
+        &mut self,
+        job: &PublishJob,
+        items: &[usize],
+        origin: orbitkv_components::api::Origin,
+    ) -> Vec<u64> {
+        let staging = self
+            .agents
+            .staging
+            .get(&origin)
+            .expect("an origin keeps its staging area while it has copies");
+        let sources: Vec<&[u8]> = items
+            .iter()
+            .map(|&i| {
+                let item = &job.items[i];
+                let (slot, _) = item.staging.expect("agent items own a staging slot");
+                staging
+                    .bytes(SlotKey::from_bits(slot), item.bytes)
+                    .expect("live staging slot")
+            })
+            .collect();
+        let targets: Vec<(SlotKey, u64)> = items
+            .iter()
+            .map(|&i| {
+                let item = &job.items[i];
+                let slot = item.dram_slot.expect("copying items own a slot");
+                (SlotKey::from_bits(slot), item.bytes)
+            })
+            .collect();
+        let mut targets = self
+            .dram
+            .pool
+            .slots_mut(&targets)
+            .expect("distinct live pool slots");
+        targets
+            .par_iter_mut()
+            .zip(sources.par_iter())
+            .map(|(dst, src)| copy_with_checksum(dst, src))
+            .collect()
+    }
+
+    /// Returns the batch's staging slots, landed or not.
+    fn free_staging(
+        &mut self,
+        job: &mut PublishJob,
+        items: &[usize],
+        origin: orbitkv_components::api::Origin,
+    ) {
+        let staging = self
+            .agents
+            .staging
+            .get_mut(&origin)
+            .expect("an origin keeps its staging area while it has copies");
+        for &i in items {
+            let (slot, _) = job.items[i]
+                .staging
+                .take()
+                .expect("agent items own a staging slot");
+            let freed = staging.free(SlotKey::from_bits(slot));
+            assert!(freed.is_ok(), "a staging slot is freed once");
         }
     }
 }

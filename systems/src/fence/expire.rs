@@ -1,9 +1,12 @@
-//! Time: `expire` reports overdue transfers and ends operations whose
-//! deadline passed before their copies started.
+//! Time: `expire` reports overdue transfers (and agent copies past
+//! `agent_copy_deadline_us`) and ends operations whose deadline passed
+//! before their copies started.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Event, MissReason};
-use orbitkv_components::ecs::{OpState, Operation, Outcome, Transfer, TransferOf, before_restore};
+use orbitkv_components::ecs::{
+    Executor, OpState, Operation, Outcome, Transfer, TransferOf, before_restore,
+};
 
 use crate::lifecycle::finish;
 use crate::resources::{Clock, Limits, Metrics, Outbox};
@@ -22,7 +25,13 @@ pub fn expire(
     clock: Res<Clock>,
 ) {
     for (mut t, of) in &mut transfers {
-        if t.overdue || clock.now_us.saturating_sub(t.submitted_us) < limits.transfer_timeout_us {
+        // An agent's copy has its own deadline, and passing it fails the
+        // copy even if the agent reports success later.
+        let (timeout_us, reason) = match t.executor {
+            Executor::Local => (limits.transfer_timeout_us, MissReason::IoError),
+            Executor::Agent(_) => (limits.agent_copy_deadline_us, MissReason::Deadline),
+        };
+        if t.overdue || clock.now_us.saturating_sub(t.submitted_us) < timeout_us {
             continue;
         }
         t.overdue = true;
@@ -30,7 +39,7 @@ pub fn expire(
         let (_, mut op) = ops
             .get_mut(of.0)
             .expect("an operation retires only after its transfers");
-        op.outcome.get_or_insert(Outcome::Miss(MissReason::IoError));
+        op.outcome.get_or_insert(Outcome::Miss(reason));
         let event = Event::TransferOverdue {
             operation: of.0.to_bits(),
             kind: t.kind.name().to_owned(),

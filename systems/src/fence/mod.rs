@@ -20,7 +20,7 @@ use orbitkv_components::ecs::{Operation, PublishJob, Recovery, Transfer, Transfe
 pub use expire::expire;
 pub use retire::{close_sessions, retire};
 
-use crate::resources::{Clock, Copier, Dram, Metrics, Tiers, TransferIndex};
+use crate::resources::{Agents, Clock, Copier, Dram, Metrics, Tiers, TransferIndex};
 
 type Ops<'a> = (
     &'a mut Operation,
@@ -34,6 +34,7 @@ type Transfers<'a> = (&'a Transfer, &'a TransferOf);
 pub struct Landing<'w> {
     tiers: ResMut<'w, Tiers>,
     copier: ResMut<'w, Copier>,
+    agents: ResMut<'w, Agents>,
     dram: ResMut<'w, Dram>,
     index: ResMut<'w, TransferIndex>,
     metrics: ResMut<'w, Metrics>,

@@ -7,15 +7,16 @@
 
 use bevy_ecs::prelude::*;
 use bevy_ecs::system::SystemParam;
-use orbitkv_components::api::Event;
+use orbitkv_components::api::{Event, Origin};
 use orbitkv_components::ecs::{
-    DeviceRegion, Instance, ItemState, NeedState, OpState, Operation, Operations, Outcome,
-    PublishJob, Recovery, Regions, Session, SessionOf, Sessions, Transfers, at, session_handle,
+    DeviceRegion, Executor, Instance, ItemState, NeedState, OpState, Operation, Operations,
+    Outcome, PublishJob, Recovery, Regions, Session, SessionOf, Sessions, Transfers, at,
+    session_handle,
 };
 
 use crate::copies::Devices;
 use crate::lifecycle::finish;
-use crate::resources::{Budget, Copier, Dram, Metrics, Outbox, Registry, decrement};
+use crate::resources::{Agents, Budget, Copier, Dram, Metrics, Outbox, Registry, decrement};
 
 /// What retiring returns things to.
 #[derive(SystemParam)]
@@ -209,16 +210,25 @@ impl Devices<'_, '_> {
 
 type Closing<'a> = (Entity, &'a Session, &'a SessionOf, Option<&'a Regions>);
 
+/// What a closed session gives back to: the copy engine (manager-owned
+/// regions), the agents (its origin's staging area) and the registry.
+#[derive(SystemParam)]
+pub struct Executors<'w> {
+    copier: ResMut<'w, Copier>,
+    agents: ResMut<'w, Agents>,
+    registry: ResMut<'w, Registry>,
+}
+
 /// Despawns closing sessions once they own no operation, with their
 /// regions and device pages (no page is pinned then: pins belong to
 /// operations). A retired instance goes with its last session.
 pub fn close_sessions(
     mut commands: Commands,
     sessions: Query<Closing, Without<Operations>>,
+    all: Query<(Entity, &Session)>,
     instances: Query<(&Instance, &Sessions)>,
     regions: Query<&DeviceRegion>,
-    mut copier: ResMut<Copier>,
-    mut registry: ResMut<Registry>,
+    mut executors: Executors,
     mut outbox: ResMut<Outbox>,
 ) {
     let gone: Vec<Entity> = sessions
@@ -235,15 +245,45 @@ pub fn close_sessions(
             commands.entity(of.0).despawn(); // and its groups
         }
         // Nothing targets its regions any more: no operation of it is left.
+        // An agent's regions are its own memory: nothing to unregister here.
         for region in owned.iter().flat_map(|r| r.iter()) {
-            if let Ok(r) = regions.get(region) {
-                let _ = copier.0.get_mut().unregister_device_region(r.engine_region);
+            if let Ok(r) = regions.get(region)
+                && r.executor == Executor::Local
+            {
+                let engine = executors.copier.0.get_mut();
+                let _ = engine.unregister_device_region(r.engine_region);
             }
         }
+        let registry = &mut executors.registry;
         decrement(&mut registry.sessions, 1, "registry.sessions");
         let handle = session_handle(entity, session.epoch, registry.incarnation);
         outbox.push(session.origin, Event::SessionClosed { session: handle });
         // Its regions and their pages go with it.
         commands.entity(entity).despawn();
+    }
+    drop_idle_staging(&all, &gone, &mut executors.agents);
+}
+
+/// An origin's staging area goes with its last session: no copy can hold
+/// a slot of it then (staging slots belong to publishes, which their
+/// session outlives).
+fn drop_idle_staging(all: &Query<(Entity, &Session)>, gone: &[Entity], agents: &mut Agents) {
+    if gone.is_empty() || agents.staging.is_empty() {
+        return;
+    }
+    let origins: Vec<Origin> = agents.staging.keys().copied().collect();
+    for origin in origins {
+        let open = all
+            .iter()
+            .any(|(e, s)| s.origin == origin && !gone.contains(&e));
+        if open {
+            continue;
+        }
+        let staging = agents.staging.remove(&origin).expect("listed above");
+        assert_eq!(
+            staging.stats().bytes_used,
+            0,
+            "{origin}'s staging area is idle once its sessions are gone"
+        );
     }
 }

@@ -3,12 +3,14 @@
 //! page.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::api::{CommandError, CopyRefusal, Event, InvalidCommand, SessionHandle};
-use orbitkv_components::ecs::{DevicePage, DeviceRegion, Instance, PageOf, RegionOf};
+use orbitkv_components::api::{
+    AgentRegion, CommandError, CopyRefusal, Event, InvalidCommand, SessionHandle,
+};
+use orbitkv_components::ecs::{DevicePage, DeviceRegion, Executor, Instance, PageOf, RegionOf};
 
 use super::resolve::{self, invalid};
 use super::{Ctx, Result, emit};
-use crate::resources::{Copier, Limits};
+use crate::resources::{Agents, Copier, Limits};
 
 /// The copy engine's refusal of a region, typed for the engine.
 fn copy_refusal(bytes: u64, e: orbitkv_gpu::CopyError) -> CopyRefusal {
@@ -28,6 +30,7 @@ pub(super) fn register_region(
     handle: SessionHandle,
     (rank, group): (u32, u32),
     slots: u32,
+    agent: Option<AgentRegion>,
 ) -> Result<()> {
     // Plan.
     let owned = resolve::session(world, ctx.origin, handle)?;
@@ -46,13 +49,42 @@ pub(super) fn register_region(
     let bytes = page_bytes
         .checked_mul(u64::from(slots))
         .ok_or(invalid(InvalidCommand::RegionTooLarge))?;
-    // Apply: the copy engine first, the one step that can still refuse.
-    let engine_region = world
-        .resource_mut::<Copier>()
-        .0
-        .get_mut()
-        .register_device_region(bytes)
-        .map_err(|e| CommandError::Copy(copy_refusal(bytes, e)))?;
+    if let Some(a) = agent
+        && a.page_bytes != page_bytes
+    {
+        return Err(invalid(InvalidCommand::AgentPageBytes {
+            agent: a.page_bytes,
+            rank,
+            group,
+            page_bytes,
+        }));
+    }
+    // Apply: the executor first, the one step that can still refuse.
+    let (engine_region, executor) = match agent {
+        // The manager never maps it: only the origin's staging area is
+        // made here, the one memory the agent writes for the manager.
+        Some(a) => {
+            let staging_bytes = world.resource::<Limits>().max_staging_bytes;
+            world
+                .resource_mut::<Agents>()
+                .ensure_staging(ctx.origin, staging_bytes)
+                .map_err(|e| {
+                    CommandError::Copy(CopyRefusal::Failed {
+                        reason: format!("staging area: {e}"),
+                    })
+                })?;
+            (a.region, Executor::Agent(ctx.origin))
+        }
+        None => {
+            let id = world
+                .resource_mut::<Copier>()
+                .0
+                .get_mut()
+                .register_device_region(bytes)
+                .map_err(|e| CommandError::Copy(copy_refusal(bytes, e)))?;
+            (id, Executor::Local)
+        }
+    };
     let region = DeviceRegion {
         origin: ctx.origin,
         rank,
@@ -60,6 +92,7 @@ pub(super) fn register_region(
         slots,
         page_bytes,
         engine_region,
+        executor,
         by_slot: Default::default(),
     };
     let entity = world.spawn((region, RegionOf(owned.session))).id();
@@ -68,6 +101,7 @@ pub(super) fn register_region(
         region: entity.to_bits(),
         engine_region,
         page_bytes,
+        agent: executor != Executor::Local,
     };
     emit(world, ctx.origin, event);
     Ok(())

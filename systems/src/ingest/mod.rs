@@ -7,6 +7,7 @@
 //! error or returns everything it will change, and an `apply` that changes
 //! exactly that and cannot fail. One module per command family.
 
+mod agents;
 mod devices;
 mod instances;
 mod publish;
@@ -82,7 +83,8 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
             rank,
             group,
             slots,
-        } => devices::register_region(world, ctx, session, (rank, group), slots),
+            agent,
+        } => devices::register_region(world, ctx, session, (rank, group), slots, agent),
         Command::DevicePageAlloc {
             session,
             region,
@@ -131,6 +133,7 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
             recovery::release(world, ctx, session, operation)
         }
         Command::Cancel { session, operation } => recovery::cancel(world, ctx, session, operation),
+        Command::CopyDone { copy, failure } => agents::copy_done(world, ctx, copy, failure),
         Command::AdvanceClock { us } => advance_clock(world, us),
     }
 }

@@ -107,6 +107,7 @@ fn plan(world: &World, owned: Owned, pages: &[PublishPage]) -> Result<Vec<Publis
             bytes,
             dram_slot: None,
             dram_offset: 0,
+            staging: None,
             state: ItemState::Waiting,
         });
     }

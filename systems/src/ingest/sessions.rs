@@ -12,7 +12,7 @@ use orbitkv_components::ecs::{
 use super::resolve::{self, limit};
 use super::{Ctx, Result, emit};
 use crate::lifecycle::set_state_now;
-use crate::resources::{Limits, Registry};
+use crate::resources::{Agents, Limits, Registry};
 
 pub(super) fn open(world: &mut World, ctx: Ctx, instance: &str) -> Result<()> {
     // Plan.
@@ -51,8 +51,10 @@ pub(super) fn close(world: &mut World, ctx: Ctx, handle: SessionHandle) -> Resul
     Ok(())
 }
 
-/// Closes every open session of `origin`, as `close` would.
+/// Closes every open session of `origin`, as `close` would. Copies its
+/// agent had in flight have failed: nobody is left to report them.
 pub(super) fn close_origin(world: &mut World, origin: Origin) {
+    world.resource_mut::<Agents>().lose(origin);
     let open: Vec<Entity> = world
         .query::<(Entity, &Session)>()
         .iter(world)

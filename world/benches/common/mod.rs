@@ -92,12 +92,7 @@ impl Driver {
     }
 
     pub fn new(rt: Runtime, arena: DeviceArena, simulated: bool) -> Self {
-        let port = Embedded {
-            rt,
-            origin: Origin::EMBEDDED,
-            advance_us: simulated.then_some(1),
-            ticks: 0,
-        };
+        let port = Embedded::new(rt, Origin::EMBEDDED, simulated.then_some(1));
         Driver {
             d: driver::Driver::new(port),
             arena,

@@ -67,12 +67,7 @@ impl Harness {
             },
         )
         .expect("runtime");
-        let port = Embedded {
-            rt,
-            origin: Origin::EMBEDDED,
-            advance_us: Some(TICK_US),
-            ticks: 0,
-        };
+        let port = Embedded::new(rt, Origin::EMBEDDED, Some(TICK_US));
         Harness {
             d: Driver::new(port),
             arena,

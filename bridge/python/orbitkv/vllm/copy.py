@@ -7,8 +7,12 @@ copies run.
 slot allocated once. A save copies each layer's block into a staging slot
 (`stage`), then the staging device page is published; a load copies leased
 pages from the read-only shared pool into the engine's blocks (`restore`).
-Copy agents (docs/vllm.md, "Not yet") replace this class: the engine's own
-KV memory becomes an agent-owned region and the manager drives the copies.
+`AgentPageMover` (KV caches in host memory): the engine's own KV blocks are
+an agent-owned region per KV cache group (slot = block id); the manager
+never maps them, and the copies run in this process's copy agent on the
+manager's instruction, straight between the blocks and the shared pool.
+`HostPageMover` stays for KV caches on a GPU until the CUDA executor
+exists.
 
 A stored page is each layer's block bytes concatenated in the group's layer
 order (`GroupPlan.layers`); a layer's block is its `[H, N, C]` bytes exactly
@@ -267,3 +271,73 @@ class HostPageMover(PageMover):
         bi = torch.tensor([b for _, _, b in pages], dtype=torch.long, device=self.blocks.device)
         for at, view in layers:
             view.index_copy_(0, bi, data[:, at : at + view.shape[1]])
+
+
+class AgentPageMover(PageMover):
+    """The engine's KV blocks as agent-owned regions: one per KV cache
+    group, slot `b` being block `b`, each page laid out as the group's
+    per-layer block runs (`EngineBlocks.layers`, in page order). Loads
+    restore into the blocks and saves publish from them, both run by the
+    client's copy agent; nothing is staged."""
+
+    direct = True
+
+    def __init__(self, blocks: EngineBlocks, rank: int, timeout_s: float):
+        if blocks.device.type != "cpu":
+            raise ConfigError(
+                f"copy agents run host memory only in this build; the KV cache is on {blocks.device}"
+            )
+        self.blocks = blocks
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._regions: Dict[int, int] = {}
+
+    def layout(self, gid: int) -> List[Tuple[int, int, int]]:
+        """(data_ptr, stride, length) of each run of a page of group `gid`."""
+        return [
+            (view.data_ptr(), view.stride(0) * view.element_size(), view.shape[1])
+            for _, view in self.blocks.layers[gid]
+        ]
+
+    def connect(self, client: Any, session: Dict[str, Any]) -> None:
+        """Attaches every group's blocks to the client's agent and registers
+        them as agent-owned regions (the agent keeps the views alive)."""
+        regions: Dict[int, int] = {}
+        for group in self.blocks.spec.groups:
+            views = [v for _, v in self.blocks.layers[group.id]]
+            agent_id, page_bytes = client.attach_agent_memory(
+                self.blocks.num_blocks, self.layout(group.id), views
+            )
+            if page_bytes != group.page_bytes:
+                raise ConfigError(
+                    f"group {group.id}: the blocks hold {page_bytes}-byte pages, the spec "
+                    f"{group.page_bytes}"
+                )
+            e = client.call(
+                {
+                    "command": "register_device_region",
+                    "session": session,
+                    "rank": self.rank,
+                    "group": group.id,
+                    "slots": self.blocks.num_blocks,
+                    "agent": {"region": agent_id, "page_bytes": page_bytes},
+                },
+                self.timeout_s,
+            )
+            if e.get("event") != "region_registered":
+                raise ConnectionError(f"agent region for group {group.id}: {e}")
+            regions[group.id] = e["region"]
+        with self._lock:
+            self._regions = regions
+
+    def disconnect(self) -> None:
+        with self._lock:
+            self._regions = {}
+
+    def region(self, gid: int) -> int:
+        with self._lock:
+            return self._regions[gid]
+
+    def staging_slots(self, gid: int) -> int:
+        return 0

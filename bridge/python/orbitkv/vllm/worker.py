@@ -1,5 +1,13 @@
 """The worker role: runs the loads and saves the scheduler planned.
 
+With KV caches in host memory the blocks are agent-owned regions
+(`AgentPageMover`): a load restores straight into the request's blocks (the
+client's copy agent runs the copies on the manager's instruction) and is
+reported once `restore_done` says every byte landed; a save publishes
+straight from the blocks, and `wait_for_save` returns only once its
+publishes answered, so no block is read after the step that wrote it. The
+staged path below (`HostPageMover`) remains for KV caches on a GPU.
+
 - Saves: at `wait_for_save`, the pages this step completed are copied from
   the engine's blocks into staging slots (`PageMover.stage`) before the
   call returns. The engine's model runner zeroes, copies into and reuses
@@ -27,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from .copy import EngineBlocks, HostPageMover, PageMover
+from .copy import AgentPageMover, EngineBlocks, HostPageMover, PageMover
 from .engine import EngineSpec
 from .link import LINK_ERRORS, ManagerLink, Unavailable
 from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveSpec
@@ -67,6 +75,9 @@ class _Load:
     selected: int = 0
     pages: int = 0
     release_command: Optional[int] = None
+    #: Agent path: the device pages the restore targets, freed at its end.
+    device_pages: List[int] = field(default_factory=list)
+    restoring: bool = False
 
 
 @dataclass
@@ -77,6 +88,11 @@ class _Publish:
     slots: List[int]
     hashes: List[bytes]
     deadline: float = 0.0
+    #: Agent path: the engine blocks published, their device pages, and
+    #: what `wait_for_save` waits on.
+    blocks: List[int] = field(default_factory=list)
+    device_pages: List[int] = field(default_factory=list)
+    done: Optional[threading.Event] = None
 
 
 class WorkerSide:
@@ -121,6 +137,8 @@ class WorkerSide:
         self, kv_caches: Dict[str, Any], mover: Optional[PageMover] = None
     ) -> None:
         blocks = EngineBlocks(self.spec, kv_caches, self.num_blocks)
+        if mover is None and blocks.device.type == "cpu" and self.settings.copy_agent:
+            mover = AgentPageMover(blocks, self.rank, self.settings.timeout_s)
         self.mover = mover or HostPageMover(
             blocks, self.rank, self.settings.staging_pages, self.settings.timeout_s
         )
@@ -170,6 +188,7 @@ class WorkerSide:
         if meta is None or self._saves_queued:
             return
         self._saves_queued = True
+        waits: List[_Publish] = []
         for save in meta.saves:
             with self._lock:
                 self._had_saves.add(save.req_id)
@@ -183,6 +202,18 @@ class WorkerSide:
                 self._pending_saves[save.req_id] = n + len(jobs)
             for job in jobs:
                 self._io_q.put(("publish", job))
+            waits.extend(jobs)
+        self._wait_published(waits)
+
+    def _wait_published(self, jobs: List[_Publish]) -> None:
+        """Agent path: the copies read the engine's blocks, so the step may
+        not end before they answered. Bounded: a publish past its deadline
+        makes the I/O thread drop the connection, whose agent waits for its
+        running copies before the failure is reported."""
+        bound = time.monotonic() + 2 * self.settings.timeout_s + 15.0
+        for job in jobs:
+            if job.done is not None:
+                job.done.wait(max(0.0, bound - time.monotonic()))
 
     def transfer_results(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving)."""
@@ -249,6 +280,8 @@ class WorkerSide:
             n = self._pending_saves.get(job.req_id, 0)
             assert n > 0, f"save accounting of {job.req_id} went below zero"
             self._pending_saves[job.req_id] = n - 1
+        if job.done is not None:
+            job.done.set()
         if answer is None:
             self.stats.publishes_failed += 1
             return
@@ -274,6 +307,24 @@ class WorkerSide:
                     self.stats.pages_dropped += len(pages)
                     self._io_q.put(("connect",))
                     continue
+                generation = self._generation
+            if getattr(self.mover, "direct", False):
+                self.mover.blocks.check_blocks([b for _, b in pages])
+                for i in range(0, len(pages), batch):
+                    part = pages[i : i + batch]
+                    jobs.append(
+                        _Publish(
+                            req_id=save.req_id,
+                            gid=group.id,
+                            generation=generation,
+                            slots=[],
+                            hashes=[h for h, _ in part],
+                            blocks=[b for _, b in part],
+                            done=threading.Event(),
+                        )
+                    )
+                continue
+            with self._lock:
                 free = self._free_slots.get(group.id, [])
                 take = min(len(pages), len(free))
                 slots = [free.pop() for _ in range(take)]
@@ -348,9 +399,11 @@ class _IoState:
         self.by_operation: Dict[int, _Load] = {}
         self.loads: List[_Load] = []
         self.publishes: List[_Publish] = []
+        #: Events that arrived while a step waited for its own replies.
+        self.deferred: List[Dict[str, Any]] = []
 
     def busy(self) -> bool:
-        return bool(self.by_command or self.by_operation)
+        return bool(self.by_command or self.by_operation or self.deferred)
 
     def client(self):
         return self.w.link.get()
@@ -424,6 +477,64 @@ class _IoState:
         job = _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s)
         self.by_command[cid] = ("query", job)
 
+    def alloc_pages(self, region: int, blocks: List[int]) -> List[int]:
+        """Device pages for blocks of an agent region, allocated in one
+        pipelined round; other events meanwhile are kept for `pump`.
+        Raises `RuntimeError` on a refusal (the pages it got are freed)."""
+        client, session = self.client()
+        ids = [
+            client.submit(
+                {"command": "device_page_alloc", "session": session, "region": region, "slot": b}
+            )
+            for b in blocks
+        ]
+        got: Dict[int, int] = {}
+        refused: Optional[str] = None
+        want = set(ids)
+        deadline = time.monotonic() + self.w.settings.timeout_s
+        while want:
+            left = deadline - time.monotonic()
+            ev = client.wait_event(left) if left > 0 else None
+            if ev is None:
+                raise TimeoutError("device page allocation timed out")
+            cid = ev.get("command")
+            if cid not in want:
+                self.deferred.append(ev)
+                continue
+            want.discard(cid)
+            if ev.get("event") == "device_page_allocated":
+                got[cid] = ev["device_page"]
+            else:
+                refused = (ev.get("error") or {}).get("error", ev.get("event"))
+        if refused is not None:
+            self.free_pages(list(got.values()))
+            raise RuntimeError(f"device page allocation refused: {refused}")
+        return [got[c] for c in ids]
+
+    def free_pages(self, pages: List[int]) -> None:
+        if not pages:
+            return
+        client, session = self.client()
+        for dp in pages:
+            client.submit({"command": "device_page_free", "session": session, "device_page": dp})
+
+    def start_agent_publish(self, job: _Publish, mover: AgentPageMover) -> None:
+        client, session = self.client()
+        try:
+            job.device_pages = self.alloc_pages(mover.region(job.gid), job.blocks)
+        except RuntimeError as e:
+            self.w.stats.fail("publish_alloc")
+            log.info("OrbitKV: publish of %s skipped: %s", job.req_id, e)
+            self.w._publish_done(job, None)
+            return
+        pages = [
+            {"rank": self.w.rank, "group": job.gid, "hash": h.hex(), "device_page": dp}
+            for h, dp in zip(job.hashes, job.device_pages)
+        ]
+        cid = client.submit({"command": "publish", "session": session, "request": 0, "pages": pages})
+        job.deadline = time.monotonic() + self.w.settings.timeout_s
+        self.by_command[cid] = ("publish", job)
+
     def start_publish(self, job: _Publish) -> None:
         with self.w._lock:
             stale = job.generation != self.w._generation or not self.w._connected
@@ -433,6 +544,9 @@ class _IoState:
         client, session = self.client()
         mover = self.w.mover
         assert mover is not None
+        if isinstance(mover, AgentPageMover):
+            self.start_agent_publish(job, mover)
+            return
         pages = [
             {
                 "rank": self.w.rank,
@@ -456,9 +570,10 @@ class _IoState:
             return
         try:
             client, _ = self.client()
-            first = client.wait_event(POLL_S)
-            events = [first] if first is not None else []
-            if events:
+            events, self.deferred = self.deferred, []
+            first = client.wait_event(0.0 if events else POLL_S)
+            if first is not None:
+                events.append(first)
                 events += client.poll_events()
             for ev in events:
                 self.dispatch(ev)
@@ -487,6 +602,9 @@ class _IoState:
                 ok = kind == "publish_done"
                 if not ok:
                     self.w.stats.fail(f"publish_{(ev.get('error') or {}).get('error', kind)}")
+                # The copies landed (or never started): the pages go.
+                self.free_pages(job.device_pages)
+                job.device_pages = []
                 # A refused publish had no effect: its slots are free again.
                 self.w._publish_done(job, ev if ok else None)
             elif what == "query":
@@ -496,6 +614,12 @@ class _IoState:
                 # so the copy may have read reused slots.
                 self.by_operation.pop(job.operation, None)
                 self.w._finish_load(job.spec, None, "lease_lost")
+            elif what == "restore":
+                # Refused: nothing was copied.
+                self.by_operation.pop(job.operation, None)
+                self.free_pages(job.device_pages)
+                err = (ev.get("error") or {}).get("error", kind)
+                self.w._finish_load(job.spec, None, f"restore_{err}")
             return
         op = ev.get("operation")
         job = self.by_operation.get(op) if op is not None else None
@@ -507,7 +631,16 @@ class _IoState:
             del self.by_operation[op]
             if job.release_command is not None:
                 self.by_command.pop(job.release_command, None)
+            self.free_pages(job.device_pages)
             self.w._finish_load(job.spec, None, f"miss_{ev.get('reason')}")
+        elif kind == "restore_done":
+            # Every byte is in the blocks: the agent reported its copies.
+            del self.by_operation[op]
+            if job.release_command is not None:
+                self.by_command.pop(job.release_command, None)
+            self.free_pages(job.device_pages)
+            self.w.stats.pages_loaded += job.pages
+            self.w._finish_load(job.spec, job.selected, None)
         elif kind == "released":
             del self.by_operation[op]
             if job.release_command is not None:
@@ -529,11 +662,72 @@ class _IoState:
         job.selected = int(ev["selected"])
         self.by_operation[job.operation] = job
 
+    def on_ready_agent(self, job: _Load, ev: Dict[str, Any], mover: AgentPageMover) -> None:
+        """Restores this rank's leased pages straight into the request's
+        blocks; the pages of other ranks (their workers restore them) and
+        those with no block (vLLM holds them) are attested as retained."""
+        spec = job.spec
+        page = self.w.spec.page_tokens
+        client, session = self.client()
+        gindex = {g.id: i for i, g in enumerate(self.w.spec.groups)}
+        per_group: Dict[int, List[Tuple[Dict[str, Any], int]]] = {}
+        retained: List[Dict[str, Any]] = []
+        failure = None
+        for lease in ev.get("leases", []):
+            pos = lease["pos"]
+            gi = gindex.get(pos["group"])
+            idx = pos["page_end"] // page - 1
+            if pos["rank"] != self.w.rank:
+                retained.append(pos)
+                continue
+            if gi is None or not 0 <= idx < len(spec.block_ids[gi]):
+                failure = "lease_outside_load"
+                break
+            block = spec.block_ids[gi][idx]
+            if block == NULL_BLOCK:
+                retained.append(pos)
+                continue
+            per_group.setdefault(pos["group"], []).append((pos, block))
+        targets: List[Dict[str, Any]] = []
+        if failure is None:
+            try:
+                mover.blocks.check_blocks([b for ps in per_group.values() for _, b in ps])
+                for gid, ps in per_group.items():
+                    dps = self.alloc_pages(mover.region(gid), [b for _, b in ps])
+                    job.device_pages += dps
+                    targets += [{"pos": p, "device_page": dp} for (p, _), dp in zip(ps, dps)]
+            except (RuntimeError, ValueError) as e:
+                log.info("OrbitKV: load of %s: %s", spec.req_id, e)
+                failure = "restore_alloc"
+        if failure is not None:
+            del self.by_operation[job.operation]
+            self.free_pages(job.device_pages)
+            client.submit({"command": "release", "session": session, "operation": job.operation})
+            self.w._finish_load(spec, None, failure)
+            return
+        job.pages = len(targets)
+        job.restoring = True
+        job.deadline = time.monotonic() + self.w.settings.timeout_s
+        cid = client.submit(
+            {
+                "command": "restore",
+                "session": session,
+                "operation": job.operation,
+                "targets": targets,
+                "retained": retained,
+            }
+        )
+        job.release_command = cid
+        self.by_command[cid] = ("restore", job)
+
     def on_ready(self, job: _Load, ev: Dict[str, Any]) -> None:
         spec = job.spec
         page = self.w.spec.page_tokens
         mover = self.w.mover
         assert mover is not None
+        if isinstance(mover, AgentPageMover):
+            self.on_ready_agent(job, ev, mover)
+            return
         client, session = self.client()
         per_group: Dict[int, List[Tuple[int, int, int]]] = {}
         gindex = {g.id: i for i, g in enumerate(self.w.spec.groups)}
@@ -574,6 +768,16 @@ class _IoState:
         ]
         late_ops = [(op, job) for op, job in self.by_operation.items() if job.deadline < now]
         if not late and not late_ops:
+            return
+        agent_late = any(
+            (what == "publish" and job.done is not None) or (what == "restore")
+            for _, what, job in late
+        ) or any(job.restoring for _, job in late_ops)
+        if agent_late:
+            # The agent may still be copying engine blocks: the connection
+            # goes (its agent waits for running copies), then everything in
+            # flight fails.
+            self.lost("an agent copy passed its deadline")
             return
         for cid, what, job in late:
             del self.by_command[cid]

@@ -1,0 +1,497 @@
+//! The copy agent: the part of an engine process that touches engine
+//! memory on the runtime's instruction.
+//!
+//! The runtime never maps an engine's KV memory. The engine registers it
+//! here ([`CopyAgent::attach`]: one region per (rank, group), each page
+//! laid out as chunks, e.g. every layer's K and V block of vLLM), and
+//! registers the region with the runtime as agent-owned. The runtime sends
+//! [`Event::AgentCopy`] batches (pool or staging offsets, region offsets,
+//! lengths); [`CopyAgent::execute`] checks every page against the agent's
+//! own memory and submits it to the executor (any [`CopyEngine`]: host
+//! memcpy workers here, CUDA later), and [`CopyAgent::poll`] turns
+//! completions into [`Command::CopyDone`]s to submit back.
+//!
+//! Host memory the executor sees is one [`HostWindow`]: the runtime's pool
+//! mapped **read-only** followed by the origin's staging area (writable).
+//! Restores read the pool part; publishes write only the staging part, and
+//! a copy that would write the pool is refused before it starts (and the
+//! mapping would fault anyway).
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsFd;
+
+use orbitkv_components::api::{AgentDirection, AgentPageCopy, Command, CopyFailure, Event};
+
+use crate::{
+    Completion, CompletionToken, CopyEngine, CopyError, Direction, ExternalMemory, PageCopy,
+    RegionId,
+};
+
+/// What memory a chunk lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    Host,
+    Cuda { device: i32 },
+}
+
+/// One run of a page's bytes in engine memory: slot `s`'s run starts at
+/// `ptr + s * stride` and is `len` bytes. A page is its chunks' runs,
+/// concatenated in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    pub kind: MemoryKind,
+    pub ptr: u64,
+    pub stride: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentError {
+    #[error("region layout: {0}")]
+    Layout(String),
+    #[error("executor: {0}")]
+    Executor(#[from] CopyError),
+    #[error("host window: {0}")]
+    Window(String),
+    #[error("too many agent regions")]
+    TooManyRegions,
+}
+
+/// Pool pages to verify after a restore: (pool offset, length, checksum).
+type Checks = Vec<(u64, u64, u64)>;
+
+/// A batch translated for the executor, with the pool pages to verify
+/// afterwards: (pool offset, length, checksum).
+struct Planned {
+    direction: Direction,
+    copies: Vec<PageCopy>,
+    verify: Checks,
+}
+
+/// An attached region: its page size and where each chunk lives.
+#[derive(Debug, Clone)]
+struct Region {
+    slots: u32,
+    page_bytes: u64,
+    /// (executor region, offset of the chunk in the page, stride, len).
+    chunks: Vec<(RegionId, u64, u64, u64)>,
+}
+
+/// The runtime's pool (read-only) and the origin's staging area (writable),
+/// mapped side by side in one address range.
+pub struct HostWindow {
+    base: *mut u8,
+    len: usize,
+    pool_len: u64,
+    /// Where the staging area starts in the window (the pool length
+    /// rounded up to the OS page size).
+    staging_at: u64,
+    staging_len: u64,
+}
+
+// SAFETY: the window is a private mapping this value owns until drop; it
+// hands out no references, only its base for the executor's host range.
+unsafe impl Send for HostWindow {}
+
+const OS_PAGE: u64 = 4096;
+
+impl HostWindow {
+    /// Maps `pool` (read-only; a sealed pool cannot be mapped otherwise)
+    /// and `staging` (read-write) side by side.
+    pub fn map(
+        pool: impl AsFd,
+        pool_len: u64,
+        staging: impl AsFd,
+        staging_len: u64,
+    ) -> Result<HostWindow, AgentError> {
+        use rustix::mm::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
+        let bad = |e: &dyn std::fmt::Display| AgentError::Window(e.to_string());
+        if pool_len == 0 || staging_len == 0 {
+            return Err(AgentError::Window("empty pool or staging area".into()));
+        }
+        let staging_at = pool_len.next_multiple_of(OS_PAGE);
+        let total = staging_at
+            .checked_add(staging_len)
+            .and_then(|t| usize::try_from(t).ok())
+            .ok_or_else(|| AgentError::Window("window larger than the address space".into()))?;
+        // SAFETY: a fresh reservation nothing else uses; the two fixed
+        // mappings below replace parts of it, and on failure it is unmapped.
+        unsafe {
+            let base = mmap_anonymous(
+                std::ptr::null_mut(),
+                total,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE,
+            )
+            .map_err(|e| bad(&e))?;
+            let pool_map = mmap(
+                base,
+                pool_len as usize,
+                ProtFlags::READ,
+                MapFlags::SHARED | MapFlags::FIXED,
+                pool,
+                0,
+            );
+            let staging_map = pool_map.and_then(|_| {
+                mmap(
+                    base.cast::<u8>().add(staging_at as usize).cast(),
+                    staging_len as usize,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED | MapFlags::FIXED,
+                    staging,
+                    0,
+                )
+            });
+            if let Err(e) = staging_map {
+                let _ = munmap(base, total);
+                return Err(bad(&e));
+            }
+            Ok(HostWindow {
+                base: base.cast(),
+                len: total,
+                pool_len,
+                staging_at,
+                staging_len,
+            })
+        }
+    }
+
+    pub fn pool_len(&self) -> u64 {
+        self.pool_len
+    }
+
+    pub fn staging_len(&self) -> u64 {
+        self.staging_len
+    }
+}
+
+impl Drop for HostWindow {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+len` is the reservation `map` made; the agent
+        // drops its executor (draining copies) before its window.
+        let _ = unsafe { rustix::mm::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// A copy agent: an executor, the regions attached to it, the host window,
+/// and the copies it runs.
+pub struct CopyAgent {
+    /// Declared before `window`: dropped first, so in-flight copies finish
+    /// while the window is still mapped.
+    executor: Box<dyn CopyEngine>,
+    window: Option<HostWindow>,
+    regions: HashMap<u32, Region>,
+    next_region: u32,
+    /// Executor token → copy id and the pages to verify once it landed.
+    running: HashMap<CompletionToken, (u64, Checks)>,
+    /// Accepted copies the executor had no room for yet (bounded by the
+    /// runtime's `max_agent_copies_per_origin`).
+    waiting: VecDeque<(u64, Planned)>,
+    /// Finished copies not reported yet.
+    finished: Vec<(u64, Option<CopyFailure>)>,
+}
+
+impl CopyAgent {
+    pub fn new(executor: Box<dyn CopyEngine>) -> Self {
+        CopyAgent {
+            executor,
+            window: None,
+            regions: HashMap::new(),
+            next_region: 0,
+            running: HashMap::new(),
+            waiting: VecDeque::new(),
+            finished: Vec::new(),
+        }
+    }
+
+    /// Sets the host window (once the pool and staging descriptors are
+    /// known). Refused while copies run.
+    pub fn set_window(&mut self, window: HostWindow) -> Result<(), AgentError> {
+        if self.busy() {
+            return Err(AgentError::Window("copies are running".into()));
+        }
+        let len = window.len as u64;
+        // SAFETY: the window stays mapped and unmoved while the agent
+        // holds it, and the executor is dropped before it.
+        unsafe { self.executor.register_host_pool(window.base, len)? };
+        self.window = Some(window);
+        Ok(())
+    }
+
+    pub fn has_window(&self) -> bool {
+        self.window.is_some()
+    }
+
+    /// Attaches engine memory laid out as `chunks` (per page) over `slots`
+    /// slots; returns the agent's region id, to register with the runtime
+    /// (`AgentRegion { region, page_bytes }`, `page_bytes` the sum of the
+    /// chunk lengths).
+    ///
+    /// # Safety
+    /// Every chunk's memory (`ptr + s * stride .. + len` for each slot)
+    /// must stay valid and unmoved until [`CopyAgent::detach`] and every
+    /// copy submitted against it completed, and nothing else may write a
+    /// slot while a copy covers it (the runtime's pins guarantee that for
+    /// engines that follow the protocol).
+    pub unsafe fn attach(
+        &mut self,
+        slots: u32,
+        chunks: &[Chunk],
+    ) -> Result<(u32, u64), AgentError> {
+        let bad = |m: String| AgentError::Layout(m);
+        if slots == 0 || chunks.is_empty() {
+            return Err(bad("a region needs slots and at least one chunk".into()));
+        }
+        let mut attached: Vec<(RegionId, u64, u64, u64)> = Vec::with_capacity(chunks.len());
+        let mut page_bytes = 0u64;
+        for (n, c) in chunks.iter().enumerate() {
+            let extent = chunk_extent(c, slots).map_err(|m| bad(format!("chunk {n}: {m}")))?;
+            let memory = match c.kind {
+                MemoryKind::Host => ExternalMemory::Host {
+                    base: c.ptr as usize as *mut u8,
+                    len: extent,
+                },
+                MemoryKind::Cuda { device } => ExternalMemory::Cuda {
+                    device,
+                    ptr: c.ptr,
+                    len: extent,
+                },
+            };
+            // SAFETY: forwarded from this method's contract.
+            match unsafe { self.executor.attach_region(memory) } {
+                Ok(id) => attached.push((id, page_bytes, c.stride, c.len)),
+                Err(e) => {
+                    for (id, ..) in attached {
+                        let _ = self.executor.unregister_device_region(id);
+                    }
+                    return Err(e.into());
+                }
+            }
+            page_bytes += c.len;
+        }
+        let id = self.next_region;
+        self.next_region = self
+            .next_region
+            .checked_add(1)
+            .ok_or(AgentError::TooManyRegions)?;
+        self.regions.insert(
+            id,
+            Region {
+                slots,
+                page_bytes,
+                chunks: attached,
+            },
+        );
+        Ok((id, page_bytes))
+    }
+
+    /// Forgets a region (its session closed). Copies already running
+    /// finish; later ones fail `unknown_region`.
+    pub fn detach(&mut self, region: u32) -> bool {
+        let Some(r) = self.regions.remove(&region) else {
+            return false;
+        };
+        for (id, ..) in r.chunks {
+            let _ = self.executor.unregister_device_region(id);
+        }
+        true
+    }
+
+    /// Takes an `AgentCopy` event and starts it; other events are not the
+    /// agent's (returns false). A copy that cannot run is reported failed
+    /// by the next `poll`, never dropped.
+    pub fn handle(&mut self, event: &Event) -> bool {
+        let Event::AgentCopy {
+            copy,
+            direction,
+            pages,
+        } = event
+        else {
+            return false;
+        };
+        match self.plan(*direction, pages) {
+            Ok(planned) => self.waiting.push_back((*copy, planned)),
+            Err(f) => self.finished.push((*copy, Some(f))),
+        }
+        self.start_waiting();
+        true
+    }
+
+    /// Translates a batch into executor copies, checking every page
+    /// against the region, the pool and the staging area.
+    fn plan(
+        &self,
+        direction: AgentDirection,
+        pages: &[AgentPageCopy],
+    ) -> Result<Planned, CopyFailure> {
+        let window = self.window.as_ref().ok_or(CopyFailure::Shutdown)?;
+        let oob = |m: String| CopyFailure::OutOfBounds(m);
+        let (dir, host_base, host_len) = match direction {
+            AgentDirection::PoolToRegion => (Direction::HostToDevice, 0, window.pool_len),
+            AgentDirection::RegionToStaging => (
+                Direction::DeviceToHost,
+                window.staging_at,
+                window.staging_len,
+            ),
+        };
+        let mut out = Vec::new();
+        let mut verify = Vec::new();
+        for p in pages {
+            let r = self
+                .regions
+                .get(&p.region)
+                .ok_or(CopyFailure::UnknownRegion(p.region))?;
+            if p.len != r.page_bytes || p.region_offset % r.page_bytes != 0 {
+                return Err(oob(format!(
+                    "region {} copies whole pages of {} bytes, not [{}, +{})",
+                    p.region, r.page_bytes, p.region_offset, p.len
+                )));
+            }
+            let slot = p.region_offset / r.page_bytes;
+            if slot >= u64::from(r.slots) {
+                return Err(oob(format!(
+                    "slot {slot} of region {} ({} slots)",
+                    p.region, r.slots
+                )));
+            }
+            if p.host_offset
+                .checked_add(p.len)
+                .is_none_or(|end| end > host_len)
+            {
+                return Err(oob(format!(
+                    "[{}, +{}) of a {host_len}-byte {direction:?} host area",
+                    p.host_offset, p.len
+                )));
+            }
+            if let (AgentDirection::PoolToRegion, Some(sum)) = (direction, p.checksum) {
+                verify.push((p.host_offset, p.len, sum));
+            }
+            for &(id, at, stride, len) in &r.chunks {
+                out.push(PageCopy {
+                    host_offset: host_base + p.host_offset + at,
+                    region: id,
+                    device_offset: slot * stride,
+                    len,
+                    // A page's checksum covers all its chunks: verified
+                    // once the whole copy landed (`verify`).
+                    expect_checksum: None,
+                });
+            }
+        }
+        if out.is_empty() {
+            return Err(oob("an empty copy".into()));
+        }
+        Ok(Planned {
+            direction: dir,
+            copies: out,
+            verify,
+        })
+    }
+
+    /// Checks the pool pages a restore read against their checksums, once
+    /// its copy landed: the pool is read-only here and leased meanwhile, so
+    /// bytes that match now are the bytes that were copied.
+    fn verify(&self, pages: &[(u64, u64, u64)]) -> Option<CopyFailure> {
+        let window = self.window.as_ref()?;
+        for &(offset, len, sum) in pages {
+            // In bounds: `plan` checked it against the pool's length.
+            // SAFETY: the pool part of the window is mapped (read-only)
+            // while the agent holds the window.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(window.base.add(offset as usize), len as usize)
+            };
+            if xxhash_rust::xxh3::xxh3_64(bytes) != sum {
+                return Some(CopyFailure::Checksum(offset));
+            }
+        }
+        None
+    }
+
+    fn start_waiting(&mut self) {
+        while let Some((copy, planned)) = self.waiting.pop_front() {
+            match self.executor.submit(planned.direction, &planned.copies, 0) {
+                Ok(token) => {
+                    self.running.insert(token, (copy, planned.verify));
+                }
+                Err(CopyError::QueueFull(..)) if !self.running.is_empty() => {
+                    self.waiting.push_front((copy, planned));
+                    return;
+                }
+                Err(e) => self
+                    .finished
+                    .push((copy, Some(CopyFailure::Executor(e.to_string())))),
+            }
+        }
+    }
+
+    /// Collects finished copies as `CopyDone` commands (to submit to the
+    /// runtime), and starts copies that waited for executor room.
+    pub fn poll(&mut self, out: &mut Vec<Command>) {
+        let mut done: Vec<Completion> = Vec::new();
+        self.executor.poll(0, &mut done);
+        for c in done {
+            if let Some((copy, verify)) = self.running.remove(&c.token) {
+                let failure = match c.result {
+                    Err(e) => Some(CopyFailure::Executor(e.to_string())),
+                    Ok(()) => self.verify(&verify),
+                };
+                self.finished.push((copy, failure));
+            }
+        }
+        self.start_waiting();
+        out.extend(
+            self.finished
+                .drain(..)
+                .map(|(copy, failure)| Command::CopyDone { copy, failure }),
+        );
+    }
+
+    /// Copies accepted and not reported by `poll` yet.
+    pub fn in_flight(&self) -> usize {
+        self.running.len() + self.waiting.len() + self.finished.len()
+    }
+
+    /// Whether a copy is running or waiting to run.
+    pub fn busy(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Waits (polling, at most `timeout`) until no copy runs: what an agent
+    /// does when its connection is lost, before the engine may reuse the
+    /// memory. Returns whether it drained.
+    pub fn drain(&mut self, timeout: std::time::Duration, out: &mut Vec<Command>) -> bool {
+        let until = std::time::Instant::now() + timeout;
+        loop {
+            self.poll(out);
+            if !self.busy() {
+                return true;
+            }
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+}
+
+/// Bytes from a chunk's first slot to the end of its last.
+fn chunk_extent(c: &Chunk, slots: u32) -> Result<u64, String> {
+    if c.len == 0 || c.ptr == 0 {
+        return Err("empty or null".into());
+    }
+    if c.stride < c.len {
+        return Err(format!(
+            "stride {} is shorter than the run ({})",
+            c.stride, c.len
+        ));
+    }
+    let extent = c
+        .stride
+        .checked_mul(u64::from(slots) - 1)
+        .and_then(|x| x.checked_add(c.len))
+        .ok_or("extent overflows")?;
+    c.ptr
+        .checked_add(extent)
+        .ok_or("extent wraps the address space")?;
+    Ok(extent)
+}

@@ -5,7 +5,7 @@
 //! The read stage submits reads into DRAM slots (by host-pool offset); the
 //! fence stage polls completions. A tier never blocks inside a tick.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use orbitkv_components::StateKey;
@@ -265,13 +265,13 @@ pub struct SimRemote {
 
 #[derive(Default)]
 struct MemoryPages {
-    pages: HashMap<StateKey, (Vec<u8>, u64)>,
+    pages: orbitkv_components::KeyMap<(Vec<u8>, u64)>,
     fail_next: usize,
     lose_next: usize,
     extra_latency_us: u64,
     remote: Option<SimRemote>,
     /// Remote mode: what lookups believe (length, checksum); a hint.
-    meta: HashMap<StateKey, (u64, u64)>,
+    meta: orbitkv_components::KeyMap<(u64, u64)>,
     /// Remote mode: down (lookups absent, reads fail) before this time.
     down_until_us: u64,
     /// The latest time the tier was polled or submitted to.

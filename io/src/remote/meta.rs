@@ -4,7 +4,7 @@
 //! manager wrote and drop what failed to read, and every read is verified
 //! against the record itself.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 
 use orbitkv_components::{Namespace, StateKey};
 
@@ -41,7 +41,7 @@ impl MetaEntry {
 
 /// Bounded map of entries; the oldest inserted are forgotten first.
 pub(crate) struct MetaCache {
-    map: HashMap<StateKey, MetaEntry>,
+    map: orbitkv_components::KeyMap<MetaEntry>,
     order: VecDeque<(StateKey, u64)>,
     next_gen: u64,
     cap: usize,
@@ -52,20 +52,20 @@ pub(crate) struct MetaCache {
     /// Keys whose record failed to read, with the write time of the entry
     /// that promised it: that entry, or an older one, read again from a
     /// directory is not believed again. A newer write is.
-    tombstones: HashMap<StateKey, u64>,
+    tombstones: orbitkv_components::KeyMap<u64>,
     tomb_order: VecDeque<StateKey>,
 }
 
 impl MetaCache {
     pub(crate) fn new(cap: usize) -> MetaCache {
         MetaCache {
-            map: HashMap::new(),
+            map: Default::default(),
             order: VecDeque::new(),
             next_gen: 1,
             cap,
             followed: HashSet::new(),
             dropped: 0,
-            tombstones: HashMap::new(),
+            tombstones: Default::default(),
             tomb_order: VecDeque::new(),
         }
     }

@@ -231,7 +231,7 @@ pub struct RemoteTier {
     next_token: u64,
     pending: HashMap<u64, Pending>,
     abandoned: HashMap<u64, Arc<AtomicU8>>,
-    writes: HashMap<StateKey, u64>,
+    writes: orbitkv_components::KeyMap<u64>,
     write_bytes: u64,
     demoted: Vec<Result<(), DemoteFailed>>,
     /// Reads finished but not yet reported (drained outside `poll`).
@@ -356,7 +356,7 @@ impl RemoteTier {
             next_token: 0,
             pending: HashMap::new(),
             abandoned: HashMap::new(),
-            writes: HashMap::new(),
+            writes: Default::default(),
             write_bytes: 0,
             demoted: Vec::new(),
             ready: Vec::new(),

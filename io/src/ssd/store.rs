@@ -149,7 +149,7 @@ unsafe impl Send for PoolPtr {}
 
 /// Bounded "seen once" set of [`WriteAdmission::OnReuse`].
 struct SeenOnce {
-    map: HashMap<StateKey, u64>,
+    map: orbitkv_components::KeyMap<u64>,
     order: VecDeque<(StateKey, u64)>,
     next: u64,
     cap: usize,
@@ -158,7 +158,7 @@ struct SeenOnce {
 impl SeenOnce {
     fn new(cap: usize) -> SeenOnce {
         SeenOnce {
-            map: HashMap::new(),
+            map: Default::default(),
             order: VecDeque::new(),
             next: 0,
             cap,
@@ -246,7 +246,7 @@ pub struct SsdStore {
     direct: bool,
     /// Open flags of new segment files (O_DIRECT, O_DSYNC).
     create_flags: i32,
-    index: HashMap<StateKey, IndexEntry>,
+    index: orbitkv_components::KeyMap<IndexEntry>,
     indexed_bytes: u64,
     segments: BTreeMap<u64, Segment>,
     active: Option<u64>,
@@ -266,7 +266,7 @@ pub struct SsdStore {
     syncs_in_io: usize,
     dirty: BTreeSet<u64>,
     accepted_writes: usize,
-    pending_keys: HashSet<StateKey>,
+    pending_keys: HashSet<StateKey, orbitkv_components::KeyHasher>,
     seen: SeenOnce,
     pool: Option<PoolPtr>,
     bufs: BufPool,
@@ -422,7 +422,7 @@ impl SsdStore {
             meta,
             direct,
             create_flags,
-            index: HashMap::new(),
+            index: Default::default(),
             indexed_bytes: 0,
             segments: BTreeMap::new(),
             active: None,
@@ -442,7 +442,7 @@ impl SsdStore {
             syncs_in_io: 0,
             dirty: BTreeSet::new(),
             accepted_writes: 0,
-            pending_keys: HashSet::new(),
+            pending_keys: Default::default(),
             pool: None,
             bufs: BufPool::new(BUF_POOL_BYTES),
             done_reads: Vec::new(),

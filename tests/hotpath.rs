@@ -9,105 +9,16 @@
 mod support;
 use support::*;
 
-use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command as Proc, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use orbitkv_components::NativeHash;
-use orbitkv_components::api::{
-    Command, Event, GroupHashes, MissReason, PagePos, RestoreTarget, SessionHandle,
-};
+use orbitkv_components::api::{Command, Event, GroupHashes, MissReason, SessionHandle};
 use orbitkv_ipc::hot::{self, Desc, HotErrorCode, HotRequest, Op, part};
 use orbitkv_ipc::{Client, ClientError, ClientOptions};
 
-struct Manager {
-    child: Child,
-    socket: PathBuf,
-    metrics: String,
-}
-
 fn start(dir: &Path) -> Manager {
-    let socket = dir.join("orbitkv.sock");
-    let config = dir.join("orbitkv.toml");
-    std::fs::write(
-        &config,
-        "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n",
-    )
-    .unwrap();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
-        .args([
-            "serve",
-            "--socket",
-            socket.to_str().unwrap(),
-            "--dram",
-            "16MiB",
-            "--config",
-            config.to_str().unwrap(),
-            "--metrics-addr",
-            &metrics,
-        ])
-        .env("RUST_LOG", "warn")
-        .env_remove("ORBITKV_HOT_PATH")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + T;
-    while Client::connect(&socket, "probe").is_err() {
-        assert!(Instant::now() < deadline, "manager did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Manager {
-        child,
-        socket,
-        metrics,
-    }
-}
-
-impl Drop for Manager {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Manager {
-    fn stop(mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "{status}");
-    }
-
-    fn metric(&self, name: &str) -> Option<u64> {
-        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        let line = body
-            .lines()
-            .find(|l| l.starts_with(&format!("orbitkv_{name} ")))?;
-        line.rsplit(' ').next()?.parse().ok()
-    }
-
-    /// Waits until the metric (refreshed every 100 ms) satisfies `ok`.
-    fn wait_metric(&self, name: &str, ok: impl Fn(u64) -> bool) -> u64 {
-        let deadline = Instant::now() + T;
-        loop {
-            if let Some(v) = self.metric(name)
-                && ok(v)
-            {
-                return v;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{name} never got there (now {:?})",
-                self.metric(name)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    Manager::start_default(dir)
 }
 
 fn connect(m: &Manager, name: &str) -> Client {
@@ -192,31 +103,7 @@ fn hot_round_trip_moves_exact_bytes() {
 
     // publish → query → prepare(d) → restore, all hot.
     let operation = query_ready(&mut b, sb);
-    let mut targets = Vec::new();
-    for i in 0..4u64 {
-        let dp = alloc(&mut b, sb, rb, 10 + i as u32);
-        targets.push(RestoreTarget {
-            pos: PagePos {
-                rank: 0,
-                group: 0,
-                page_end: (i + 1) * PAGE,
-            },
-            device_page: dp,
-        });
-    }
-    b.submit(Command::Restore {
-        session: sb,
-        operation,
-        targets,
-        retained: vec![],
-    })
-    .unwrap();
-    let done = b
-        .wait_event(T, |e| {
-            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
-        })
-        .unwrap()
-        .unwrap();
+    let done = restore_four(&mut b, sb, rb, operation, 10, payload);
     assert_eq!(
         done,
         Event::RestoreDone {
@@ -225,14 +112,6 @@ fn hot_round_trip_moves_exact_bytes() {
             bytes: 4 * BYTES
         }
     );
-    for i in 0..4u64 {
-        let at = ((10 + i) * BYTES) as usize;
-        assert_eq!(
-            &b.region_mut(rb).unwrap()[at..at + BYTES as usize],
-            &payload(i)[..],
-            "page {i}"
-        );
-    }
 
     // A separate prepare, then release.
     let qr = b.call(query(sb, 5, false), T).unwrap();
@@ -312,11 +191,11 @@ fn hot_round_trip_moves_exact_bytes() {
     }
 
     // Everything went on the hot path; nothing is left open.
-    assert!(m.wait_metric("hot_requests_total", |v| v >= 600) >= 600);
+    assert!(m.wait_metric_until("hot_requests_total", |v| v >= 600) >= 600);
     assert_eq!(m.metric("hot_fallbacks_total"), Some(0));
     assert_eq!(m.metric("hot_errors_total"), Some(0));
-    m.wait_metric("hot_open_requests", |v| v == 0);
-    m.wait_metric("leases", |v| v == 0);
+    m.wait_metric_until("hot_open_requests", |v| v == 0);
+    m.wait_metric_until("leases", |v| v == 0);
     assert!(a.ping().unwrap() < T);
     drop((a, b));
     m.stop();
@@ -414,7 +293,7 @@ fn malformed_hot_requests_get_typed_errors() {
         })),
         HotErrorCode::UnknownToken
     );
-    m.wait_metric("hot_errors_total", |v| v == 10);
+    m.wait_metric_until("hot_errors_total", |v| v == 10);
 
     // The manager keeps serving, this client and others.
     let op = query_ready(&mut c, s);
@@ -450,7 +329,7 @@ fn socket_only_clients_still_work() {
     register(&mut b);
     let (s, _) = open(&mut b);
     std::thread::sleep(Duration::from_millis(250));
-    let before = m.wait_metric("hot_requests_total", |_| true);
+    let before = m.wait_metric_until("hot_requests_total", |_| true);
     let op = query_ready(&mut b, s);
     b.submit(Command::Release {
         session: s,

@@ -12,8 +12,8 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{Read as _, Write as _};
 use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command as Proc, Stdio};
+use std::path::Path;
+use std::process::{Command as Proc, Stdio};
 use std::time::{Duration, Instant};
 
 use orbitkv_components::NativeHash;
@@ -23,14 +23,6 @@ use orbitkv_components::api::{
 use orbitkv_ipc::frame::{self, FrameReader, Kind};
 use orbitkv_ipc::{Client, ClientError, ClientOptions, Descriptor, Hello, Submit, Welcome};
 
-pub struct Manager {
-    child: Child,
-    socket: PathBuf,
-    metrics: String,
-}
-
-const BASE_CONFIG: &str = "[dram]\nfirst_touch = false\nextent_bytes = 65536\n";
-
 /// A manager with `serve` (lines of the `[serve]` table) and extra runtime
 /// tables.
 fn start_with(dir: &Path, serve: &str, extra: &str) -> Manager {
@@ -38,123 +30,14 @@ fn start_with(dir: &Path, serve: &str, extra: &str) -> Manager {
 }
 
 fn start_full(dir: &Path, dram: &str, serve: &str, extra: &str, args: &[&str]) -> Manager {
-    let socket = dir.join("orbitkv.sock");
-    let config = dir.join("orbitkv.toml");
-    std::fs::write(
-        &config,
-        format!("[serve]\nidle_tick_us = 100\n{serve}\n{BASE_CONFIG}{extra}"),
-    )
-    .unwrap();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
-        .args(["serve", "--socket", socket.to_str().unwrap()])
-        .args(["--dram", dram, "--config", config.to_str().unwrap()])
-        .args(["--metrics-addr", &metrics])
-        .args(args)
-        .env("RUST_LOG", "error")
-        .env_remove("ORBITKV_HOT_PATH")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + T;
-    while Client::connect(&socket, "probe").is_err() {
-        assert!(Instant::now() < deadline, "manager did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Manager {
-        child,
-        socket,
-        metrics,
-    }
+    // `serve` lines extend the `[serve]` table that BASE_CONFIG opens.
+    let (head, rest) = BASE_CONFIG.split_once("[dram]").unwrap();
+    let config = format!("{head}{serve}\n[dram]{rest}{extra}");
+    Manager::start(dir, "orbitkv", dram, &config, args)
 }
 
 fn start(dir: &Path) -> Manager {
     start_with(dir, "", "")
-}
-
-impl Drop for Manager {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Manager {
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn scrape(&self) -> String {
-        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body
-    }
-
-    /// A sample from `/metrics` (`name` with its labels, as printed).
-    fn metric(&self, name: &str) -> Option<u64> {
-        let body = self.scrape();
-        let line = body.lines().find(|l| l.starts_with(&format!("{name} ")))?;
-        line.rsplit(' ')
-            .next()?
-            .parse::<f64>()
-            .ok()
-            .map(|v| v as u64)
-    }
-
-    fn wait_metric(&self, name: &str, ok: impl Fn(u64) -> bool) -> u64 {
-        let deadline = Instant::now() + T;
-        loop {
-            if let Some(v) = self.metric(name)
-                && ok(v)
-            {
-                return v;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{name} never got there (now {:?})",
-                self.metric(name)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// SIGTERM, and a clean exit.
-    fn stop(mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "{status}");
-    }
-
-    fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-
-    fn rss_kib(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
-        s.lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
-            .unwrap()
-    }
-
-    /// Time the manager's threads spent on a CPU, in ns (schedstat: exact,
-    /// not sampled at clock ticks).
-    fn cpu_ns(&self) -> u64 {
-        let mut ns = 0;
-        for t in std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap() {
-            let stat =
-                std::fs::read_to_string(t.unwrap().path().join("schedstat")).unwrap_or_default();
-            ns += stat
-                .split(' ')
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-        ns
-    }
 }
 
 /// A connection that speaks raw frames: pipelined bursts, descriptors
@@ -184,7 +67,7 @@ impl Raw {
         c.send(&frame::encode(
             Kind::Hello,
             &Hello {
-                protocol: 1,
+                protocol: orbitkv_ipc::PROTOCOL_VERSION,
                 client: "raw".into(),
                 hot,
             },
@@ -279,7 +162,7 @@ fn hello_then_close_a_hundred_times_leaves_the_manager_serving() {
     let hello = frame::encode(
         Kind::Hello,
         &Hello {
-            protocol: 1,
+            protocol: orbitkv_ipc::PROTOCOL_VERSION,
             client: "gone".into(),
             hot: true,
         },
@@ -296,9 +179,9 @@ fn hello_then_close_a_hundred_times_leaves_the_manager_serving() {
     assert!(m.alive(), "the manager survived");
     let mut c = Client::connect(&m.socket, "after").unwrap();
     assert!(c.ping().unwrap() < T);
-    m.wait_metric("orbitkv_connections", |v| v == 1);
+    m.wait_sample("orbitkv_connections", |v| v == 1);
     assert!(
-        m.metric("orbitkv_disconnects_total{reason=\"peer_closed\"}")
+        m.sample("orbitkv_disconnects_total{reason=\"peer_closed\"}")
             .unwrap()
             >= 100
     );
@@ -319,7 +202,7 @@ fn frames_out_of_order_are_refused_with_typed_errors() {
     c.send(&frame::encode(
         Kind::Hello,
         &Hello {
-            protocol: 1,
+            protocol: orbitkv_ipc::PROTOCOL_VERSION,
             client: "again".into(),
             hot: false,
         },
@@ -391,7 +274,7 @@ fn a_client_that_never_reads_is_cut_off_while_eight_others_keep_going() {
     for o in others {
         o.join().unwrap();
     }
-    m.wait_metric("orbitkv_disconnects_total{reason=\"outbox_full\"}", |v| {
+    m.wait_sample("orbitkv_disconnects_total{reason=\"outbox_full\"}", |v| {
         v == 1
     });
     assert!(
@@ -399,8 +282,8 @@ fn a_client_that_never_reads_is_cut_off_while_eight_others_keep_going() {
         "the stuck client's socket was closed"
     );
     drop(stuck);
-    m.wait_metric("orbitkv_connections", |v| v == 0);
-    m.wait_metric("orbitkv_sessions", |v| v == 0);
+    m.wait_sample("orbitkv_connections", |v| v == 0);
+    m.wait_sample("orbitkv_sessions", |v| v == 0);
 }
 
 #[test]
@@ -418,7 +301,7 @@ fn a_client_that_stops_reading_is_cut_off_after_the_stall_timeout() {
         .take(ping.len() * 40_000)
         .collect();
     let writer = std::thread::spawn(move || s.write_all(&burst).is_ok());
-    m.wait_metric("orbitkv_disconnects_total{reason=\"stalled\"}", |v| v == 1);
+    m.wait_sample("orbitkv_disconnects_total{reason=\"stalled\"}", |v| v == 1);
     let _ = writer.join();
 }
 
@@ -787,12 +670,12 @@ fn ten_thousand_hellos_leave_rss_flat() {
     for _ in 0..1000 {
         hello(&m);
     }
-    m.wait_metric("orbitkv_connections", |v| v == 0);
+    m.wait_sample("orbitkv_connections", |v| v == 0);
     let warm = m.rss_kib();
     for _ in 0..9000 {
         hello(&m);
     }
-    m.wait_metric("orbitkv_connections", |v| v == 0);
+    m.wait_sample("orbitkv_connections", |v| v == 0);
     let after = m.rss_kib();
     assert!(
         after < warm + 8 * 1024,
@@ -868,16 +751,16 @@ fn inspect_shows_sessions_leases_and_the_last_minute() {
 fn an_idle_manager_barely_wakes_and_barely_uses_a_core() {
     let dir = tempfile::tempdir().unwrap();
     let m = start(dir.path());
-    m.wait_metric("orbitkv_connections", |v| v == 0);
+    m.wait_sample("orbitkv_connections", |v| v == 0);
     std::thread::sleep(Duration::from_millis(1500));
-    let rounds = m.metric("orbitkv_loop_rounds_total").unwrap();
+    let rounds = m.sample("orbitkv_loop_rounds_total").unwrap();
     let before = m.cpu_ns();
     let t = Instant::now();
     std::thread::sleep(Duration::from_secs(10));
     let share = (m.cpu_ns() - before) as f64 / 1e9 / t.elapsed().as_secs_f64();
     // The exact property, whatever else loads the machine: with no client
     // the loop wakes about once a second.
-    let woke = m.metric("orbitkv_loop_rounds_total").unwrap() - rounds;
+    let woke = m.sample("orbitkv_loop_rounds_total").unwrap() - rounds;
     assert!(woke <= 15, "{woke} loop rounds in 10 idle seconds");
     // On-CPU time (schedstat, exact): ~0.07% of a core on an idle machine
     // in a debug build; bounded loosely here, since a saturated test
@@ -1008,7 +891,7 @@ fn a_page_altered_in_memory_is_a_checksum_miss_on_every_tier() {
         ),
         "{done:?}"
     );
-    m.wait_metric("orbitkv_checksum_failures_total", |v| v == 1);
+    m.wait_sample("orbitkv_checksum_failures_total", |v| v == 1);
     // SSD: fill DRAM so every page is evicted; the altered one is refused
     // by demotion (its bytes do not match the checksum it carries), the
     // others are demoted.
@@ -1029,8 +912,8 @@ fn a_page_altered_in_memory_is_a_checksum_miss_on_every_tier() {
         })
         .unwrap();
     }
-    m.wait_metric("orbitkv_demotions_total{outcome=\"checksum\"}", |v| v == 1);
-    m.wait_metric("orbitkv_demotions_total{outcome=\"written\"}", |v| v >= 3);
+    m.wait_sample("orbitkv_demotions_total{outcome=\"checksum\"}", |v| v == 1);
+    m.wait_sample("orbitkv_demotions_total{outcome=\"written\"}", |v| v >= 3);
     // After a restart only the SSD tier holds them: the prefix's first
     // page is gone, so nothing of it is a hit, and never the altered bytes.
     drop(a);
@@ -1246,45 +1129,17 @@ fn a_frame_fuzzer_leaves_a_well_behaved_client_exact() {
     else {
         panic!("the published pages are still a hit");
     };
-    let mut targets = Vec::new();
     for l in &leases {
         assert_eq!(
             good.page(l).unwrap(),
             &payload(l.pos.page_end / PAGE - 1)[..]
         );
-        targets.push(orbitkv_components::api::RestoreTarget {
-            pos: l.pos,
-            device_page: alloc(&mut good, gs, gr, 40 + (l.pos.page_end / PAGE) as u32),
-        });
     }
-    good.submit(Command::Restore {
-        session: gs,
-        operation,
-        targets,
-        retained: vec![],
-    })
-    .unwrap();
-    let done = good
-        .wait_event(T, |e| {
-            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
-        })
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(done, Event::RestoreDone { pages: 4, .. }),
-        "{done:?}"
-    );
-    for i in 0..4u64 {
-        let at = ((41 + i) * BYTES) as usize;
-        assert_eq!(
-            &good.region_mut(gr).unwrap()[at..at + BYTES as usize],
-            &payload(i)[..]
-        );
-    }
+    restore_four(&mut good, gs, gr, operation, 41, payload);
     drop(good);
-    m.wait_metric("orbitkv_leases", |v| v == 0);
-    m.wait_metric("orbitkv_bytes_reserved", |v| v == 0);
-    m.wait_metric("orbitkv_connections", |v| v == 0);
+    m.wait_sample("orbitkv_leases", |v| v == 0);
+    m.wait_sample("orbitkv_bytes_reserved", |v| v == 0);
+    m.wait_sample("orbitkv_connections", |v| v == 0);
 }
 
 /// Refused with `not_owner` (a `rejected` event or the acceptance).
@@ -1337,7 +1192,7 @@ fn cross_connection_actions_are_refused_with_no_effect() {
     else {
         panic!("the victim's query is a hit");
     };
-    let leases_before = m.wait_metric("orbitkv_leases", |v| v == 4);
+    let leases_before = m.wait_sample("orbitkv_leases", |v| v == 4);
 
     let mut attacker = Client::connect(&m.socket, "attacker").unwrap();
     register(&mut attacker);
@@ -1448,7 +1303,7 @@ fn cross_connection_actions_are_refused_with_no_effect() {
         )
         .unwrap()
         .unwrap();
-    m.wait_metric("orbitkv_leases", |v| v == leases_before);
+    m.wait_sample("orbitkv_leases", |v| v == leases_before);
     for (i, _) in vpages.iter().enumerate() {
         let at = ((10 + i as u64) * BYTES) as usize;
         assert!(

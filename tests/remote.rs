@@ -8,9 +8,7 @@
 mod support;
 use support::*;
 
-use std::io::{Read as _, Write as _};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command as Proc, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use orbitkv_components::NativeHash;
@@ -18,89 +16,15 @@ use orbitkv_components::api::{Command, Event, GroupHashes, MissReason, SessionHa
 use orbitkv_ipc::Client;
 use orbitkv_world::driver::{DriverError, target};
 
-struct Manager {
-    child: Child,
-    socket: PathBuf,
-    metrics: String,
-}
-
-impl Drop for Manager {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// A manager whose remote tier is `remote` (seed URLs, comma-separated),
 /// with short refresh and breaker timings; `prefix` keeps tests apart.
 fn start(dir: &Path, name: &str, remote: &str, prefix: &str) -> Manager {
-    let socket = dir.join(format!("{name}.sock"));
-    let config = dir.join(format!("{name}.toml"));
-    std::fs::write(
-        &config,
-        format!(
-            "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n\
-             [remote]\nkey_prefix = \"{prefix}\"\nrefresh_interval_ms = 20\nvalidate_every_rounds = 5\n\
-             read_timeout_ms = 1000\nbreaker_failures = 2\nbreaker_cooldown_ms = 200\n"
-        ),
-    )
-    .unwrap();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
-        .args([
-            "serve",
-            "--socket",
-            socket.to_str().unwrap(),
-            "--dram",
-            "16MiB",
-        ])
-        .args(["--config", config.to_str().unwrap(), "--remote", remote])
-        .args(["--metrics-addr", &metrics])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + T;
-    while Client::connect(&socket, "probe").is_err() {
-        assert!(Instant::now() < deadline, "manager did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Manager {
-        child,
-        socket,
-        metrics,
-    }
-}
-
-impl Manager {
-    fn scrape(&self) -> String {
-        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body
-    }
-
-    /// A sample from `/metrics`, by its full name with labels.
-    fn metric(&self, series: &str) -> Option<u64> {
-        let body = self.scrape();
-        let line = body
-            .lines()
-            .find(|l| l.starts_with(&format!("orbitkv_{series} ")))?;
-        line.rsplit(' ').next()?.parse().ok()
-    }
-
-    fn wait_metric(&self, series: &str, value: u64) {
-        let deadline = Instant::now() + T;
-        while self.metric(series) != Some(value) {
-            assert!(
-                Instant::now() < deadline,
-                "{series} never reached {value} (now {:?})",
-                self.metric(series)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    let config = format!(
+        "{BASE_CONFIG}[remote]\nkey_prefix = \"{prefix}\"\nrefresh_interval_ms = 20\n\
+         validate_every_rounds = 5\nread_timeout_ms = 1000\nbreaker_failures = 2\n\
+         breaker_cooldown_ms = 200\n"
+    );
+    Manager::start(dir, name, "16MiB", &config, &["--remote", remote])
 }
 
 fn remote_urls(test: &str, cluster: bool) -> Option<String> {

@@ -5,100 +5,14 @@
 mod support;
 use support::*;
 
-use std::io::{Read as _, Write as _};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command as Proc, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
 use orbitkv_components::NativeHash;
-use orbitkv_components::api::{
-    Command, CommandError, Event, GroupHashes, PagePos, RestoreTarget, SessionHandle,
-};
+use orbitkv_components::api::{Command, CommandError, Event, GroupHashes, SessionHandle};
 use orbitkv_ipc::Client;
 
-struct Manager {
-    child: Child,
-    socket: PathBuf,
-    metrics: String,
-}
-
 fn start(dir: &Path) -> Manager {
-    let socket = dir.join("orbitkv.sock");
-    let config = dir.join("orbitkv.toml");
-    std::fs::write(
-        &config,
-        "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n",
-    )
-    .unwrap();
-    let metrics = format!("127.0.0.1:{}", free_port());
-    let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
-        .args([
-            "serve",
-            "--socket",
-            socket.to_str().unwrap(),
-            "--dram",
-            "16MiB",
-            "--config",
-            config.to_str().unwrap(),
-        ])
-        .args(["--metrics-addr", &metrics])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + T;
-    while Client::connect(&socket, "probe").is_err() {
-        assert!(Instant::now() < deadline, "manager did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Manager {
-        child,
-        socket,
-        metrics,
-    }
-}
-
-impl Drop for Manager {
-    fn drop(&mut self) {
-        // A failed test must not leave a manager running.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Manager {
-    fn stop(mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "{status}");
-        assert!(!self.socket.exists(), "socket file removed on shutdown");
-    }
-
-    /// A gauge from `/metrics`; `None` until the first snapshot.
-    fn metric(&self, name: &str) -> Option<u64> {
-        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        let line = body
-            .lines()
-            .find(|l| l.starts_with(&format!("orbitkv_{name} ")))?;
-        line.rsplit(' ').next()?.parse().ok()
-    }
-
-    /// Waits until the metrics (refreshed every 100 ms) show `value`.
-    fn wait_metric(&self, name: &str, value: u64) {
-        let deadline = Instant::now() + T;
-        while self.metric(name) != Some(value) {
-            assert!(
-                Instant::now() < deadline,
-                "{name} never reached {value} (now {:?})",
-                self.metric(name)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    Manager::start_default(dir)
 }
 
 fn payload(i: u64) -> Vec<u8> {
@@ -170,43 +84,7 @@ fn serve_end_to_end() {
     for l in &leases {
         assert_eq!(b.page(l).unwrap(), &payload(l.pos.page_end / PAGE - 1)[..]);
     }
-    let mut targets = Vec::new();
-    for i in 0..4u64 {
-        let dp = alloc(&mut b, sb, rb, 10 + i as u32);
-        targets.push(RestoreTarget {
-            pos: PagePos {
-                rank: 0,
-                group: 0,
-                page_end: (i + 1) * PAGE,
-            },
-            device_page: dp,
-        });
-    }
-    b.submit(Command::Restore {
-        session: sb,
-        operation,
-        targets,
-        retained: vec![],
-    })
-    .unwrap();
-    let done = b
-        .wait_event(T, |e| {
-            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
-        })
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(done, Event::RestoreDone { pages: 4, .. }),
-        "{done:?}"
-    );
-    for i in 0..4u64 {
-        let at = ((10 + i) * BYTES) as usize;
-        assert_eq!(
-            &b.region_mut(rb).unwrap()[at..at + BYTES as usize],
-            &payload(i)[..],
-            "page {i}"
-        );
-    }
+    restore_four(&mut b, sb, rb, operation, 10, payload);
     m.wait_metric("leases", 0);
 
     // A client that vanishes holding leases: its session closes, its leases

@@ -57,6 +57,25 @@ impl State {
     fn client(&mut self) -> Result<&mut Client, Failure> {
         self.client.as_mut().ok_or(Failure::Closed)
     }
+
+    /// This client's mapping of the shared pool (made on first use).
+    fn pool_mapping(&mut self) -> Result<Arc<Mapping>, Failure> {
+        if let Some(p) = &self.pool {
+            return Ok(p.clone());
+        }
+        let c = self.client()?;
+        let Some(pool) = c.pool() else {
+            return Err(Failure::Os(
+                "the manager did not share its pool (no descriptor in Welcome)".into(),
+            ));
+        };
+        // SAFETY: the client's live shared mapping of the pool.
+        let m = unsafe { Mapping::duplicate(pool.as_ptr(), pool.len()) }
+            .map_err(|e| Failure::Os(format!("mapping the shared pool: {e}")))?;
+        let m = Arc::new(m);
+        self.pool = Some(m.clone());
+        Ok(m)
+    }
 }
 
 /// Why a call failed, before it becomes a Python exception (built with the
@@ -324,39 +343,37 @@ impl PyClient {
     }
 
     /// A leased page's bytes (a lease dict of a `ready` event), read-only
-    /// and zero-copy over the shared pool. Valid while the lease is held:
-    /// after `release`/`restore_done` the slot may hold another page.
+    /// and zero-copy over the shared pool, after checking them against the
+    /// checksum the lease carries (bytes that do not match raise
+    /// `orbitkv.ConnectionError` naming the lease; they are never returned).
+    /// Valid while the lease is held: after `release`/`restore_done` the
+    /// slot may hold another page.
     fn page<'py>(&self, py: Python<'py>, lease: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let lease: LeaseInfo = deserialize_dict(lease)
             .map_err(|e| PyValueError::new_err(format!("invalid lease: {e}")))?;
         let pool = py.detach(|| -> Result<Arc<Mapping>, Failure> {
             let mut st = self.lock();
-            if let Some(p) = &st.pool {
-                return Ok(p.clone());
-            }
             let c = st.client()?;
-            let Some(pool) = c.pool() else {
-                return Err(Failure::Os(
-                    "the manager did not share its pool (no descriptor in Welcome)".into(),
-                ));
-            };
-            // SAFETY: the client's live shared mapping of the pool.
-            let m = unsafe { Mapping::duplicate(pool.as_ptr(), pool.len()) }
-                .map_err(|e| Failure::Os(format!("mapping the shared pool: {e}")))?;
-            let m = Arc::new(m);
-            st.pool = Some(m.clone());
-            Ok(m)
+            // Hashing a large page runs without the GIL.
+            match c.page(&lease) {
+                Ok(_) => {}
+                Err(e @ ClientError::LeaseOutsidePool { .. }) => {
+                    return Err(Failure::Value(e.to_string()));
+                }
+                Err(e) => return Err(e.into()),
+            }
+            st.pool_mapping()
         })?;
-        let end = lease.offset.checked_add(lease.bytes);
-        if end.is_none_or(|end| end > pool.len() as u64) {
-            return Err(PyValueError::new_err(format!(
-                "lease bytes [{}, +{}) lie outside the {}-byte pool",
-                lease.offset,
-                lease.bytes,
-                pool.len()
-            )));
-        }
         memoryview(py, pool, lease.offset as usize, lease.bytes as usize, true)
+    }
+
+    /// The whole shared pool, read-only and zero-copy (no checksum is
+    /// checked: a reader verifies each page against its lease, as `page`
+    /// does).
+    fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let pool = py.detach(|| self.lock().pool_mapping())?;
+        let len = pool.len();
+        memoryview(py, pool, 0, len, true)
     }
 
     /// A device region this client registered (the `region` of its

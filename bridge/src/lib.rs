@@ -67,6 +67,8 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether this extension is a debug build (benchmarks warn about it).
     m.add("_debug_build", cfg!(debug_assertions))?;
+    // The manager protocol version this build speaks (raw-frame tests).
+    m.add("_protocol_version", orbitkv_ipc::PROTOCOL_VERSION)?;
     m.add("ConnectionError", py.get_type::<ConnectionError>())?;
     m.add("ContractError", py.get_type::<ContractError>())?;
     m.add("IdentityError", py.get_type::<IdentityError>())?;

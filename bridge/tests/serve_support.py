@@ -37,6 +37,7 @@ INSTANCE = "llama"
 T = 10.0  # seconds: the bound on every single wait
 CONFIG = "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n"
 ROOT = Path(__file__).resolve().parents[2]
+PROTOCOL = orbitkv._orbitkv._protocol_version  # the manager protocol of this build
 
 
 # Commands ---------------------------------------------------------------
@@ -241,7 +242,7 @@ KIND = {
 
 def frame(kind: int, payload: bytes, length: Optional[int] = None) -> bytes:
     n = len(payload) if length is None else length
-    return b"OKVP" + struct.pack("<HHII", 1, kind, n, 0) + payload
+    return b"OKVP" + struct.pack("<HHII", PROTOCOL, kind, n, 0) + payload
 
 
 def recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:

@@ -155,6 +155,14 @@ def test_client_api(manager):
         c.page(bad)
     with pytest.raises(ValueError, match="invalid lease"):
         c.page({"offset": 0})
+    # Bytes that do not match the lease's checksum are never handed out.
+    forged = dict(ready["leases"][0], checksum=ready["leases"][0]["checksum"] ^ 1)
+    with pytest.raises(orbitkv.ConnectionError, match="checksum"):
+        c.page(forged)
+    whole = c.pool()
+    assert len(whole) == c.pool_bytes
+    first = ready["leases"][0]
+    assert bytes(whole[first["offset"] : first["offset"] + first["bytes"]]) == bytes(c.page(first))
 
     # A command without a reply event times out; its events stay queued.
     ss.release(c, s, ready["operation"])
@@ -315,7 +323,7 @@ def raw_connect(path: str) -> socket.socket:
 
 
 def raw_hello(s: socket.socket) -> None:
-    s.sendall(ss.frame(ss.KIND["hello"], b'{"protocol": 1, "client": "raw"}'))
+    s.sendall(ss.frame(ss.KIND["hello"], b'{"protocol": %d, "client": "raw"}' % ss.PROTOCOL))
     kind, body = ss.read_frame(s)  # the pool's descriptor is dropped by recv
     assert kind == ss.KIND["welcome"], body
 

@@ -679,6 +679,9 @@ pub struct LeaseInfo {
     /// byte offset in the shared pool. Valid while the lease is held.
     pub slot: u64,
     pub offset: u64,
+    /// xxh3-64 of the page's bytes, as computed when it was published: a
+    /// reader of the shared pool verifies what it read against it.
+    pub checksum: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

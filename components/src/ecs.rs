@@ -299,6 +299,8 @@ pub struct PageNeed {
     pub from_tier: bool,
     /// Where the leased page sits in DRAM (set with the lease).
     pub residency: Option<Residency>,
+    /// The leased page's checksum (set with the lease; 0 before).
+    pub checksum: u64,
 }
 
 /// The query/recovery part of an operation.

@@ -64,6 +64,17 @@ pub enum ClientError {
     Map(io::Error),
     #[error(transparent)]
     Hot(#[from] HotError),
+    #[error("the manager shared no pool (no descriptor in its Welcome)")]
+    NoPool,
+    #[error("lease {lease}: bytes {offset}+{bytes} lie outside the {pool_bytes}-byte pool")]
+    LeaseOutsidePool {
+        lease: u64,
+        offset: u64,
+        bytes: u64,
+        pool_bytes: u64,
+    },
+    #[error("lease {lease}: the pool bytes at {offset} do not match the page's checksum")]
+    PageChecksum { lease: u64, offset: u64 },
     #[error(
         "the socket is served by uid {uid}, which is neither this process's nor trusted \
          ({trusted:?}; ORBITKV_TRUSTED_UIDS)"
@@ -957,16 +968,98 @@ impl Client {
         self.pool.as_deref()
     }
 
-    /// A leased page's bytes in the shared pool (valid while the lease is
-    /// held: the runtime does not reuse a leased slot).
-    pub fn page(&self, lease: &LeaseInfo) -> Option<&[u8]> {
-        let pool = self.pool.as_deref()?;
-        pool.get(lease.offset as usize..(lease.offset + lease.bytes) as usize)
+    /// A leased page's bytes in the shared pool, verified against the
+    /// checksum the page carries (valid while the lease is held: the runtime
+    /// does not reuse a leased slot). Bytes that do not match are an error,
+    /// never returned.
+    pub fn page(&self, lease: &LeaseInfo) -> Result<&[u8], ClientError> {
+        let pool = self.pool.as_deref().ok_or(ClientError::NoPool)?;
+        let bytes = verified_page(pool, lease)?;
+        Ok(bytes)
     }
 
     /// A device region this client registered, as the engine sees its GPU
     /// memory: write pages before publishing them, read them after restores.
     pub fn region_mut(&mut self, region: u64) -> Option<&mut [u8]> {
         self.regions.get_mut(&region).map(|m| &mut m[..])
+    }
+}
+/// The bytes `lease` names in `pool`, if they lie inside it and match the
+/// checksum the page carries.
+pub fn verified_page<'p>(pool: &'p [u8], lease: &LeaseInfo) -> Result<&'p [u8], ClientError> {
+    let outside = || ClientError::LeaseOutsidePool {
+        lease: lease.lease,
+        offset: lease.offset,
+        bytes: lease.bytes,
+        pool_bytes: pool.len() as u64,
+    };
+    let start = usize::try_from(lease.offset).map_err(|_| outside())?;
+    let len = usize::try_from(lease.bytes).map_err(|_| outside())?;
+    let end = start.checked_add(len).ok_or_else(outside)?;
+    let bytes = pool.get(start..end).ok_or_else(outside)?;
+    if xxhash_rust::xxh3::xxh3_64(bytes) != lease.checksum {
+        return Err(ClientError::PageChecksum {
+            lease: lease.lease,
+            offset: lease.offset,
+        });
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orbitkv_components::api::PagePos;
+
+    fn lease(offset: u64, bytes: u64, checksum: u64) -> LeaseInfo {
+        LeaseInfo {
+            lease: 7,
+            pos: PagePos {
+                rank: 0,
+                group: 0,
+                page_end: 16,
+            },
+            bytes,
+            slot: 0,
+            offset,
+            checksum,
+        }
+    }
+
+    #[test]
+    fn a_page_is_returned_only_when_its_bytes_match_the_checksum() {
+        let pool: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let sum = xxhash_rust::xxh3::xxh3_64(&pool[1024..2048]);
+        let got = verified_page(&pool, &lease(1024, 1024, sum)).unwrap();
+        assert_eq!(got, &pool[1024..2048]);
+        let err = verified_page(&pool, &lease(1024, 1024, sum ^ 1)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ClientError::PageChecksum {
+                    lease: 7,
+                    offset: 1024
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_lease_outside_the_pool_is_refused_without_reading() {
+        let pool = vec![0u8; 4096];
+        for (offset, bytes) in [(4096, 1), (4000, 200), (u64::MAX, 2), (1, u64::MAX)] {
+            let err = verified_page(&pool, &lease(offset, bytes, 0)).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ClientError::LeaseOutsidePool {
+                        pool_bytes: 4096,
+                        ..
+                    }
+                ),
+                "{offset}+{bytes}: {err}"
+            );
+        }
     }
 }

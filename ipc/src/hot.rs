@@ -947,14 +947,15 @@ fn encode_leases(l: &[LeaseInfo]) -> Vec<u8> {
             .u64(x.pos.page_end)
             .u64(x.bytes)
             .u64(x.slot)
-            .u64(x.offset);
+            .u64(x.offset)
+            .u64(x.checksum);
     }
     p.0
 }
 
 fn decode_leases(b: &[u8]) -> Result<Vec<LeaseInfo>, HotError> {
     let mut g = Get::new(b);
-    (0..g.count(48)?)
+    (0..g.count(56)?)
         .map(|_| {
             Ok(LeaseInfo {
                 lease: g.u64()?,
@@ -966,6 +967,7 @@ fn decode_leases(b: &[u8]) -> Result<Vec<LeaseInfo>, HotError> {
                 bytes: g.u64()?,
                 slot: g.u64()?,
                 offset: g.u64()?,
+                checksum: g.u64()?,
             })
         })
         .collect()
@@ -1678,6 +1680,7 @@ mod tests {
                     bytes: 4096,
                     slot: 77,
                     offset: 8192,
+                    checksum: 0x0123_4567_89ab_cdef,
                 }],
                 pages_from_dram: 1,
                 pages_from_tiers: 0,
@@ -1727,7 +1730,8 @@ mod tests {
                     },
                     bytes: 1,
                     slot: 1,
-                    offset: 1
+                    offset: 1,
+                    checksum: 1,
                 };
                 50
             ];

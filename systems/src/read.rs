@@ -171,6 +171,7 @@ fn page_needs(rec: &Recovery, instance: &Instance) -> Vec<PageNeed> {
                 state: NeedState::Pending,
                 from_tier: false,
                 residency: None,
+                checksum: 0,
             });
         }
     }
@@ -216,6 +217,7 @@ impl ReadStep<'_> {
                 };
                 need.state = NeedState::Leased(take_lease(commands, page, self.entity));
                 need.residency = Some(p.residency);
+                need.checksum = p.checksum;
                 continue;
             }
             if dram.reading.contains_key(&need.key) {
@@ -368,6 +370,7 @@ pub fn ready_event(entity: Entity, rec: &Recovery) -> Event {
                     bytes: n.bytes,
                     slot: at.dram_slot,
                     offset: at.dram_offset,
+                    checksum: n.checksum,
                 }
             })
             .collect(),

@@ -5,11 +5,14 @@
 use std::time::Duration;
 
 use orbitkv_components::NativeHash;
-use orbitkv_components::api::{Command, PublishPage, SessionHandle};
+use orbitkv_components::api::{Command, Event, PagePos, PublishPage, RestoreTarget, SessionHandle};
 use orbitkv_ipc::Client;
 use orbitkv_world::driver;
 
+mod manager;
 mod port;
+#[allow(unused_imports)]
+pub use manager::{BASE_CONFIG, Manager};
 #[allow(unused_imports)]
 pub use port::{ClientPort, with_driver};
 
@@ -83,4 +86,55 @@ pub fn publish_four(a: &mut Client, hashes: &[NativeHash], payload: impl Fn(u64)
     }
     let done = with_driver(a, T, |d| d.publish(sa, 1, pages)).unwrap();
     assert_eq!(done.inserted, 4, "{done:?}");
+}
+
+/// Restores the four pages of a ready `operation` (positions `PAGE` to
+/// `4 * PAGE`) into the device pages at slots `first_slot..first_slot + 4`
+/// of `region`, and checks that slot `first_slot + i` then holds exactly
+/// `payload(i)`. Returns the `restore_done` event.
+pub fn restore_four(
+    c: &mut Client,
+    s: SessionHandle,
+    region: u64,
+    operation: u64,
+    first_slot: u32,
+    payload: impl Fn(u64) -> Vec<u8>,
+) -> Event {
+    let mut targets = Vec::new();
+    for i in 0..4u64 {
+        targets.push(RestoreTarget {
+            pos: PagePos {
+                rank: 0,
+                group: 0,
+                page_end: (i + 1) * PAGE,
+            },
+            device_page: alloc(c, s, region, first_slot + i as u32),
+        });
+    }
+    c.submit(Command::Restore {
+        session: s,
+        operation,
+        targets,
+        retained: vec![],
+    })
+    .unwrap();
+    let done = c
+        .wait_event(T, |e| {
+            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+        })
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(done, Event::RestoreDone { pages: 4, .. }),
+        "{done:?}"
+    );
+    for i in 0..4u64 {
+        let at = ((u64::from(first_slot) + i) * BYTES) as usize;
+        assert_eq!(
+            &c.region_mut(region).unwrap()[at..at + BYTES as usize],
+            &payload(i)[..],
+            "page {i}"
+        );
+    }
+    done
 }

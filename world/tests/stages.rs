@@ -251,6 +251,7 @@ fn need(ns: Namespace, i: u64, state: NeedState) -> PageNeed {
         state,
         from_tier: false,
         residency: None,
+        checksum: 0,
     }
 }
 

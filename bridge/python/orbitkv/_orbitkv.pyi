@@ -354,9 +354,19 @@ class Client:
         manager's shared pool at the lease's ``offset`` (a lease dict of a
         ``ready`` event's ``leases``). The bytes are the page's while the
         lease is held; after ``release`` or ``restore_done`` the slot may be
-        reused for another page (the view stays valid memory).
+        reused for another page (the view stays valid memory). The bytes
+        are checked against the lease's ``checksum`` (XXH3-64, computed when
+        the page was published) before the view is returned.
 
         :raises ValueError: not a lease, or outside the pool.
+        :raises ConnectionError: the pool bytes do not match the checksum
+            (the manager's memory is not what it published).
+        """
+
+    def pool(self) -> memoryview:
+        """The whole shared pool: a read-only, zero-copy view, unverified.
+        Read pages through :meth:`page` (which checks each against its
+        lease) unless the caller verifies them itself.
         """
 
     def region(self, region: int) -> memoryview:

@@ -163,7 +163,7 @@ impl Landing<'_> {
             }
             return;
         }
-        let residency = landed.page.residency;
+        let (residency, checksum) = (landed.page.residency, landed.page.checksum);
         let page = commands.spawn(landed.page).id();
         self.dram.index.insert(landed.key, page);
         let need = wanted.and_then(|rec| {
@@ -176,6 +176,7 @@ impl Landing<'_> {
             Some(need) => {
                 need.state = NeedState::Leased(take_lease(commands, page, landed.operation));
                 need.residency = Some(residency);
+                need.checksum = checksum;
             }
             None => self.dram.make_evictable(page, slot),
         }

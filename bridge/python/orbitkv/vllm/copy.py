@@ -194,18 +194,10 @@ class HostPageMover(PageMover):
                     got[cid] = ev["device_page"]
                     want.discard(cid)
             pages[group.id] = [got[c] for c in ids]
-        pool_bytes = client.pool_bytes
-        whole = {
-            "lease": 0,
-            "pos": {"rank": 0, "group": 0, "page_end": 0},
-            "bytes": pool_bytes,
-            "slot": 0,
-            "offset": 0,
-        }
         with warnings.catch_warnings():
             # The pool view is read-only; torch warns that writes would fail.
             warnings.simplefilter("ignore", UserWarning)
-            pool = torch.frombuffer(client.page(whole), dtype=torch.uint8)
+            pool = torch.frombuffer(client.pool(), dtype=torch.uint8)
         with self._lock:
             self._stage, self._pages, self._pool = stage, pages, pool
 

@@ -1,0 +1,378 @@
+"""Save + retrieve of the same KV payloads through LMCache 0.5.6's CPU
+backend and through OrbitKV, in one run, with a single-thread memcpy of the
+same bytes as the floor. Prints one JSON document and a table.
+
+The payload is the engine's KV memory: `--total` bytes in pages of
+`--page-bytes` (random bytes, one host buffer per side). Both systems save
+every page, then read every page back into a second buffer; every byte read
+back is compared after its timing.
+
+- LMCache: a `LocalCPUBackend` in this process, driven as LMCache's cache
+  engine drives it for CPU offload: per chunk `allocate` a memory object,
+  copy the chunk into it, `batched_submit_put_task`; on retrieve
+  `batched_get_blocking`, then copy each object into the engine buffer. A
+  chunk is `(1 layer, K/V, 256 tokens, H heads, 64)` bf16, H chosen so the
+  chunk is exactly one page.
+- OrbitKV: a real `orbitkv serve` (release build) and `orbitkv.Client`;
+  the engine buffers are agent-owned regions (the manager never maps them;
+  the client's copy agent copies on its instruction), as the vLLM and
+  SGLang adapters use it. Save = `publish` in batches of `--batch` pages
+  until `publish_done`; retrieve = `query` with prepare until `ready`, then
+  `restore` until `restore_done`. Checksums are always on: the publish copy
+  computes each page's XXH3-64, the restore copy verifies it.
+
+What is not equal, on purpose or not (printed with the results):
+- OrbitKV crosses a process boundary (the manager) and LMCache does not.
+- OrbitKV's save copies twice (engine memory -> the agent's staging area,
+  then staging -> the shared pool, hashing in that pass: the pool is
+  read-only to engines), and its restore verifies a checksum; LMCache's
+  CPU backend keeps a reference to the memory object it was handed (one
+  copy on save, one on retrieve) and verifies nothing.
+- Device pages (the engine's block table) are allocated in OrbitKV before
+  timing, as the adapters do once at startup; LMCache's allocations are
+  timed, because they are per save.
+
+Run (release builds of the manager and of the extension in the venv):
+
+    V=$(scripts/venv.sh lmcache)
+    cargo build --release --bin orbitkv
+    VIRTUAL_ENV=$V PATH=$V/bin:$PATH $V/bin/maturin develop --release -m bridge/Cargo.toml
+    $V/bin/python bridge/bench/lmcache_peer.py --total 2GiB --page-bytes 256KiB --repeat 2
+
+Not a test: the figures depend on the machine; compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bridge" / "tests"))
+
+import numpy as np  # noqa: E402
+
+import orbitkv  # noqa: E402
+import serve_support as ss  # noqa: E402
+
+PAGE_TOKENS = 16  # OrbitKV page tokens (the hashes are per page either way)
+
+
+def size(text: str) -> int:
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "": 1}
+    t = text.strip().upper()
+    for u in ("KIB", "MIB", "GIB", ""):
+        if t.endswith(u):
+            return int(float(t[: len(t) - len(u)] if u else t) * units[u])
+    raise argparse.ArgumentTypeError(f"not a size: {text}")
+
+
+def progress(msg: str) -> None:
+    print(f"[lmcache_peer] {msg}", file=sys.stderr, flush=True)
+
+
+# LMCache -------------------------------------------------------------------
+
+
+class Lmcache:
+    """One `LocalCPUBackend`, made once: its memory is faulted in by the
+    warm-up round and reused after `clear` between rounds, as a serving
+    engine's would be."""
+
+    def __init__(self, total: int, page_bytes: int):
+        import torch
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        logging.disable(logging.WARNING)
+        unit = 2 * 256 * 64 * 2  # K/V x tokens x head_size x bf16
+        if page_bytes % unit:
+            sys.exit(f"--page-bytes must be a multiple of {unit} for LMCache's chunk shape")
+        self.shape = (1, 2, 256, page_bytes // unit, 64)
+        cfg = LMCacheEngineConfig.from_defaults(
+            chunk_size=256,
+            local_cpu=True,
+            max_local_cpu_size=total * 1.25 / 2**30,
+        )
+        meta = LMCacheMetadata(
+            model_name="orbitkv-peer",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.bfloat16,
+            kv_shape=self.shape,
+            chunk_size=256,
+        )
+        self.backend = LocalCPUBackend(cfg, meta)
+
+    def round(self, src: np.ndarray, dst: np.ndarray, page_bytes: int, batch: int, rnd: int) -> dict:
+        import torch
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.memory_management import MemoryFormat
+
+        backend = self.backend
+        pages = src.size // page_bytes
+        shape = torch.Size(self.shape)
+        src_t = torch.from_numpy(src).view(pages, page_bytes)
+        dst_t = torch.from_numpy(dst).view(pages, page_bytes)
+        keys = [CacheEngineKey("orbitkv-peer", 1, 0, (rnd << 40) + i, torch.bfloat16) for i in range(pages)]
+
+        t0 = time.perf_counter()
+        for at in range(0, pages, batch):
+            idx = range(at, min(at + batch, pages))
+            objs = []
+            for i in idx:
+                m = backend.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+                if m is None:
+                    sys.exit("LMCache's CPU backend ran out of memory: raise max_local_cpu_size")
+                m.tensor.view(torch.uint8).view(-1).copy_(src_t[i])
+                objs.append(m)
+            backend.batched_submit_put_task([keys[i] for i in idx], objs)
+            for m in objs:
+                m.ref_count_down()
+        save = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        for at in range(0, pages, batch):
+            idx = list(range(at, min(at + batch, pages)))
+            objs = backend.batched_get_blocking([keys[i] for i in idx])
+            for i, m in zip(idx, objs):
+                if m is None:
+                    sys.exit(f"LMCache lost chunk {i}")
+                dst_t[i].copy_(m.tensor.view(torch.uint8).view(-1))
+                m.ref_count_down()
+        retrieve = time.perf_counter() - t0
+        ok = np.array_equal(src, dst)
+        backend.clear()
+        return {"save_s": save, "retrieve_s": retrieve, "exact": bool(ok)}
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+# OrbitKV -------------------------------------------------------------------
+
+
+def register_cmd(page_bytes: int) -> dict:
+    cmd = ss.register_cmd("peer")
+    slot = cmd["layout"]["slots"][0]
+    slot["segment_bytes"] = page_bytes
+    slot["padded_page_bytes"] = page_bytes
+    return cmd
+
+
+def agent_region(c, session, buf: np.ndarray, pages: int, page_bytes: int) -> int:
+    region, got = c.attach_agent_memory(pages, [(buf.ctypes.data, page_bytes, page_bytes)], buf)
+    assert got == page_bytes, (got, page_bytes)
+    e = ss.expect(
+        c.call(
+            {
+                "command": "register_device_region",
+                "session": session,
+                "rank": 0,
+                "group": 0,
+                "slots": pages,
+                "agent": {"region": region, "page_bytes": page_bytes},
+            },
+            ss.T,
+        ),
+        "region_registered",
+    )
+    return e["region"]
+
+
+def alloc_all(c, session, region: int, pages: int) -> list:
+    """Device pages for every slot (the adapters do this once at startup)."""
+    out = []
+    for at in range(0, pages, 256):
+        ids = []
+        for slot in range(at, min(at + 256, pages)):
+            ids.append(c.submit({"command": "device_page_alloc", "session": session, "region": region, "slot": slot}))
+        for _ in ids:
+            e = ss.expect(c.wait_event(ss.T, kind="device_page_allocated"), "device_page_allocated")
+            out.append((e["command"], e["device_page"]))
+    by_cmd = dict(out)
+    return [by_cmd[i] for i in sorted(by_cmd)]
+
+
+def hashes(pages: int, rnd: int) -> list:
+    return [f"{(rnd << 48) + 0x5EED0000 + i:016x}" for i in range(pages)]
+
+
+def run_orbitkv(c, src: np.ndarray, dst: np.ndarray, page_bytes: int, batch: int, rnd: int) -> dict:
+    pages = src.size // page_bytes
+    s = ss.expect(c.call({"command": "open_session", "instance": "peer"}, ss.T), "session_opened")["session"]
+    rs = agent_region(c, s, src, pages, page_bytes)
+    rd = agent_region(c, s, dst, pages, page_bytes)
+    dps_src = alloc_all(c, s, rs, pages)
+    dps_dst = alloc_all(c, s, rd, pages)
+    hs = hashes(pages, rnd)
+    long_wait = max(ss.T, src.size / 2**30 * 30)
+
+    t0 = time.perf_counter()
+    for at in range(0, pages, batch):
+        idx = range(at, min(at + batch, pages))
+        done = ss.expect(
+            c.call(
+                {
+                    "command": "publish",
+                    "session": s,
+                    "request": at,
+                    "pages": [{"rank": 0, "group": 0, "hash": hs[i], "device_page": dps_src[i]} for i in idx],
+                },
+                long_wait,
+            ),
+            "publish_done",
+        )
+        if done["inserted"] != len(idx):
+            sys.exit(f"OrbitKV publish stored {done['inserted']} of {len(idx)} pages: {done}")
+    save = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    qr = ss.expect(
+        c.call(
+            {
+                "command": "query",
+                "session": s,
+                "request": pages,
+                "groups": [{"group": 0, "hashes": hs}],
+                "origin": 0,
+                "prompt_len": pages * PAGE_TOKENS + 1,
+                "prepare": True,
+            },
+            long_wait,
+        ),
+        "query_result",
+    )
+    if qr["miss"] is not None or qr["selected"] != pages * PAGE_TOKENS:
+        sys.exit(f"OrbitKV query: {qr}")
+    ready = c.wait_event(long_wait, operation=qr["operation"])
+    if ready is None or ready["event"] != "ready":
+        sys.exit(f"OrbitKV prepare: {ready}")
+    targets = [
+        {"pos": lease["pos"], "device_page": dps_dst[lease["pos"]["page_end"] // PAGE_TOKENS - 1]}
+        for lease in ready["leases"]
+    ]
+    c.submit({"command": "restore", "session": s, "operation": qr["operation"], "targets": targets, "retained": []})
+    done = ss.expect(c.wait_event(long_wait, operation=qr["operation"]), "restore_done")
+    retrieve = time.perf_counter() - t0
+    if done["pages"] != pages:
+        sys.exit(f"OrbitKV restore: {done}")
+    ok = np.array_equal(src, dst)
+    c.submit({"command": "close_session", "session": s})
+    ss.expect(c.wait_event(ss.T, kind="session_closed"), "session_closed")
+    return {"save_s": save, "retrieve_s": retrieve, "exact": bool(ok)}
+
+
+# ---------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--total", type=size, default=size("2GiB"))
+    ap.add_argument("--page-bytes", type=size, default=size("256KiB"))
+    ap.add_argument("--batch", type=int, default=256, help="pages per save/retrieve call")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--profile", default="release", choices=["release", "debug"])
+    a = ap.parse_args()
+    if orbitkv._orbitkv._debug_build and a.profile == "release":
+        progress("WARNING: the orbitkv extension is a debug build; figures will be low")
+    pages = a.total // a.page_bytes
+    total = pages * a.page_bytes
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, total, dtype=np.uint8)
+    dst = np.zeros(total, dtype=np.uint8)
+
+    # Floor: one thread streaming the same bytes (buffers far beyond the LLC).
+    floor = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        floor.append(time.perf_counter() - t0)
+    memcpy_gbs = total / min(floor) / 1e9
+
+    # DRAM extents hold whole pages: at least one page each (the tests'
+    # 64 KiB extents would drop larger pages).
+    extent = max(2 << 20, a.page_bytes)
+    config = (
+        "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = true\n"
+        f"extent_bytes = {extent}\n[limits]\nmax_staging_bytes = {256 << 20}\n"
+        # One recovery holds the whole payload reserved at once.
+        f"[budget]\nquery_budget_bytes = {total}\n"
+    )
+    m = ss.Manager(ss.orbitkv_binary(a.profile), dram=f"{int(total * 1.25) >> 20}MiB", config=config)
+    runs = {"lmcache": [], "orbitkv": []}
+    try:
+        m.start()
+        with orbitkv.Client(m.socket, "peer-bench") as c:
+            ss.expect(c.call(register_cmd(a.page_bytes), ss.T), "instance_registered")
+            lm = Lmcache(total, a.page_bytes)
+            # Round 0 warms both (faults in LMCache's memory and the
+            # manager's staging); it is not counted.
+            for r in range(a.repeat + 1):
+                for name in ("lmcache", "orbitkv"):
+                    dst[:] = 0
+                    what = "warm-up" if r == 0 else f"round {r}/{a.repeat}"
+                    progress(f"{what}: {name}, {pages} pages of {a.page_bytes} bytes")
+                    if name == "lmcache":
+                        res = lm.round(src, dst, a.page_bytes, a.batch, r)
+                    else:
+                        res = run_orbitkv(c, src, dst, a.page_bytes, a.batch, r)
+                    if not res["exact"]:
+                        sys.exit(f"{name}: the bytes read back differ from what was saved")
+                    if r > 0:
+                        runs[name].append(res)
+            lm.close()
+    finally:
+        m.stop()
+
+    def gbs(name: str, key: str) -> float:
+        return total / statistics.median(x[key] for x in runs[name]) / 1e9
+
+    out = {
+        "total_bytes": total,
+        "page_bytes": a.page_bytes,
+        "pages": pages,
+        "batch": a.batch,
+        "repeat": a.repeat,
+        "memcpy_gbs": memcpy_gbs,
+        "lmcache": {"save_gbs": gbs("lmcache", "save_s"), "retrieve_gbs": gbs("lmcache", "retrieve_s")},
+        "orbitkv": {"save_gbs": gbs("orbitkv", "save_s"), "retrieve_gbs": gbs("orbitkv", "retrieve_s")},
+        "runs": runs,
+        "unfair": [
+            "OrbitKV goes through a manager process; LMCache's CPU backend is in-process",
+            "OrbitKV's save copies twice (engine -> staging -> pool, hashing in the second pass)",
+            "OrbitKV verifies a checksum on restore; LMCache verifies nothing",
+            "OrbitKV's device pages are allocated before timing, as its adapters do at startup",
+        ],
+    }
+    for d in ("save", "retrieve"):
+        out[f"ratio_{d}"] = out["orbitkv"][f"{d}_gbs"] / out["lmcache"][f"{d}_gbs"]
+    both_o = 2 * total / statistics.median(x["save_s"] + x["retrieve_s"] for x in runs["orbitkv"]) / 1e9
+    both_l = 2 * total / statistics.median(x["save_s"] + x["retrieve_s"] for x in runs["lmcache"]) / 1e9
+    out["orbitkv"]["save_retrieve_gbs"] = both_o
+    out["lmcache"]["save_retrieve_gbs"] = both_l
+    out["ratio_save_retrieve"] = both_o / both_l
+    print(json.dumps(out, indent=2))
+    print(
+        f"\n{total / 2**30:.2f} GiB in {a.page_bytes >> 10} KiB pages; memcpy floor {memcpy_gbs:.1f} GB/s\n"
+        f"{'':10} {'save GB/s':>10} {'retrieve':>10} {'both':>10}\n"
+        f"{'LMCache':10} {out['lmcache']['save_gbs']:10.2f} {out['lmcache']['retrieve_gbs']:10.2f} {both_l:10.2f}\n"
+        f"{'OrbitKV':10} {out['orbitkv']['save_gbs']:10.2f} {out['orbitkv']['retrieve_gbs']:10.2f} {both_o:10.2f}\n"
+        f"{'ratio':10} {out['ratio_save']:10.2f} {out['ratio_retrieve']:10.2f} {out['ratio_save_retrieve']:10.2f}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

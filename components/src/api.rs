@@ -434,6 +434,17 @@ pub enum InvalidCommand {
     UnknownGroup { group: u32 },
     #[error("region size overflows")]
     RegionTooLarge,
+    /// A page must fit in one DRAM extent (`dram.extent_bytes`), or no
+    /// publish of it could ever be stored.
+    #[error(
+        "group {group} pages are {page_bytes} bytes, more than one DRAM extent \
+         ({extent_bytes} bytes: raise dram.extent_bytes)"
+    )]
+    PageExceedsExtent {
+        group: u32,
+        page_bytes: u64,
+        extent_bytes: u64,
+    },
     #[error(
         "the agent laid out pages of {agent} bytes; (rank {rank}, group {group}) pages are {page_bytes}"
     )]

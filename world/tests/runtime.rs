@@ -1653,3 +1653,30 @@ fn a_lost_copy_completion_is_reported_but_ownership_stays_held() {
     );
     d.h.rt().check_invariants().unwrap();
 }
+
+#[test]
+fn a_page_larger_than_a_dram_extent_is_refused_at_registration() {
+    // config() makes 64 KiB extents: a 128 KiB page could never be stored,
+    // so registering it is an error that says what to raise.
+    let mut h = Harness::new(config(16 << 20));
+    let big = orbitkv_world::driver::register_command("big", ID_A, dense(), 1, 16, 128 << 10);
+    let e = h.one(big);
+    assert_eq!(
+        e,
+        Event::Rejected {
+            command: match &e {
+                Event::Rejected { command, .. } => *command,
+                other => panic!("{other:?}"),
+            },
+            error: CommandError::Invalid(InvalidCommand::PageExceedsExtent {
+                group: 0,
+                page_bytes: 128 << 10,
+                extent_bytes: 64 << 10,
+            }),
+        }
+    );
+    assert_eq!(h.rt().stats().instances, 0);
+    // One extent exactly is fine.
+    let fits = orbitkv_world::driver::register_command("fits", ID_A, dense(), 1, 16, 64 << 10);
+    assert!(matches!(h.one(fits), Event::InstanceRegistered { .. }));
+}

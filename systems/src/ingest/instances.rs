@@ -11,7 +11,7 @@ use orbitkv_components::{ContractSpec, GroupSpec, RecoveryContract, StorageLayou
 
 use super::resolve::{invalid, limit};
 use super::{Ctx, Result, emit};
-use crate::resources::{Limits, Registry};
+use crate::resources::{Dram, Limits, Registry};
 
 /// A rank's layout that cannot be sealed or encoded.
 fn layout_error(rank: Rank, e: &orbitkv_components::layout::LayoutError) -> CommandError {
@@ -47,6 +47,7 @@ pub(super) fn register(world: &mut World, ctx: Ctx, args: Args) -> Result<()> {
     let mut args = args;
     args.ranks.sort_by_key(|r| (r.pp, r.tp));
     let states = rank_states(&args)?;
+    check_page_sizes(&states, world.resource::<Dram>().pool.extent_bytes())?;
     let plan = plan(world, &args, &states)?;
     apply(world, ctx, args, states, plan);
     Ok(())
@@ -93,6 +94,22 @@ fn check_shape(limits: &Limits, a: &Args) -> Result<()> {
                 slot: slot.page_tokens,
                 instance: a.page_tokens,
             }));
+        }
+    }
+    Ok(())
+}
+
+/// Every group's page fits in one DRAM extent (the pool's largest slot).
+fn check_page_sizes(states: &[RankState], extent_bytes: u64) -> Result<()> {
+    for state in states {
+        for &(group, page_bytes) in &state.page_bytes {
+            if page_bytes > extent_bytes {
+                return Err(invalid(InvalidCommand::PageExceedsExtent {
+                    group,
+                    page_bytes,
+                    extent_bytes,
+                }));
+            }
         }
     }
     Ok(())

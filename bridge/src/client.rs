@@ -19,7 +19,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::agent::{SharedAgent, host_chunks};
+use crate::agent::{AgentSetup, SharedAgent, check_kind, chunks_of, memory_kind};
 use crate::buffer::{Mapping, memoryview};
 use crate::convert::{deserialize_dict, serialize};
 use crate::{ConnectionError, QueueFull};
@@ -420,12 +420,23 @@ impl PyClient {
         owner: Py<PyAny>,
         device: &str,
     ) -> PyResult<(u32, u64)> {
-        let chunks = host_chunks(chunks, device).map_err(PyValueError::new_err)?;
-        let got = py.detach(|| -> Result<(u32, u64), Failure> {
+        let kind = memory_kind(device)?;
+        let chunks = chunks_of(kind, chunks);
+        let got = py.detach(|| -> Result<Result<(u32, u64), AgentSetup>, Failure> {
+            self.lock().client()?;
             let agent = {
                 let mut a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
-                a.get_or_insert_with(|| SharedAgent::host(2)).clone()
+                match a.as_ref() {
+                    Some(agent) => agent.clone(),
+                    None => match SharedAgent::new(kind, 2) {
+                        Ok(agent) => a.insert(agent).clone(),
+                        Err(e) => return Ok(Err(e)),
+                    },
+                }
             };
+            if let Err(e) = check_kind(agent.lock().kind, kind) {
+                return Ok(Err(e));
+            }
             let mut st = self.lock();
             let client = st.client()?;
             if !client.has_agent() {
@@ -434,9 +445,8 @@ impl PyClient {
             drop(st);
             // SAFETY: the caller promises the memory stays put while
             // attached, and `owner` (kept until detach) keeps it allocated.
-            unsafe { agent.lock().agent.attach(slots, &chunks) }
-                .map_err(|e| Failure::Value(e.to_string()))
-        })?;
+            Ok(unsafe { agent.lock().agent.attach(slots, &chunks) }.map_err(AgentSetup::from))
+        })??;
         self.keep
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -484,11 +494,16 @@ impl PyClient {
             };
             drop(client);
             // The manager fails the copies it sent; none may still write
-            // engine memory once close returns.
-            let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            // engine memory once close returns. The agent goes with the
+            // connection (the client held the only other reference): its
+            // executor waits for its streams and unpins the host window,
+            // then the window is unmapped. The memory's owners stay until
+            // this object goes.
+            let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(agent) = agent {
                 let mut discard = Vec::new();
                 agent.lock().agent.drain(crate::agent::DRAIN, &mut discard);
+                drop(agent);
             }
         });
     }

@@ -14,6 +14,8 @@ import orbitkv
 import serve_support as ss
 from serve_support import PAGE, PAGE_BYTES, T, expect, hashes, payload
 
+from test_agent import CUDA_REASON, CUDA_REFUSAL
+
 K_RUN, K_STRIDE = 1024, 2048
 V_RUN = PAGE_BYTES - K_RUN
 SLOTS = 16
@@ -131,8 +133,11 @@ def test_agent_memory_refusals_over_the_socket(manager):
         ss.register(c)
         s = ss.open_session(c)
         buf = np.zeros(PAGE_BYTES * 4, dtype=np.uint8)
-        with pytest.raises(ValueError, match="only host memory"):
-            c.attach_agent_memory(4, [(buf.ctypes.data, PAGE_BYTES, PAGE_BYTES)], buf, device="cuda:0")
+        chunk = [(buf.ctypes.data, PAGE_BYTES, PAGE_BYTES)]
+        with pytest.raises(CUDA_REFUSAL, match=CUDA_REASON):
+            c.attach_agent_memory(4, chunk, buf, device="cuda:0")
+        with pytest.raises(ValueError, match="cuda:N"):
+            c.attach_agent_memory(4, chunk, buf, device="tpu:0")
         region, page_bytes = c.attach_agent_memory(8, [(buf.ctypes.data, 2048, 2048)], buf)
         e = c.call(
             {

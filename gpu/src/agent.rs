@@ -22,9 +22,11 @@ use std::os::fd::AsFd;
 
 use orbitkv_components::api::{AgentDirection, AgentPageCopy, Command, CopyFailure, Event};
 
+use crate::cuda::{CudaConfig, CudaCopyEngine, Unavailable};
+use crate::host::{HostCopyConfig, HostCopyEngine};
 use crate::{
-    Completion, CompletionToken, CopyEngine, CopyError, Direction, ExternalMemory, PageCopy,
-    RegionId,
+    Completion, CompletionToken, CopyEngine, CopyError, Direction, ExternalMemory, HostSpan,
+    PageCopy, RegionId,
 };
 
 /// What memory a chunk lives in.
@@ -55,6 +57,32 @@ pub enum AgentError {
     Window(String),
     #[error("too many agent regions")]
     TooManyRegions,
+    /// CUDA memory was offered and this process cannot copy to it: never
+    /// a host memcpy on a device pointer.
+    #[error("agent memory on cuda:{device} needs the CUDA copy engine, which is unavailable: {reason}")]
+    CudaUnavailable { device: i32, reason: Unavailable },
+}
+
+/// The executor for an agent whose memory is of `kind`: the host engine
+/// (memcpy workers) for host memory; for CUDA memory the CUDA engine with
+/// `kind`'s device as its home (the one whose context pins the host
+/// window), or [`AgentError::CudaUnavailable`] where this process cannot
+/// use CUDA (no libcuda, no such device). There is no fallback for CUDA
+/// memory: the host engine cannot address it.
+pub fn executor_for(
+    kind: MemoryKind,
+    host: HostCopyConfig,
+    cuda: CudaConfig,
+) -> Result<Box<dyn CopyEngine>, AgentError> {
+    match kind {
+        MemoryKind::Host => Ok(Box::new(HostCopyEngine::new(host))),
+        MemoryKind::Cuda { device } => CudaCopyEngine::open(CudaConfig {
+            home_device: device,
+            ..cuda
+        })
+        .map(|e| Box::new(e) as Box<dyn CopyEngine>)
+        .map_err(|reason| AgentError::CudaUnavailable { device, reason }),
+    }
 }
 
 /// Pool pages to verify after a restore: (pool offset, length, checksum).
@@ -176,6 +204,8 @@ impl Drop for HostWindow {
 /// A copy agent: an executor, the regions attached to it, the host window,
 /// and the copies it runs.
 pub struct CopyAgent {
+    /// The executor's name (`host`, `cuda`).
+    engine: &'static str,
     /// Declared before `window`: dropped first, so in-flight copies finish
     /// while the window is still mapped.
     executor: Box<dyn CopyEngine>,
@@ -194,6 +224,7 @@ pub struct CopyAgent {
 impl CopyAgent {
     pub fn new(executor: Box<dyn CopyEngine>) -> Self {
         CopyAgent {
+            engine: executor.name(),
             executor,
             window: None,
             regions: HashMap::new(),
@@ -211,11 +242,33 @@ impl CopyAgent {
             return Err(AgentError::Window("copies are running".into()));
         }
         let len = window.len as u64;
+        // The pool part is mapped read-only: an executor that page-locks
+        // host memory pins it read-only and the staging area writable.
+        let spans = [
+            HostSpan {
+                offset: 0,
+                len: window.pool_len,
+                writable: false,
+            },
+            HostSpan {
+                offset: window.staging_at,
+                len: window.staging_len,
+                writable: true,
+            },
+        ];
         // SAFETY: the window stays mapped and unmoved while the agent
         // holds it, and the executor is dropped before it.
-        unsafe { self.executor.register_host_pool(window.base, len)? };
+        unsafe {
+            self.executor
+                .register_host_window(window.base, len, &spans)?
+        };
         self.window = Some(window);
         Ok(())
+    }
+
+    /// The executor's name (`host`, `cuda`).
+    pub fn engine(&self) -> &'static str {
+        self.engine
     }
 
     pub fn has_window(&self) -> bool {

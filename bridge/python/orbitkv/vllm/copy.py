@@ -7,12 +7,13 @@ copies run.
 slot allocated once. A save copies each layer's block into a staging slot
 (`stage`), then the staging device page is published; a load copies leased
 pages from the read-only shared pool into the engine's blocks (`restore`).
-`AgentPageMover` (KV caches in host memory): the engine's own KV blocks are
-an agent-owned region per KV cache group (slot = block id); the manager
-never maps them, and the copies run in this process's copy agent on the
-manager's instruction, straight between the blocks and the shared pool.
-`HostPageMover` stays for KV caches on a GPU until the CUDA executor
-exists.
+`AgentPageMover` (the default, KV caches in host or CUDA memory): the
+engine's own KV blocks are an agent-owned region per KV cache group (slot =
+block id); the manager never maps them, and the copies run in this
+process's copy agent on the manager's instruction, straight between the
+blocks and the shared pool (memcpy workers for host memory; the CUDA copy
+engine, DMA from and to the pinned pool, for CUDA memory). `HostPageMover`
+remains for ``copy_agent: false``.
 
 A stored page is each layer's block bytes concatenated in the group's layer
 order (`GroupPlan.layers`); a layer's block is its `[H, N, C]` bytes exactly
@@ -68,6 +69,21 @@ def block_bytes_view(t: torch.Tensor, num_blocks: int, what: str) -> torch.Tenso
     base = torch.empty(0, dtype=torch.uint8, device=t.device)
     base.set_(storage, offset, (num_blocks, block_len), (block_stride, 1))
     return base
+
+
+def agent_device(device: torch.device) -> str:
+    """How a copy agent names the memory of tensors on `device`: ``"cpu"``,
+    or ``"cuda:N"`` with the device's index (the current device when the
+    tensor's device has none). Other devices have no executor."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    raise ConfigError(
+        f"copy agents copy host or CUDA memory; the KV cache is on {device} "
+        "(set kv_connector_extra_config.copy_agent to false for staged copies)"
+    )
 
 
 class EngineBlocks:
@@ -275,10 +291,7 @@ class AgentPageMover(PageMover):
     direct = True
 
     def __init__(self, blocks: EngineBlocks, rank: int, timeout_s: float):
-        if blocks.device.type != "cpu":
-            raise ConfigError(
-                f"copy agents run host memory only in this build; the KV cache is on {blocks.device}"
-            )
+        self.device = agent_device(blocks.device)
         self.blocks = blocks
         self.rank = rank
         self.timeout_s = timeout_s
@@ -299,7 +312,7 @@ class AgentPageMover(PageMover):
         for group in self.blocks.spec.groups:
             views = [v for _, v in self.blocks.layers[group.id]]
             agent_id, page_bytes = client.attach_agent_memory(
-                self.blocks.num_blocks, self.layout(group.id), views
+                self.blocks.num_blocks, self.layout(group.id), views, device=self.device
             )
             if page_bytes != group.page_bytes:
                 raise ConfigError(

@@ -39,11 +39,11 @@ class ConnectorSettings:
     save: bool = True
     """Publish computed pages to OrbitKV."""
     copy_agent: bool = True
-    """KV caches in host memory are agent-owned regions: loads restore into
-    and saves publish from the engine's blocks, the copies run by the
-    worker's copy agent on the manager's instruction. False: staged copies
-    done by the worker itself (what a KV cache on a GPU uses until the CUDA
-    executor exists)."""
+    """KV caches (host or CUDA memory) are agent-owned regions: loads
+    restore into and saves publish from the engine's blocks, the copies run
+    by the worker's copy agent on the manager's instruction (the CUDA copy
+    engine for a KV cache on a GPU). False: staged copies done by the
+    worker itself."""
     staging_pages: int = 128
     """Staged copies only: pages per KV cache group in each worker's staging region: the most
     pages of one group that can be on their way to the pool at once. Saves

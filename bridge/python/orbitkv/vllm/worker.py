@@ -1,12 +1,13 @@
 """The worker role: runs the loads and saves the scheduler planned.
 
-With KV caches in host memory the blocks are agent-owned regions
+By default the blocks (host or CUDA memory) are agent-owned regions
 (`AgentPageMover`): a load restores straight into the request's blocks (the
-client's copy agent runs the copies on the manager's instruction) and is
+client's copy agent runs the copies on the manager's instruction: memcpy
+workers for host memory, the CUDA copy engine for CUDA memory) and is
 reported once `restore_done` says every byte landed; a save publishes
 straight from the blocks, and `wait_for_save` returns only once its
 publishes answered, so no block is read after the step that wrote it. The
-staged path below (`HostPageMover`) remains for KV caches on a GPU.
+staged path below (`HostPageMover`) remains for ``copy_agent: false``.
 
 - Saves: at `wait_for_save`, the pages this step completed are copied from
   the engine's blocks into staging slots (`PageMover.stage`) before the
@@ -137,7 +138,7 @@ class WorkerSide:
         self, kv_caches: Dict[str, Any], mover: Optional[PageMover] = None
     ) -> None:
         blocks = EngineBlocks(self.spec, kv_caches, self.num_blocks)
-        if mover is None and blocks.device.type == "cpu" and self.settings.copy_agent:
+        if mover is None and self.settings.copy_agent:
             mover = AgentPageMover(blocks, self.rank, self.settings.timeout_s)
         self.mover = mover or HostPageMover(
             blocks, self.rank, self.settings.staging_pages, self.settings.timeout_s

@@ -31,6 +31,7 @@ use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command as Proc, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -134,12 +135,16 @@ impl Memory {
     }
 }
 
-/// The copy agent riding on the connection, as the bridge's is.
-struct Agent(Arc<Mutex<CopyAgent>>);
+/// The copy agent riding on the connection, as the bridge's is. While
+/// `hold` is set it runs the copies it is sent and keeps their reports.
+struct Agent {
+    agent: Arc<Mutex<CopyAgent>>,
+    hold: Arc<AtomicBool>,
+}
 
 impl Agent {
     fn lock(&self) -> std::sync::MutexGuard<'_, CopyAgent> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.agent.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -165,7 +170,9 @@ impl orbitkv_ipc::Agent for Agent {
     }
 
     fn reports(&mut self, out: &mut Vec<Command>) {
-        self.lock().poll(out);
+        if !self.hold.load(Ordering::Relaxed) {
+            self.lock().poll(out);
+        }
     }
 
     fn busy(&self) -> bool {
@@ -180,6 +187,7 @@ impl orbitkv_ipc::Agent for Agent {
 
 struct Engine {
     client: Client,
+    hold: Arc<AtomicBool>,
     session: SessionHandle,
     region: u64,
     memory: Memory,
@@ -202,8 +210,12 @@ impl Engine {
         }
         .map_err(|e| e.to_string())?;
         let mut client = Client::connect(socket, "doomed-engine").map_err(|e| e.to_string())?;
+        let hold = Arc::new(AtomicBool::new(false));
         client
-            .set_agent(Box::new(Agent(agent)))
+            .set_agent(Box::new(Agent {
+                agent,
+                hold: hold.clone(),
+            }))
             .map_err(|e| e.to_string())?;
         register(&mut client);
         let (session, region) = with_driver(&mut client, T, |d| {
@@ -229,6 +241,7 @@ impl Engine {
         };
         Ok(Engine {
             client,
+            hold,
             session,
             region,
             memory,
@@ -299,10 +312,17 @@ impl Engine {
     }
 
     /// Waits for `done` (restore done or publish done) and frees `pages`.
-    fn finish(&mut self, what: &'static str, pages: Vec<u64>, done: impl Fn(&Event) -> bool) -> Result<Event> {
+    fn finish(
+        &mut self,
+        what: &'static str,
+        pages: Vec<u64>,
+        done: impl Fn(&Event) -> bool,
+    ) -> Result<Event> {
         let session = self.session;
         with_driver(&mut self.client, T, |d| {
-            let event = d.wait(what, |e| done(e) || matches!(e, Event::Miss { .. } | Event::Rejected { .. }))?;
+            let event = d.wait(what, |e| {
+                done(e) || matches!(e, Event::Miss { .. } | Event::Rejected { .. })
+            })?;
             for device_page in pages {
                 d.submit(Command::DevicePageFree {
                     session,
@@ -318,9 +338,11 @@ impl Engine {
     /// publish `N` pages of `publish_seed` from the agent region.
     fn round(&mut self, seed: u64, publish_seed: u64) -> Result<()> {
         let (operation, pages) = self.submit_restore(seed)?;
-        let done = self.finish("restore", pages, |e| {
-            matches!(e, Event::RestoreDone { operation: o, .. } if *o == operation)
-        })?;
+        let done = self.finish(
+            "restore",
+            pages,
+            |e| matches!(e, Event::RestoreDone { operation: o, .. } if *o == operation),
+        )?;
         if !matches!(done, Event::RestoreDone { pages, .. } if pages == u64::from(N)) {
             return fail(format!("restore: {done:?}"));
         }
@@ -352,10 +374,10 @@ fn engine_main(socket: &Path, device: &str, mode: &str) -> Result<()> {
     let mut e = Engine::open(socket, device)?;
     match mode {
         "stalled" => {
+            // The agent runs what it is sent and reports nothing.
+            e.hold.store(true, Ordering::Relaxed);
             let (_op, _restore_pages) = e.submit_restore(0)?;
             let _publish_pages = e.submit_publish(9)?;
-            // Hands the copies to the agent; their reports would go out
-            // with the next wait, which never comes.
             let _ = e.client.poll_events();
             say("STALLED");
         }
@@ -433,7 +455,11 @@ impl Manager {
         s.read_to_string(&mut body).ok()?;
         let name = format!("orbitkv_{name} ");
         let line = body.lines().find(|l| l.starts_with(&name))?;
-        line.rsplit(' ').next()?.parse::<f64>().ok().map(|v| v as u64)
+        line.rsplit(' ')
+            .next()?
+            .parse::<f64>()
+            .ok()
+            .map(|v| v as u64)
     }
 
     fn wait_metric(&self, name: &str, ok: impl Fn(u64) -> bool) -> Result<u64> {
@@ -483,7 +509,9 @@ impl EngineProc {
         self.out.read_line(&mut line).map_err(|e| e.to_string())?;
         if line.is_empty() {
             let status = self.child.wait().map_err(|e| e.to_string())?;
-            return fail(format!("the engine exited ({status}) before saying anything"));
+            return fail(format!(
+                "the engine exited ({status}) before saying anything"
+            ));
         }
         Ok(line.trim_end().to_string())
     }
@@ -510,7 +538,8 @@ fn publisher(m: &Manager) -> Result<Client> {
         Ok::<_, orbitkv_world::driver::DriverError<_>>((s, d.region(s, (0, 0), N)?.region))
     })
     .map_err(|e| format!("{e:?}"))?;
-    let pages = with_driver(&mut c, T, |d| d.alloc_many(s, region, 0..N)).map_err(|e| format!("{e:?}"))?;
+    let pages =
+        with_driver(&mut c, T, |d| d.alloc_many(s, region, 0..N)).map_err(|e| format!("{e:?}"))?;
     let view = c.region_mut(region).ok_or("no region memory")?;
     for i in 0..N as usize {
         view[i * BYTES as usize..(i + 1) * BYTES as usize].copy_from_slice(&payload(i as u64, 0));
@@ -525,7 +554,8 @@ fn publisher(m: &Manager) -> Result<Client> {
             device_page,
         })
         .collect();
-    let done = with_driver(&mut c, T, |d| d.publish(s, 1, publish)).map_err(|e| format!("{e:?}"))?;
+    let done =
+        with_driver(&mut c, T, |d| d.publish(s, 1, publish)).map_err(|e| format!("{e:?}"))?;
     if done.inserted != u64::from(N) {
         return fail(format!("publish: {done:?}"));
     }
@@ -559,7 +589,11 @@ fn publisher_still_served(c: &mut Client) -> Result<()> {
             session: s,
             operation,
         })?;
-        d.call("close", Command::CloseSession { session: s })
+        d.submit(Command::CloseSession { session: s })?;
+        d.wait(
+            "close",
+            |e| matches!(e, Event::SessionClosed { session } if *session == s),
+        )
     })
     .map_err(|e| format!("{e:?}"))?;
     Ok(())
@@ -589,7 +623,8 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
     if line != "STALLED" {
         return fail(format!("stalled engine: {line}"));
     }
-    let transfers = m.wait_metric("transfers", |v| v > 0)?;
+    // The restore's and the publish's copies, both with the agent.
+    let transfers = m.wait_metric("transfers", |v| v >= 2)?;
     let leases = m.wait_metric("leases", |v| v >= u64::from(N))?;
     e.kill()?;
     consistent(&m)?;

@@ -83,7 +83,11 @@ pub fn new_agent(kind: MemoryKind, workers: usize) -> Result<CopyAgent, AgentSet
         max_in_flight_batches: 64,
         shared_regions: false,
     };
-    Ok(CopyAgent::new(executor_for(kind, host, CudaConfig::default())?))
+    Ok(CopyAgent::new(executor_for(
+        kind,
+        host,
+        CudaConfig::default(),
+    )?))
 }
 
 /// Refuses memory of `kind` for an agent whose executor copies `agent`'s
@@ -94,7 +98,8 @@ pub fn check_kind(agent: MemoryKind, kind: MemoryKind) -> Result<(), AgentSetup>
         MemoryKind::Cuda { device } => format!("CUDA memory (home device cuda:{device})"),
     };
     match (agent, kind) {
-        (MemoryKind::Host, MemoryKind::Host) | (MemoryKind::Cuda { .. }, MemoryKind::Cuda { .. }) => Ok(()),
+        (MemoryKind::Host, MemoryKind::Host)
+        | (MemoryKind::Cuda { .. }, MemoryKind::Cuda { .. }) => Ok(()),
         _ => Err(AgentSetup::Invalid(format!(
             "this connection's copy agent copies {}; {} needs another connection",
             name(agent),

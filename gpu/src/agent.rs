@@ -59,7 +59,9 @@ pub enum AgentError {
     TooManyRegions,
     /// CUDA memory was offered and this process cannot copy to it: never
     /// a host memcpy on a device pointer.
-    #[error("agent memory on cuda:{device} needs the CUDA copy engine, which is unavailable: {reason}")]
+    #[error(
+        "agent memory on cuda:{device} needs the CUDA copy engine, which is unavailable: {reason}"
+    )]
     CudaUnavailable { device: i32, reason: Unavailable },
 }
 

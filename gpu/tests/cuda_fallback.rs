@@ -113,7 +113,11 @@ fn disabled_cuda_is_a_reason_too() {
 #[test]
 fn a_copy_agent_for_cuda_memory_is_refused_with_the_reason_never_given_the_host_engine() {
     use orbitkv_gpu::agent::{AgentError, MemoryKind, executor_for};
-    let host = executor_for(MemoryKind::Host, HostCopyConfig::default(), CudaConfig::default());
+    let host = executor_for(
+        MemoryKind::Host,
+        HostCopyConfig::default(),
+        CudaConfig::default(),
+    );
     assert_eq!(host.map(|e| e.name()).ok(), Some("host"));
     let cuda = executor_for(
         MemoryKind::Cuda { device: 0 },
@@ -124,7 +128,10 @@ fn a_copy_agent_for_cuda_memory_is_refused_with_the_reason_never_given_the_host_
         // Either the CUDA engine, or a typed reason: never the host engine.
         match cuda {
             Ok(e) => assert_eq!(e.name(), "cuda"),
-            Err(e) => assert!(matches!(e, AgentError::CudaUnavailable { device: 0, .. }), "{e}"),
+            Err(e) => assert!(
+                matches!(e, AgentError::CudaUnavailable { device: 0, .. }),
+                "{e}"
+            ),
         }
         return;
     }

@@ -450,14 +450,14 @@ impl<D: Driver> Executor<D> {
         for copy in copies {
             let region = self.live_region(copy.region)?;
             check_bounds(copy, host.len, region.len)?;
-            let span =
-                host.span(copy.host_offset, copy.len)
-                    .ok_or(CopyError::OutOfBounds {
-                        what: "pinned host spans",
-                        offset: copy.host_offset,
-                        len: copy.len,
-                        size: host.len,
-                    })?;
+            let span = host
+                .span(copy.host_offset, copy.len)
+                .ok_or(CopyError::OutOfBounds {
+                    what: "pinned host spans",
+                    offset: copy.host_offset,
+                    len: copy.len,
+                    size: host.len,
+                })?;
             if direction == Direction::DeviceToHost && span.read_only {
                 return Err(CopyError::Failed(format!(
                     "host memory at offset {} is registered read-only; device → host copies \

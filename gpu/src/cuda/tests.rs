@@ -953,9 +953,15 @@ impl crate::CopyEngine for FakeCuda {
         "cuda"
     }
     fn register_device_region(&mut self, bytes: u64) -> Result<crate::RegionId, CopyError> {
-        Err(CopyError::RegionRejected(bytes, "engine-owned memory only".into()))
+        Err(CopyError::RegionRejected(
+            bytes,
+            "engine-owned memory only".into(),
+        ))
     }
-    unsafe fn attach_region(&mut self, memory: ExternalMemory) -> Result<crate::RegionId, CopyError> {
+    unsafe fn attach_region(
+        &mut self,
+        memory: ExternalMemory,
+    ) -> Result<crate::RegionId, CopyError> {
         self.0.attach(memory)
     }
     fn unregister_device_region(&mut self, region: crate::RegionId) -> Result<(), CopyError> {
@@ -1037,7 +1043,11 @@ mod agent_on_cuda {
             ]
         }
         fn page(&self, slot: usize) -> Vec<u8> {
-            [self.k.read(slot * 2048, 1024), self.v.read(slot * 3072, 3072)].concat()
+            [
+                self.k.read(slot * 2048, 1024),
+                self.v.read(slot * 3072, 3072),
+            ]
+            .concat()
         }
     }
 
@@ -1098,7 +1108,8 @@ mod agent_on_cuda {
         assert_eq!((region, page_bytes), (0, P));
 
         // Restore pool pages 5 and 2 into slots 1 and 3.
-        let sum = |page: u64| crate::page_checksum(&pool[(page * P) as usize..((page + 1) * P) as usize]);
+        let sum =
+            |page: u64| crate::page_checksum(&pool[(page * P) as usize..((page + 1) * P) as usize]);
         let want5 = pool[(5 * P) as usize..(6 * P) as usize].to_vec();
         let want2 = pool[(2 * P) as usize..(3 * P) as usize].to_vec();
         let restore = vec![page_copy(5, 1, Some(sum(5))), page_copy(2, 3, Some(sum(2)))];
@@ -1107,13 +1118,19 @@ mod agent_on_cuda {
         agent.poll(&mut out);
         assert!(out.is_empty(), "reported before the stream ran: {out:?}");
         assert!(agent.busy());
-        assert!(device.page(1) == vec![0; P as usize], "nothing lands before the stream runs");
+        assert!(
+            device.page(1) == vec![0; P as usize],
+            "nothing lands before the stream runs"
+        );
         fake.run_all();
         agent.poll(&mut out);
         assert_eq!(done(&out), vec![(7, None)]);
         assert!(device.page(1) == want5, "slot 1 holds pool page 5");
         assert!(device.page(3) == want2, "slot 3 holds pool page 2");
-        assert!(device.page(0) == vec![0; P as usize], "untargeted slots untouched");
+        assert!(
+            device.page(0) == vec![0; P as usize],
+            "untargeted slots untouched"
+        );
 
         // Publish slot 3 into staging page 1.
         out.clear();
@@ -1122,7 +1139,10 @@ mod agent_on_cuda {
         fake.run_all();
         agent.poll(&mut out);
         assert_eq!(done(&out), vec![(8, None)]);
-        assert!(staging[P as usize..(2 * P) as usize] == want2[..], "the published page is in staging page 1");
+        assert!(
+            staging[P as usize..(2 * P) as usize] == want2[..],
+            "the published page is in staging page 1"
+        );
 
         // A pool page that does not match its checksum fails the copy.
         out.clear();
@@ -1136,18 +1156,35 @@ mod agent_on_cuda {
         // naming it fail, and nothing is written.
         assert!(agent.detach(region));
         out.clear();
-        assert!(agent.handle(&copy_event(10, AgentDirection::PoolToRegion, vec![page_copy(0, 2, None)])));
+        assert!(agent.handle(&copy_event(
+            10,
+            AgentDirection::PoolToRegion,
+            vec![page_copy(0, 2, None)]
+        )));
         fake.run_all();
         agent.poll(&mut out);
         assert_eq!(done(&out), vec![(10, Some(CopyFailure::UnknownRegion(0)))]);
-        assert!(device.page(2) == vec![0; P as usize], "a detached region is never written");
+        assert!(
+            device.page(2) == vec![0; P as usize],
+            "a detached region is never written"
+        );
 
         // Dropping the agent waits for the streams, then unpins both spans.
         drop(agent);
         let calls = fake.calls();
-        assert_eq!(calls.iter().filter(|c| matches!(c, Call::Unpin(_))).count(), 2, "{calls:?}");
-        let last_sync = calls.iter().rposition(|c| matches!(c, Call::Synchronize(_))).unwrap();
-        let first_unpin = calls.iter().position(|c| matches!(c, Call::Unpin(_))).unwrap();
+        assert_eq!(
+            calls.iter().filter(|c| matches!(c, Call::Unpin(_))).count(),
+            2,
+            "{calls:?}"
+        );
+        let last_sync = calls
+            .iter()
+            .rposition(|c| matches!(c, Call::Synchronize(_)))
+            .unwrap();
+        let first_unpin = calls
+            .iter()
+            .position(|c| matches!(c, Call::Unpin(_)))
+            .unwrap();
         assert!(last_sync < first_unpin, "{calls:?}");
         drop(device);
     }
@@ -1167,7 +1204,10 @@ mod agent_on_cuda {
         };
         // SAFETY: refused before anything is registered.
         let e = unsafe { agent.attach(SLOTS, &[host_chunk]) }.unwrap_err();
-        assert!(matches!(e, AgentError::Executor(CopyError::RegionRejected(..))), "{e:?}");
+        assert!(
+            matches!(e, AgentError::Executor(CopyError::RegionRejected(..))),
+            "{e:?}"
+        );
         // A second chunk that runs past its allocation: refused, and the
         // first chunk, attached before it, is unregistered again.
         let mut chunks = device.chunks();

@@ -411,7 +411,7 @@ impl PyClient {
     /// run in this process, off the Python thread, inside this client's
     /// waits (the `agent_copy` events never reach the caller). `owner` is
     /// kept alive until `detach_agent_memory`.
-    #[pyo3(signature = (slots, chunks, owner, device="cpu"))]
+    #[pyo3(signature = (slots, chunks, owner, device="cpu", layers=None))]
     fn attach_agent_memory(
         &self,
         py: Python<'_>,
@@ -419,6 +419,7 @@ impl PyClient {
         chunks: Vec<(u64, u64, u64)>,
         owner: Py<PyAny>,
         device: &str,
+        layers: Option<Vec<u32>>,
     ) -> PyResult<(u32, u64)> {
         let kind = memory_kind(device)?;
         let chunks = chunks_of(kind, chunks);
@@ -445,13 +446,35 @@ impl PyClient {
             drop(st);
             // SAFETY: the caller promises the memory stays put while
             // attached, and `owner` (kept until detach) keeps it allocated.
-            Ok(unsafe { agent.lock().agent.attach(slots, &chunks) }.map_err(AgentSetup::from))
+            Ok(unsafe {
+                agent
+                    .lock()
+                    .agent
+                    .attach_layered(slots, &chunks, layers.as_deref())
+            }
+            .map_err(AgentSetup::from))
         })??;
         self.keep
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(got.0, owner);
         Ok(got)
+    }
+
+    /// Per layer of an agent region attached with `layers`: `(landed,
+    /// failed)` pages restored into it since it was attached (cumulative;
+    /// a layer-wise loader compares them with what it submitted). Empty for
+    /// a region attached without layers; `ValueError` for an unknown one.
+    fn agent_layer_counts(&self, py: Python<'_>, region: u32) -> PyResult<Vec<(u64, u64)>> {
+        let counts = py.detach(|| {
+            let a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
+            let agent = a.as_ref()?;
+            let st = agent.lock();
+            st.agent
+                .layer_counts(region)
+                .map(|c| c.iter().map(|c| (c.landed, c.failed)).collect::<Vec<_>>())
+        });
+        counts.ok_or_else(|| PyValueError::new_err(format!("no agent region {region}")))
     }
 
     /// Detaches an agent region (after its session closed) and lets go of

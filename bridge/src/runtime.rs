@@ -439,7 +439,7 @@ impl PyRuntime {
     /// `device`: `"cpu"` (host executor) or `"cuda:N"` (CUDA executor;
     /// `orbitkv.CudaUnavailable` where this process cannot use CUDA). The
     /// first region decides the agent's executor.
-    #[pyo3(signature = (slots, chunks, owner, device="cpu"))]
+    #[pyo3(signature = (slots, chunks, owner, device="cpu", layers=None))]
     fn attach_agent_memory(
         &self,
         py: Python<'_>,
@@ -447,6 +447,7 @@ impl PyRuntime {
         chunks: Vec<(u64, u64, u64)>,
         owner: Py<PyAny>,
         device: &str,
+        layers: Option<Vec<u32>>,
     ) -> PyResult<(u32, u64)> {
         let kind = crate::agent::memory_kind(device)?;
         let chunks = crate::agent::chunks_of(kind, chunks);
@@ -454,7 +455,8 @@ impl PyRuntime {
             let agent = e.agent(kind)?;
             // SAFETY: the caller promises the memory stays put while
             // attached, and `owner` (kept until detach) keeps it allocated.
-            unsafe { agent.attach(slots, &chunks) }.map_err(AgentSetup::from)
+            unsafe { agent.attach_layered(slots, &chunks, layers.as_deref()) }
+                .map_err(AgentSetup::from)
         })??;
         lock(&self.keep).insert(region, owner);
         Ok((region, page_bytes))

@@ -1000,7 +1000,7 @@ mod agent_on_cuda {
     //! through fake device memory, completion only once the streams ran.
 
     use super::*;
-    use crate::agent::{AgentError, Chunk, CopyAgent, HostWindow, MemoryKind};
+    use crate::agent::{AgentError, Chunk, CopyAgent, HostWindow, LayerCount, MemoryKind};
     use crate::host::shared_memory;
     use orbitkv_components::api::{AgentDirection, AgentPageCopy, Command, CopyFailure, Event};
 
@@ -1186,6 +1186,136 @@ mod agent_on_cuda {
             .position(|c| matches!(c, Call::Unpin(_)))
             .unwrap();
         assert!(last_sync < first_unpin, "{calls:?}");
+        drop(device);
+    }
+
+    #[test]
+    fn layered_restores_land_and_count_layer_by_layer_and_one_failed_layer_fails_the_copy() {
+        let fake = Fake::new(1, false);
+        let exec = Executor::open(fake.driver(), config()).unwrap();
+        let (pool_file, mut pool) = shared_memory("agent-layers-pool", POOL).unwrap();
+        for (i, b) in pool.iter_mut().enumerate() {
+            *b = (i * 29 + i / 4096) as u8;
+        }
+        let (staging_file, _staging) = shared_memory("agent-layers-staging", STAGING).unwrap();
+        let device = Device::new(&fake);
+        let mut agent = CopyAgent::new(Box::new(FakeCuda(exec)));
+        agent
+            .set_window(HostWindow::map(&pool_file, POOL, &staging_file, STAGING).unwrap())
+            .unwrap();
+        // K runs are layer 0, V runs layer 1.
+        // SAFETY: `device` outlives the agent.
+        let (region, _) =
+            unsafe { agent.attach_layered(SLOTS, &device.chunks(), Some(&[0, 1])) }.unwrap();
+        let zero = LayerCount::default();
+        assert_eq!(agent.layer_counts(region), Some(&[zero, zero][..]));
+        let k = |page: u64| pool[(page * P) as usize..(page * P + 1024) as usize].to_vec();
+        let v = |page: u64| pool[(page * P + 1024) as usize..((page + 1) * P) as usize].to_vec();
+
+        let restore = vec![page_copy(5, 1, None), page_copy(2, 3, None)];
+        assert!(agent.handle(&copy_event(1, AgentDirection::PoolToRegion, restore)));
+        let mut out = Vec::new();
+        // Layer 0's part is queued first: its two K runs and its event.
+        assert_eq!(fake.step(0, HostToDevice, 3), 3);
+        agent.poll(&mut out);
+        assert!(
+            out.is_empty(),
+            "the copy is reported once every layer landed: {out:?}"
+        );
+        let counts = agent.layer_counts(region).unwrap().to_vec();
+        assert_eq!(
+            counts,
+            vec![
+                LayerCount {
+                    landed: 2,
+                    failed: 0
+                },
+                zero
+            ]
+        );
+        assert!(device.k.read(2048, 1024) == k(5) && device.k.read(3 * 2048, 1024) == k(2));
+        assert!(
+            device.v.read(3072, 3072) == vec![0; 3072],
+            "layer 1 has not landed yet"
+        );
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(done(&out), vec![(1, None)]);
+        let counts = agent.layer_counts(region).unwrap().to_vec();
+        assert_eq!(
+            counts,
+            vec![
+                LayerCount {
+                    landed: 2,
+                    failed: 0
+                };
+                2
+            ]
+        );
+        assert!(device.v.read(3072, 3072) == v(5) && device.v.read(3 * 3072, 3072) == v(2));
+
+        // Layer 0's enqueue fails: layer 1 still lands, the copy fails.
+        out.clear();
+        fake.state().fail_enqueue = Some((0, 1));
+        assert!(agent.handle(&copy_event(
+            2,
+            AgentDirection::PoolToRegion,
+            vec![page_copy(4, 0, None)]
+        )));
+        fake.run_all();
+        agent.poll(&mut out);
+        let reported = done(&out);
+        assert!(
+            matches!(&reported[..], [(2, Some(CopyFailure::Executor(m)))] if m.contains("FAKE_1")),
+            "{reported:?}"
+        );
+        let counts = agent.layer_counts(region).unwrap().to_vec();
+        assert_eq!(
+            counts,
+            vec![
+                LayerCount {
+                    landed: 2,
+                    failed: 1
+                },
+                LayerCount {
+                    landed: 3,
+                    failed: 0
+                }
+            ]
+        );
+
+        // Publishes are one batch and count nothing; a pool page that does
+        // not match its checksum is refused before any layer is queued.
+        out.clear();
+        let sum = crate::page_checksum(&pool[(6 * P) as usize..(7 * P) as usize]);
+        assert!(agent.handle(&copy_event(
+            3,
+            AgentDirection::PoolToRegion,
+            vec![page_copy(6, 2, Some(sum ^ 1))]
+        )));
+        assert!(agent.handle(&copy_event(
+            4,
+            AgentDirection::RegionToStaging,
+            vec![page_copy(0, 1, None)]
+        )));
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(
+            done(&out),
+            vec![(3, Some(CopyFailure::Checksum(6 * P))), (4, None)]
+        );
+        assert!(
+            device.k.read(2 * 2048, 1024) == vec![0; 1024],
+            "a refused restore writes nothing"
+        );
+        assert_eq!(agent.layer_counts(region).unwrap().to_vec(), counts);
+
+        // Bad layer lists are refused.
+        // SAFETY: refused before anything is registered.
+        let e = unsafe { agent.attach_layered(SLOTS, &device.chunks(), Some(&[0])) }.unwrap_err();
+        assert!(matches!(e, AgentError::Layout(m) if m.contains("one layer per chunk")));
+        assert_eq!(agent.layer_counts(region + 1), None);
+        drop(agent);
         drop(device);
     }
 

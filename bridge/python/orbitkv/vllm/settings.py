@@ -25,6 +25,9 @@ def default_socket() -> str:
     return "/tmp/orbitkv.sock"
 
 
+LOAD_MODES = ("async", "layerwise")
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """``kv_connector_extra_config`` keys (docs/vllm.md lists them)."""
@@ -61,6 +64,15 @@ class ConnectorSettings:
     max_pending_jobs: int = 4096
     """Bound on a worker's queued loads and saves; past it, saves are
     dropped and loads fail (recompute)."""
+    load_mode: str = "async"
+    """``"async"``: a request with a hit waits (``WAITING_FOR_REMOTE_KVS``)
+    until its whole load landed, reported through ``get_finished``.
+    ``"layerwise"``: loads are synchronous; they start in
+    ``start_load_kv``, one copy batch per layer in layer order, and
+    ``wait_for_layer_load(layer)`` waits only for that layer's copies, so a
+    layer's attention runs while later layers still copy. A failed load is
+    reported through ``get_block_ids_with_load_errors`` and vLLM
+    recomputes. Needs ``copy_agent`` and a single KV cache group."""
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "ConnectorSettings":
@@ -85,6 +97,16 @@ class ConnectorSettings:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0")
         if not s.socket:
             raise ConfigError("kv_connector_extra_config.socket is empty")
+        if s.load_mode not in LOAD_MODES:
+            raise ConfigError(
+                f"kv_connector_extra_config.load_mode must be one of {', '.join(map(repr, LOAD_MODES))}, "
+                f"got {s.load_mode!r}"
+            )
+        if s.load_mode == "layerwise" and not s.copy_agent:
+            raise ConfigError(
+                "kv_connector_extra_config.load_mode 'layerwise' needs copy_agent: true "
+                "(layers are loaded by the copy agent)"
+            )
         return s
 
 

@@ -469,7 +469,10 @@ impl PyClient {
         let counts = py.detach(|| {
             let a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
             let agent = a.as_ref()?;
-            let st = agent.lock();
+            let mut st = agent.lock();
+            // Completions since the last wait count now; their reports go
+            // out with the connection's next wait.
+            st.agent.progress();
             st.agent
                 .layer_counts(region)
                 .map(|c| c.iter().map(|c| (c.landed, c.failed)).collect::<Vec<_>>())

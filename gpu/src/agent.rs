@@ -629,9 +629,10 @@ impl CopyAgent {
         }
     }
 
-    /// Collects finished copies as `CopyDone` commands (to submit to the
-    /// runtime), and starts copies that waited for executor room.
-    pub fn poll(&mut self, out: &mut Vec<Command>) {
+    /// Takes the executor's completions (counting layers, finishing
+    /// copies) and starts parts that waited for room; the reports wait for
+    /// the next [`CopyAgent::poll`]. Never blocks.
+    pub fn progress(&mut self) {
         let mut done: Vec<Completion> = Vec::new();
         self.executor.poll(0, &mut done);
         for c in done {
@@ -641,6 +642,12 @@ impl CopyAgent {
             }
         }
         self.start_waiting();
+    }
+
+    /// Collects finished copies as `CopyDone` commands (to submit to the
+    /// runtime), and starts copies that waited for executor room.
+    pub fn poll(&mut self, out: &mut Vec<Command>) {
+        self.progress();
         out.extend(
             self.finished
                 .drain(..)

@@ -24,7 +24,6 @@
 //! A plain binary (`harness = false`) so that the GPU check can carry it
 //! (with the `orbitkv` binary, `--orbitkv`) to a machine without Rust.
 
-#[allow(dead_code)]
 mod support;
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};

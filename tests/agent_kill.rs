@@ -26,7 +26,7 @@
 
 mod support;
 
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command as Proc, ExitCode, Stdio};
@@ -42,7 +42,7 @@ use orbitkv_gpu::agent::{Chunk, CopyAgent, HostWindow, MemoryKind, executor_for}
 use orbitkv_gpu::cuda::{CudaConfig, testing::DeviceMemory};
 use orbitkv_gpu::host::HostCopyConfig;
 use orbitkv_ipc::Client;
-use support::{BYTES, PAGE, T, free_port, register, with_driver};
+use support::{BASE_CONFIG, BYTES, Manager, PAGE, T, register, with_driver};
 
 /// Pages restored and published per round.
 const N: u32 = 64;
@@ -399,85 +399,6 @@ fn engine_main(socket: &Path, device: &str, mode: &str) -> Result<()> {
 
 // The test ---------------------------------------------------------------------
 
-struct Manager {
-    child: Child,
-    socket: PathBuf,
-    metrics: String,
-}
-
-impl Drop for Manager {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Manager {
-    fn start(binary: &Path, dir: &Path) -> Result<Manager> {
-        let socket = dir.join("orbitkv.sock");
-        let config = dir.join("orbitkv.toml");
-        std::fs::write(
-            &config,
-            "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n",
-        )
-        .map_err(|e| e.to_string())?;
-        let metrics = format!("127.0.0.1:{}", free_port());
-        let child = Proc::new(binary)
-            .args(["serve", "--socket", &socket.to_string_lossy()])
-            .args(["--dram", "64MiB", "--config", &config.to_string_lossy()])
-            .args(["--metrics-addr", &metrics])
-            .env("RUST_LOG", "error")
-            .env_remove("ORBITKV_HOT_PATH")
-            .stdout(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("starting {}: {e}", binary.display()))?;
-        let m = Manager {
-            child,
-            socket,
-            metrics,
-        };
-        let deadline = Instant::now() + T;
-        while Client::connect(&m.socket, "probe").is_err() {
-            if Instant::now() > deadline {
-                return fail("the manager did not come up");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        m.wait_metric("connections", |v| v == 0)?;
-        Ok(m)
-    }
-
-    fn metric(&self, name: &str) -> Option<u64> {
-        let mut s = std::net::TcpStream::connect(&self.metrics).ok()?;
-        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).ok()?;
-        let name = format!("orbitkv_{name} ");
-        let line = body.lines().find(|l| l.starts_with(&name))?;
-        line.rsplit(' ')
-            .next()?
-            .parse::<f64>()
-            .ok()
-            .map(|v| v as u64)
-    }
-
-    fn wait_metric(&self, name: &str, ok: impl Fn(u64) -> bool) -> Result<u64> {
-        let deadline = Instant::now() + T;
-        loop {
-            let now = self.metric(name);
-            if let Some(v) = now
-                && ok(v)
-            {
-                return Ok(v);
-            }
-            if Instant::now() > deadline {
-                return fail(format!("orbitkv_{name} never got there (now {now:?})"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
 struct EngineProc {
     child: Child,
     out: BufReader<ChildStdout>,
@@ -579,8 +500,10 @@ fn publisher_still_served(c: &mut Client) -> Result<()> {
     }
     for l in &leases {
         let i = l.pos.page_end / PAGE - 1;
-        if c.page(l) != Some(&payload(i, 0)[..]) {
-            return fail(format!("page {i} changed"));
+        match c.page(l) {
+            Ok(bytes) if bytes == &payload(i, 0)[..] => {}
+            Ok(_) => return fail(format!("page {i} changed")),
+            Err(e) => return fail(format!("page {i}: {e}")),
         }
     }
     with_driver(c, T, |d| {
@@ -599,20 +522,21 @@ fn publisher_still_served(c: &mut Client) -> Result<()> {
 }
 
 /// Nothing of the dead engine is left: only the publisher's connection
-/// and session, no lease, reservation, operation or transfer.
-fn consistent(m: &Manager) -> Result<()> {
-    m.wait_metric("connections", |v| v == 1)?;
-    m.wait_metric("sessions", |v| v == 1)?;
-    m.wait_metric("leases", |v| v == 0)?;
-    m.wait_metric("bytes_reserved", |v| v == 0)?;
-    m.wait_metric("operations", |v| v == 0)?;
-    m.wait_metric("transfers", |v| v == 0)?;
-    Ok(())
+/// and session, no lease, reservation, operation or transfer (each wait
+/// panics, naming the gauge, after `T`).
+fn consistent(m: &Manager) {
+    m.wait_metric("connections", 1);
+    m.wait_metric("sessions", 1);
+    m.wait_metric("leases", 0);
+    m.wait_metric("bytes_reserved", 0);
+    m.wait_metric("operations", 0);
+    m.wait_metric("transfers", 0);
 }
 
 fn scenario(binary: &Path, device: &str) -> Result<()> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let m = Manager::start(binary, dir.path())?;
+    let m = Manager::start_binary(binary, dir.path(), "orbitkv", "64MiB", BASE_CONFIG, &[]);
+    m.wait_metric("connections", 0);
     let mut publisher = publisher(&m)?;
     let t0 = Instant::now();
 
@@ -623,12 +547,12 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
         return fail(format!("stalled engine: {line}"));
     }
     // The restore's and the publish's copies, both with the agent.
-    let transfers = m.wait_metric("transfers", |v| v >= 2)?;
-    let leases = m.wait_metric("leases", |v| v >= u64::from(N))?;
+    let transfers = m.wait_metric_until("transfers", |v| v >= 2);
+    let leases = m.wait_metric_until("leases", |v| v >= u64::from(N));
     e.kill()?;
-    consistent(&m)?;
+    consistent(&m);
     publisher_still_served(&mut publisher)?;
-    consistent(&m)?;
+    consistent(&m);
     println!(
         "stalled: killed with {transfers} transfers and {leases} leases in flight; consistent"
     );
@@ -644,7 +568,7 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
     // Into the next round's copies.
     std::thread::sleep(Duration::from_millis(2));
     e.kill()?;
-    consistent(&m)?;
+    consistent(&m);
     publisher_still_served(&mut publisher)?;
     println!("copying: killed after 3 rounds; consistent");
 
@@ -658,10 +582,10 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
     if !status.success() {
         return fail(format!("verify engine exited {status}"));
     }
-    consistent(&m)?;
+    consistent(&m);
     drop(publisher);
-    m.wait_metric("connections", |v| v == 0)?;
-    m.wait_metric("sessions", |v| v == 0)?;
+    m.wait_metric("connections", 0);
+    m.wait_metric("sessions", 0);
     println!(
         "agent_kill ({device}): the manager stayed consistent ({:.1} s)",
         t0.elapsed().as_secs_f64()

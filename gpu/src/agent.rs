@@ -8,7 +8,8 @@
 //! [`Event::AgentCopy`] batches (pool or staging offsets, region offsets,
 //! lengths); [`CopyAgent::execute`] checks every page against the agent's
 //! own memory and submits it to the executor (any [`CopyEngine`]: host
-//! memcpy workers here, CUDA later), and [`CopyAgent::poll`] turns
+//! memcpy workers for host memory, the CUDA engine for CUDA memory, see
+//! [`executor_for`]), and [`CopyAgent::poll`] turns
 //! completions into [`Command::CopyDone`]s to submit back.
 //!
 //! Host memory the executor sees is one [`HostWindow`]: the runtime's pool

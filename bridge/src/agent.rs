@@ -75,6 +75,11 @@ impl From<AgentSetup> for pyo3::PyErr {
     }
 }
 
+/// Executor batches a CUDA agent keeps in flight (and events it creates
+/// per device): a layer-wise restore is one batch per layer, so a copy of
+/// an 80-layer model alone takes 80.
+pub const CUDA_AGENT_BATCHES: usize = 1024;
+
 /// A new agent whose executor copies memory of `kind` (see the module
 /// docs); `workers` host copy threads.
 pub fn new_agent(kind: MemoryKind, workers: usize) -> Result<CopyAgent, AgentSetup> {
@@ -83,11 +88,11 @@ pub fn new_agent(kind: MemoryKind, workers: usize) -> Result<CopyAgent, AgentSet
         max_in_flight_batches: 64,
         shared_regions: false,
     };
-    Ok(CopyAgent::new(executor_for(
-        kind,
-        host,
-        CudaConfig::default(),
-    )?))
+    let cuda = CudaConfig {
+        max_in_flight_batches: CUDA_AGENT_BATCHES,
+        ..CudaConfig::default()
+    };
+    Ok(CopyAgent::new(executor_for(kind, host, cuda)?))
 }
 
 /// Refuses memory of `kind` for an agent whose executor copies `agent`'s

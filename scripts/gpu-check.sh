@@ -14,9 +14,9 @@
 # (nothing was run); 4 nothing to run (no cargo and no prebuilt binaries).
 #
 # Extra checks: every executable scripts/gpu-check.d/*.sh runs as one step
-# (from the repository root, 150 s each; non-zero fails the check). The
-# copy agent's "engine killed mid-copy" test plugs in there once the agent
-# exists; until then the summary says it was not run.
+# (from the repository root, 150 s each; non-zero fails the check):
+# agent-kill.sh, an engine process with a CUDA agent region killed mid-copy
+# (tests/agent_kill.rs --cuda against a real `orbitkv serve`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,18 +25,39 @@ SUMMARY=()
 FAILED=0
 START=$(date +%s)
 
+# The test binary cargo built for `$1` (package args before it), from the
+# `--no-run` log.
+test_binary() {
+    local name=$1 log exe
+    shift
+    log=$(cargo test --release --locked "$@" --test "$name" --no-run 2>&1) ||
+        { echo "$log" >&2; return 1; }
+    exe=$(echo "$log" | sed -n "s/.*Executable .*(\(.*$name-[0-9a-f]*\)).*/\1/p" | tail -n1)
+    [ -n "$exe" ] || { echo "$log" >&2; echo "could not find the $name test binary" >&2; return 1; }
+    echo "$exe"
+}
+
 build() {
-    echo "== build (release): orbitkv-gpu examples and the cuda_gpu tests"
+    echo "== build (release): orbitkv-gpu examples, the cuda_gpu tests, orbitkv and agent_kill"
     cargo build --release --locked -p orbitkv-gpu --example cuda_probe --example cuda_bandwidth ||
         return 1
-    local log exe
-    log=$(cargo test --release --locked -p orbitkv-gpu --test cuda_gpu --no-run 2>&1) ||
-        { echo "$log"; return 1; }
-    exe=$(echo "$log" | sed -n 's/.*Executable .*(\(.*cuda_gpu-[0-9a-f]*\)).*/\1/p' | tail -n1)
-    [ -n "$exe" ] || { echo "$log"; echo "could not find the cuda_gpu test binary"; return 1; }
+    cargo build --release --locked --bin orbitkv || return 1
+    local gpu kill
+    gpu=$(test_binary cuda_gpu -p orbitkv-gpu) || return 1
+    kill=$(test_binary agent_kill) || return 1
     mkdir -p "$BIN"
     cp target/release/examples/cuda_probe target/release/examples/cuda_bandwidth "$BIN"/
-    cp "$exe" "$BIN"/cuda_gpu
+    cp "$gpu" "$BIN"/cuda_gpu
+    cp "$kill" "$BIN"/agent_kill
+    cp target/release/orbitkv "$BIN"/orbitkv
+}
+
+# No NVIDIA device node and no driver library: no GPU, whatever is built.
+# Says so before spending minutes on a build.
+no_gpu_here() {
+    ls /dev/nvidia[0-9]* >/dev/null 2>&1 && return 1
+    ldconfig -p 2>/dev/null | grep -q 'libcuda\.so' && return 1
+    return 0
 }
 
 # Runs one step under a time limit and records PASS/FAIL with its seconds.
@@ -58,6 +79,11 @@ step() {
     fi
     return $rc
 }
+
+if [ "${1:-}" != "--build-only" ] && no_gpu_here; then
+    echo "gpu-check: NO GPU: no /dev/nvidia* device and no libcuda here; nothing was built or run"
+    exit 2
+fi
 
 if command -v cargo >/dev/null 2>&1; then
     build || { echo "gpu-check: build failed"; exit 1; }
@@ -94,7 +120,7 @@ for check in scripts/gpu-check.d/*.sh; do
     step "extra check $(basename "$check")" 150 "$check"
 done
 [ $extra -eq 1 ] ||
-    SUMMARY+=("SKIP  engine killed mid-copy (needs the copy agent: no scripts/gpu-check.d/*.sh on this branch)")
+    SUMMARY+=("SKIP  extra checks (no executable scripts/gpu-check.d/*.sh)")
 
 bench_log=$(mktemp)
 step "cuda_bandwidth" 150 bash -c "set -o pipefail; '$BIN'/cuda_bandwidth | tee '$bench_log'"

@@ -1,9 +1,19 @@
 //! The bridge's copy agent: one `orbitkv_gpu::agent::CopyAgent` per
-//! `Client` (or embedded `Runtime`), on the host executor (memcpy worker
-//! threads, so copies run off the Python thread). Engine memory is attached
-//! to it (`attach_agent_memory`), registered with the manager as an
-//! agent-owned region, and copied here on the manager's instruction; the
-//! manager never maps it.
+//! `Client` (or embedded `Runtime`). Engine memory is attached to it
+//! (`attach_agent_memory`), registered with the manager as an agent-owned
+//! region, and copied here on the manager's instruction; the manager never
+//! maps it.
+//!
+//! The agent's executor follows the memory it is created for: host memory
+//! (`device="cpu"`) gets the host executor (memcpy worker threads, so
+//! copies run off the Python thread); CUDA memory (`device="cuda:N"`,
+//! from `tensor.data_ptr()`, `tensor.device.index` and the tensor's byte
+//! size) gets the CUDA executor (`orbitkv_gpu::cuda`), which pins the host
+//! window (pool read-only, staging writable) and validates every region
+//! against the allocation it lies in. Where this process cannot use CUDA,
+//! CUDA memory is refused ([`AgentSetup::Cuda`], `orbitkv.CudaUnavailable`
+//! in Python): never a host memcpy on a device pointer. One agent copies
+//! one kind of memory; the other kind needs another client.
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
@@ -11,8 +21,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use orbitkv_components::api::{Command, Event};
-use orbitkv_gpu::agent::{Chunk, CopyAgent, HostWindow, MemoryKind};
-use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
+use orbitkv_gpu::agent::{AgentError, Chunk, CopyAgent, HostWindow, MemoryKind, executor_for};
+use orbitkv_gpu::cuda::CudaConfig;
+use orbitkv_gpu::host::HostCopyConfig;
 
 /// How long a lost connection waits for running copies before reporting.
 pub const DRAIN: Duration = Duration::from_secs(10);
@@ -20,7 +31,86 @@ pub const DRAIN: Duration = Duration::from_secs(10);
 /// The agent and the staging area its window maps (device and inode).
 pub struct AgentState {
     pub agent: CopyAgent,
+    /// What memory the agent's executor copies.
+    pub kind: MemoryKind,
     staging: Option<(u64, u64)>,
+}
+
+/// Why agent memory could not be attached.
+#[derive(Debug)]
+pub enum AgentSetup {
+    /// A bad `device` or chunk list (`ValueError`).
+    Invalid(String),
+    /// CUDA memory in a process that cannot copy to it
+    /// (`orbitkv.CudaUnavailable`).
+    Cuda(AgentError),
+    /// The memory or its layout was refused (`ValueError`).
+    Refused(AgentError),
+}
+
+impl std::fmt::Display for AgentSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgentSetup::Invalid(m) => f.write_str(m),
+            AgentSetup::Cuda(e) | AgentSetup::Refused(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<AgentError> for AgentSetup {
+    fn from(e: AgentError) -> Self {
+        match e {
+            e @ AgentError::CudaUnavailable { .. } => AgentSetup::Cuda(e),
+            e => AgentSetup::Refused(e),
+        }
+    }
+}
+
+impl From<AgentSetup> for pyo3::PyErr {
+    fn from(e: AgentSetup) -> Self {
+        match e {
+            AgentSetup::Cuda(e) => crate::CudaUnavailable::new_err(e.to_string()),
+            e => pyo3::exceptions::PyValueError::new_err(e.to_string()),
+        }
+    }
+}
+
+/// Executor batches a CUDA agent keeps in flight (and events it creates
+/// per device): a layer-wise restore is one batch per layer, so a copy of
+/// an 80-layer model alone takes 80.
+pub const CUDA_AGENT_BATCHES: usize = 1024;
+
+/// A new agent whose executor copies memory of `kind` (see the module
+/// docs); `workers` host copy threads.
+pub fn new_agent(kind: MemoryKind, workers: usize) -> Result<CopyAgent, AgentSetup> {
+    let host = HostCopyConfig {
+        workers: workers.max(1),
+        max_in_flight_batches: 64,
+        shared_regions: false,
+    };
+    let cuda = CudaConfig {
+        max_in_flight_batches: CUDA_AGENT_BATCHES,
+        ..CudaConfig::default()
+    };
+    Ok(CopyAgent::new(executor_for(kind, host, cuda)?))
+}
+
+/// Refuses memory of `kind` for an agent whose executor copies `agent`'s
+/// kind.
+pub fn check_kind(agent: MemoryKind, kind: MemoryKind) -> Result<(), AgentSetup> {
+    let name = |k: MemoryKind| match k {
+        MemoryKind::Host => "host memory".to_string(),
+        MemoryKind::Cuda { device } => format!("CUDA memory (home device cuda:{device})"),
+    };
+    match (agent, kind) {
+        (MemoryKind::Host, MemoryKind::Host)
+        | (MemoryKind::Cuda { .. }, MemoryKind::Cuda { .. }) => Ok(()),
+        _ => Err(AgentSetup::Invalid(format!(
+            "this connection's copy agent copies {}; {} needs another connection",
+            name(agent),
+            name(kind)
+        ))),
+    }
 }
 
 /// A copy agent shared by its owner (which attaches memory) and the
@@ -29,16 +119,12 @@ pub struct AgentState {
 pub struct SharedAgent(Arc<Mutex<AgentState>>);
 
 impl SharedAgent {
-    pub fn host(workers: usize) -> Self {
-        let executor = HostCopyEngine::new(HostCopyConfig {
-            workers: workers.max(1),
-            max_in_flight_batches: 64,
-            shared_regions: false,
-        });
-        SharedAgent(Arc::new(Mutex::new(AgentState {
-            agent: CopyAgent::new(Box::new(executor)),
+    pub fn new(kind: MemoryKind, workers: usize) -> Result<Self, AgentSetup> {
+        Ok(SharedAgent(Arc::new(Mutex::new(AgentState {
+            agent: new_agent(kind, workers)?,
+            kind,
             staging: None,
-        })))
+        }))))
     }
 
     pub fn lock(&self) -> MutexGuard<'_, AgentState> {
@@ -47,23 +133,35 @@ impl SharedAgent {
     }
 }
 
-/// Host chunks from `(data_ptr, stride, length)` triples; `device` must be
-/// `"cpu"` (the only executor of this build).
-pub fn host_chunks(chunks: Vec<(u64, u64, u64)>, device: &str) -> Result<Vec<Chunk>, String> {
-    if device != "cpu" {
-        return Err(format!(
-            "agent memory on {device:?}: only host memory (\"cpu\") has an executor in this build"
-        ));
+/// The memory kind a `device` string names: `"cpu"` or `"cuda:N"` (what
+/// `str(tensor.device)` gives for a tensor on CUDA device N).
+pub fn memory_kind(device: &str) -> Result<MemoryKind, AgentSetup> {
+    if device == "cpu" {
+        return Ok(MemoryKind::Host);
     }
-    Ok(chunks
+    if let Some(n) = device.strip_prefix("cuda:")
+        && let Ok(device) = n.parse::<i32>()
+        && device >= 0
+    {
+        return Ok(MemoryKind::Cuda { device });
+    }
+    Err(AgentSetup::Invalid(format!(
+        "agent memory on {device:?}: the device is \"cpu\" or \"cuda:N\" (N the tensor's \
+         device index)"
+    )))
+}
+
+/// Chunks of `kind` from `(data_ptr, stride, length)` triples.
+pub fn chunks_of(kind: MemoryKind, chunks: Vec<(u64, u64, u64)>) -> Vec<Chunk> {
+    chunks
         .into_iter()
         .map(|(ptr, stride, len)| Chunk {
-            kind: MemoryKind::Host,
+            kind,
             ptr,
             stride,
             len,
         })
-        .collect())
+        .collect()
 }
 
 fn inode(file: &std::fs::File) -> Option<(u64, u64)> {

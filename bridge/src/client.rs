@@ -19,7 +19,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::agent::{SharedAgent, host_chunks};
+use crate::agent::{AgentSetup, SharedAgent, check_kind, chunks_of, memory_kind};
 use crate::buffer::{Mapping, memoryview};
 use crate::convert::{deserialize_dict, serialize};
 use crate::{ConnectionError, QueueFull};
@@ -411,7 +411,7 @@ impl PyClient {
     /// run in this process, off the Python thread, inside this client's
     /// waits (the `agent_copy` events never reach the caller). `owner` is
     /// kept alive until `detach_agent_memory`.
-    #[pyo3(signature = (slots, chunks, owner, device="cpu"))]
+    #[pyo3(signature = (slots, chunks, owner, device="cpu", layers=None))]
     fn attach_agent_memory(
         &self,
         py: Python<'_>,
@@ -419,13 +419,25 @@ impl PyClient {
         chunks: Vec<(u64, u64, u64)>,
         owner: Py<PyAny>,
         device: &str,
+        layers: Option<Vec<u32>>,
     ) -> PyResult<(u32, u64)> {
-        let chunks = host_chunks(chunks, device).map_err(PyValueError::new_err)?;
-        let got = py.detach(|| -> Result<(u32, u64), Failure> {
+        let kind = memory_kind(device)?;
+        let chunks = chunks_of(kind, chunks);
+        let got = py.detach(|| -> Result<Result<(u32, u64), AgentSetup>, Failure> {
+            self.lock().client()?;
             let agent = {
                 let mut a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
-                a.get_or_insert_with(|| SharedAgent::host(2)).clone()
+                match a.as_ref() {
+                    Some(agent) => agent.clone(),
+                    None => match SharedAgent::new(kind, 2) {
+                        Ok(agent) => a.insert(agent).clone(),
+                        Err(e) => return Ok(Err(e)),
+                    },
+                }
             };
+            if let Err(e) = check_kind(agent.lock().kind, kind) {
+                return Ok(Err(e));
+            }
             let mut st = self.lock();
             let client = st.client()?;
             if !client.has_agent() {
@@ -434,14 +446,38 @@ impl PyClient {
             drop(st);
             // SAFETY: the caller promises the memory stays put while
             // attached, and `owner` (kept until detach) keeps it allocated.
-            unsafe { agent.lock().agent.attach(slots, &chunks) }
-                .map_err(|e| Failure::Value(e.to_string()))
-        })?;
+            Ok(unsafe {
+                agent
+                    .lock()
+                    .agent
+                    .attach_layered(slots, &chunks, layers.as_deref())
+            }
+            .map_err(AgentSetup::from))
+        })??;
         self.keep
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(got.0, owner);
         Ok(got)
+    }
+
+    /// Per layer of an agent region attached with `layers`: `(landed,
+    /// failed)` pages restored into it since it was attached (cumulative;
+    /// a layer-wise loader compares them with what it submitted). Empty for
+    /// a region attached without layers; `ValueError` for an unknown one.
+    fn agent_layer_counts(&self, py: Python<'_>, region: u32) -> PyResult<Vec<(u64, u64)>> {
+        let counts = py.detach(|| {
+            let a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
+            let agent = a.as_ref()?;
+            let mut st = agent.lock();
+            // Completions since the last wait count now; their reports go
+            // out with the connection's next wait.
+            st.agent.progress();
+            st.agent
+                .layer_counts(region)
+                .map(|c| c.iter().map(|c| (c.landed, c.failed)).collect::<Vec<_>>())
+        });
+        counts.ok_or_else(|| PyValueError::new_err(format!("no agent region {region}")))
     }
 
     /// Detaches an agent region (after its session closed) and lets go of
@@ -484,11 +520,16 @@ impl PyClient {
             };
             drop(client);
             // The manager fails the copies it sent; none may still write
-            // engine memory once close returns.
-            let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            // engine memory once close returns. The agent goes with the
+            // connection (the client held the only other reference): its
+            // executor waits for its streams and unpins the host window,
+            // then the window is unmapped. The memory's owners stay until
+            // this object goes.
+            let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(agent) = agent {
                 let mut discard = Vec::new();
                 agent.lock().agent.drain(crate::agent::DRAIN, &mut discard);
+                drop(agent);
             }
         });
     }

@@ -55,6 +55,12 @@ create_exception!(
 );
 create_exception!(
     orbitkv,
+    CudaUnavailable,
+    PyRuntimeError,
+    "CUDA memory was offered to the copy agent and this process cannot use CUDA (no driver, no such device): the reason is in the message."
+);
+create_exception!(
+    orbitkv,
     QueueFull,
     PyException,
     "The runtime's inbox is full; tick to drain it, then submit again."
@@ -74,6 +80,7 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("IdentityError", py.get_type::<IdentityError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("QueueFull", py.get_type::<QueueFull>())?;
+    m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<client::PyClient>()?;
     m.add("SharedBuffer", buffer::shared_buffer_type(py)?)?;

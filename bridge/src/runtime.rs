@@ -11,7 +11,9 @@ use std::collections::HashMap;
 
 use orbitkv_components::api::{Addressed, Command, Origin};
 use orbitkv_gpu::CopyEngine;
-use orbitkv_gpu::agent::{CopyAgent, HostWindow};
+use orbitkv_gpu::agent::{CopyAgent, HostWindow, MemoryKind};
+
+use crate::agent::AgentSetup;
 use orbitkv_gpu::host::{DeviceArena, HostCopyConfig, HostCopyEngine};
 use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
 use orbitkv_io::tier::BackingTier;
@@ -52,7 +54,8 @@ pub struct PyRuntime {
 /// submits its reports, as a bridge agent does over a manager connection.
 struct Embedded {
     rt: Runtime,
-    agent: Option<CopyAgent>,
+    /// The agent and the kind of memory its executor copies.
+    agent: Option<(CopyAgent, MemoryKind)>,
     workers: usize,
 }
 
@@ -60,7 +63,7 @@ impl Embedded {
     /// One tick, with the agent's reports submitted first and its copy
     /// events taken out of what the caller sees.
     fn tick(&mut self) -> Result<Vec<Addressed>, SubmitError> {
-        if let Some(agent) = &mut self.agent {
+        if let Some((agent, _)) = &mut self.agent {
             let mut done = Vec::new();
             agent.poll(&mut done);
             for command in done {
@@ -69,7 +72,7 @@ impl Embedded {
         }
         let mut events = self.rt.tick();
         self.map_window();
-        if let Some(agent) = &mut self.agent {
+        if let Some((agent, _)) = &mut self.agent {
             events.retain(|a| !(a.to == Origin::EMBEDDED && agent.handle(&a.event)));
         }
         Ok(events)
@@ -79,7 +82,7 @@ impl Embedded {
     /// first agent region was registered). Until then a copy could not be
     /// sent to it anyway.
     fn map_window(&mut self) {
-        let Some(agent) = &mut self.agent else {
+        let Some((agent, _)) = &mut self.agent else {
             return;
         };
         if agent.has_window() {
@@ -100,15 +103,17 @@ impl Embedded {
         }
     }
 
-    fn agent(&mut self) -> &mut CopyAgent {
-        let workers = self.workers;
-        self.agent.get_or_insert_with(|| {
-            CopyAgent::new(Box::new(HostCopyEngine::new(HostCopyConfig {
-                workers,
-                max_in_flight_batches: 64,
-                shared_regions: false,
-            })))
-        })
+    /// The agent, created for memory of `kind` with the first region;
+    /// memory of the other kind is refused (`crate::agent::check_kind`).
+    fn agent(&mut self, kind: MemoryKind) -> Result<&mut CopyAgent, AgentSetup> {
+        if self.agent.is_none() {
+            self.agent = Some((crate::agent::new_agent(kind, self.workers)?, kind));
+        }
+        let Some((agent, has)) = self.agent.as_mut() else {
+            return Err(AgentSetup::Invalid("no copy agent".into()));
+        };
+        crate::agent::check_kind(*has, kind)?;
+        Ok(agent)
     }
 }
 
@@ -431,8 +436,10 @@ impl PyRuntime {
     ///
     /// `owner` (e.g. the tensor or array) is kept alive until
     /// `detach_agent_memory`; the memory must not move or be freed before.
-    /// Host memory only (`device="cpu"`).
-    #[pyo3(signature = (slots, chunks, owner, device="cpu"))]
+    /// `device`: `"cpu"` (host executor) or `"cuda:N"` (CUDA executor;
+    /// `orbitkv.CudaUnavailable` where this process cannot use CUDA). The
+    /// first region decides the agent's executor.
+    #[pyo3(signature = (slots, chunks, owner, device="cpu", layers=None))]
     fn attach_agent_memory(
         &self,
         py: Python<'_>,
@@ -440,13 +447,17 @@ impl PyRuntime {
         chunks: Vec<(u64, u64, u64)>,
         owner: Py<PyAny>,
         device: &str,
+        layers: Option<Vec<u32>>,
     ) -> PyResult<(u32, u64)> {
-        let chunks = crate::agent::host_chunks(chunks, device).map_err(PyValueError::new_err)?;
-        // SAFETY: the caller promises the memory stays put while attached,
-        // and `owner` (kept until detach) keeps it allocated.
-        let (region, page_bytes) = self
-            .with_embedded(py, |e| unsafe { e.agent().attach(slots, &chunks) })?
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let kind = crate::agent::memory_kind(device)?;
+        let chunks = crate::agent::chunks_of(kind, chunks);
+        let (region, page_bytes) = self.with_embedded(py, |e| {
+            let agent = e.agent(kind)?;
+            // SAFETY: the caller promises the memory stays put while
+            // attached, and `owner` (kept until detach) keeps it allocated.
+            unsafe { agent.attach_layered(slots, &chunks, layers.as_deref()) }
+                .map_err(AgentSetup::from)
+        })??;
         lock(&self.keep).insert(region, owner);
         Ok((region, page_bytes))
     }
@@ -455,8 +466,8 @@ impl PyRuntime {
     /// its owner. Refused while the agent has copies running.
     fn detach_agent_memory(&self, py: Python<'_>, region: u32) -> PyResult<bool> {
         let detached = self.with_embedded(py, |e| match &mut e.agent {
-            Some(agent) if agent.busy() => Err(()),
-            Some(agent) => Ok(agent.detach(region)),
+            Some((agent, _)) if agent.busy() => Err(()),
+            Some((agent, _)) => Ok(agent.detach(region)),
             None => Ok(false),
         })?;
         match detached {

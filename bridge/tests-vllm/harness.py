@@ -222,6 +222,12 @@ class Engine:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
         self.forward_hook: Optional[Callable[[Any], None]] = None
+        # load_mode "layerwise": the forward waits for each layer's load
+        # before computing it, as attention layers do; `layer_hook(so,
+        # layer)` runs right after each wait.
+        self.layerwise = (extra or {}).get("load_mode") == "layerwise"
+        self.layer_hook: Optional[Callable[[Any, str], None]] = None
+        self.layer_waits: List[str] = []
         self._pending: Dict[str, Dict[str, int]] = {}
         self.steps = 0
         self.preemptions = 0
@@ -244,7 +250,7 @@ class Engine:
 
     # one engine step, as EngineCore + the model runner do it
 
-    def _forward(self, so: Any, rank: int) -> None:
+    def _forward(self, so: Any, rank: int, only: Optional[str] = None) -> None:
         kv = self.kv[rank]
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
@@ -255,6 +261,8 @@ class Engine:
                     blk = blocks[gi][pos // self.bs]
                     assert not blk.is_null, f"{rid}: computing position {pos} into a null block"
                     for layer in g.layer_names:
+                        if only is not None and layer != only:
+                            continue
                         li = LAYERS.index(layer)
                         kv[layer][blk.block_id, :, pos % self.bs, :] = value(
                             li, req.all_token_ids[pos], pos
@@ -267,7 +275,15 @@ class Engine:
         # Worker 0: the model runner's glue around the forward.
         self.glue.pre_forward(so)
         with set_forward_context(None, self.vc):
-            self._forward(so, 0)
+            if self.layerwise:
+                for layer in LAYERS:
+                    self.workers[0].wait_for_layer_load(layer)
+                    self.layer_waits.append(layer)
+                    if self.layer_hook is not None:
+                        self.layer_hook(so, layer)
+                    self._forward(so, 0, only=layer)
+            else:
+                self._forward(so, 0)
             if self.forward_hook is not None:
                 self.forward_hook(so)
         self.glue.finish_forward()

@@ -45,6 +45,12 @@ def test_unknown_extra_config_key_is_named(model):
     refused(model, "timeout_s must be > 0", extra={"timeout_s": 0})
 
 
+def test_load_mode_is_checked(model):
+    refused(model, "load_mode must be one of 'async', 'layerwise', got 'eager'", extra={"load_mode": "eager"})
+    refused(model, "load_mode 'layerwise' needs copy_agent", extra={"load_mode": "layerwise", "copy_agent": False})
+    refused(model, "load_mode 'layerwise' needs a single KV cache group", extra={"load_mode": "layerwise"}, sliding_window=32)
+
+
 def test_failure_policy_must_recompute(model):
     refused(model, "kv_load_failure_policy", failure_policy="fail")
 

@@ -490,3 +490,91 @@ def test_abort_while_loading(model, manager):
         assert not e.sched.requests
         assert e.workers[0].worker.stats.loads == 1
     no_leaks(manager)
+
+
+LAYERWISE = {"load_mode": "layerwise"}
+
+
+def test_layerwise_loads_each_layer_before_its_compute(model, manager):
+    # Synchronous loads: B computes in the step its load runs; right after
+    # wait_for_layer_load(layer) returns, every position B reads from that
+    # layer already holds exactly what A computed (the other layer may
+    # still be copying).
+    with engine(model, manager.socket, extra=LAYERWISE) as e:
+        checked = {layer: 0 for layer in LAYERS}
+
+        def at_layer(so, layer):
+            li = LAYERS.index(layer)
+            for rid, n in so.num_scheduled_tokens.items():
+                req = e.sched.requests[rid]
+                start = req.num_computed_tokens - n
+                blocks = e.sched.kv_cache_manager.get_blocks(rid).blocks[0]
+                for pos in range(start):
+                    blk = blocks[pos // e.bs]
+                    got = e.kv[0][layer][blk.block_id, :, pos % e.bs, :]
+                    want = value(li, req.all_token_ids[pos], pos)
+                    assert bool((got == want).all()), (rid, layer, pos, got.flatten()[:4])
+                    if rid == "B":
+                        checked[layer] += 1
+
+        e.layer_hook = at_layer
+        hit = produce_then_consume(e, PROMPT)
+        assert hit == 64, e.stats
+        w = e.workers[0].worker
+        assert w.stats.pages_loaded == 4 and w.stats.loads_failed == 0, w.stats
+        # B's 64 loaded positions, checked in each layer right after its wait
+        # (in B's load step; later steps re-check them too).
+        assert all(n >= 64 for n in checked.values()), checked
+        # The agent counted each layer's pages.
+        counts = w.mover.layer_counts(0)
+        assert [landed for landed, _ in counts] == [4, 4] and [f for _, f in counts] == [0, 0]
+        # Nothing was reported as an asynchronous receive.
+        assert "B" in e.finished
+    no_leaks(manager)
+
+
+def test_layerwise_failed_load_marks_blocks_invalid_and_recomputes(model, manager):
+    # B's restore is refused (its device pages name an unknown region):
+    # the layer waits return, the blocks are reported through
+    # get_block_ids_with_load_errors, and vLLM recomputes them (the oracle
+    # checks every position B attended to after the step).
+    from orbitkv.vllm.copy import AgentPageMover
+
+    with engine(model, manager.socket, extra=LAYERWISE) as e:
+        w = e.workers[0].worker
+        assert isinstance(w.mover, AgentPageMover)
+        errors = []
+        real = e.workers[0].get_block_ids_with_load_errors
+
+        def spy():
+            got = real()
+            errors.append(set(got))
+            return got
+
+        e.workers[0].get_block_ids_with_load_errors = spy
+
+        def refuse():
+            w.mover.region = lambda gid: 0x7777_0000_0001
+
+        promised = hit_then_fail(e, PROMPT, refuse)
+        assert promised == 64
+        assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
+        assert "restore_alloc" in w.stats.failures_by_reason, w.stats
+        # The step reported B's 4 loaded blocks invalid.
+        assert [len(x) for x in errors if x] == [4], errors
+        assert "B" in e.finished
+    no_leaks(manager)
+
+
+def test_layerwise_killed_manager_recomputes(model, manager):
+    with engine(model, manager.socket, extra={**LAYERWISE, "reconnect_interval_s": 0.05}) as e:
+        w = e.workers[0].worker
+
+        def kill():
+            manager.proc.kill()
+            manager.proc.wait(10)
+
+        promised = hit_then_fail(e, PROMPT, kill)
+        assert promised == 64
+        assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
+        assert "B" in e.finished

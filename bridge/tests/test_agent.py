@@ -4,6 +4,8 @@ maps it, the in-process agent copies on its instruction."""
 
 from __future__ import annotations
 
+import ctypes.util
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,12 @@ import orbitkv
 from conftest import DENSE, IDENTITY_A, PAGE, PAGE_BYTES, Engine, native_hash
 
 K_RUN, K_STRIDE = 1024, 2048
+
+# Where a CUDA driver is installed, a host pointer offered as CUDA memory is
+# refused by the CUDA engine's allocation check instead (ValueError).
+HAS_LIBCUDA = ctypes.util.find_library("cuda") is not None
+CUDA_REFUSAL = (orbitkv.CudaUnavailable, ValueError) if HAS_LIBCUDA else orbitkv.CudaUnavailable
+CUDA_REASON = "cuda" if HAS_LIBCUDA else "libcuda"
 V_RUN = PAGE_BYTES - K_RUN
 SLOTS = 8
 
@@ -130,8 +138,14 @@ def test_agent_memory_errors(sim_rt):
     eng.register("m", IDENTITY_A, DENSE)
     s = eng.open("m")
     buf = np.zeros(PAGE_BYTES * 4, dtype=np.uint8)
-    with pytest.raises(ValueError, match="only host memory"):
-        sim_rt.attach_agent_memory(4, [(buf.ctypes.data, PAGE_BYTES, PAGE_BYTES)], buf, device="cuda:0")
+    chunk = [(buf.ctypes.data, PAGE_BYTES, PAGE_BYTES)]
+    # CUDA memory needs the CUDA copy engine: without a driver a typed
+    # refusal naming the reason, never a host memcpy on the pointer.
+    with pytest.raises(CUDA_REFUSAL, match=CUDA_REASON):
+        sim_rt.attach_agent_memory(4, chunk, buf, device="cuda:0")
+    for bad in ("gpu", "cuda", "cuda:-1", "cuda:x", "CPU"):
+        with pytest.raises(ValueError, match="cuda:N"):
+            sim_rt.attach_agent_memory(4, chunk, buf, device=bad)
     with pytest.raises(ValueError, match="stride"):
         sim_rt.attach_agent_memory(4, [(buf.ctypes.data, 16, PAGE_BYTES)], buf)
     with pytest.raises(ValueError, match="chunk"):

@@ -14,6 +14,8 @@ import orbitkv
 import serve_support as ss
 from serve_support import PAGE, PAGE_BYTES, T, expect, hashes, payload
 
+from test_agent import CUDA_REASON, CUDA_REFUSAL
+
 K_RUN, K_STRIDE = 1024, 2048
 V_RUN = PAGE_BYTES - K_RUN
 SLOTS = 16
@@ -131,8 +133,11 @@ def test_agent_memory_refusals_over_the_socket(manager):
         ss.register(c)
         s = ss.open_session(c)
         buf = np.zeros(PAGE_BYTES * 4, dtype=np.uint8)
-        with pytest.raises(ValueError, match="only host memory"):
-            c.attach_agent_memory(4, [(buf.ctypes.data, PAGE_BYTES, PAGE_BYTES)], buf, device="cuda:0")
+        chunk = [(buf.ctypes.data, PAGE_BYTES, PAGE_BYTES)]
+        with pytest.raises(CUDA_REFUSAL, match=CUDA_REASON):
+            c.attach_agent_memory(4, chunk, buf, device="cuda:0")
+        with pytest.raises(ValueError, match="cuda:N"):
+            c.attach_agent_memory(4, chunk, buf, device="tpu:0")
         region, page_bytes = c.attach_agent_memory(8, [(buf.ctypes.data, 2048, 2048)], buf)
         e = c.call(
             {
@@ -148,3 +153,51 @@ def test_agent_memory_refusals_over_the_socket(manager):
         assert e["event"] == "rejected" and e["error"]["error"] == "invalid", e
         e = c.call({"command": "copy_done", "copy": 5}, T)
         assert e["event"] == "rejected" and e["error"] == {"error": "unknown_copy", "detail": 5}, e
+
+
+def test_layered_agent_region_counts_each_layer(manager):
+    # K runs are layer 0, V runs layer 1: a restore lands layer by layer
+    # and the agent counts each layer's pages; the bytes are exact.
+    n = 3
+    with orbitkv.Client(manager.socket, "pub") as a, orbitkv.Client(manager.socket, "eng") as b:
+        ss.publish(a, n, 5)
+        ss.register(b)
+        sb = ss.open_session(b)
+        mem = KvMemory()
+        with pytest.raises(ValueError, match="one layer per chunk"):
+            b.attach_agent_memory(SLOTS, mem.chunks(), mem, layers=[0])
+        agent, page_bytes = b.attach_agent_memory(SLOTS, mem.chunks(), mem, layers=[0, 1])
+        assert b.agent_layer_counts(agent) == [(0, 0), (0, 0)]
+        with pytest.raises(ValueError, match="no agent region"):
+            b.agent_layer_counts(agent + 7)
+        e = expect(
+            b.call(
+                {
+                    "command": "register_device_region",
+                    "session": sb,
+                    "rank": 0,
+                    "group": 0,
+                    "slots": SLOTS,
+                    "agent": {"region": agent, "page_bytes": page_bytes},
+                },
+                T,
+            ),
+            "region_registered",
+        )
+        region = e["region"]
+        ready = ss.query_ready(b, sb, n, seed=5)
+        targets = [
+            {"pos": lease["pos"], "device_page": alloc(b, sb, region, 4 + k)}
+            for k, lease in enumerate(ready["leases"])
+        ]
+        b.submit(
+            {"command": "restore", "session": sb, "operation": ready["operation"], "targets": targets, "retained": []}
+        )
+        expect(b.wait_event(T, operation=ready["operation"]), "restore_done")
+        assert b.agent_layer_counts(agent) == [(n, 0), (n, 0)]
+        for k in range(n):
+            assert mem.read(4 + k) == payload(k, 5), k
+        b.submit({"command": "close_session", "session": sb})
+        expect(b.wait_event(T, kind="session_closed"), "session_closed")
+    manager.wait_metric("leases", 0)
+    manager.wait_metric("bytes_reserved", 0)

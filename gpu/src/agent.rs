@@ -8,7 +8,8 @@
 //! [`Event::AgentCopy`] batches (pool or staging offsets, region offsets,
 //! lengths); [`CopyAgent::execute`] checks every page against the agent's
 //! own memory and submits it to the executor (any [`CopyEngine`]: host
-//! memcpy workers here, CUDA later), and [`CopyAgent::poll`] turns
+//! memcpy workers for host memory, the CUDA engine for CUDA memory, see
+//! [`executor_for`]), and [`CopyAgent::poll`] turns
 //! completions into [`Command::CopyDone`]s to submit back.
 //!
 //! Host memory the executor sees is one [`HostWindow`]: the runtime's pool
@@ -16,15 +17,25 @@
 //! Restores read the pool part; publishes write only the staging part, and
 //! a copy that would write the pool is refused before it starts (and the
 //! mapping would fault anyway).
+//!
+//! Layer-wise restores: a region attached with a layer per chunk
+//! ([`CopyAgent::attach_layered`]) has each restore split into one executor
+//! batch per layer, submitted in layer order, and counts per layer the
+//! pages whose bytes landed or failed ([`CopyAgent::layer_counts`]), so an
+//! engine can start a layer's compute once that layer's copies landed while
+//! later layers still copy. The copy is reported (`CopyDone`) once all its
+//! layers are done; one failed layer fails it.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 
 use orbitkv_components::api::{AgentDirection, AgentPageCopy, Command, CopyFailure, Event};
 
+use crate::cuda::{CudaConfig, CudaCopyEngine, Unavailable};
+use crate::host::{HostCopyConfig, HostCopyEngine};
 use crate::{
-    Completion, CompletionToken, CopyEngine, CopyError, Direction, ExternalMemory, PageCopy,
-    RegionId,
+    Completion, CompletionToken, CopyEngine, CopyError, Direction, ExternalMemory, HostSpan,
+    PageCopy, RegionId,
 };
 
 /// What memory a chunk lives in.
@@ -55,17 +66,59 @@ pub enum AgentError {
     Window(String),
     #[error("too many agent regions")]
     TooManyRegions,
+    /// CUDA memory was offered and this process cannot copy to it: never
+    /// a host memcpy on a device pointer.
+    #[error(
+        "agent memory on cuda:{device} needs the CUDA copy engine, which is unavailable: {reason}"
+    )]
+    CudaUnavailable { device: i32, reason: Unavailable },
 }
 
-/// Pool pages to verify after a restore: (pool offset, length, checksum).
-type Checks = Vec<(u64, u64, u64)>;
+/// The executor for an agent whose memory is of `kind`: the host engine
+/// (memcpy workers) for host memory; for CUDA memory the CUDA engine with
+/// `kind`'s device as its home (the one whose context pins the host
+/// window), or [`AgentError::CudaUnavailable`] where this process cannot
+/// use CUDA (no libcuda, no such device). There is no fallback for CUDA
+/// memory: the host engine cannot address it.
+pub fn executor_for(
+    kind: MemoryKind,
+    host: HostCopyConfig,
+    cuda: CudaConfig,
+) -> Result<Box<dyn CopyEngine>, AgentError> {
+    match kind {
+        MemoryKind::Host => Ok(Box::new(HostCopyEngine::new(host))),
+        MemoryKind::Cuda { device } => CudaCopyEngine::open(CudaConfig {
+            home_device: device,
+            ..cuda
+        })
+        .map(|e| Box::new(e) as Box<dyn CopyEngine>)
+        .map_err(|reason| AgentError::CudaUnavailable { device, reason }),
+    }
+}
 
-/// A batch translated for the executor, with the pool pages to verify
-/// afterwards: (pool offset, length, checksum).
-struct Planned {
+/// Pages of one layer of one region that landed or failed, counted since
+/// the region was attached (restores only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerCount {
+    pub landed: u64,
+    pub failed: u64,
+}
+
+/// A layer's part of a restore: (agent region, layer, pages).
+type LayerPart = (u32, u32, u64);
+
+/// One executor batch of a copy: the whole copy, or one layer of it.
+struct Part {
+    copy: u64,
     direction: Direction,
     copies: Vec<PageCopy>,
-    verify: Checks,
+    layer: Option<LayerPart>,
+}
+
+/// A copy whose parts are not all done.
+struct CopyState {
+    parts: usize,
+    failure: Option<CopyFailure>,
 }
 
 /// An attached region: its page size and where each chunk lives.
@@ -73,8 +126,11 @@ struct Planned {
 struct Region {
     slots: u32,
     page_bytes: u64,
-    /// (executor region, offset of the chunk in the page, stride, len).
-    chunks: Vec<(RegionId, u64, u64, u64)>,
+    /// (executor region, offset of the chunk in the page, stride, len,
+    /// layer).
+    chunks: Vec<(RegionId, u64, u64, u64, Option<u32>)>,
+    /// Per layer, for a region attached with layers.
+    layers: Vec<LayerCount>,
 }
 
 /// The runtime's pool (read-only) and the origin's staging area (writable),
@@ -176,17 +232,21 @@ impl Drop for HostWindow {
 /// A copy agent: an executor, the regions attached to it, the host window,
 /// and the copies it runs.
 pub struct CopyAgent {
+    /// The executor's name (`host`, `cuda`).
+    engine: &'static str,
     /// Declared before `window`: dropped first, so in-flight copies finish
     /// while the window is still mapped.
     executor: Box<dyn CopyEngine>,
     window: Option<HostWindow>,
     regions: HashMap<u32, Region>,
     next_region: u32,
-    /// Executor token → copy id and the pages to verify once it landed.
-    running: HashMap<CompletionToken, (u64, Checks)>,
-    /// Accepted copies the executor had no room for yet (bounded by the
-    /// runtime's `max_agent_copies_per_origin`).
-    waiting: VecDeque<(u64, Planned)>,
+    /// Executor token → the copy and layer part it carries.
+    running: HashMap<CompletionToken, (u64, Option<LayerPart>)>,
+    /// Parts of accepted copies the executor had no room for yet (bounded
+    /// by the runtime's `max_agent_copies_per_origin` times the layers).
+    waiting: VecDeque<Part>,
+    /// Accepted copies with parts running or waiting.
+    copies: HashMap<u64, CopyState>,
     /// Finished copies not reported yet.
     finished: Vec<(u64, Option<CopyFailure>)>,
 }
@@ -194,12 +254,14 @@ pub struct CopyAgent {
 impl CopyAgent {
     pub fn new(executor: Box<dyn CopyEngine>) -> Self {
         CopyAgent {
+            engine: executor.name(),
             executor,
             window: None,
             regions: HashMap::new(),
             next_region: 0,
             running: HashMap::new(),
             waiting: VecDeque::new(),
+            copies: HashMap::new(),
             finished: Vec::new(),
         }
     }
@@ -211,11 +273,33 @@ impl CopyAgent {
             return Err(AgentError::Window("copies are running".into()));
         }
         let len = window.len as u64;
+        // The pool part is mapped read-only: an executor that page-locks
+        // host memory pins it read-only and the staging area writable.
+        let spans = [
+            HostSpan {
+                offset: 0,
+                len: window.pool_len,
+                writable: false,
+            },
+            HostSpan {
+                offset: window.staging_at,
+                len: window.staging_len,
+                writable: true,
+            },
+        ];
         // SAFETY: the window stays mapped and unmoved while the agent
         // holds it, and the executor is dropped before it.
-        unsafe { self.executor.register_host_pool(window.base, len)? };
+        unsafe {
+            self.executor
+                .register_host_window(window.base, len, &spans)?
+        };
         self.window = Some(window);
         Ok(())
+    }
+
+    /// The executor's name (`host`, `cuda`).
+    pub fn engine(&self) -> &'static str {
+        self.engine
     }
 
     pub fn has_window(&self) -> bool {
@@ -238,11 +322,44 @@ impl CopyAgent {
         slots: u32,
         chunks: &[Chunk],
     ) -> Result<(u32, u64), AgentError> {
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.attach_layered(slots, chunks, None) }
+    }
+
+    /// [`CopyAgent::attach`], with the model layer each chunk belongs to
+    /// (`layers[n]` for `chunks[n]`, e.g. a layer's K and V chunks share
+    /// one): restores into the region then run layer by layer and are
+    /// counted per layer ([`CopyAgent::layer_counts`]).
+    ///
+    /// # Safety
+    /// As for [`CopyAgent::attach`].
+    pub unsafe fn attach_layered(
+        &mut self,
+        slots: u32,
+        chunks: &[Chunk],
+        layers: Option<&[u32]>,
+    ) -> Result<(u32, u64), AgentError> {
         let bad = |m: String| AgentError::Layout(m);
         if slots == 0 || chunks.is_empty() {
             return Err(bad("a region needs slots and at least one chunk".into()));
         }
-        let mut attached: Vec<(RegionId, u64, u64, u64)> = Vec::with_capacity(chunks.len());
+        const MAX_LAYERS: u32 = 4096;
+        let mut layer_count = 0usize;
+        if let Some(layers) = layers {
+            if layers.len() != chunks.len() {
+                return Err(bad(format!(
+                    "{} layers for {} chunks: one layer per chunk",
+                    layers.len(),
+                    chunks.len()
+                )));
+            }
+            if let Some(&l) = layers.iter().find(|&&l| l >= MAX_LAYERS) {
+                return Err(bad(format!("layer {l} is not below {MAX_LAYERS}")));
+            }
+            layer_count = layers.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
+        }
+        let mut attached: Vec<(RegionId, u64, u64, u64, Option<u32>)> =
+            Vec::with_capacity(chunks.len());
         let mut page_bytes = 0u64;
         for (n, c) in chunks.iter().enumerate() {
             let extent = chunk_extent(c, slots).map_err(|m| bad(format!("chunk {n}: {m}")))?;
@@ -258,8 +375,9 @@ impl CopyAgent {
                 },
             };
             // SAFETY: forwarded from this method's contract.
+            let layer = layers.and_then(|l| l.get(n).copied());
             match unsafe { self.executor.attach_region(memory) } {
-                Ok(id) => attached.push((id, page_bytes, c.stride, c.len)),
+                Ok(id) => attached.push((id, page_bytes, c.stride, c.len, layer)),
                 Err(e) => {
                     for (id, ..) in attached {
                         let _ = self.executor.unregister_device_region(id);
@@ -280,9 +398,18 @@ impl CopyAgent {
                 slots,
                 page_bytes,
                 chunks: attached,
+                layers: vec![LayerCount::default(); layer_count],
             },
         );
         Ok((id, page_bytes))
+    }
+
+    /// Per layer of a region attached with layers: the pages restored into
+    /// it whose bytes of that layer landed, and those whose copy failed,
+    /// since the region was attached. `None` for an unknown region; empty
+    /// for a region attached without layers.
+    pub fn layer_counts(&self, region: u32) -> Option<&[LayerCount]> {
+        self.regions.get(&region).map(|r| &r.layers[..])
     }
 
     /// Forgets a region (its session closed). Copies already running
@@ -309,21 +436,35 @@ impl CopyAgent {
         else {
             return false;
         };
-        match self.plan(*direction, pages) {
-            Ok(planned) => self.waiting.push_back((*copy, planned)),
+        match self.plan(*copy, *direction, pages) {
+            Ok(parts) => {
+                self.copies.insert(
+                    *copy,
+                    CopyState {
+                        parts: parts.len(),
+                        failure: None,
+                    },
+                );
+                self.waiting.extend(parts);
+            }
             Err(f) => self.finished.push((*copy, Some(f))),
         }
         self.start_waiting();
         true
     }
 
-    /// Translates a batch into executor copies, checking every page
-    /// against the region, the pool and the staging area.
+    /// Translates a batch into executor batches (one per layer of a
+    /// layered region's restore, in layer order; one for the rest),
+    /// checking every page against the region, the pool and the staging
+    /// area, and a restore's pool pages against their checksums (the pool
+    /// is read-only here and its pages leased until the copy is reported:
+    /// bytes that match now are the bytes copied).
     fn plan(
         &self,
+        copy: u64,
         direction: AgentDirection,
         pages: &[AgentPageCopy],
-    ) -> Result<Planned, CopyFailure> {
+    ) -> Result<Vec<Part>, CopyFailure> {
         let window = self.window.as_ref().ok_or(CopyFailure::Shutdown)?;
         let oob = |m: String| CopyFailure::OutOfBounds(m);
         let (dir, host_base, host_len) = match direction {
@@ -334,7 +475,11 @@ impl CopyAgent {
                 window.staging_len,
             ),
         };
-        let mut out = Vec::new();
+        let restore = direction == AgentDirection::PoolToRegion;
+        let mut whole = Vec::new();
+        // (layer, region) → its copies and pages.
+        let mut layered: std::collections::BTreeMap<(u32, u32), (Vec<PageCopy>, u64)> =
+            std::collections::BTreeMap::new();
         let mut verify = Vec::new();
         for p in pages {
             let r = self
@@ -363,34 +508,60 @@ impl CopyAgent {
                     p.host_offset, p.len
                 )));
             }
-            if let (AgentDirection::PoolToRegion, Some(sum)) = (direction, p.checksum) {
+            if let (true, Some(sum)) = (restore, p.checksum) {
                 verify.push((p.host_offset, p.len, sum));
             }
-            for &(id, at, stride, len) in &r.chunks {
-                out.push(PageCopy {
+            let mut counted: Vec<u32> = Vec::new();
+            for &(id, at, stride, len, layer) in &r.chunks {
+                let c = PageCopy {
                     host_offset: host_base + p.host_offset + at,
                     region: id,
                     device_offset: slot * stride,
                     len,
                     // A page's checksum covers all its chunks: verified
-                    // once the whole copy landed (`verify`).
+                    // whole, below.
                     expect_checksum: None,
-                });
+                };
+                match layer {
+                    Some(l) if restore => {
+                        let entry = layered.entry((l, p.region)).or_default();
+                        entry.0.push(c);
+                        if !counted.contains(&l) {
+                            counted.push(l);
+                            entry.1 += 1;
+                        }
+                    }
+                    _ => whole.push(c),
+                }
             }
         }
-        if out.is_empty() {
+        if whole.is_empty() && layered.is_empty() {
             return Err(oob("an empty copy".into()));
         }
-        Ok(Planned {
-            direction: dir,
-            copies: out,
-            verify,
-        })
+        if let Some(f) = self.verify(&verify) {
+            return Err(f);
+        }
+        let mut parts = Vec::with_capacity(layered.len() + 1);
+        if !whole.is_empty() {
+            parts.push(Part {
+                copy,
+                direction: dir,
+                copies: whole,
+                layer: None,
+            });
+        }
+        for ((layer, region), (copies, pages)) in layered {
+            parts.push(Part {
+                copy,
+                direction: dir,
+                copies,
+                layer: Some((region, layer, pages)),
+            });
+        }
+        Ok(parts)
     }
 
-    /// Checks the pool pages a restore read against their checksums, once
-    /// its copy landed: the pool is read-only here and leased meanwhile, so
-    /// bytes that match now are the bytes that were copied.
+    /// Checks the pool pages a restore reads against their checksums.
     fn verify(&self, pages: &[(u64, u64, u64)]) -> Option<CopyFailure> {
         let window = self.window.as_ref()?;
         for &(offset, len, sum) in pages {
@@ -408,37 +579,76 @@ impl CopyAgent {
     }
 
     fn start_waiting(&mut self) {
-        while let Some((copy, planned)) = self.waiting.pop_front() {
-            match self.executor.submit(planned.direction, &planned.copies, 0) {
+        while let Some(part) = self.waiting.pop_front() {
+            match self.executor.submit(part.direction, &part.copies, 0) {
                 Ok(token) => {
-                    self.running.insert(token, (copy, planned.verify));
+                    self.running.insert(token, (part.copy, part.layer));
                 }
                 Err(CopyError::QueueFull(..)) if !self.running.is_empty() => {
-                    self.waiting.push_front((copy, planned));
+                    self.waiting.push_front(part);
                     return;
                 }
-                Err(e) => self
-                    .finished
-                    .push((copy, Some(CopyFailure::Executor(e.to_string())))),
+                Err(e) => self.part_done(
+                    part.copy,
+                    part.layer,
+                    Some(CopyFailure::Executor(e.to_string())),
+                ),
             }
         }
+    }
+
+    /// One part of `copy` finished (`failure` if it failed): counts its
+    /// layer, and finishes the copy with its last part.
+    fn part_done(&mut self, copy: u64, layer: Option<LayerPart>, failure: Option<CopyFailure>) {
+        if let Some((region, l, pages)) = layer
+            && let Some(count) = self
+                .regions
+                .get_mut(&region)
+                .and_then(|r| r.layers.get_mut(l as usize))
+        {
+            match failure {
+                None => count.landed += pages,
+                Some(_) => count.failed += pages,
+            }
+        }
+        let Some(state) = self.copies.get_mut(&copy) else {
+            debug_assert!(false, "a part of unknown copy {copy}");
+            return;
+        };
+        assert!(
+            state.parts > 0,
+            "copy {copy}: more parts finished than submitted"
+        );
+        state.parts -= 1;
+        if state.failure.is_none() {
+            state.failure = failure;
+        }
+        if state.parts == 0
+            && let Some(state) = self.copies.remove(&copy)
+        {
+            self.finished.push((copy, state.failure));
+        }
+    }
+
+    /// Takes the executor's completions (counting layers, finishing
+    /// copies) and starts parts that waited for room; the reports wait for
+    /// the next [`CopyAgent::poll`]. Never blocks.
+    pub fn progress(&mut self) {
+        let mut done: Vec<Completion> = Vec::new();
+        self.executor.poll(0, &mut done);
+        for c in done {
+            if let Some((copy, layer)) = self.running.remove(&c.token) {
+                let failure = c.result.err().map(|e| CopyFailure::Executor(e.to_string()));
+                self.part_done(copy, layer, failure);
+            }
+        }
+        self.start_waiting();
     }
 
     /// Collects finished copies as `CopyDone` commands (to submit to the
     /// runtime), and starts copies that waited for executor room.
     pub fn poll(&mut self, out: &mut Vec<Command>) {
-        let mut done: Vec<Completion> = Vec::new();
-        self.executor.poll(0, &mut done);
-        for c in done {
-            if let Some((copy, verify)) = self.running.remove(&c.token) {
-                let failure = match c.result {
-                    Err(e) => Some(CopyFailure::Executor(e.to_string())),
-                    Ok(()) => self.verify(&verify),
-                };
-                self.finished.push((copy, failure));
-            }
-        }
-        self.start_waiting();
+        self.progress();
         out.extend(
             self.finished
                 .drain(..)
@@ -448,7 +658,7 @@ impl CopyAgent {
 
     /// Copies accepted and not reported by `poll` yet.
     pub fn in_flight(&self) -> usize {
-        self.running.len() + self.waiting.len() + self.finished.len()
+        self.copies.len() + self.finished.len()
     }
 
     /// Whether a copy is running or waiting to run.

@@ -98,6 +98,16 @@ impl ExternalMemory {
     }
 }
 
+/// Part of a host window ([`CopyEngine::register_host_window`]):
+/// `[offset, offset + len)` from the window's base.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostSpan {
+    pub offset: u64,
+    pub len: u64,
+    /// Device → host copies may write it (false: mapped read-only).
+    pub writable: bool,
+}
+
 /// A finished batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Completion {
@@ -174,6 +184,26 @@ pub trait CopyEngine: Send {
     /// while a submitted copy covers it (the runtime's Transfer entities and
     /// leases guarantee this).
     unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), CopyError>;
+
+    /// Registers a host range made of spans with their own access (a copy
+    /// agent's window: the pool mapped read-only, the staging area
+    /// writable), every `host_offset` relative to `base`. A backend that
+    /// page-locks host memory pins each span with its access and copies only
+    /// inside them (device → host only into writable spans); the others
+    /// treat the whole range as one pool.
+    ///
+    /// # Safety
+    /// As for [`CopyEngine::register_host_pool`], for every span.
+    unsafe fn register_host_window(
+        &mut self,
+        base: *mut u8,
+        len: u64,
+        spans: &[HostSpan],
+    ) -> Result<(), CopyError> {
+        let _ = spans;
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.register_host_pool(base, len) }
+    }
 
     /// Validates and submits one batch. Bounds are checked here, so a bad
     /// copy is a typed error and nothing of the batch is started.

@@ -109,3 +109,39 @@ fn disabled_cuda_is_a_reason_too() {
     assert_eq!(engine.name(), "host");
     assert_eq!(why, Some(Unavailable::Disabled));
 }
+
+#[test]
+fn a_copy_agent_for_cuda_memory_is_refused_with_the_reason_never_given_the_host_engine() {
+    use orbitkv_gpu::agent::{AgentError, MemoryKind, executor_for};
+    let host = executor_for(
+        MemoryKind::Host,
+        HostCopyConfig::default(),
+        CudaConfig::default(),
+    );
+    assert_eq!(host.map(|e| e.name()).ok(), Some("host"));
+    let cuda = executor_for(
+        MemoryKind::Cuda { device: 0 },
+        HostCopyConfig::default(),
+        CudaConfig::default(),
+    );
+    if driver_present() {
+        // Either the CUDA engine, or a typed reason: never the host engine.
+        match cuda {
+            Ok(e) => assert_eq!(e.name(), "cuda"),
+            Err(e) => assert!(
+                matches!(e, AgentError::CudaUnavailable { device: 0, .. }),
+                "{e}"
+            ),
+        }
+        return;
+    }
+    let err = cuda.err().expect("no CUDA engine without a driver");
+    assert_eq!(
+        err,
+        AgentError::CudaUnavailable {
+            device: 0,
+            reason: Unavailable::NoDriver
+        }
+    );
+    assert!(err.to_string().contains("libcuda"), "{err}");
+}

@@ -27,11 +27,25 @@ impl Manager {
     /// written to `dir/{name}.toml`, and extra command-line `args`; returns
     /// once it accepts a connection.
     pub fn start(dir: &Path, name: &str, dram: &str, config: &str, args: &[&str]) -> Manager {
+        let binary = Path::new(env!("CARGO_BIN_EXE_orbitkv"));
+        Manager::start_binary(binary, dir, name, dram, config, args)
+    }
+
+    /// [`Manager::start`] with another `orbitkv` binary (a release build
+    /// carried to a machine without Rust).
+    pub fn start_binary(
+        binary: &Path,
+        dir: &Path,
+        name: &str,
+        dram: &str,
+        config: &str,
+        args: &[&str],
+    ) -> Manager {
         let socket = dir.join(format!("{name}.sock"));
         let config_path = dir.join(format!("{name}.toml"));
         std::fs::write(&config_path, config).unwrap();
         let metrics = format!("127.0.0.1:{}", free_port());
-        let child = Proc::new(env!("CARGO_BIN_EXE_orbitkv"))
+        let child = Proc::new(binary)
             .args(["serve", "--socket", socket.to_str().unwrap()])
             .args(["--dram", dram, "--config", config_path.to_str().unwrap()])
             .args(["--metrics-addr", &metrics])

@@ -14,12 +14,16 @@ hands it back only when it is provably complete and from the same computation.
   (:meth:`Client.page`) and the client's device regions
   (:meth:`Client.region`). Failures of the connection raise
   :class:`ConnectionError` (a subclass of the builtin one).
+- Copy agents (``attach_agent_memory``): engine memory on ``"cpu"`` or
+  ``"cuda:N"``; CUDA memory where this process cannot use CUDA raises
+  :class:`CudaUnavailable`.
 """
 
 from ._orbitkv import (
     Client,
     ConnectionError,
     ContractError,
+    CudaUnavailable,
     IdentityError,
     InvariantError,
     QueueFull,
@@ -38,6 +42,7 @@ __all__ = [
     "Client",
     "ConnectionError",
     "ContractError",
+    "CudaUnavailable",
     "IdentityError",
     "InvariantError",
     "QueueFull",

@@ -51,6 +51,7 @@ __all__ = [
     "ConnectionError",
     "SharedBuffer",
     "ContractError",
+    "CudaUnavailable",
     "IdentityError",
     "InvariantError",
     "QueueFull",
@@ -77,6 +78,12 @@ class InvariantError(RuntimeError):
 
     violations: List[str]
     """One line per violation."""
+
+class CudaUnavailable(RuntimeError):
+    """CUDA memory (``device="cuda:N"``) was offered to a copy agent and
+    this process cannot use CUDA: no driver (``libcuda``), no such device,
+    or the driver failed to initialise; the message says which. The memory
+    is never copied with host memcpy instead."""
 
 class QueueFull(Exception):
     """The runtime's inbox holds ``limits.max_inbox`` commands: call
@@ -237,8 +244,19 @@ class Runtime:
         is kept alive until :meth:`detach_agent_memory`; the memory must not
         move or be freed before that.
 
-        :raises ValueError: a device other than ``"cpu"``, or a bad layout
-            (empty, null, a stride shorter than its run, wrapping).
+        ``device`` is ``"cpu"`` (host memory: memcpy worker threads) or
+        ``"cuda:N"`` (``data_ptr`` a device pointer on CUDA device N, as
+        ``str(tensor.device)`` gives it): the agent then copies with the
+        CUDA copy engine (pinned pool, async copies on its own streams), and
+        each chunk must lie inside one CUDA allocation on that device. The
+        first memory attached decides the agent's executor; memory of the
+        other kind is refused.
+
+        :raises CudaUnavailable: ``"cuda:N"`` memory where this process
+            cannot use CUDA (the reason is in the message).
+        :raises ValueError: a bad device string, memory of the other kind,
+            or a bad layout (empty, null, a stride shorter than its run,
+            wrapping, outside its CUDA allocation).
         """
 
     def detach_agent_memory(self, region: int) -> bool:
@@ -398,7 +416,15 @@ class Client:
         the manager. ``owner`` is kept alive until
         :meth:`detach_agent_memory`.
 
-        :raises ValueError: a device other than ``"cpu"``, or a bad layout.
+        ``device``: ``"cpu"`` or ``"cuda:N"``, as for
+        :meth:`Runtime.attach_agent_memory`. With CUDA memory the agent
+        page-locks its window (pool read-only, staging writable) and
+        unregisters it when the client closes.
+
+        :raises CudaUnavailable: ``"cuda:N"`` memory where this process
+            cannot use CUDA.
+        :raises ValueError: a bad device string, memory of the other kind,
+            or a bad layout.
         """
 
     def detach_agent_memory(self, region: int) -> bool:

@@ -824,7 +824,12 @@ class _Conn:
             self.agent[pool.group] = None
             return None
         slots, chunks = layout
-        agent_id, page_bytes = self.client.attach_agent_memory(slots, chunks, pool.host)
+        # HiCache's host pool is host memory (`_agent_layout` takes CPU
+        # pools only); SGLang's own kernels move pages between it and the
+        # GPU, so the agent copies host memory here.
+        agent_id, page_bytes = self.client.attach_agent_memory(
+            slots, chunks, pool.host, device="cpu"
+        )
         r = self._reply(
             self.client.call(
                 {

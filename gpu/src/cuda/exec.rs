@@ -15,15 +15,34 @@ use super::driver::{CopyApi, Driver, DriverError, DriverInfo, EventId, Ordinal, 
 use super::runs::{self, Resolved};
 use super::{CudaConfig, CudaStats, TokenState, Unavailable};
 use crate::{
-    Completion, CompletionToken, CopyError, Direction, ExternalMemory, PageCopy, RegionId,
-    check_bounds,
+    Completion, CompletionToken, CopyError, Direction, ExternalMemory, HostSpan, PageCopy,
+    RegionId, check_bounds,
 };
 
+/// The registered host range and how each of its spans is page-locked.
 struct HostPin {
     base: u64,
     len: u64,
+    /// Sorted by offset, disjoint; copies go only inside one of them.
+    spans: Vec<PinnedSpan>,
+}
+
+struct PinnedSpan {
+    /// Offset from `HostPin::base`.
+    offset: u64,
+    len: u64,
     pinned: Pinned,
     read_only: bool,
+}
+
+impl HostPin {
+    /// The span holding all of `[offset, +len)`.
+    fn span(&self, offset: u64, len: u64) -> Option<&PinnedSpan> {
+        let end = offset.checked_add(len)?;
+        self.spans
+            .iter()
+            .find(|s| offset >= s.offset && end <= s.offset + s.len)
+    }
 }
 
 struct Region {
@@ -208,45 +227,106 @@ impl<D: Driver> Executor<D> {
         Ok(())
     }
 
+    /// The whole range as one span, writable unless the configuration
+    /// says the pool is mapped read-only.
     pub(crate) fn register_host_pool(&mut self, base: u64, len: u64) -> Result<(), CopyError> {
+        let span = HostSpan {
+            offset: 0,
+            len,
+            writable: !self.config.host_read_only,
+        };
+        self.register_host_window(base, len, &[span])
+    }
+
+    /// Pins each span with its access (`cuMemHostRegister`, portable; read
+    /// only where it is not writable or the configuration says so), after
+    /// unpinning what was registered before. Nothing stays pinned when a
+    /// span fails.
+    pub(crate) fn register_host_window(
+        &mut self,
+        base: u64,
+        len: u64,
+        spans: &[HostSpan],
+    ) -> Result<(), CopyError> {
+        let refuse = |m: String| Err(CopyError::Failed(m));
         if base == 0 || len == 0 || base.checked_add(len).is_none() {
-            return Err(CopyError::Failed(format!(
+            return refuse(format!(
                 "host pool [{base:#x}, +{len}) must be non-null, non-empty and not wrap"
-            )));
-        }
-        if !self.batches.is_empty() {
-            return Err(CopyError::Failed(
-                "the host pool cannot change while copies are in flight".into(),
             ));
         }
-        self.unpin_host();
-        let read_only = self.config.host_read_only;
-        let pinned = self
-            .driver
-            .pin_host(self.config.home_device, base, len, read_only)
-            .map_err(|e| failed("pinning the host pool", &e))?;
-        if pinned == Pinned::AlreadyPinned {
-            tracing::info!(
-                base,
-                len,
-                "host pool was already page-locked; using it as is"
-            );
+        let mut sorted: Vec<HostSpan> = spans.to_vec();
+        sorted.sort_by_key(|s| s.offset);
+        let mut end = 0u64;
+        for s in &sorted {
+            if s.len == 0 || s.offset < end || s.offset.checked_add(s.len).is_none_or(|e| e > len) {
+                return refuse(format!(
+                    "host span [{}, +{}) is empty, overlaps another or leaves the {len}-byte \
+                     range",
+                    s.offset, s.len
+                ));
+            }
+            end = s.offset + s.len;
         }
-        self.host = Some(HostPin {
+        if sorted.is_empty() {
+            return refuse("a host range needs at least one span".into());
+        }
+        if !self.batches.is_empty() {
+            return refuse("the host pool cannot change while copies are in flight".into());
+        }
+        self.unpin_host();
+        let mut pin = HostPin {
             base,
             len,
-            pinned,
-            read_only,
-        });
+            spans: Vec::with_capacity(sorted.len()),
+        };
+        for s in sorted {
+            let read_only = self.config.host_read_only || !s.writable;
+            match self
+                .driver
+                .pin_host(self.config.home_device, base + s.offset, s.len, read_only)
+            {
+                Ok(pinned) => {
+                    if pinned == Pinned::AlreadyPinned {
+                        tracing::info!(
+                            base = base + s.offset,
+                            len = s.len,
+                            "host memory was already page-locked; using it as is"
+                        );
+                    }
+                    pin.spans.push(PinnedSpan {
+                        offset: s.offset,
+                        len: s.len,
+                        pinned,
+                        read_only,
+                    });
+                }
+                Err(e) => {
+                    self.host = Some(pin);
+                    self.unpin_host();
+                    let what = if read_only {
+                        "pinning host memory read-only (CU_MEMHOSTREGISTER_READ_ONLY)"
+                    } else {
+                        "pinning host memory"
+                    };
+                    return Err(failed(what, &e));
+                }
+            }
+        }
+        self.host = Some(pin);
         Ok(())
     }
 
     fn unpin_host(&mut self) {
-        if let Some(pin) = self.host.take()
-            && pin.pinned == Pinned::ByUs
-            && let Err(e) = self.driver.unpin_host(self.config.home_device, pin.base)
-        {
-            tracing::warn!(error = %e, "unregistering the pinned host pool failed");
+        let Some(pin) = self.host.take() else {
+            return;
+        };
+        for s in pin.spans.iter().filter(|s| s.pinned == Pinned::ByUs) {
+            if let Err(e) = self
+                .driver
+                .unpin_host(self.config.home_device, pin.base + s.offset)
+            {
+                tracing::warn!(error = %e, "unregistering pinned host memory failed");
+            }
         }
     }
 
@@ -367,16 +447,24 @@ impl<D: Driver> Executor<D> {
             return Err(CopyError::EmptyBatch);
         }
         let host = self.host.as_ref().ok_or(CopyError::NoHostPool)?;
-        if direction == Direction::DeviceToHost && host.read_only {
-            return Err(CopyError::Failed(
-                "the host pool is registered read-only; device → host copies need a writable \
-                 pool"
-                    .into(),
-            ));
-        }
         for copy in copies {
             let region = self.live_region(copy.region)?;
             check_bounds(copy, host.len, region.len)?;
+            let span = host
+                .span(copy.host_offset, copy.len)
+                .ok_or(CopyError::OutOfBounds {
+                    what: "pinned host spans",
+                    offset: copy.host_offset,
+                    len: copy.len,
+                    size: host.len,
+                })?;
+            if direction == Direction::DeviceToHost && span.read_only {
+                return Err(CopyError::Failed(format!(
+                    "host memory at offset {} is registered read-only; device → host copies \
+                     need a writable span",
+                    copy.host_offset
+                )));
+            }
             if let Some(reason) = self
                 .devices
                 .get(&region.device)

@@ -222,6 +222,19 @@ impl CopyEngine for CudaCopyEngine {
         self.exec.register_host_pool(base as u64, len)
     }
 
+    /// Pins each span with its own access: a copy agent's pool (mapped
+    /// read-only) with `CU_MEMHOSTREGISTER_READ_ONLY`, its staging area
+    /// writable. Copies must lie inside one span; device → host copies
+    /// only in a writable one.
+    unsafe fn register_host_window(
+        &mut self,
+        base: *mut u8,
+        len: u64,
+        spans: &[crate::HostSpan],
+    ) -> Result<(), CopyError> {
+        self.exec.register_host_window(base as u64, len, spans)
+    }
+
     fn submit(
         &mut self,
         direction: Direction,

@@ -942,3 +942,416 @@ fn no_driver_and_no_device_fall_back_to_the_host_engine_with_the_reason() {
         Unavailable::NoDevice
     );
 }
+
+/// The CUDA engine's executor on the fake driver as a [`crate::CopyEngine`]:
+/// what `CudaCopyEngine` is over the real driver, so a copy agent can run
+/// on it.
+struct FakeCuda(Executor<FakeDriver>);
+
+impl crate::CopyEngine for FakeCuda {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn register_device_region(&mut self, bytes: u64) -> Result<crate::RegionId, CopyError> {
+        Err(CopyError::RegionRejected(
+            bytes,
+            "engine-owned memory only".into(),
+        ))
+    }
+    unsafe fn attach_region(
+        &mut self,
+        memory: ExternalMemory,
+    ) -> Result<crate::RegionId, CopyError> {
+        self.0.attach(memory)
+    }
+    fn unregister_device_region(&mut self, region: crate::RegionId) -> Result<(), CopyError> {
+        self.0.unregister(region)
+    }
+    unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), CopyError> {
+        self.0.register_host_pool(base as u64, len)
+    }
+    unsafe fn register_host_window(
+        &mut self,
+        base: *mut u8,
+        len: u64,
+        spans: &[crate::HostSpan],
+    ) -> Result<(), CopyError> {
+        self.0.register_host_window(base as u64, len, spans)
+    }
+    fn submit(
+        &mut self,
+        direction: Direction,
+        copies: &[PageCopy],
+        _now_us: u64,
+    ) -> Result<CompletionToken, CopyError> {
+        self.0.submit(direction, copies)
+    }
+    fn poll(&mut self, _now_us: u64, out: &mut Vec<Completion>) {
+        self.0.poll(out)
+    }
+    fn in_flight(&self) -> usize {
+        self.0.in_flight()
+    }
+}
+
+mod agent_on_cuda {
+    //! A copy agent on the CUDA executor over the fake driver: the host
+    //! window pinned span by span, chunked device regions, exact bytes
+    //! through fake device memory, completion only once the streams ran.
+
+    use super::*;
+    use crate::agent::{AgentError, Chunk, CopyAgent, HostWindow, LayerCount, MemoryKind};
+    use crate::host::shared_memory;
+    use orbitkv_components::api::{AgentDirection, AgentPageCopy, Command, CopyFailure, Event};
+
+    const P: u64 = 4096;
+    const SLOTS: u32 = 4;
+    const POOL: u64 = 8 * P;
+    const STAGING: u64 = 4 * P;
+
+    /// Fake device memory laid out like a KV cache: per slot, a 1 KiB K run
+    /// every 2 KiB in `k` and a 3 KiB V run in `v`.
+    struct Device {
+        k: Buf,
+        v: Buf,
+    }
+
+    impl Device {
+        fn new(fake: &Fake) -> Self {
+            let d = Device {
+                k: Buf::new((2048 * SLOTS) as usize),
+                v: Buf::new((3072 * SLOTS) as usize),
+            };
+            d.k.declare(fake, 0);
+            d.v.declare(fake, 0);
+            d
+        }
+        fn chunks(&self) -> Vec<Chunk> {
+            vec![
+                Chunk {
+                    kind: MemoryKind::Cuda { device: 0 },
+                    ptr: self.k.addr(),
+                    stride: 2048,
+                    len: 1024,
+                },
+                Chunk {
+                    kind: MemoryKind::Cuda { device: 0 },
+                    ptr: self.v.addr(),
+                    stride: 3072,
+                    len: 3072,
+                },
+            ]
+        }
+        fn page(&self, slot: usize) -> Vec<u8> {
+            [
+                self.k.read(slot * 2048, 1024),
+                self.v.read(slot * 3072, 3072),
+            ]
+            .concat()
+        }
+    }
+
+    fn page_copy(host_page: u64, slot: u64, checksum: Option<u64>) -> AgentPageCopy {
+        AgentPageCopy {
+            host_offset: host_page * P,
+            region: 0,
+            region_offset: slot * P,
+            len: P,
+            checksum,
+        }
+    }
+
+    fn copy_event(copy: u64, direction: AgentDirection, pages: Vec<AgentPageCopy>) -> Event {
+        Event::AgentCopy {
+            copy,
+            direction,
+            pages,
+        }
+    }
+
+    fn done(out: &[Command]) -> Vec<(u64, Option<CopyFailure>)> {
+        out.iter()
+            .map(|c| match c {
+                Command::CopyDone { copy, failure } => (*copy, failure.clone()),
+                other => panic!("not a copy report: {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn exact_bytes_pool_to_fake_device_to_staging_with_the_window_pinned_per_span() {
+        let fake = Fake::new(1, true);
+        let exec = Executor::open(fake.driver(), config()).unwrap();
+        let (pool_file, mut pool) = shared_memory("agent-cuda-pool", POOL).unwrap();
+        for (i, b) in pool.iter_mut().enumerate() {
+            *b = (i * 13 + i / 4096) as u8;
+        }
+        let (staging_file, staging) = shared_memory("agent-cuda-staging", STAGING).unwrap();
+        let device = Device::new(&fake);
+        let mut agent = CopyAgent::new(Box::new(FakeCuda(exec)));
+        assert_eq!(agent.engine(), "cuda");
+        let window = HostWindow::map(&pool_file, POOL, &staging_file, STAGING).unwrap();
+        agent.set_window(window).unwrap();
+        // The pool is pinned read-only, the staging area writable.
+        let pins: Vec<(u64, bool)> = fake
+            .calls()
+            .iter()
+            .filter_map(|c| match c {
+                Call::Pin { len, read_only, .. } => Some((*len, *read_only)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(pins, vec![(POOL, true), (STAGING, false)]);
+
+        // SAFETY: `device` outlives the agent (dropped after it below).
+        let (region, page_bytes) = unsafe { agent.attach(SLOTS, &device.chunks()) }.unwrap();
+        assert_eq!((region, page_bytes), (0, P));
+
+        // Restore pool pages 5 and 2 into slots 1 and 3.
+        let sum =
+            |page: u64| crate::page_checksum(&pool[(page * P) as usize..((page + 1) * P) as usize]);
+        let want5 = pool[(5 * P) as usize..(6 * P) as usize].to_vec();
+        let want2 = pool[(2 * P) as usize..(3 * P) as usize].to_vec();
+        let restore = vec![page_copy(5, 1, Some(sum(5))), page_copy(2, 3, Some(sum(2)))];
+        assert!(agent.handle(&copy_event(7, AgentDirection::PoolToRegion, restore)));
+        let mut out = Vec::new();
+        agent.poll(&mut out);
+        assert!(out.is_empty(), "reported before the stream ran: {out:?}");
+        assert!(agent.busy());
+        assert!(
+            device.page(1) == vec![0; P as usize],
+            "nothing lands before the stream runs"
+        );
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(done(&out), vec![(7, None)]);
+        assert!(device.page(1) == want5, "slot 1 holds pool page 5");
+        assert!(device.page(3) == want2, "slot 3 holds pool page 2");
+        assert!(
+            device.page(0) == vec![0; P as usize],
+            "untargeted slots untouched"
+        );
+
+        // Publish slot 3 into staging page 1.
+        out.clear();
+        let publish = vec![page_copy(1, 3, None)];
+        assert!(agent.handle(&copy_event(8, AgentDirection::RegionToStaging, publish)));
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(done(&out), vec![(8, None)]);
+        assert!(
+            staging[P as usize..(2 * P) as usize] == want2[..],
+            "the published page is in staging page 1"
+        );
+
+        // A pool page that does not match its checksum fails the copy.
+        out.clear();
+        let bad = vec![page_copy(4, 0, Some(sum(4) ^ 1))];
+        assert!(agent.handle(&copy_event(9, AgentDirection::PoolToRegion, bad)));
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(done(&out), vec![(9, Some(CopyFailure::Checksum(4 * P)))]);
+
+        // Detaching unregisters the region's device ranges: later copies
+        // naming it fail, and nothing is written.
+        assert!(agent.detach(region));
+        out.clear();
+        assert!(agent.handle(&copy_event(
+            10,
+            AgentDirection::PoolToRegion,
+            vec![page_copy(0, 2, None)]
+        )));
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(done(&out), vec![(10, Some(CopyFailure::UnknownRegion(0)))]);
+        assert!(
+            device.page(2) == vec![0; P as usize],
+            "a detached region is never written"
+        );
+
+        // Dropping the agent waits for the streams, then unpins both spans.
+        drop(agent);
+        let calls = fake.calls();
+        assert_eq!(
+            calls.iter().filter(|c| matches!(c, Call::Unpin(_))).count(),
+            2,
+            "{calls:?}"
+        );
+        let last_sync = calls
+            .iter()
+            .rposition(|c| matches!(c, Call::Synchronize(_)))
+            .unwrap();
+        let first_unpin = calls
+            .iter()
+            .position(|c| matches!(c, Call::Unpin(_)))
+            .unwrap();
+        assert!(last_sync < first_unpin, "{calls:?}");
+        drop(device);
+    }
+
+    #[test]
+    fn layered_restores_land_and_count_layer_by_layer_and_one_failed_layer_fails_the_copy() {
+        let fake = Fake::new(1, false);
+        let exec = Executor::open(fake.driver(), config()).unwrap();
+        let (pool_file, mut pool) = shared_memory("agent-layers-pool", POOL).unwrap();
+        for (i, b) in pool.iter_mut().enumerate() {
+            *b = (i * 29 + i / 4096) as u8;
+        }
+        let (staging_file, _staging) = shared_memory("agent-layers-staging", STAGING).unwrap();
+        let device = Device::new(&fake);
+        let mut agent = CopyAgent::new(Box::new(FakeCuda(exec)));
+        agent
+            .set_window(HostWindow::map(&pool_file, POOL, &staging_file, STAGING).unwrap())
+            .unwrap();
+        // K runs are layer 0, V runs layer 1.
+        // SAFETY: `device` outlives the agent.
+        let (region, _) =
+            unsafe { agent.attach_layered(SLOTS, &device.chunks(), Some(&[0, 1])) }.unwrap();
+        let zero = LayerCount::default();
+        assert_eq!(agent.layer_counts(region), Some(&[zero, zero][..]));
+        let k = |page: u64| pool[(page * P) as usize..(page * P + 1024) as usize].to_vec();
+        let v = |page: u64| pool[(page * P + 1024) as usize..((page + 1) * P) as usize].to_vec();
+
+        let restore = vec![page_copy(5, 1, None), page_copy(2, 3, None)];
+        assert!(agent.handle(&copy_event(1, AgentDirection::PoolToRegion, restore)));
+        let mut out = Vec::new();
+        // Layer 0's part is queued first: its two K runs and its event.
+        assert_eq!(fake.step(0, HostToDevice, 3), 3);
+        agent.poll(&mut out);
+        assert!(
+            out.is_empty(),
+            "the copy is reported once every layer landed: {out:?}"
+        );
+        let counts = agent.layer_counts(region).unwrap().to_vec();
+        assert_eq!(
+            counts,
+            vec![
+                LayerCount {
+                    landed: 2,
+                    failed: 0
+                },
+                zero
+            ]
+        );
+        assert!(device.k.read(2048, 1024) == k(5) && device.k.read(3 * 2048, 1024) == k(2));
+        assert!(
+            device.v.read(3072, 3072) == vec![0; 3072],
+            "layer 1 has not landed yet"
+        );
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(done(&out), vec![(1, None)]);
+        let counts = agent.layer_counts(region).unwrap().to_vec();
+        assert_eq!(
+            counts,
+            vec![
+                LayerCount {
+                    landed: 2,
+                    failed: 0
+                };
+                2
+            ]
+        );
+        assert!(device.v.read(3072, 3072) == v(5) && device.v.read(3 * 3072, 3072) == v(2));
+
+        // Layer 0's enqueue fails: layer 1 still lands, the copy fails.
+        out.clear();
+        fake.state().fail_enqueue = Some((0, 1));
+        assert!(agent.handle(&copy_event(
+            2,
+            AgentDirection::PoolToRegion,
+            vec![page_copy(4, 0, None)]
+        )));
+        fake.run_all();
+        agent.poll(&mut out);
+        let reported = done(&out);
+        assert!(
+            matches!(&reported[..], [(2, Some(CopyFailure::Executor(m)))] if m.contains("FAKE_1")),
+            "{reported:?}"
+        );
+        let counts = agent.layer_counts(region).unwrap().to_vec();
+        assert_eq!(
+            counts,
+            vec![
+                LayerCount {
+                    landed: 2,
+                    failed: 1
+                },
+                LayerCount {
+                    landed: 3,
+                    failed: 0
+                }
+            ]
+        );
+
+        // Publishes are one batch and count nothing; a pool page that does
+        // not match its checksum is refused before any layer is queued.
+        out.clear();
+        let sum = crate::page_checksum(&pool[(6 * P) as usize..(7 * P) as usize]);
+        assert!(agent.handle(&copy_event(
+            3,
+            AgentDirection::PoolToRegion,
+            vec![page_copy(6, 2, Some(sum ^ 1))]
+        )));
+        assert!(agent.handle(&copy_event(
+            4,
+            AgentDirection::RegionToStaging,
+            vec![page_copy(0, 1, None)]
+        )));
+        fake.run_all();
+        agent.poll(&mut out);
+        assert_eq!(
+            done(&out),
+            vec![(3, Some(CopyFailure::Checksum(6 * P))), (4, None)]
+        );
+        assert!(
+            device.k.read(2 * 2048, 1024) == vec![0; 1024],
+            "a refused restore writes nothing"
+        );
+        assert_eq!(agent.layer_counts(region).unwrap().to_vec(), counts);
+
+        // Bad layer lists are refused.
+        // SAFETY: refused before anything is registered.
+        let e = unsafe { agent.attach_layered(SLOTS, &device.chunks(), Some(&[0])) }.unwrap_err();
+        assert!(matches!(e, AgentError::Layout(m) if m.contains("one layer per chunk")));
+        assert_eq!(agent.layer_counts(region + 1), None);
+        drop(agent);
+        drop(device);
+    }
+
+    #[test]
+    fn host_memory_and_memory_outside_its_allocation_are_refused_by_a_cuda_agent() {
+        let fake = Fake::new(1, false);
+        let exec = Executor::open(fake.driver(), config()).unwrap();
+        let device = Device::new(&fake);
+        let mut agent = CopyAgent::new(Box::new(FakeCuda(exec)));
+        let mut host = vec![0u8; (P * SLOTS as u64) as usize];
+        let host_chunk = Chunk {
+            kind: MemoryKind::Host,
+            ptr: host.as_mut_ptr() as u64,
+            stride: P,
+            len: P,
+        };
+        // SAFETY: refused before anything is registered.
+        let e = unsafe { agent.attach(SLOTS, &[host_chunk]) }.unwrap_err();
+        assert!(
+            matches!(e, AgentError::Executor(CopyError::RegionRejected(..))),
+            "{e:?}"
+        );
+        // A second chunk that runs past its allocation: refused, and the
+        // first chunk, attached before it, is unregistered again.
+        let mut chunks = device.chunks();
+        chunks[0].stride = 1024;
+        // SAFETY: refused; nothing is copied.
+        let e = unsafe { agent.attach(SLOTS + 1, &chunks) }.unwrap_err();
+        assert!(
+            matches!(&e, AgentError::Executor(CopyError::RegionRejected(_, m)) if m.contains("not inside its allocation")),
+            "{e:?}"
+        );
+        // SAFETY: `device` outlives the agent.
+        let (region, _) = unsafe { agent.attach(SLOTS, &device.chunks()) }.unwrap();
+        assert_eq!(region, 0, "the refused attaches left no region behind");
+        drop(agent);
+        drop(device);
+    }
+}

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .engine import EngineSpec, resolve_engine
 from .metadata import OrbitKVMetadata
 from .scheduler import SchedulerSide
-from .settings import ConnectorSettings
+from .settings import ConfigError, ConnectorSettings
 from .stats import OrbitKVStats, Reporter
 from .worker import WorkerSide
 
@@ -74,6 +74,13 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             save=settings.save and bool(kvt.is_kv_producer),
         )
         self.spec: EngineSpec = resolve_engine(vllm_config, kv_cache_config, self.settings)
+        if self.settings.load_mode == "layerwise" and len(self.spec.groups) != 1:
+            # vLLM takes block-level load errors (how a failed synchronous
+            # load is reported) only with one KV cache group.
+            raise ConfigError(
+                "kv_connector_extra_config.load_mode 'layerwise' needs a single KV cache "
+                f"group; this model has {len(self.spec.groups)} (use 'async')"
+            )
         self.scheduler: Optional[SchedulerSide] = None
         self.worker: Optional[WorkerSide] = None
         self._reporter = Reporter()
@@ -162,9 +169,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: a request computes only after its load
-        # was reported finished.
-        return
+        # load_mode "async": a request computes only after its load was
+        # reported finished. "layerwise": waits for this layer's copies.
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -7,12 +7,13 @@ copies run.
 slot allocated once. A save copies each layer's block into a staging slot
 (`stage`), then the staging device page is published; a load copies leased
 pages from the read-only shared pool into the engine's blocks (`restore`).
-`AgentPageMover` (KV caches in host memory): the engine's own KV blocks are
-an agent-owned region per KV cache group (slot = block id); the manager
-never maps them, and the copies run in this process's copy agent on the
-manager's instruction, straight between the blocks and the shared pool.
-`HostPageMover` stays for KV caches on a GPU until the CUDA executor
-exists.
+`AgentPageMover` (the default, KV caches in host or CUDA memory): the
+engine's own KV blocks are an agent-owned region per KV cache group (slot =
+block id); the manager never maps them, and the copies run in this
+process's copy agent on the manager's instruction, straight between the
+blocks and the shared pool (memcpy workers for host memory; the CUDA copy
+engine, DMA from and to the pinned pool, for CUDA memory). `HostPageMover`
+remains for ``copy_agent: false``.
 
 A stored page is each layer's block bytes concatenated in the group's layer
 order (`GroupPlan.layers`); a layer's block is its `[H, N, C]` bytes exactly
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,6 +71,21 @@ def block_bytes_view(t: torch.Tensor, num_blocks: int, what: str) -> torch.Tenso
     return base
 
 
+def agent_device(device: torch.device) -> str:
+    """How a copy agent names the memory of tensors on `device`: ``"cpu"``,
+    or ``"cuda:N"`` with the device's index (the current device when the
+    tensor's device has none). Other devices have no executor."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    raise ConfigError(
+        f"copy agents copy host or CUDA memory; the KV cache is on {device} "
+        "(set kv_connector_extra_config.copy_agent to false for staged copies)"
+    )
+
+
 class EngineBlocks:
     """The engine's KV memory as per-group, per-layer block views."""
 
@@ -78,10 +94,16 @@ class EngineBlocks:
         self.num_blocks = num_blocks
         self.layers: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
         """group id → [(offset in page, view (num_blocks, bytes))]"""
+        self.view_layers: Dict[int, List[int]] = {}
+        """group id → the layer (index in the group's layers) of each view"""
+        self.layer_pos: Dict[str, Tuple[int, int]] = {}
+        """layer name → (group id, index in the group's layers)"""
         for group in spec.groups:
             views: List[Tuple[int, torch.Tensor]] = []
+            owners: List[int] = []
             offset = 0
-            for layer in group.layers:
+            for li, layer in enumerate(group.layers):
+                self.layer_pos[layer.name] = (group.id, li)
                 value = kv_caches.get(layer.name)
                 if value is None:
                     raise ConfigError(f"register_kv_caches: no KV cache for layer {layer.name}")
@@ -90,6 +112,7 @@ class EngineBlocks:
                 for k, t in enumerate(tensors):
                     v = block_bytes_view(t, num_blocks, f"KV cache of {layer.name}[{k}]")
                     views.append((offset + got, v))
+                    owners.append(li)
                     got += v.shape[1]
                 if got != layer.segment_bytes:
                     raise ConfigError(
@@ -98,6 +121,7 @@ class EngineBlocks:
                     )
                 offset += got
             self.layers[group.id] = views
+            self.view_layers[group.id] = owners
         self.device = next(v.device for vs in self.layers.values() for _, v in vs)
 
     def check_blocks(self, blocks: Sequence[int]) -> None:
@@ -274,16 +298,20 @@ class AgentPageMover(PageMover):
 
     direct = True
 
-    def __init__(self, blocks: EngineBlocks, rank: int, timeout_s: float):
-        if blocks.device.type != "cpu":
-            raise ConfigError(
-                f"copy agents run host memory only in this build; the KV cache is on {blocks.device}"
-            )
+    def __init__(
+        self, blocks: EngineBlocks, rank: int, timeout_s: float, layered: bool = False
+    ):
+        self.device = agent_device(blocks.device)
         self.blocks = blocks
         self.rank = rank
         self.timeout_s = timeout_s
+        self.layered = layered
+        """Attach each group with its views' layers: restores run and are
+        counted layer by layer (`layer_counts`)."""
         self._lock = threading.Lock()
         self._regions: Dict[int, int] = {}
+        self._agent: Dict[int, int] = {}
+        self._client: Any = None
 
     def layout(self, gid: int) -> List[Tuple[int, int, int]]:
         """(data_ptr, stride, length) of each run of a page of group `gid`."""
@@ -296,11 +324,17 @@ class AgentPageMover(PageMover):
         """Attaches every group's blocks to the client's agent and registers
         them as agent-owned regions (the agent keeps the views alive)."""
         regions: Dict[int, int] = {}
+        agents: Dict[int, int] = {}
         for group in self.blocks.spec.groups:
             views = [v for _, v in self.blocks.layers[group.id]]
             agent_id, page_bytes = client.attach_agent_memory(
-                self.blocks.num_blocks, self.layout(group.id), views
+                self.blocks.num_blocks,
+                self.layout(group.id),
+                views,
+                device=self.device,
+                layers=self.blocks.view_layers[group.id] if self.layered else None,
             )
+            agents[group.id] = agent_id
             if page_bytes != group.page_bytes:
                 raise ConfigError(
                     f"group {group.id}: the blocks hold {page_bytes}-byte pages, the spec "
@@ -321,11 +355,20 @@ class AgentPageMover(PageMover):
                 raise ConnectionError(f"agent region for group {group.id}: {e}")
             regions[group.id] = e["region"]
         with self._lock:
-            self._regions = regions
+            self._regions, self._agent, self._client = regions, agents, client
 
     def disconnect(self) -> None:
         with self._lock:
-            self._regions = {}
+            self._regions, self._agent, self._client = {}, {}, None
+
+    def layer_counts(self, gid: int) -> Optional[List[Tuple[int, int]]]:
+        """Per layer of group `gid`: `(landed, failed)` pages restored since
+        the current connection attached it; None when not connected."""
+        with self._lock:
+            client, agent = self._client, self._agent.get(gid)
+        if client is None or agent is None:
+            return None
+        return [tuple(c) for c in client.agent_layer_counts(agent)]
 
     def region(self, gid: int) -> int:
         with self._lock:

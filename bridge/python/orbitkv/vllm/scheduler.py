@@ -94,7 +94,9 @@ class SchedulerSide:
             return 0, False
         self.stats.hits += 1
         self.stats.hit_tokens += selected - num_computed_tokens
-        return selected - num_computed_tokens, True
+        # Layer-wise loads are synchronous: the request computes in this
+        # step, each layer after its own copies landed.
+        return selected - num_computed_tokens, self.settings.load_mode == "async"
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:

@@ -25,6 +25,9 @@ def default_socket() -> str:
     return "/tmp/orbitkv.sock"
 
 
+LOAD_MODES = ("async", "layerwise")
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """``kv_connector_extra_config`` keys (docs/vllm.md lists them)."""
@@ -39,11 +42,11 @@ class ConnectorSettings:
     save: bool = True
     """Publish computed pages to OrbitKV."""
     copy_agent: bool = True
-    """KV caches in host memory are agent-owned regions: loads restore into
-    and saves publish from the engine's blocks, the copies run by the
-    worker's copy agent on the manager's instruction. False: staged copies
-    done by the worker itself (what a KV cache on a GPU uses until the CUDA
-    executor exists)."""
+    """KV caches (host or CUDA memory) are agent-owned regions: loads
+    restore into and saves publish from the engine's blocks, the copies run
+    by the worker's copy agent on the manager's instruction (the CUDA copy
+    engine for a KV cache on a GPU). False: staged copies done by the
+    worker itself."""
     staging_pages: int = 128
     """Staged copies only: pages per KV cache group in each worker's staging region: the most
     pages of one group that can be on their way to the pool at once. Saves
@@ -61,6 +64,15 @@ class ConnectorSettings:
     max_pending_jobs: int = 4096
     """Bound on a worker's queued loads and saves; past it, saves are
     dropped and loads fail (recompute)."""
+    load_mode: str = "async"
+    """``"async"``: a request with a hit waits (``WAITING_FOR_REMOTE_KVS``)
+    until its whole load landed, reported through ``get_finished``.
+    ``"layerwise"``: loads are synchronous; they start in
+    ``start_load_kv``, one copy batch per layer in layer order, and
+    ``wait_for_layer_load(layer)`` waits only for that layer's copies, so a
+    layer's attention runs while later layers still copy. A failed load is
+    reported through ``get_block_ids_with_load_errors`` and vLLM
+    recomputes. Needs ``copy_agent`` and a single KV cache group."""
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "ConnectorSettings":
@@ -85,6 +97,16 @@ class ConnectorSettings:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0")
         if not s.socket:
             raise ConfigError("kv_connector_extra_config.socket is empty")
+        if s.load_mode not in LOAD_MODES:
+            raise ConfigError(
+                f"kv_connector_extra_config.load_mode must be one of {', '.join(map(repr, LOAD_MODES))}, "
+                f"got {s.load_mode!r}"
+            )
+        if s.load_mode == "layerwise" and not s.copy_agent:
+            raise ConfigError(
+                "kv_connector_extra_config.load_mode 'layerwise' needs copy_agent: true "
+                "(layers are loaded by the copy agent)"
+            )
         return s
 
 

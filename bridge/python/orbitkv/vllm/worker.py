@@ -1,12 +1,13 @@
 """The worker role: runs the loads and saves the scheduler planned.
 
-With KV caches in host memory the blocks are agent-owned regions
+By default the blocks (host or CUDA memory) are agent-owned regions
 (`AgentPageMover`): a load restores straight into the request's blocks (the
-client's copy agent runs the copies on the manager's instruction) and is
+client's copy agent runs the copies on the manager's instruction: memcpy
+workers for host memory, the CUDA copy engine for CUDA memory) and is
 reported once `restore_done` says every byte landed; a save publishes
 straight from the blocks, and `wait_for_save` returns only once its
 publishes answered, so no block is read after the step that wrote it. The
-staged path below (`HostPageMover`) remains for KV caches on a GPU.
+staged path below (`HostPageMover`) remains for ``copy_agent: false``.
 
 - Saves: at `wait_for_save`, the pages this step completed are copied from
   the engine's blocks into staging slots (`PageMover.stage`) before the
@@ -24,6 +25,20 @@ staged path below (`HostPageMover`) remains for KV caches on a GPU.
 Results go back to vLLM through `get_transfer_results` (finished and failed
 loads, finished saves of finished requests) and
 `get_block_ids_with_load_errors`.
+
+Layer-wise loads (``load_mode: "layerwise"``, copy agent, one KV cache
+group): the scheduler counts the hit as a synchronous load, `start_loads`
+issues the step's loads, the agent restores each layer as its own copy
+batch (in layer order) and counts per layer the pages that landed or
+failed. `wait_layer(layer)` returns once, for that layer, every page the
+step's restores target is counted (or every load of the step is over):
+later layers keep copying while it computes. Before the step's results are
+reported (`transfer_results`), every load of the step has ended; a failed
+one marks its blocks invalid (`get_block_ids_with_load_errors`), so vLLM
+recomputes them and discards the step's output for the request. A layer
+that does not land within `timeout_s` fails the step's loads and drops the
+connection (the agent waits for its running copies first), so no copy
+writes a block after the step gave up on it.
 """
 
 from __future__ import annotations
@@ -39,7 +54,7 @@ from .copy import AgentPageMover, EngineBlocks, HostPageMover, PageMover
 from .engine import EngineSpec
 from .link import LINK_ERRORS, ManagerLink, Unavailable
 from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveSpec
-from .settings import ConnectorSettings
+from .settings import ConfigError, ConnectorSettings
 
 log = logging.getLogger("orbitkv.vllm")
 
@@ -78,6 +93,30 @@ class _Load:
     #: Agent path: the device pages the restore targets, freed at its end.
     device_pages: List[int] = field(default_factory=list)
     restoring: bool = False
+
+
+@dataclass
+class _StepLoad:
+    """A layer-wise load of the current step, as the engine thread waits
+    on it. Guarded by `WorkerSide._lock`."""
+
+    spec: LoadSpec
+    #: "pending" (no restore sent yet), "copying" (restore sent), "done".
+    state: str = "pending"
+    #: Pages per group its restore sent to the agent.
+    pages: Dict[int, int] = field(default_factory=dict)
+    #: The step gave up on it (a layer timed out): it fails even if its
+    #: copies complete later.
+    abandoned: bool = False
+
+
+@dataclass
+class _Step:
+    loads: Dict[str, _StepLoad]
+    #: Per group, the agent's per-layer (landed, failed) counts when the
+    #: step started; None when they could not be read (then layers wait for
+    #: the whole loads).
+    base: Optional[Dict[int, List[Tuple[int, int]]]]
 
 
 @dataclass
@@ -123,6 +162,10 @@ class WorkerSide:
         self._invalid_blocks: Set[int] = set()
         self._connected = False
 
+        self._step: Optional[_Step] = None
+        self._changed = threading.Condition(self._lock)
+        self.layerwise = settings.load_mode == "layerwise"
+
         self._meta: Optional[OrbitKVMetadata] = None
         self._loads_started = False
         self._saves_queued = False
@@ -137,8 +180,12 @@ class WorkerSide:
         self, kv_caches: Dict[str, Any], mover: Optional[PageMover] = None
     ) -> None:
         blocks = EngineBlocks(self.spec, kv_caches, self.num_blocks)
-        if mover is None and blocks.device.type == "cpu" and self.settings.copy_agent:
-            mover = AgentPageMover(blocks, self.rank, self.settings.timeout_s)
+        if mover is None and self.settings.copy_agent:
+            mover = AgentPageMover(
+                blocks, self.rank, self.settings.timeout_s, layered=self.layerwise
+            )
+        if self.layerwise and not isinstance(mover, AgentPageMover):
+            raise ConfigError("load_mode 'layerwise' needs the copy agent's page mover")
         self.mover = mover or HostPageMover(
             blocks, self.rank, self.settings.staging_pages, self.settings.timeout_s
         )
@@ -176,6 +223,8 @@ class WorkerSide:
         if meta is None or self._loads_started:
             return
         self._loads_started = True
+        if self.layerwise:
+            self._begin_step(meta.loads)
         for load in meta.loads:
             self.stats.loads += 1
             if self.mover is None or self._io_q.qsize() >= self.settings.max_pending_jobs:
@@ -215,8 +264,121 @@ class WorkerSide:
             if job.done is not None:
                 job.done.wait(max(0.0, bound - time.monotonic()))
 
+    # layer-wise loads ------------------------------------------------------
+
+    def _begin_step(self, loads: List[LoadSpec]) -> None:
+        """Records the step's loads and the agent's per-layer counts before
+        any of their restores is sent (the previous step's loads all ended
+        in its `transfer_results`)."""
+        base: Optional[Dict[int, List[Tuple[int, int]]]] = {}
+        if loads:
+            try:
+                for g in self.spec.groups:
+                    counts = self.mover.layer_counts(g.id)  # type: ignore[union-attr]
+                    if counts is None:
+                        base = None
+                        break
+                    base[g.id] = counts
+            except Exception:  # not connected, or a closed client
+                base = None
+        with self._lock:
+            self._step = _Step(loads={l.req_id: _StepLoad(l) for l in loads}, base=base)
+
+    def _step_load(self, spec: LoadSpec) -> Optional[_StepLoad]:
+        """The current step's record of `spec` (caller holds `_lock`)."""
+        step = self._step
+        sl = step.loads.get(spec.req_id) if step is not None else None
+        return sl if sl is not None and sl.spec is spec else None
+
+    def _mark(self, spec: LoadSpec, state: str, pages: Optional[Dict[int, int]] = None) -> None:
+        with self._lock:
+            sl = self._step_load(spec)
+            if sl is not None and sl.state != "done":
+                sl.state = state
+                if pages is not None:
+                    sl.pages = pages
+                self._changed.notify_all()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Layer-wise: returns once every page the step's restores target in
+        `layer_name`'s group has that layer's bytes landed or failed, or
+        every load of the step ended. Bounded by `timeout_s`: past it the
+        step's loads fail and the connection is dropped (see module docs)."""
+        if not self.layerwise or self.mover is None:
+            return
+        pos = self.mover.blocks.layer_pos.get(layer_name)
+        with self._lock:
+            step = self._step
+        if step is None or not step.loads or pos is None:
+            return
+        gid, idx = pos
+        deadline = time.monotonic() + self.settings.timeout_s
+        while True:
+            with self._lock:
+                loads = list(step.loads.values())
+                if all(sl.state == "done" for sl in loads):
+                    return
+                sending = any(sl.state == "pending" for sl in loads)
+                expected = sum(sl.pages.get(gid, 0) for sl in loads if sl.state != "pending")
+            if not sending and step.base is not None and self._layer_landed(step, gid, idx, expected):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._give_up(step, f"layer {layer_name} did not load within {self.settings.timeout_s}s")
+                return
+            with self._lock:
+                # Woken by a load's progress; the agent's counts change
+                # without a notification, so look again soon.
+                self._changed.wait(min(left, 0.0005))
+
+    def _layer_landed(self, step: _Step, gid: int, idx: int, expected: int) -> bool:
+        try:
+            now = self.mover.layer_counts(gid)  # type: ignore[union-attr]
+        except Exception:
+            return False
+        base = (step.base or {}).get(gid)
+        if now is None or base is None or idx >= len(now) or idx >= len(base):
+            return False
+        done = (now[idx][0] - base[idx][0]) + (now[idx][1] - base[idx][1])
+        return done >= expected
+
+    def _give_up(self, step: _Step, why: str) -> None:
+        """A layer timed out: the step's unfinished loads fail (even if their
+        copies land later) and the I/O thread drops the connection, whose
+        agent waits for running copies; returns once the loads ended."""
+        log.warning("OrbitKV: %s; the step's loads fail", why)
+        with self._lock:
+            for sl in step.loads.values():
+                sl.abandoned = True
+        self._io_q.put(("lost", why))
+        self._wait_step_done(step, 2 * self.settings.timeout_s + 15.0)
+
+    def _wait_step_done(self, step: _Step, bound_s: float) -> bool:
+        deadline = time.monotonic() + bound_s
+        with self._lock:
+            while not all(sl.state == "done" for sl in step.loads.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.05))
+        return True
+
+    def end_step(self) -> None:
+        """Layer-wise: every load of the step ends before its results are
+        reported, so a failed one is in this step's load errors."""
+        with self._lock:
+            step = self._step
+        if step is not None and step.loads:
+            if not self._wait_step_done(step, self.settings.timeout_s):
+                self._give_up(step, "the step's loads did not end in time")
+        with self._lock:
+            if self._step is step:
+                self._step = None
+
     def transfer_results(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving)."""
+        if self.layerwise:
+            self.end_step()
         with self._lock:
             self._finishing |= finished_req_ids & self._had_saves
             sending = {r for r in self._finishing if self._pending_saves.get(r, 0) == 0}
@@ -256,7 +418,25 @@ class WorkerSide:
             self.stats.fail(failure)
             log.info("OrbitKV load of %s failed (%s): recomputing", load.req_id, failure)
         with self._lock:
-            if good >= load.boundary:
+            sl = self._step_load(load)
+            if sl is not None:
+                sl.state = "done"
+                self._changed.notify_all()
+                if sl.abandoned and failure is None:
+                    # The step gave up on it before it landed: vLLM must
+                    # recompute what the forward read.
+                    failure = "layer_timeout"
+                    good = load.origin
+                    self.stats.loads_failed += 1
+                    self.stats.fail(failure)
+        with self._lock:
+            if sl is not None:
+                # A synchronous load: nothing to report as received; the
+                # blocks past what landed are invalid.
+                if good < load.boundary:
+                    page_ids = load.block_ids[0][good // page : load.boundary // page]
+                    self._invalid_blocks.update(b for b in page_ids if b != NULL_BLOCK)
+            elif good >= load.boundary:
                 self._loaded.add(load.req_id)
             elif self.spec.single_prefix_group:
                 # vLLM keeps the pages before the first bad block.
@@ -437,6 +617,11 @@ class _IoState:
         try:
             if kind == "connect":
                 self.client()
+            elif kind == "lost":
+                if self.w.link.up:
+                    self.lost(item[1])
+                else:
+                    self.abandon(item[1])
             elif kind == "load":
                 self.start_load(item[1])
             elif kind == "publish":
@@ -707,6 +892,8 @@ class _IoState:
             return
         job.pages = len(targets)
         job.restoring = True
+        # Layer-wise: what the engine thread now waits for, per group.
+        self.w._mark(spec, "copying", {gid: len(ps) for gid, ps in per_group.items()})
         job.deadline = time.monotonic() + self.w.settings.timeout_s
         cid = client.submit(
             {

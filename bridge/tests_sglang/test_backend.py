@@ -315,7 +315,7 @@ def test_bad_input_is_a_miss_never_an_exception(manager):
     d_idx = direct.alloc(2 * PAGE)
     assert bd.batch_set_v1(keys, d_idx + 1) == [False, False]
     assert bd.batch_get_v1(keys, d_idx + 1) == [False, False]
-    assert bd.get_stats()["misses"] == {"bad_input": 4}
+    assert bd.get_stats()["misses"] == {"unaligned_host_index": 4}
 
     # Short keys (not SGLang's 64-hex) work, under a digest of their own.
     assert be.batch_set_v1(["a", "b"], src) == [True, True]

@@ -177,12 +177,12 @@ def test_manager_killed_mid_prefetch(manager, monkeypatch):
     # leases are held and the copy agent is about to write the host pool.
     real = okv._Conn.restore
 
-    def dying(conn, op, targets):
+    def dying(conn, op, targets, retained):
         if not kills:
             kills.append(threading.current_thread().name)
             manager.proc.kill()
             manager.proc.wait(10)
-        return real(conn, op, targets)
+        return real(conn, op, targets, retained)
 
     try:
         _, exp, written = backup(cc, host, tokens, seed=21)

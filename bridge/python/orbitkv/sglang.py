@@ -30,12 +30,15 @@ What it guarantees (``docs/sglang.md`` has the user's view):
   ``reconnect_interval_s`` has passed.
 - Blocking work (manager round trips, page copies) runs without the GIL.
 
-Bytes move through :class:`_StagedCopies` (phase A): a set copies each page
-from the host pool into a staging slot of a device region the manager
-shares with this process, then publishes the slots; a get copies each leased
-page straight from the manager's shared pool (a read-only view) into the
-host pool. Registering the host pool itself as an agent-owned region (zero
-copies on OrbitKV's side) replaces that class once the copy agent exists.
+Every byte moves through this process's copy agent, on the manager's
+instruction: each SGLang host pool (KV and every side pool) is registered
+per connection as an agent-owned region of its storage group, so a set
+publishes pages straight from the host pool and a get restores them
+straight into it (checksum-verified), with no copy on OrbitKV's side. Where
+the agent cannot address SGLang's memory (the legacy calls' free-standing
+page tensors, host indices that are not page-aligned, a host pool whose
+pages are not views of one CPU buffer) a page goes through a bounce slot:
+a bridge-owned buffer that is itself an agent region (:class:`_Bounce`).
 """
 
 from __future__ import annotations
@@ -119,8 +122,9 @@ class OrbitKVConfig:
     #: find DRAM), which answer first with a miss; past it the manager is
     #: taken as stuck and the connection is closed.
     timeout_s: float = 10.0
-    #: Staging slots per connection and pool, for sets (phase A): pages of
-    #: one publish. SGLang writes at most 128 pages per call.
+    #: Pages of one publish, and bounce slots per connection and pool (the
+    #: legacy calls, unaligned host indices). SGLang moves at most 128
+    #: pages per call.
     staging_pages: int = 128
     #: Cap on one staging region's bytes (fewer slots for large pages).
     staging_bytes: int = 256 << 20
@@ -337,46 +341,65 @@ def _describe_pool(name: str, group: int, host: Any, rule: Any, components: List
 
 
 # ---------------------------------------------------------------------------
-# Moving bytes (phase A)
+# Moving bytes: every copy is the copy agent's
 
 
-class _StagedCopies:
-    """The one place bytes move between SGLang's host pool and OrbitKV.
-
-    Phase A: sets write pages into a staging slot (``dst``, a writable view
-    of a device region the manager shares with us); gets read a leased page
-    (``src``, a read-only view of the manager's pool) into the host pool.
-    Both are one strided torch copy per page, without the GIL. The copy
-    agent replaces this with copies the manager drives itself."""
+class _Bounce:
+    """Torch copies between SGLang tensors and a bounce slot (one row of a
+    bridge-owned CPU buffer that is itself an agent region). Used only where
+    the agent cannot copy straight from or into the host pool: the legacy
+    calls (SGLang hands over free-standing page tensors), host indices that
+    are not page-aligned, and host pools whose pages are not views of one
+    CPU buffer. The agent still moves every byte between the bounce slot and
+    the manager (restores checksum-verified), so no path reads the shared
+    pool directly or writes a region the manager maps."""
 
     @staticmethod
-    def host_to_slot(pool: _Pool, index: int, dst: memoryview) -> None:
+    def host_to_slot(pool: _Pool, index: int, dst: torch.Tensor) -> None:
         page = pool.host.get_data_page(index, flat=False)
-        out = torch.frombuffer(dst, dtype=torch.uint8).view(pool.dtype)
-        out.view(page.shape).copy_(page)
+        dst.view(pool.dtype).view(page.shape).copy_(page)
 
     @staticmethod
-    def value_to_slot(pool: _Pool, value: torch.Tensor, dst: memoryview) -> None:
-        src = value.detach().contiguous().view(-1).view(torch.uint8)
-        if src.numel() != pool.page_bytes:
-            raise _BadInput(f"a page value is {src.numel()} bytes, the pool's pages {pool.page_bytes}")
-        torch.frombuffer(dst, dtype=torch.uint8).copy_(src)
+    def check_value(pool: _Pool, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise _BadInput(f"a page value is a {type(value).__name__}, not a tensor")
+        size = value.numel() * value.element_size()
+        if size != pool.page_bytes:
+            raise _BadInput(f"a page value is {size} bytes, the pool's pages {pool.page_bytes}")
 
     @staticmethod
-    def page_to_host(pool: _Pool, index: int, src: memoryview) -> None:
-        data = torch.frombuffer(src, dtype=torch.uint8).view(pool.dtype)
-        pool.host.set_from_flat_data_page(index, data)
+    def value_to_slot(pool: _Pool, value: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(value.detach().contiguous().view(-1).view(torch.uint8))
 
     @staticmethod
-    def page_to_value(pool: _Pool, src: memoryview, target: torch.Tensor) -> torch.Tensor:
-        data = torch.frombuffer(src, dtype=torch.uint8)
-        if not target.is_contiguous() or target.numel() * target.element_size() != data.numel():
+    def slot_to_host(pool: _Pool, index: int, src: torch.Tensor) -> None:
+        pool.host.set_from_flat_data_page(index, src.view(pool.dtype))
+
+    @staticmethod
+    def check_target(pool: _Pool, target: Any) -> None:
+        if (
+            not isinstance(target, torch.Tensor)
+            or not target.is_contiguous()
+            or target.numel() * target.element_size() != pool.page_bytes
+        ):
             raise _BadInput(
-                f"target of {target.numel() * target.element_size()} bytes "
-                f"(contiguous: {target.is_contiguous()}) for a {data.numel()}-byte page"
+                f"a target must be a contiguous tensor of {pool.page_bytes} bytes, got "
+                f"{type(target).__name__} {tuple(getattr(target, 'shape', ()))}"
             )
-        target.view(-1).view(torch.uint8).copy_(data)
-        return target
+
+    @staticmethod
+    def slot_to_value(src: torch.Tensor, target: torch.Tensor) -> None:
+        target.view(-1).view(torch.uint8).copy_(src)
+
+
+@dataclass
+class _BounceRegion:
+    """A connection's bounce buffer for one pool: ``slots`` pages of
+    ``page_bytes`` in one CPU tensor, registered as an agent region."""
+
+    region: int
+    buffer: torch.Tensor  # [slots, page_bytes] uint8
+    slots: int
 
 
 def _agent_layout(pool: _Pool) -> Optional[Tuple[int, List[Tuple[int, int, int]]]]:
@@ -385,7 +408,7 @@ def _agent_layout(pool: _Pool) -> Optional[Tuple[int, List[Tuple[int, int, int]]
     each chunk a ``(data_ptr, stride, length)`` run whose concatenation is
     exactly the flat page (``get_data_page(flat=True)``). Derived from the
     page views' own strides, so it holds for every host layout whose pages
-    are views; ``None`` (phase A copies then) when it cannot be described:
+    are views; ``None`` (bounce copies then) when it cannot be described:
     not a CPU tensor, or pages that are not views of one buffer."""
     host = pool.host
     p = pool.page_tokens
@@ -675,21 +698,10 @@ def _build_registration(
 # One connection
 
 
-@dataclass
-class _Staging:
-    region: int
-    view: memoryview
-    slots: int
-    page_bytes: int
-    device_pages: List[int]
-
-    def slot(self, i: int) -> memoryview:
-        return self.view[i * self.page_bytes : (i + 1) * self.page_bytes]
-
-
 class _Conn:
-    """A connection with its own session and staging regions. Used by one
-    call at a time (the pool hands it out), so its events are its own."""
+    """A connection with its own session, copy agent and agent regions. Used
+    by one call at a time (the pool hands it out), so its events are its
+    own."""
 
     def __init__(self, reg: _Registration, cfg: OrbitKVConfig):
         self.reg = reg
@@ -697,10 +709,11 @@ class _Conn:
         self.client = orbitkv.Client(cfg.socket, cfg.client_name)
         self.incarnation = self.client.incarnation
         self._request = 0
-        self.staging: Dict[int, _Staging] = {}
         #: Per group: the host pool as an agent region of this connection
-        #: (None: it cannot be described; phase A copies then).
+        #: (None: it cannot be described; bounce copies then).
         self.agent: Dict[int, Optional[_AgentRegion]] = {}
+        #: Per group: this connection's bounce buffer (made when needed).
+        self.bounces: Dict[int, _BounceRegion] = {}
         #: The operation `leased` holds, and whether a restore ended it.
         self.operation: Optional[int] = None
         self.finished = False
@@ -811,25 +824,18 @@ class _Conn:
             if not self.finished:
                 self.client.submit({"command": "release", "session": self.session, "operation": op})
 
-    # -- the host pool as an agent region ----------------------------------
+    # -- agent regions -----------------------------------------------------
 
-    def agent_region(self, pool: _Pool) -> Optional[_AgentRegion]:
-        """Registers the host pool as an agent-owned region of this
-        connection once: the manager never maps it, this process's copy
-        agent copies pages straight between it and the shared pool."""
-        if pool.group in self.agent:
-            return self.agent[pool.group]
-        layout = _agent_layout(pool)
-        if layout is None:
-            self.agent[pool.group] = None
-            return None
-        slots, chunks = layout
-        # HiCache's host pool is host memory (`_agent_layout` takes CPU
-        # pools only); SGLang's own kernels move pages between it and the
-        # GPU, so the agent copies host memory here.
-        agent_id, page_bytes = self.client.attach_agent_memory(
-            slots, chunks, pool.host, device="cpu"
-        )
+    def _register_agent(self, pool: _Pool, slots: int, chunks: List[Tuple[int, int, int]], owner: Any) -> int:
+        """Attaches memory to this connection's copy agent and registers it
+        with the manager as an agent-owned region of the pool's group; the
+        manager never maps it. Returns the manager's region handle."""
+        # Host memory (`_agent_layout` takes CPU pools only, the bounce
+        # buffer is a CPU tensor); SGLang's own kernels move pages between
+        # the host pool and the GPU.
+        agent_id, page_bytes = self.client.attach_agent_memory(slots, chunks, owner, device="cpu")
+        if page_bytes != pool.page_bytes:
+            raise _Broken(f"agent region pages are {page_bytes} bytes, the pool's {pool.page_bytes}")
         r = self._reply(
             self.client.call(
                 {
@@ -844,12 +850,38 @@ class _Conn:
             ),
             "region_registered",
         )
-        a = _AgentRegion(r["region"], pool.page_tokens)
+        return int(r["region"])
+
+    def agent_region(self, pool: _Pool) -> Optional[_AgentRegion]:
+        """The host pool itself as an agent region of this connection
+        (registered once): the copy agent copies pages straight between it
+        and the manager. None when its pages cannot be described."""
+        if pool.group in self.agent:
+            return self.agent[pool.group]
+        layout = _agent_layout(pool)
+        if layout is None:
+            self.agent[pool.group] = None
+            return None
+        slots, chunks = layout
+        a = _AgentRegion(self._register_agent(pool, slots, chunks, pool.host), pool.page_tokens)
         self.agent[pool.group] = a
         return a
 
+    def bounce_for(self, pool: _Pool) -> _BounceRegion:
+        """This connection's bounce buffer for the pool (made and registered
+        once): ``staging_pages`` pages, capped by ``staging_bytes``."""
+        b = self.bounces.get(pool.group)
+        if b is not None:
+            return b
+        slots = max(1, min(self.cfg.staging_pages, self.cfg.staging_bytes // pool.page_bytes))
+        buffer = torch.zeros((slots, pool.page_bytes), dtype=torch.uint8)
+        chunks = [(buffer.data_ptr(), pool.page_bytes, pool.page_bytes)]
+        b = _BounceRegion(self._register_agent(pool, slots, chunks, buffer), buffer, slots)
+        self.bounces[pool.group] = b
+        return b
+
     def device_pages(self, region: int, slots: Sequence[int]) -> List[int]:
-        """Device pages for host slots, allocated in one pipelined round."""
+        """Device pages for region slots, allocated in one pipelined round."""
         ids = [
             self.client.submit(
                 {"command": "device_page_alloc", "session": self.session, "region": region, "slot": s}
@@ -875,11 +907,17 @@ class _Conn:
         for dp in pages:
             self.client.submit({"command": "device_page_free", "session": self.session, "device_page": dp})
 
-    def restore(self, op: int, targets: List[Dict[str, Any]]) -> Optional[str]:
+    def restore(self, op: int, targets: List[Dict[str, Any]], retained: List[Dict[str, Any]]) -> Optional[str]:
         """Restores leased pages into device pages; None when every byte
         landed, else the miss reason. The operation is over either way."""
         self.client.submit(
-            {"command": "restore", "session": self.session, "operation": op, "targets": targets, "retained": []}
+            {
+                "command": "restore",
+                "session": self.session,
+                "operation": op,
+                "targets": targets,
+                "retained": retained,
+            }
         )
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:
@@ -898,49 +936,58 @@ class _Conn:
                 continue
             raise _Broken(f"unexpected event for restore {op}: {kind}")
 
-    # -- writes ----------------------------------------------------------
+    # -- the two moves -----------------------------------------------------
 
-    def staging_for(self, pool: _Pool) -> _Staging:
-        s = self.staging.get(pool.group)
-        if s is not None:
-            return s
-        slots = max(1, min(self.cfg.staging_pages, self.cfg.staging_bytes // pool.page_bytes))
-        r = self._reply(
-            self.client.call(
-                {
-                    "command": "register_device_region",
-                    "session": self.session,
-                    "rank": 0,
-                    "group": pool.group,
-                    "slots": slots,
-                },
-                self.cfg.timeout_s,
-            ),
-            "region_registered",
-        )
-        if r["page_bytes"] != pool.page_bytes:
-            raise _Broken(f"region pages are {r['page_bytes']} bytes, the pool's {pool.page_bytes}")
-        region = r["region"]
-        pages = []
-        for slot in range(slots):
-            pages.append(
-                self._reply(
-                    self.client.call(
-                        {"command": "device_page_alloc", "session": self.session, "region": region, "slot": slot},
-                        self.cfg.timeout_s,
-                    ),
-                    "device_page_allocated",
-                )["device_page"]
-            )
-        s = _Staging(region, self.client.region(region), slots, pool.page_bytes, pages)
-        self.staging[pool.group] = s
-        return s
+    def restore_slots(
+        self, pool: _Pool, region: int, hashes: List[str], slot_of: Callable[[int], int]
+    ) -> Tuple[Optional[str], List[int]]:
+        """Leases the pages of ``hashes`` at the largest legal boundary
+        (every registered group under its rule) and has the agent restore
+        the pool's pages into ``region`` (page i into slot ``slot_of(i)``).
+        The other groups' pages of that boundary are loaded by their own
+        SGLang calls (KV first, then each side pool), so this restore names
+        them ``retained``: the manager checks that the two sets cover every
+        required page, holds every lease until the copy landed, and then
+        returns them all. Returns (miss reason, indices restored)."""
+        n = len(hashes)
+        page = self.reg.page_tokens
+        with self.leased(hashes) as (miss, leases):
+            if miss is not None:
+                return miss, []
+            index: List[int] = []
+            mine: List[Dict[str, Any]] = []
+            retained: List[Dict[str, Any]] = []
+            for lease in leases:
+                pos = lease["pos"]
+                i = pos["page_end"] // page - 1
+                if not (0 <= i < n) or pos["page_end"] % page:
+                    raise _Broken(f"lease {pos} does not fit a {n}-page call")
+                if pos["group"] != pool.group:
+                    retained.append(pos)
+                    continue
+                if lease["bytes"] != pool.page_bytes:
+                    raise _Broken(f"lease {pos} of {lease['bytes']} bytes, the pool's pages {pool.page_bytes}")
+                index.append(i)
+                mine.append(pos)
+            if not index:
+                return "incomplete_group", []
+            pages = self.device_pages(region, [slot_of(i) for i in index])
+            try:
+                targets = [{"pos": pos, "device_page": dp} for pos, dp in zip(mine, pages)]
+                self.finished = True
+                reason = self.restore(self.operation, targets, retained)
+            finally:
+                self.free_pages(pages)
+            if reason is not None:
+                return reason, []
+        return None, index
 
-    def publish_from_host(self, pool: _Pool, region: _AgentRegion, hashes: List[str], starts: List[int]) -> int:
-        """Publishes pages straight from the host pool (an agent region):
-        the agent copies them into this connection's staging area, the
-        manager into its pool. Returns how many leading pages are stored."""
-        pages = self.device_pages(region.region, [st // region.page_tokens for st in starts])
+    def publish_slots(self, pool: _Pool, region: int, hashes: List[str], slots: Sequence[int]) -> int:
+        """Publishes page i from ``region``'s slot ``slots[i]``: the agent
+        copies it into this connection's staging area, the manager into its
+        pool (checksummed in the same pass). Returns how many leading pages
+        the manager holds."""
+        pages = self.device_pages(region, slots)
         try:
             items = [
                 {"rank": 0, "group": pool.group, "hash": h, "device_page": dp}
@@ -950,43 +997,17 @@ class _Conn:
             try:
                 done = self._reply(self.client.call(cmd, self.cfg.timeout_s), "publish_done")
             except TimeoutError as e:
+                # The agent may still read the slots: the connection is
+                # closed (its agent drains before anything reuses them).
                 raise _Broken(f"publish: {e}", reason="timeout") from e
         finally:
             self.free_pages(pages)
         if done["dropped"] == 0 and done["inserted"] + done["duplicates"] == len(hashes):
             return len(hashes)
+        # Some pages did not make it (no DRAM within the publish deadline):
+        # report only the leading run the manager now holds.
         qr = self.query(hashes)
         return _prefix_pages(qr, pool.group, self.reg.page_tokens, len(hashes))
-
-    def publish(self, pool: _Pool, hashes: List[str], fill: Callable[[int, memoryview], None]) -> int:
-        """Publishes ``hashes`` in chunks of the staging slots; ``fill(i,
-        slot)`` writes page i. Returns how many leading pages are stored."""
-        staging = self.staging_for(pool)
-        stored = 0
-        for start in range(0, len(hashes), staging.slots):
-            chunk = hashes[start : start + staging.slots]
-            for k in range(len(chunk)):
-                fill(start + k, staging.slot(k))
-            pages = [
-                {"rank": 0, "group": pool.group, "hash": h, "device_page": staging.device_pages[k]}
-                for k, h in enumerate(chunk)
-            ]
-            cmd = {"command": "publish", "session": self.session, "request": self._next(), "pages": pages}
-            try:
-                done = self._reply(self.client.call(cmd, self.cfg.timeout_s), "publish_done")
-            except TimeoutError as e:
-                # The copy out of our staging slots may still run: never
-                # write them again (the connection is closed).
-                raise _Broken(f"publish: {e}", reason="timeout") from e
-            if done["dropped"] == 0 and done["inserted"] + done["duplicates"] == len(chunk):
-                stored += len(chunk)
-                continue
-            # Some pages did not make it (no DRAM within the publish
-            # deadline): report only the leading run the manager now holds.
-            qr = self.query(chunk)
-            stored += _prefix_pages(qr, pool.group, self.reg.page_tokens, len(chunk))
-            break
-        return stored
 
 
 def _candidate_pages(qr: Dict[str, Any], group: int, page_tokens: int) -> List[int]:
@@ -1258,22 +1279,42 @@ class OrbitKVStorage(HiCacheStorage):
 
     @staticmethod
     def _page_starts(pool: _Pool, host_indices: Any, n: int) -> List[int]:
-        """The first host slot of each of the n pages, checked."""
+        """The first host slot of each of the n pages, checked: each page's
+        indices must be ``page_size`` consecutive slots inside the pool
+        (SGLang's host allocator hands out whole pages). A page that is not
+        contiguous is refused (``noncontiguous_host_indices``): its bytes
+        are not one page of the pool. A start that is not a page boundary
+        works in ``layer_first`` and ``page_first`` (through a bounce slot)
+        and is refused in ``page_first_direct`` (``unaligned_host_index``),
+        which addresses whole pages (an unaligned start names another)."""
         if not isinstance(host_indices, torch.Tensor):
             raise _BadInput(f"host_indices must be a tensor, got {type(host_indices).__name__}")
-        if host_indices.numel() != n * pool.page_tokens:
+        p = pool.page_tokens
+        if host_indices.numel() != n * p:
+            raise _BadInput(f"{host_indices.numel()} host indices for {n} pages of {p} tokens")
+        if n == 0:
+            return []
+        if host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
+            raise _BadInput(f"host_indices must be integers, got {host_indices.dtype}")
+        pages = host_indices.detach().reshape(n, p).to("cpu", torch.int64)
+        first = pages[:, :1]
+        if not torch.equal(pages, first + torch.arange(p, dtype=torch.int64)):
+            bad = int(((pages != first + torch.arange(p)).any(dim=1)).nonzero()[0, 0])
             raise _BadInput(
-                f"{host_indices.numel()} host indices for {n} pages of {pool.page_tokens} tokens"
+                f"page {bad}'s host indices {pages[bad].tolist()} are not {p} consecutive slots",
+                reason="noncontiguous_host_indices",
             )
-        starts = host_indices.reshape(-1)[:: pool.page_tokens].tolist()
+        starts = first.reshape(-1).tolist()
         size = int(pool.host.size)
-        # page_first_direct addresses whole pages (index // page_size): an
-        # unaligned start would name another page. The other layouts slice
-        # page_size tokens from any start.
-        aligned = getattr(pool.host, "layout", None) == "page_first_direct"
+        direct = getattr(pool.host, "layout", None) == "page_first_direct"
         for s in starts:
-            if not (0 <= s and s + pool.page_tokens <= size) or (aligned and s % pool.page_tokens):
-                raise _BadInput(f"host index {s} is not a page start inside the {size}-token pool")
+            if not (0 <= s and s + p <= size):
+                raise _BadInput(f"host index {s} is not a page inside the {size}-token pool")
+            if direct and s % p:
+                raise _BadInput(
+                    f"host index {s} is not a page start of a page_first_direct pool",
+                    reason="unaligned_host_index",
+                )
         return starts
 
     # -- existence -----------------------------------------------------------
@@ -1345,141 +1386,131 @@ class OrbitKVStorage(HiCacheStorage):
             )
         return pool
 
-    # -- v1: host pool <-> OrbitKV --------------------------------------------
-
-    def _load(self, pool: _Pool, keys: Sequence[str], place: Callable[[int, memoryview], None]) -> List[bool]:
-        """Fetches ``keys`` (pages of ``pool``'s group) and hands each leased
-        page to ``place(i, bytes)``; the per-key result is a prefix."""
-        reg = self._registration()
-        hashes = self._check_keys(keys)
-        n = len(hashes)
-        if n == 0:
-            return []
-        done = [False] * n
-        with self._conns.borrow() as conn:
-            with conn.leased(hashes) as (miss, leases):
-                if miss is not None:
-                    self.stats.miss(miss, n)
-                    return done
-                for lease in leases:
-                    pos = lease["pos"]
-                    if pos["group"] != pool.group:
-                        continue
-                    i = pos["page_end"] // reg.page_tokens - 1
-                    if not (0 <= i < n) or lease["bytes"] != pool.page_bytes:
-                        raise _Broken(f"lease {pos} of {lease['bytes']} bytes does not fit the call")
-                    place(i, conn.client.page(lease))
-                    done[i] = True
-        out = _prefix_mask(done)
-        got = sum(out)
-        self.stats.add("pages_loaded", got)
-        self.stats.add("bytes_loaded", got * pool.page_bytes)
-        if got < n:
-            self.stats.miss("incomplete_group" if any(done) else "not_found", n - got)
-        return out
-
-    def _agent_ok(self, reg: _Registration, pool: _Pool, starts: List[int]) -> bool:
-        """Whether a v1 call can go through the copy agent: one storage
-        group (a restore covers every required page) and page-aligned host
-        slots (an agent region's slots are whole pages)."""
-        return len(reg.groups()) == 1 and all(s % pool.page_tokens == 0 for s in starts)
-
-    def _load_into_host(self, pool: _Pool, keys: Sequence[str], starts: List[int]) -> List[bool]:
-        """``_load`` with the copies run by this process's copy agent on the
-        manager's instruction, straight from the shared pool into the host
-        pool's slots."""
-        reg = self._registration()
-        hashes = self._check_keys(keys)
-        n = len(hashes)
-        if n == 0:
-            return []
-        done = [False] * n
-        with self._conns.borrow() as conn:
-            region = conn.agent_region(pool)
-            if region is not None:
-                miss = self._restore_into_host(conn, region, reg, pool, hashes, starts, done)
-                if miss is not None:
-                    self.stats.miss(miss, n)
-                    return [False] * n
-        if region is None:
-            return self._load(pool, keys, lambda i, src: _StagedCopies.page_to_host(pool, starts[i], src))
-        out = _prefix_mask(done)
-        got = sum(out)
-        self.stats.add("pages_loaded", got)
-        self.stats.add("bytes_loaded", got * pool.page_bytes)
-        if got < n:
-            self.stats.miss("incomplete_group" if any(done) else "not_found", n - got)
-        return out
+    # -- moving pages (every copy run by this process's copy agent) -------------
 
     @staticmethod
-    def _restore_into_host(
-        conn: "_Conn",
-        region: _AgentRegion,
-        reg: _Registration,
-        pool: _Pool,
-        hashes: List[str],
-        starts: List[int],
-        done: List[bool],
-    ) -> Optional[str]:
-        """Leases the pages and restores them into their host slots;
-        marks ``done``; returns a miss reason if nothing was restored."""
-        n = len(hashes)
-        with conn.leased(hashes) as (miss, leases):
-            if miss is not None:
-                return miss
-            index: List[int] = []
-            for lease in leases:
-                pos = lease["pos"]
-                i = pos["page_end"] // reg.page_tokens - 1
-                if pos["group"] != pool.group or not (0 <= i < n) or lease["bytes"] != pool.page_bytes:
-                    raise _Broken(f"lease {pos} of {lease['bytes']} bytes does not fit the call")
-                index.append(i)
-            pages = conn.device_pages(region.region, [starts[i] // pool.page_tokens for i in index])
-            try:
-                targets = [{"pos": l["pos"], "device_page": dp} for l, dp in zip(leases, pages)]
-                conn.finished = True
-                reason = conn.restore(conn.operation, targets)
-            finally:
-                conn.free_pages(pages)
-            if reason is not None:
-                return reason
-            for i in index:
-                done[i] = True
-        return None
+    def _aligned(pool: _Pool, starts: Optional[List[int]]) -> bool:
+        """Whether every page starts a host-pool page (an agent region's
+        slot is a whole page: anything else goes through a bounce slot)."""
+        return starts is not None and all(s % pool.page_tokens == 0 for s in starts)
 
-    def _store_from_host(self, pool: _Pool, keys: Sequence[str], starts: List[int]) -> List[bool]:
-        """``_store`` with the copies run by this process's copy agent."""
-        hashes = self._check_keys(keys)
-        if not hashes:
-            return []
-        self._registration()
-        with self._conns.borrow() as conn:
-            region = conn.agent_region(pool)
-            if region is None:
-                stored = conn.publish(pool, hashes, lambda i, dst: _StagedCopies.host_to_slot(pool, starts[i], dst))
+    def _count(self, what: str, pool: _Pool, path: str, n: int, got: int, miss: Optional[str]) -> None:
+        self.stats.add(f"pages_{what}", got)
+        self.stats.add(f"bytes_{what}", got * pool.page_bytes)
+        self.stats.add(path, got)
+        if got < n:
+            if what == "stored":
+                self.stats.miss(miss or "publish_dropped", n - got, "the manager dropped pages of a publish")
             else:
-                stored = conn.publish_from_host(pool, region, hashes, starts)
-        self.stats.add("pages_stored", stored)
-        self.stats.add("bytes_stored", stored * pool.page_bytes)
-        if stored < len(hashes):
-            self.stats.miss("publish_dropped", len(hashes) - stored, "the manager dropped pages of a publish")
-        return [True] * stored + [False] * (len(hashes) - stored)
+                self.stats.miss(miss or ("incomplete_group" if got else "not_found"), n - got)
 
-    def _store(self, pool: _Pool, keys: Sequence[str], fill: Callable[[int, memoryview], None]) -> List[bool]:
-        hashes = self._check_keys(keys)
-        if not hashes:
-            return []
+    def _get(
+        self,
+        pool: _Pool,
+        keys: Sequence[str],
+        starts: Optional[List[int]] = None,
+        targets: Optional[List[torch.Tensor]] = None,
+    ) -> List[bool]:
+        """Restores ``keys`` (pages of ``pool``'s group) into the host pool
+        at ``starts``, or into the legacy ``targets``. The copy agent copies
+        straight from the manager's pool into the host pool when the host
+        indices are page-aligned and the host pool is an agent region; else
+        into a bounce slot, which is then copied out. Per-key result: a
+        prefix."""
         self._registration()
+        hashes = self._check_keys(keys)
+        n = len(hashes)
+        if n == 0:
+            return []
+        done = [False] * n
+        miss: Optional[str] = None
         with self._conns.borrow() as conn:
-            stored = conn.publish(pool, hashes, fill)
-        self.stats.add("pages_stored", stored)
-        self.stats.add("bytes_stored", stored * pool.page_bytes)
-        if stored < len(hashes):
-            self.stats.miss("publish_dropped", len(hashes) - stored, "the manager dropped pages of a publish")
-        return [True] * stored + [False] * (len(hashes) - stored)
+            region = conn.agent_region(pool) if self._aligned(pool, starts) else None
+            if region is not None:
+                assert starts is not None
+                path = "agent_direct_pages"
+                miss, got = conn.restore_slots(
+                    pool, region.region, hashes, lambda i: starts[i] // pool.page_tokens
+                )
+                for i in got:
+                    done[i] = True
+            else:
+                path = "agent_bounce_pages"
+                bounce = conn.bounce_for(pool)
+                for c0 in range(0, n, bounce.slots):
+                    chunk = hashes[c0 : c0 + bounce.slots]
+                    miss, got = conn.restore_slots(pool, bounce.region, chunk, lambda i: i)
+                    for i in sorted(got):
+                        row = bounce.buffer[i]
+                        if starts is not None:
+                            _Bounce.slot_to_host(pool, starts[c0 + i], row)
+                        else:
+                            assert targets is not None
+                            _Bounce.slot_to_value(row, targets[c0 + i])
+                        done[c0 + i] = True
+                    if miss is not None or len(got) < len(chunk):
+                        break
+        out = _prefix_mask(done)
+        self._count("loaded", pool, path, n, sum(out), miss)
+        return out
+
+    def _set(
+        self,
+        pool: _Pool,
+        keys: Sequence[str],
+        starts: Optional[List[int]] = None,
+        values: Optional[List[Any]] = None,
+    ) -> List[bool]:
+        """Publishes ``keys`` from the host pool at ``starts``, or from the
+        legacy ``values``: the copy agent copies straight from the host pool
+        (page-aligned indices, a describable pool) or from a bounce slot
+        into the connection's staging area; the manager then copies them
+        into its pool. Per-key result: a prefix."""
+        self._registration()
+        hashes = self._check_keys(keys)
+        n = len(hashes)
+        if n == 0:
+            return []
+        if values is not None:
+            for v in values:
+                _Bounce.check_value(pool, v)
+        stored = 0
+        with self._conns.borrow() as conn:
+            region = conn.agent_region(pool) if self._aligned(pool, starts) else None
+            if region is not None:
+                assert starts is not None
+                path = "agent_direct_pages"
+                step = self.config.staging_pages
+                for c0 in range(0, n, step):
+                    chunk = hashes[c0 : c0 + step]
+                    slots = [s // pool.page_tokens for s in starts[c0 : c0 + step]]
+                    got = conn.publish_slots(pool, region.region, chunk, slots)
+                    stored += got
+                    if got < len(chunk):
+                        break
+            else:
+                path = "agent_bounce_pages"
+                bounce = conn.bounce_for(pool)
+                for c0 in range(0, n, bounce.slots):
+                    chunk = hashes[c0 : c0 + bounce.slots]
+                    for k in range(len(chunk)):
+                        row = bounce.buffer[k]
+                        if starts is not None:
+                            _Bounce.host_to_slot(pool, starts[c0 + k], row)
+                        else:
+                            assert values is not None
+                            _Bounce.value_to_slot(pool, values[c0 + k], row)
+                    got = conn.publish_slots(pool, bounce.region, chunk, range(len(chunk)))
+                    stored += got
+                    if got < len(chunk):
+                        break
+        self._count("stored", pool, path, n, stored, None)
+        return [True] * stored + [False] * (n - stored)
 
     def _kv(self) -> _Pool:
         return self._registration().pools[str(PoolName.KV)]
+
+    # -- v1: host pool <-> OrbitKV --------------------------------------------
 
     def batch_get_v1(
         self,
@@ -1491,10 +1522,7 @@ class OrbitKVStorage(HiCacheStorage):
 
         def run() -> List[bool]:
             pool = self._kv()
-            starts = self._page_starts(pool, host_indices, n)
-            if self._agent_ok(self._registration(), pool, starts):
-                return self._load_into_host(pool, keys, starts)
-            return self._load(pool, keys, lambda i, src: _StagedCopies.page_to_host(pool, starts[i], src))
+            return self._get(pool, keys, starts=self._page_starts(pool, host_indices, n))
 
         return self._guard("batch_get_v1", n, [False] * n, run)
 
@@ -1508,10 +1536,7 @@ class OrbitKVStorage(HiCacheStorage):
 
         def run() -> List[bool]:
             pool = self._kv()
-            starts = self._page_starts(pool, host_indices, n)
-            if self._agent_ok(self._registration(), pool, starts):
-                return self._store_from_host(pool, keys, starts)
-            return self._store(pool, keys, lambda i, dst: _StagedCopies.host_to_slot(pool, starts[i], dst))
+            return self._set(pool, keys, starts=self._page_starts(pool, host_indices, n))
 
         return self._guard("batch_set_v1", n, [False] * n, run)
 
@@ -1536,10 +1561,8 @@ class OrbitKVStorage(HiCacheStorage):
                 pool = self._transfer_pool(t)
                 starts = self._page_starts(pool, t.host_indices, n)
                 if write:
-                    fill = lambda i, dst: _StagedCopies.host_to_slot(pool, starts[i], dst)  # noqa: E731
-                    return self._store(pool, keys, fill)
-                place = lambda i, src: _StagedCopies.page_to_host(pool, starts[i], src)  # noqa: E731
-                return self._load(pool, keys, place)
+                    return self._set(pool, keys, starts=starts)
+                return self._get(pool, keys, starts=starts)
 
             what = "batch_set_v2" if write else "batch_get_v2"
             out[t.name] = self._guard(f"{what}[{t.name}]", n, [False] * n, run)
@@ -1569,10 +1592,9 @@ class OrbitKVStorage(HiCacheStorage):
         def run() -> bool:
             pool = self._kv()
             vals = list(values or [])
-            if len(vals) != n or not all(isinstance(v, torch.Tensor) for v in vals):
+            if len(vals) != n:
                 raise _BadInput(f"{len(vals)} values for {n} keys")
-            fill = lambda i, dst: _StagedCopies.value_to_slot(pool, vals[i], dst)  # noqa: E731
-            return all(self._store(pool, keys, fill))
+            return all(self._set(pool, keys, values=vals))
 
         return self._guard("batch_set", n, False, run)
 
@@ -1596,9 +1618,11 @@ class OrbitKVStorage(HiCacheStorage):
         def run() -> List[Optional[torch.Tensor]]:
             pool = self._kv()
             targets = list(target_locations or [])
-            if len(targets) != n or not all(isinstance(t, torch.Tensor) for t in targets):
+            if len(targets) != n:
                 raise _BadInput(f"{len(targets)} target tensors for {n} keys")
-            ok = self._load(pool, keys, lambda i, src: _StagedCopies.page_to_value(pool, src, targets[i]))
+            for t in targets:
+                _Bounce.check_target(pool, t)
+            ok = self._get(pool, keys, targets=targets)
             return [t if good else None for t, good in zip(targets, ok)]
 
         return self._guard("batch_get", n, [None] * n, run)

@@ -714,6 +714,12 @@ class _Conn:
         self.agent: Dict[int, Optional[_AgentRegion]] = {}
         #: Per group: this connection's bounce buffer (made when needed).
         self.bounces: Dict[int, _BounceRegion] = {}
+        #: Device pages of this connection's agent regions, by (region,
+        #: slot): allocated on a slot's first use and kept until the
+        #: connection closes (one call at a time uses them, so no two
+        #: copies share a slot; an allocation round per call would cost
+        #: more than the copy).
+        self.pages: Dict[Tuple[int, int], int] = {}
         #: The operation `leased` holds, and whether a restore ended it.
         self.operation: Optional[int] = None
         self.finished = False
@@ -881,31 +887,25 @@ class _Conn:
         return b
 
     def device_pages(self, region: int, slots: Sequence[int]) -> List[int]:
-        """Device pages for region slots, allocated in one pipelined round."""
-        ids = [
+        """Device pages for region slots: the connection's own, the missing
+        ones allocated in one pipelined round."""
+        missing = sorted({s for s in slots if (region, s) not in self.pages})
+        ids = {
             self.client.submit(
                 {"command": "device_page_alloc", "session": self.session, "region": region, "slot": s}
-            )
-            for s in slots
-        ]
-        got: Dict[int, int] = {}
-        want = set(ids)
+            ): s
+            for s in missing
+        }
         deadline = time.monotonic() + self.cfg.timeout_s
-        while want:
+        while ids:
             left = deadline - time.monotonic()
             e = self.client.wait_event(left) if left > 0 else None
             if e is None:
                 raise _Broken("device page allocation timed out", reason="timeout")
-            cid = e.get("command")
-            if cid in want:
-                got[cid] = self._reply(e, "device_page_allocated")["device_page"]
-                want.discard(cid)
-        return [got[c] for c in ids]
-
-    def free_pages(self, pages: Sequence[int]) -> None:
-        """Frees device pages (answers are drained later)."""
-        for dp in pages:
-            self.client.submit({"command": "device_page_free", "session": self.session, "device_page": dp})
+            slot = ids.pop(e.get("command"), None)
+            if slot is not None:
+                self.pages[(region, slot)] = self._reply(e, "device_page_allocated")["device_page"]
+        return [self.pages[(region, s)] for s in slots]
 
     def restore(self, op: int, targets: List[Dict[str, Any]], retained: List[Dict[str, Any]]) -> Optional[str]:
         """Restores leased pages into device pages; None when every byte
@@ -972,12 +972,9 @@ class _Conn:
             if not index:
                 return "incomplete_group", []
             pages = self.device_pages(region, [slot_of(i) for i in index])
-            try:
-                targets = [{"pos": pos, "device_page": dp} for pos, dp in zip(mine, pages)]
-                self.finished = True
-                reason = self.restore(self.operation, targets, retained)
-            finally:
-                self.free_pages(pages)
+            targets = [{"pos": pos, "device_page": dp} for pos, dp in zip(mine, pages)]
+            self.finished = True
+            reason = self.restore(self.operation, targets, retained)
             if reason is not None:
                 return reason, []
         return None, index
@@ -988,20 +985,17 @@ class _Conn:
         pool (checksummed in the same pass). Returns how many leading pages
         the manager holds."""
         pages = self.device_pages(region, slots)
+        items = [
+            {"rank": 0, "group": pool.group, "hash": h, "device_page": dp}
+            for h, dp in zip(hashes, pages)
+        ]
+        cmd = {"command": "publish", "session": self.session, "request": self._next(), "pages": items}
         try:
-            items = [
-                {"rank": 0, "group": pool.group, "hash": h, "device_page": dp}
-                for h, dp in zip(hashes, pages)
-            ]
-            cmd = {"command": "publish", "session": self.session, "request": self._next(), "pages": items}
-            try:
-                done = self._reply(self.client.call(cmd, self.cfg.timeout_s), "publish_done")
-            except TimeoutError as e:
-                # The agent may still read the slots: the connection is
-                # closed (its agent drains before anything reuses them).
-                raise _Broken(f"publish: {e}", reason="timeout") from e
-        finally:
-            self.free_pages(pages)
+            done = self._reply(self.client.call(cmd, self.cfg.timeout_s), "publish_done")
+        except TimeoutError as e:
+            # The agent may still read the slots: the connection is closed
+            # (its agent drains before anything reuses them).
+            raise _Broken(f"publish: {e}", reason="timeout") from e
         if done["dropped"] == 0 and done["inserted"] + done["duplicates"] == len(hashes):
             return len(hashes)
         # Some pages did not make it (no DRAM within the publish deadline):

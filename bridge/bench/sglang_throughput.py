@@ -169,7 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--file-dir", default=None, help="HiCacheFile's directory (default: a temp dir in /tmp)")
+    ap.add_argument("--file-dir", default=None, help="where HiCacheFile's fresh directory is made (default: /tmp)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.pages <= 0 or args.pages % BATCH:
@@ -207,8 +207,11 @@ def main() -> None:
     expected = [page_bytes(host, s) for s in src[::PAGE].tolist()]
     total = pages * len(expected[0])
 
-    file_dir = args.file_dir or tempfile.mkdtemp(prefix="hicache-bench-", dir="/tmp")
-    os.makedirs(file_dir, exist_ok=True)
+    # A fresh directory every run: HiCacheFile skips keys whose file exists,
+    # so a directory a previous run filled would time no writes at all.
+    base = args.file_dir or "/tmp"
+    os.makedirs(base, exist_ok=True)
+    file_dir = tempfile.mkdtemp(prefix="hicache-bench-", dir=base)
     dram = f"{max(256, 2 * total * (args.repeat + 1) >> 20)}MiB"
     manager = ss.Manager(ss.orbitkv_binary(os.environ.get("PROFILE", "release")), dram=dram).start()
     results = {}
@@ -225,8 +228,7 @@ def main() -> None:
     finally:
         manager.stop()
         shutil.rmtree(manager.dir, ignore_errors=True)
-        if args.file_dir is None:
-            shutil.rmtree(file_dir, ignore_errors=True)
+        shutil.rmtree(file_dir, ignore_errors=True)
         shutil.rmtree(model, ignore_errors=True)
 
     def med(name, i):

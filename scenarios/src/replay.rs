@@ -9,8 +9,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use orbitkv_components::api::{
-    Addressed, Command, CommandId, Event, GroupHashes, Origin, PagePos, PublishPage, RestoreTarget,
-    SessionHandle,
+    Addressed, AgentDirection, AgentPageCopy, AgentRegion, Command, CommandId, CopyFailure, Event,
+    GroupHashes, Origin, PagePos, PublishPage, RestoreTarget, SessionHandle,
 };
 use orbitkv_components::contract::{GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey};
@@ -24,8 +24,8 @@ use serde_json::Value;
 use crate::payload::payload;
 use crate::report::{Occupancy, Percentiles, Report, RequestReport, Sample};
 use crate::trace::{
-    Body, Fault, Header, Line, Model, Open, Publish, Register, Request, Then, Ticks, TierPut,
-    Trace, chained_hashes,
+    AgentModel, Body, Fault, Header, Line, Model, Open, Publish, Register, Request, Then, Ticks,
+    TierPut, Trace, chained_hashes,
 };
 
 /// Bounds of the driver itself.
@@ -98,7 +98,10 @@ impl InstanceInfo {
 
 struct RegionInfo {
     handle: u64,
+    /// The copy engine's region id, or the simulated agent's.
     engine: u32,
+    /// Agent-owned: its memory is in `SimAgents::memory`, not the arena.
+    agent: bool,
     slots: u32,
     page_bytes: u64,
     live: BTreeSet<u32>,
@@ -118,6 +121,8 @@ enum RawPending {
         rank: u32,
         group: u32,
         slots: u32,
+        /// Agent-owned (a raw agent region: no simulated agent runs it).
+        agent: bool,
     },
     Alloc {
         session: u64,
@@ -155,6 +160,7 @@ struct RequestState {
 struct RestoredPage {
     key: StateKey,
     engine_region: u32,
+    agent: bool,
     offset: u64,
     bytes: u64,
     device_page: u64,
@@ -168,13 +174,62 @@ struct RestoreState {
 }
 
 enum Timer {
-    Cancel { session: u64, operation: u64 },
-    Free { session: u64, pages: Vec<u64> },
+    Cancel {
+        session: u64,
+        operation: u64,
+    },
+    Free {
+        session: u64,
+        pages: Vec<u64>,
+    },
+    /// A simulated agent reports a copy.
+    AgentDone {
+        session: u64,
+        copy: u64,
+        failure: Option<CopyFailure>,
+    },
 }
 
 enum Todo {
     Restore(u64),
-    Free { session: u64, pages: Vec<u64> },
+    Free {
+        session: u64,
+        pages: Vec<u64>,
+    },
+    /// The session's agent vanished: its connection drops.
+    Crash(u64),
+}
+
+/// A session's simulated copy agent: its model and where it stands.
+struct SimAgent {
+    model: AgentModel,
+    rng: u64,
+    vanished: bool,
+}
+
+impl SimAgent {
+    /// One draw in [0, 1000) (xorshift64*, deterministic per seed).
+    fn roll(&mut self) -> u64 {
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) % 1000
+    }
+}
+
+/// The simulated copy agents of the trace's sessions. The engine memory of
+/// agent regions lives here (the runtime never maps it); the agent reads
+/// the runtime's pool and writes the origin's staging area through their
+/// exported descriptors, as a real agent's mapping does.
+#[derive(Default)]
+struct SimAgents {
+    next_region: u32,
+    /// Agent region id → (owning session, engine memory).
+    memory: HashMap<u32, (u64, Vec<u8>)>,
+    /// Session → its agent.
+    agents: HashMap<u64, SimAgent>,
+    pool: Option<std::fs::File>,
+    staging: Option<std::fs::File>,
 }
 
 pub struct Replay<'o> {
@@ -186,6 +241,7 @@ pub struct Replay<'o> {
     tiers: Vec<(String, MemoryTierHandle, u64, bool)>,
     incarnation: u64,
     observer: Box<dyn Observer + 'o>,
+    sim_agents: SimAgents,
 
     names: HashMap<String, Value>,
     binds: HashMap<CommandId, (String, usize)>,
@@ -324,6 +380,7 @@ impl<'o> Replay<'o> {
             tiers,
             incarnation: 1,
             observer,
+            sim_agents: SimAgents::default(),
             names: HashMap::new(),
             binds: HashMap::new(),
             instances: BTreeMap::new(),
@@ -552,6 +609,16 @@ impl<'o> Replay<'o> {
                     }
                 }
                 Timer::Free { session, pages } => self.todo.push(Todo::Free { session, pages }),
+                Timer::AgentDone {
+                    session,
+                    copy,
+                    failure,
+                } => {
+                    // A dead engine reports nothing.
+                    if self.sessions.contains_key(&session) {
+                        self.submit(Command::CopyDone { copy, failure });
+                    }
+                }
             }
         }
     }
@@ -700,12 +767,13 @@ impl<'o> Replay<'o> {
                 rank,
                 group,
                 slots,
-                agent: _,
+                agent,
             } => Some(RawPending::Region {
                 session: session.id,
                 rank: *rank,
                 group: *group,
                 slots: *slots,
+                agent: agent.is_some(),
             }),
             Command::DevicePageAlloc {
                 session,
@@ -746,6 +814,7 @@ impl<'o> Replay<'o> {
                     rank,
                     group,
                     slots,
+                    agent,
                 },
                 Event::RegionRegistered {
                     region,
@@ -760,6 +829,7 @@ impl<'o> Replay<'o> {
                         RegionInfo {
                             handle: *region,
                             engine: *engine_region,
+                            agent,
                             slots,
                             page_bytes: *page_bytes,
                             live: BTreeSet::new(),
@@ -880,31 +950,146 @@ impl<'o> Replay<'o> {
             Fault::CopyDelay { us } => self.copies.delay_all(*us),
             Fault::CopyReorder { max_us, seed } => self.copies.jitter(*max_us, *seed),
             Fault::SessionCrash { session } => {
-                // The manager sees the connection drop and closes the
-                // session; the dead engine sends nothing more.
-                if let Some(id) = self.session_names.remove(session)
-                    && let Some(s) = self.sessions.remove(&id)
-                {
-                    self.submit(Command::CloseSession { session: s.handle });
-                    self.device_pages.retain(|_, d| d.session != id);
-                    self.restores.retain(|_, r| r.session != id);
-                    let orphaned: Vec<CommandId> = self
-                        .requests
-                        .iter()
-                        .filter(|(_, r)| r.session == id)
-                        .map(|(c, _)| *c)
-                        .collect();
-                    for c in orphaned {
-                        if let Some(r) = self.requests.remove(&c) {
-                            self.report.requests[r.report].outcome = "engine_crashed".into();
-                            if let Some(op) = r.operation {
-                                self.op_requests.remove(&op);
-                            }
-                        }
-                    }
+                if let Some(id) = self.session_names.remove(session) {
+                    self.crash(id);
                 }
             }
             Fault::ManagerRestart => self.restart()?,
+        }
+        Ok(())
+    }
+
+    /// The engine process dies: the manager sees the connection drop and
+    /// closes the session; the dead engine sends nothing more.
+    fn crash(&mut self, id: u64) {
+        self.session_names.retain(|_, s| *s != id);
+        let Some(s) = self.sessions.remove(&id) else {
+            return;
+        };
+        self.submit(Command::CloseSession { session: s.handle });
+        self.device_pages.retain(|_, d| d.session != id);
+        self.restores.retain(|_, r| r.session != id);
+        self.sim_agents.agents.remove(&id);
+        self.sim_agents.memory.retain(|_, (owner, _)| *owner != id);
+        let orphaned: Vec<CommandId> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.session == id)
+            .map(|(c, _)| *c)
+            .collect();
+        for c in orphaned {
+            if let Some(r) = self.requests.remove(&c) {
+                self.report.requests[r.report].outcome = "engine_crashed".into();
+                if let Some(op) = r.operation {
+                    self.op_requests.remove(&op);
+                }
+            }
+        }
+    }
+
+    /// A simulated agent takes an `AgentCopy`: it vanishes, fails it, or
+    /// copies the bytes (pool → engine memory, checked against the
+    /// checksum each pool page carries; engine memory → staging) and
+    /// reports after `copy_us` (plus `late_us` when late).
+    fn agent_copy(&mut self, copy: u64, direction: AgentDirection, pages: &[AgentPageCopy]) {
+        let Some(&(session, _)) = pages
+            .first()
+            .and_then(|p| self.sim_agents.memory.get(&p.region))
+        else {
+            return; // not a simulated agent's region
+        };
+        let Some(agent) = self.sim_agents.agents.get_mut(&session) else {
+            return;
+        };
+        if agent.vanished {
+            return;
+        }
+        let m = agent.model;
+        let roll = agent.roll();
+        let late = agent.roll() < m.late_per_mille;
+        let outcome = if roll < m.vanish_per_mille {
+            agent.vanished = true;
+            self.todo.push(Todo::Crash(session));
+            "vanished"
+        } else if roll < m.vanish_per_mille + m.fail_per_mille {
+            let at = self.now() + m.copy_us;
+            self.add_timer(
+                at,
+                Timer::AgentDone {
+                    session,
+                    copy,
+                    failure: Some(CopyFailure::Executor("injected by the trace".into())),
+                },
+            );
+            "failed"
+        } else {
+            let failure = self.agent_run(direction, pages).err();
+            let at = self.now() + m.copy_us + if late { m.late_us } else { 0 };
+            self.add_timer(
+                at,
+                Timer::AgentDone {
+                    session,
+                    copy,
+                    failure,
+                },
+            );
+            if late { "late" } else { "done" }
+        };
+        *self
+            .report
+            .totals
+            .agent_copies
+            .entry(outcome.into())
+            .or_default() += 1;
+    }
+
+    /// The bytes of one agent copy.
+    fn agent_run(
+        &mut self,
+        direction: AgentDirection,
+        pages: &[AgentPageCopy],
+    ) -> Result<(), CopyFailure> {
+        use std::os::unix::fs::FileExt;
+        let oob = |m: String| CopyFailure::OutOfBounds(m);
+        let io = |e: std::io::Error| CopyFailure::Executor(e.to_string());
+        let a = &mut self.sim_agents;
+        if a.pool.is_none() {
+            a.pool = self.rt.export_pool().map(std::fs::File::from);
+        }
+        if a.staging.is_none() {
+            a.staging = self
+                .rt
+                .export_staging(Origin::EMBEDDED)
+                .map(std::fs::File::from);
+        }
+        for p in pages {
+            let (_, mem) = a
+                .memory
+                .get_mut(&p.region)
+                .ok_or(CopyFailure::UnknownRegion(p.region))?;
+            let span = mem
+                .get_mut(p.region_offset as usize..p.region_offset.saturating_add(p.len) as usize)
+                .ok_or_else(|| {
+                    oob(format!(
+                        "[{}, +{}) of region {}",
+                        p.region_offset, p.len, p.region
+                    ))
+                })?;
+            match direction {
+                AgentDirection::PoolToRegion => {
+                    let pool = a.pool.as_ref().ok_or(CopyFailure::Shutdown)?;
+                    pool.read_exact_at(span, p.host_offset).map_err(io)?;
+                    if let Some(sum) = p.checksum
+                        && xxhash_rust::xxh3::xxh3_64(span) != sum
+                    {
+                        return Err(CopyFailure::Checksum(p.host_offset));
+                    }
+                }
+                AgentDirection::RegionToStaging => {
+                    let staging = a.staging.as_ref().ok_or(CopyFailure::Shutdown)?;
+                    staging.write_all_at(span, p.host_offset).map_err(io)?;
+                }
+            }
         }
         Ok(())
     }
@@ -921,6 +1106,7 @@ impl<'o> Replay<'o> {
         // The new manager starts at the same simulated time.
         self.tick_with(vec![Command::AdvanceClock { us: now }]);
         self.sessions.clear();
+        self.sim_agents = SimAgents::default();
         self.device_pages.clear();
         self.restores.clear();
         self.timers.clear();
@@ -1066,14 +1252,35 @@ impl<'o> Replay<'o> {
         );
         self.session_names.insert(o.name.clone(), handle.id);
         let mut ids = Vec::new();
+        if let Some(model) = o.agent {
+            self.sim_agents.agents.insert(
+                handle.id,
+                SimAgent {
+                    model,
+                    rng: model.seed | 1,
+                    vanished: false,
+                },
+            );
+        }
         for rank in 0..info.ranks {
             for g in &info.groups {
+                let agent = o.agent.map(|_| {
+                    let region = self.sim_agents.next_region;
+                    self.sim_agents.next_region += 1;
+                    let bytes = info.bytes(g.id);
+                    let memory = vec![0xEE; (bytes * u64::from(o.region_slots)) as usize];
+                    self.sim_agents.memory.insert(region, (handle.id, memory));
+                    AgentRegion {
+                        region,
+                        page_bytes: bytes,
+                    }
+                });
                 let id = self.submit(Command::RegisterDeviceRegion {
                     session: handle,
                     rank,
                     group: g.id,
                     slots: o.region_slots,
-                    agent: None,
+                    agent,
                 });
                 ids.push((id, rank, g.id));
             }
@@ -1096,6 +1303,7 @@ impl<'o> Replay<'o> {
                     RegionInfo {
                         handle: *region,
                         engine: *engine_region,
+                        agent: o.agent.is_some(),
                         slots: o.region_slots,
                         page_bytes: *page_bytes,
                         live: BTreeSet::new(),
@@ -1231,11 +1439,16 @@ impl<'o> Replay<'o> {
                 .and_then(|s| s.regions.get(&(dp.rank, dp.group)))
             {
                 let bytes = region.page_bytes;
-                let _ = self.arena.write(
-                    region.engine,
-                    u64::from(dp.slot) * bytes,
-                    &payload(&key, bytes),
-                );
+                let at = u64::from(dp.slot) * bytes;
+                if region.agent {
+                    if let Some((_, mem)) = self.sim_agents.memory.get_mut(&region.engine)
+                        && let Some(dst) = mem.get_mut(at as usize..(at + bytes) as usize)
+                    {
+                        dst.copy_from_slice(&payload(&key, bytes));
+                    }
+                } else {
+                    let _ = self.arena.write(region.engine, at, &payload(&key, bytes));
+                }
                 self.observer.available(key);
             }
         }
@@ -1559,11 +1772,15 @@ impl<'o> Replay<'o> {
                 }
             }
             Event::TransferOverdue { .. } => {}
-            // A replay registers manager-owned regions only (the recorder
-            // writes agent regions as such); a raw `cmd` line that asks for
-            // an agent region gets copies nobody runs, which fail at their
+            // Copies for the regions of sessions opened with `agent` are
+            // the simulated agent's; a raw `cmd` line that asks for an
+            // agent region gets copies nobody runs, which fail at their
             // deadline like a lost agent's.
-            Event::AgentCopy { .. } => {}
+            Event::AgentCopy {
+                copy,
+                direction,
+                pages,
+            } => self.agent_copy(*copy, *direction, pages),
         }
     }
 
@@ -1578,9 +1795,26 @@ impl<'o> Replay<'o> {
 
     /// Restored bytes must be exactly what each key holds.
     fn verify(&mut self, st: &RestoreState) {
+        let agent_pages = st.targets.iter().filter(|t| t.agent).count() as u64;
+        if agent_pages > 0 {
+            *self
+                .report
+                .totals
+                .agent_copies
+                .entry("pages_verified".into())
+                .or_default() += agent_pages;
+        }
         for t in &st.targets {
-            let got = self.arena.read(t.engine_region, t.offset, t.bytes);
-            if got.ok().as_deref() != Some(&payload(&t.key, t.bytes)[..]) {
+            let got = if t.agent {
+                self.sim_agents
+                    .memory
+                    .get(&t.engine_region)
+                    .and_then(|(_, m)| m.get(t.offset as usize..(t.offset + t.bytes) as usize))
+                    .map(<[u8]>::to_vec)
+            } else {
+                self.arena.read(t.engine_region, t.offset, t.bytes).ok()
+            };
+            if got.as_deref() != Some(&payload(&t.key, t.bytes)[..]) {
                 self.report.byte_mismatches += 1;
                 if self.report.violations.len() < MAX_VIOLATIONS_KEPT {
                     self.report.violations.push(format!(
@@ -1627,6 +1861,7 @@ impl<'o> Replay<'o> {
                 list.push(RestoredPage {
                     key,
                     engine_region: region.engine,
+                    agent: region.agent,
                     offset: u64::from(dp.slot) * region.page_bytes,
                     bytes: region.page_bytes,
                     device_page: t.device_page,
@@ -1653,6 +1888,7 @@ impl<'o> Replay<'o> {
             for item in work {
                 match item {
                     Todo::Restore(op) => self.restore(op),
+                    Todo::Crash(session) => self.crash(session),
                     Todo::Free { session, pages } => {
                         let Some(handle) = self.sessions.get(&session).map(|s| s.handle) else {
                             continue;

@@ -69,6 +69,12 @@ pub struct Totals {
     /// `$name` references that were never bound (their command was refused
     /// or never ran); replayed as invalid handles.
     pub unbound_references: u64,
+    /// Copies of simulated copy agents (sessions opened with `agent`), by
+    /// what the agent did: `done`, `late`, `failed`, `vanished`; and
+    /// `pages_verified`, restored pages in agent memory checked byte for
+    /// byte.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub agent_copies: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -175,10 +175,37 @@ pub struct Open {
     /// Device slots per (rank, group) region, registered on open.
     #[serde(default = "default_slots")]
     pub region_slots: u32,
+    /// The session's regions are agent-owned (engine memory the runtime
+    /// never maps), copied by a simulated copy agent that behaves as this
+    /// model says. Needs `dram.shared` in the header's config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentModel>,
 }
 
 fn default_slots() -> u32 {
     256
+}
+
+/// How a session's simulated copy agent behaves. Each copy draws once
+/// (from `seed`, so a replay is deterministic): the agent vanishes (this
+/// copy and every later one are never reported, and the engine's
+/// connection drops: its session closes), the copy fails, it is reported
+/// `late_us` late, or it is done and reported after `copy_us`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentModel {
+    #[serde(default)]
+    pub copy_us: u64,
+    #[serde(default)]
+    pub late_per_mille: u64,
+    #[serde(default)]
+    pub late_us: u64,
+    #[serde(default)]
+    pub fail_per_mille: u64,
+    #[serde(default)]
+    pub vanish_per_mille: u64,
+    #[serde(default)]
+    pub seed: u64,
 }
 
 /// A prompt: segments `"name:pages"`; equal leading segments give equal

@@ -188,9 +188,10 @@ fn default_slots() -> u32 {
 
 /// How a session's simulated copy agent behaves. Each copy draws once
 /// (from `seed`, so a replay is deterministic): the agent vanishes (this
-/// copy and every later one are never reported, and the engine's
-/// connection drops: its session closes), the copy fails, it is reported
-/// `late_us` late, or it is done and reported after `copy_us`.
+/// copy and every later one are never reported, and the engine closes its
+/// session; the trace's one origin stays, so the runtime keeps what those
+/// copies may touch held, as for a lost completion), the copy fails, it is
+/// reported `late_us` late, or it is done and reported after `copy_us`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentModel {

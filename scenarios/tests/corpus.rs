@@ -332,3 +332,38 @@ fn runtime_level_line_errors_are_reported_not_panics() {
         assert!(e[0].starts_with(want), "{line}: {e:?}");
     }
 }
+
+#[test]
+fn copy_agents() {
+    let r = run("copy_agents");
+    assert_eq!(
+        outcomes(&r),
+        [
+            // The punctual agent restores what it published, exactly
+            // (every restored page is checked in agent memory).
+            restored(3, 64),
+            // The failing agent's restore copy fails ...
+            missed(4, MissReason::IoError),
+            // ... and its publish stored nothing.
+            missed(5, MissReason::NotFound),
+            // Reported past the agent deadline: the restore has failed.
+            missed(6, MissReason::Deadline),
+            restored(8, 64),
+        ]
+    );
+    let copies: Vec<(&str, u64)> = r
+        .totals
+        .agent_copies
+        .iter()
+        .map(|(k, v)| (k.as_str(), *v))
+        .collect();
+    assert_eq!(
+        copies,
+        [
+            ("done", 3),
+            ("failed", 2),
+            ("late", 1),
+            ("pages_verified", 8)
+        ]
+    );
+}

@@ -189,3 +189,23 @@ def test_noncontiguous_host_indices_are_refused(manager, layout):
     assert [page_bytes(host, s) for s in starts_of(dst)] == before
     assert be.get_stats()["misses"] == {"noncontiguous_host_indices": 4, "not_found": 2}
     quiet(manager)
+
+
+def test_a_pool_the_agent_cannot_address_goes_through_bounce_slots(manager, monkeypatch):
+    """A host pool whose pages are not views of one CPU buffer cannot be an
+    agent region: its v1 calls go through bounce slots, same bytes."""
+    import orbitkv.sglang as okv
+
+    monkeypatch.setattr(okv, "_agent_layout", lambda pool: None)
+    host = host_pool("layer_first")
+    be = backend(host, manager.socket, staging_pages=2)
+    keys = keys_for("no-layout", 5)
+    src = host.alloc(5 * PAGE)
+    exp = fill(host, starts_of(src), seed=91)
+    assert be.batch_set_v1(keys, src) == [True] * 5
+    dst = host.alloc(5 * PAGE)
+    assert be.batch_get_v1(keys, dst) == [True] * 5
+    assert [page_bytes(host, s) for s in starts_of(dst)] == exp
+    stats = be.get_stats()
+    assert stats["agent_bounce_pages"] == 10 and "agent_direct_pages" not in stats
+    quiet(manager)

@@ -52,7 +52,6 @@ import os
 import re
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -70,12 +69,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 import orbitkv
 
 logger = logging.getLogger(__name__)
-
-# Pool pages come from the manager as read-only memoryviews; torch warns when
-# it wraps one. We only ever read from those tensors.
-warnings.filterwarnings(
-    "ignore", message="The given buffer is not writable", category=UserWarning
-)
 
 __all__ = ["OrbitKVStorage", "OrbitKVConfig", "KEY_VERSION"]
 

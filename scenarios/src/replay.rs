@@ -228,8 +228,11 @@ struct SimAgents {
     memory: HashMap<u32, (u64, Vec<u8>)>,
     /// Session → its agent.
     agents: HashMap<u64, SimAgent>,
+    /// The runtime's pool (one per runtime). The staging area is exported
+    /// afresh for each copy: it goes with the origin's last session and a
+    /// later agent region gets a new one (a real agent remaps its window
+    /// when the area changes).
     pool: Option<std::fs::File>,
-    staging: Option<std::fs::File>,
 }
 
 pub struct Replay<'o> {
@@ -1056,12 +1059,13 @@ impl<'o> Replay<'o> {
         if a.pool.is_none() {
             a.pool = self.rt.export_pool().map(std::fs::File::from);
         }
-        if a.staging.is_none() {
-            a.staging = self
+        let staging = match direction {
+            AgentDirection::RegionToStaging => self
                 .rt
                 .export_staging(Origin::EMBEDDED)
-                .map(std::fs::File::from);
-        }
+                .map(std::fs::File::from),
+            AgentDirection::PoolToRegion => None,
+        };
         for p in pages {
             let (_, mem) = a
                 .memory
@@ -1086,7 +1090,7 @@ impl<'o> Replay<'o> {
                     }
                 }
                 AgentDirection::RegionToStaging => {
-                    let staging = a.staging.as_ref().ok_or(CopyFailure::Shutdown)?;
+                    let staging = staging.as_ref().ok_or(CopyFailure::Shutdown)?;
                     staging.write_all_at(span, p.host_offset).map_err(io)?;
                 }
             }

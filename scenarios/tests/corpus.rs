@@ -349,6 +349,9 @@ fn copy_agents() {
             // Reported past the agent deadline: the restore has failed.
             missed(6, MissReason::Deadline),
             restored(8, 64),
+            // After every session closed (and the staging area with them),
+            // a new agent session publishes through a new staging area.
+            restored(10, 32),
         ]
     );
     let copies: Vec<(&str, u64)> = r
@@ -360,10 +363,10 @@ fn copy_agents() {
     assert_eq!(
         copies,
         [
-            ("done", 3),
+            ("done", 5),
             ("failed", 2),
             ("late", 1),
-            ("pages_verified", 8)
+            ("pages_verified", 10)
         ]
     );
 }

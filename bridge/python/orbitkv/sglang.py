@@ -119,7 +119,7 @@ class OrbitKVConfig:
     #: legacy calls, unaligned host indices). SGLang moves at most 128
     #: pages per call.
     staging_pages: int = 128
-    #: Cap on one staging region's bytes (fewer slots for large pages).
+    #: Cap on one bounce buffer's bytes (fewer slots for large pages).
     staging_bytes: int = 256 << 20
     #: Connections to the manager; one is used by one call at a time.
     max_connections: int = 4

@@ -638,7 +638,7 @@ fn aligned(v: u64, page: u64) -> bool {
     if page.is_power_of_two() {
         v & (page - 1) == 0
     } else {
-        v % page == 0
+        v.is_multiple_of(page)
     }
 }
 

@@ -506,22 +506,23 @@ impl RecoveryContract {
         if let Some(g) = self.groups.iter().find(|g| !evidence.contains_key(&g.id)) {
             return Err(ContractError::MissingGroup(g.id));
         }
-        let runs: Vec<Runs> = self
-            .groups
-            .iter()
-            .map(|g| Runs::new(evidence[&g.id], self.page_tokens))
-            .collect();
         // Group 0 is a prefix: every legal boundary is one of its page ends.
+        // They ascend, and every demand ends at its boundary, so one
+        // forward pass over each group's evidence decides every candidate.
         let candidates = evidence[&0];
+        let mut legal = vec![true; candidates.len()];
+        for g in &self.groups {
+            let mut runs = RunCursor::new(evidence[&g.id], self.page_tokens);
+            for (ok, &b) in legal.iter_mut().zip(candidates) {
+                let r = self.demand(g, bundle.start, b);
+                *ok = runs.covers(r.start, r.end) && *ok;
+            }
+        }
         Ok(candidates
             .iter()
-            .copied()
-            .filter(|&b| {
-                self.groups.iter().zip(&runs).all(|(g, runs)| {
-                    let r = self.demand(g, bundle.start, b);
-                    runs.covers(r.start, r.end, self.page_tokens)
-                })
-            })
+            .zip(&legal)
+            .filter(|(_, ok)| **ok)
+            .map(|(b, _)| *b)
             .collect())
     }
 
@@ -533,7 +534,7 @@ impl RecoveryContract {
     ) -> Result<(), ContractError> {
         let mut prev: Option<u64> = None;
         for &e in &ev.page_ends {
-            if e % self.page_tokens != 0 {
+            if !aligned(e, self.page_tokens) {
                 return Err(ContractError::PageEndMisaligned {
                     group: ev.group,
                     page_end: e,
@@ -631,32 +632,58 @@ impl RecoveryContract {
     }
 }
 
-/// For sorted page ends: the length (in pages) of the contiguous run ending
-/// at each end.
-struct Runs<'a> {
-    ends: &'a [u64],
-    run: Vec<u64>,
+/// `v % page == 0`, without a division for the usual power-of-two pages
+/// (one per page end of every query).
+fn aligned(v: u64, page: u64) -> bool {
+    if page.is_power_of_two() {
+        v & (page - 1) == 0
+    } else {
+        v.is_multiple_of(page)
+    }
 }
 
-impl<'a> Runs<'a> {
+/// Walks sorted page ends, keeping the length (in pages) of the
+/// contiguous run that ends at the last end it passed.
+struct RunCursor<'a> {
+    ends: &'a [u64],
+    page: u64,
+    /// `ends[..at]` are passed.
+    at: usize,
+    /// Pages in the contiguous run ending at `ends[at - 1]`.
+    run: u64,
+}
+
+impl<'a> RunCursor<'a> {
     fn new(ends: &'a [u64], page: u64) -> Self {
-        let mut run = Vec::with_capacity(ends.len());
-        for (i, &e) in ends.iter().enumerate() {
-            let contiguous = i > 0 && e - ends[i - 1] == page;
-            run.push(if contiguous { run[i - 1] + 1 } else { 1 });
+        RunCursor {
+            ends,
+            page,
+            at: 0,
+            run: 0,
         }
-        Runs { ends, run }
     }
 
-    /// Whether every page of `[start, end)` is held.
-    fn covers(&self, start: u64, end: u64, page: u64) -> bool {
+    /// Whether every page of `[start, end)` is held. Linear over a pass
+    /// whose `end`s ascend; an `end` below the last one starts over.
+    fn covers(&mut self, start: u64, end: u64) -> bool {
         if start == end {
             return true;
         }
-        match self.ends.binary_search(&end) {
-            Ok(i) => self.run[i] >= (end - start) / page,
-            Err(_) => false,
+        let passed = |c: &Self| c.at.checked_sub(1).and_then(|i| c.ends.get(i)).copied();
+        if passed(self).is_some_and(|e| e > end) {
+            self.at = 0;
+            self.run = 0;
         }
+        while let Some(&e) = self.ends.get(self.at).filter(|&&e| e <= end) {
+            self.run = match passed(self) {
+                Some(p) if e - p == self.page => self.run + 1,
+                _ => 1,
+            };
+            self.at += 1;
+        }
+        // Demands are page-aligned, so this is `run >= (end - start) / page`
+        // without a division (and, were they not, the stricter test).
+        passed(self) == Some(end) && self.run.saturating_mul(self.page) >= end - start
     }
 }
 

@@ -81,10 +81,12 @@ impl NativeHash {
 }
 
 // Equality and hashing look at the used bytes only: engine hashes are 8-32
-// bytes, and the inline buffer holds 64.
+// bytes, and the inline buffer holds 64. Equality compares the whole fixed
+// buffer, which means the same (bytes past `len` are zero in both) and
+// compiles to a few vector compares instead of a `memcmp` call.
 impl PartialEq for NativeHash {
     fn eq(&self, other: &Self) -> bool {
-        self.as_bytes() == other.as_bytes()
+        self.len == other.len && crate::encoding::eq_words(&self.bytes, &other.bytes)
     }
 }
 
@@ -135,12 +137,49 @@ pub struct StateKey {
 
 impl Hash for StateKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        let ns = &self.namespace.0;
+        hash_parts(&self.namespace, self.group, &self.native, state);
+    }
+}
+
+/// What `StateKey` and `KeyRef` hash: they must agree. The namespace's
+/// first 8 bytes (a digest's, uniform) and the group in one word; an
+/// integer native hash (8 bytes or fewer: vLLM's builtin hash, SGLang's
+/// ids) as one more word, zero-padded (bytes past `len` are zero, and equal
+/// keys have equal lengths); longer ones as bytes.
+fn hash_parts<H: Hasher>(namespace: &Namespace, group: u32, native: &NativeHash, state: &mut H) {
+    let ns = &namespace.0;
+    let ns = u64::from_le_bytes([ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6], ns[7]]);
+    state.write_u64(ns ^ u64::from(group));
+    if native.len <= 8 {
+        let b = &native.bytes;
         state.write_u64(u64::from_le_bytes([
-            ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6], ns[7],
+            b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
         ]));
-        state.write_u32(self.group);
-        self.native.hash(state);
+    } else {
+        native.hash(state);
+    }
+}
+
+/// A key's parts, borrowed: looks a [`KeyMap`] up without building a
+/// [`StateKey`] (discovery looks up every page of a query, and a key is a
+/// 104-byte copy). Hashes exactly as the `StateKey` of the same parts.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyRef<'a> {
+    pub namespace: &'a Namespace,
+    pub group: u32,
+    pub native: &'a NativeHash,
+}
+
+impl Hash for KeyRef<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        hash_parts(self.namespace, self.group, self.native, state);
+    }
+}
+
+impl hashbrown::Equivalent<StateKey> for KeyRef<'_> {
+    fn equivalent(&self, key: &StateKey) -> bool {
+        // The native hash differs first when keys differ at all.
+        *self.native == key.native && self.group == key.group && *self.namespace == key.namespace
     }
 }
 
@@ -150,8 +189,9 @@ impl Hash for StateKey {
 /// from steering them into one bucket.
 pub type KeyHasher = foldhash::fast::RandomState;
 
-/// A hash map keyed by [`StateKey`] (see [`KeyHasher`]).
-pub type KeyMap<V> = std::collections::HashMap<StateKey, V, KeyHasher>;
+/// A hash map keyed by [`StateKey`] (see [`KeyHasher`]), also looked up
+/// by [`KeyRef`].
+pub type KeyMap<V> = hashbrown::HashMap<StateKey, V, KeyHasher>;
 
 impl StateKey {
     pub fn new(namespace: Namespace, group: u32, native: &[u8]) -> Result<Self, KeyError> {

@@ -11,8 +11,17 @@ use crate::encoding::Digest32;
 /// layout (see [`crate::layout::seal`]). Shown and parsed as 64 lowercase hex
 /// digits. The all-zero value is "no namespace" and is never produced by
 /// sealing.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+// Equality is the derived one, written out to compare words (every key
+// lookup compares a namespace); the derived Hash and Ord agree with it.
+#[allow(clippy::derived_hash_with_manual_eq)]
+#[derive(Clone, Copy, Eq, Hash, PartialOrd, Ord)]
 pub struct Namespace(pub Digest32);
+
+impl PartialEq for Namespace {
+    fn eq(&self, other: &Self) -> bool {
+        crate::encoding::eq_words(&self.0, &other.0)
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NamespaceParseError {

@@ -10,7 +10,8 @@ use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::identity::ArtifactIdentity;
 use orbitkv_components::value::{CanonicalMap, CanonicalValue};
 use orbitkv_components::{
-    IdentityParts, KeyError, Namespace, StateFormat, StateKey, StorageLayout, StorageSlot, seal,
+    IdentityParts, KeyError, Namespace, NativeHash, StateFormat, StateKey, StorageLayout,
+    StorageSlot, seal,
 };
 
 fn ns(byte: u8) -> Namespace {
@@ -227,7 +228,7 @@ fn state_format_golden_digest() {
 /// distinct entries, and a decoded key finds its original.
 #[test]
 fn key_map_distinguishes_every_field() {
-    use orbitkv_components::KeyMap;
+    use orbitkv_components::{KeyMap, KeyRef};
     let mut late = [7u8; 32];
     late[31] = 8; // differs only past the 8 hashed namespace bytes
     let keys = [
@@ -248,6 +249,30 @@ fn key_map_distinguishes_every_field() {
     for (i, k) in keys.iter().enumerate() {
         let decoded = StateKey::decode(&k.encode()).unwrap();
         assert_eq!(map.get(&decoded), Some(&i));
+        // Borrowed parts find the same entry (they hash the same).
+        let parts = KeyRef {
+            namespace: &decoded.namespace,
+            group: decoded.group,
+            native: &decoded.native,
+        };
+        assert_eq!(map.get(&parts), Some(&i));
     }
     assert_ne!(keys[3].native, keys[0].native);
+    // Parts of no stored key find nothing, whichever field differs.
+    let native = NativeHash::new(&[1, 2, 3]).unwrap();
+    let longer = NativeHash::new(&[1, 2, 3, 0, 0]).unwrap();
+    let mut other = [7u8; 32];
+    other[31] = 9;
+    for (namespace, group, native) in [
+        (Namespace(other), 0, native),
+        (ns(7), 2, native),
+        (ns(7), 0, longer),
+    ] {
+        let parts = KeyRef {
+            namespace: &namespace,
+            group,
+            native: &native,
+        };
+        assert!(!map.contains_key(&parts), "{parts:?}");
+    }
 }

@@ -135,6 +135,7 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
         hot,
         last_tick: Instant::now(),
         started: Instant::now(),
+        now: Instant::now(),
     };
     main_loop::run(&mut st, stop);
     main_loop::shutdown(&mut st);

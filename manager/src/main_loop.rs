@@ -1,13 +1,21 @@
-//! The event loop: one thread, one `ppoll` per round over the listener,
-//! every connection (`POLLIN` while it may read ahead, `POLLOUT` while its
-//! outbox holds bytes) and the hot path's wake listener.
+//! The event loop: one thread, rounds of wait → accept → read → take →
+//! tick → send.
 //!
-//! A round: wait, accept, read what is readable, take at most
-//! `max_frames_per_round` frames per connection (and only while the
-//! runtime's inbox has room: a burst waits in its socket, not in memory),
-//! take hot requests, tick when commands came (or I/O is in flight, or
-//! 100 ms passed), then send what every connection has queued. Nothing in a
-//! round waits on a client.
+//! A round waits in `ppoll` over the listener, every connection (`POLLIN`
+//! while it may read ahead, `POLLOUT` while its outbox holds bytes) and the
+//! hot path's wake listener; takes at most `max_frames_per_round` frames
+//! per connection (and only while the runtime's inbox has room: a burst
+//! waits in its socket, not in memory) and the hot requests; ticks when
+//! commands came (or I/O is in flight, or 100 ms passed); then sends what
+//! every connection has queued. Nothing in a round waits on a client.
+//!
+//! For `spin_after_work_us` after a command the loop spins instead of
+//! sleeping, since the next request of an engine step usually follows at
+//! once. While it spins, the hot path is looked at every round (a load from
+//! shared memory) but the sockets only every `socket_poll_interval_us` (a
+//! `ppoll` is a system call), unless a socket brought a frame within the
+//! spin, when they are polled every round as well. The clock is read once
+//! per round, after the wait, and once more after a tick.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -21,9 +29,6 @@ use crate::state::{Close, State};
 /// The longest sleep with nothing in flight: deadlines, stall checks and
 /// metrics move at this pace when the host is idle.
 const IDLE_WAIT: Duration = Duration::from_millis(100);
-/// How long the loop keeps polling without sleeping after commands: the
-/// next request of an engine step usually follows within microseconds.
-const SPIN_AFTER_WORK: Duration = Duration::from_micros(100);
 /// How often the metrics snapshot is refreshed (after a tick changed it).
 const METRICS_EVERY: Duration = Duration::from_millis(100);
 /// With no client connected and nothing in flight there is nothing to
@@ -32,53 +37,82 @@ const METRICS_EVERY: Duration = Duration::from_millis(100);
 const UNUSED_TICK: Duration = Duration::from_secs(1);
 
 pub fn run(st: &mut State, stop: &AtomicBool) {
-    let mut busy_until = Instant::now();
-    let mut refreshed = Instant::now();
+    st.now = Instant::now();
+    // Spinning until then (a command came in the spin window).
+    let mut busy_until = st.now;
+    // A socket brought a frame: poll the sockets every round until then.
+    let mut sockets_busy_until = st.now;
+    let mut next_socket_poll = st.now;
+    let mut refreshed = st.now;
     let mut refreshed_tick = st.last_tick;
+    let mut poller = Poller::default();
     st.refresh_metrics();
     while !stop.load(Ordering::Relaxed) {
-        let now = Instant::now();
+        // `st.now` is the previous round's last reading.
+        let now = st.now;
         let io_pending = st.rt.in_flight() > 0;
         let every = if st.conns.is_empty() && !io_pending {
             UNUSED_TICK
         } else {
             IDLE_WAIT
         };
-        let timeout = if now < busy_until || backlog(st) || st.rt.inbox_len() > 0 {
+        let since_tick = now.saturating_duration_since(st.last_tick);
+        let spinning = now < busy_until;
+        let timeout = if spinning || backlog(st) || st.rt.inbox_len() > 0 {
             Duration::ZERO
         } else if io_pending {
             st.settings.idle_tick
         } else {
-            every.saturating_sub(st.last_tick.elapsed())
+            every.saturating_sub(since_tick)
         };
-        let (accept, readable) = wait(st, timeout);
+        let poll_sockets =
+            !spinning || st.hot.is_none() || now < sockets_busy_until || now >= next_socket_poll;
+        let readable = if poll_sockets {
+            let accept = poller.wait(st, timeout);
+            if accept {
+                st.accept();
+            }
+            &poller.readable[..]
+        } else {
+            &[]
+        };
         st.metrics.counters.loop_rounds.inc();
-        if accept {
-            st.accept();
+        // The round's one reading (a wait may have slept).
+        st.now = Instant::now();
+        let now = st.now;
+        if poll_sockets {
+            next_socket_poll = now + st.settings.socket_poll_interval;
         }
         for id in readable {
-            if let Some(c) = st.conns.get_mut(&id) {
+            if let Some(c) = st.conns.get_mut(id) {
                 c.read();
             }
         }
-        let submitted = take_frames(st) + read_hot(st);
+        let from_sockets = take_frames(st);
+        let submitted = from_sockets + read_hot(st);
+        let since_tick = now.saturating_duration_since(st.last_tick);
         // The inbox also holds what departed connections left (close_origin).
         if submitted > 0
             || st.rt.inbox_len() > 0
-            || (io_pending && st.last_tick.elapsed() >= st.settings.idle_tick)
-            || st.last_tick.elapsed() >= every
+            || (io_pending && since_tick >= st.settings.idle_tick)
+            || since_tick >= every
         {
+            // Moves `st.now` to the reading after the tick.
             st.tick();
         }
         if submitted > 0 {
-            busy_until = Instant::now() + SPIN_AFTER_WORK;
+            busy_until = st.now + st.settings.spin_after_work;
+        }
+        if from_sockets > 0 {
+            sockets_busy_until = busy_until;
         }
         st.push_wakes();
         st.flush();
-        if refreshed.elapsed() >= METRICS_EVERY
-            && (st.last_tick != refreshed_tick || refreshed.elapsed() >= UNUSED_TICK)
+        let since_refresh = st.now.saturating_duration_since(refreshed);
+        if since_refresh >= METRICS_EVERY
+            && (st.last_tick != refreshed_tick || since_refresh >= UNUSED_TICK)
         {
-            refreshed = Instant::now();
+            refreshed = st.now;
             refreshed_tick = st.last_tick;
             st.refresh_metrics();
         }
@@ -92,70 +126,84 @@ fn backlog(st: &State) -> bool {
         .any(|c| c.input.buffered() > 0 && c.input.missing() == 0)
 }
 
-/// Blocks until a socket is ready or `timeout` passes; returns whether the
-/// listener is readable and which connections are.
-fn wait(st: &mut State, timeout: Duration) -> (bool, Vec<ConnId>) {
-    let mut fds: Vec<libc::pollfd> = Vec::with_capacity(st.conns.len() + 2);
-    let pollfd = |fd, events| libc::pollfd {
-        fd,
-        events,
-        revents: 0,
-    };
-    use std::os::fd::AsRawFd as _;
-    let listening = st.listener.is_some();
-    if let Some(l) = &st.listener {
-        fds.push(pollfd(l.as_raw_fd(), libc::POLLIN));
-    }
-    let base = fds.len();
-    for c in st.conns.values() {
-        let mut events = 0;
-        if c.wants_read() {
-            events |= libc::POLLIN;
+/// The `ppoll` set, kept between rounds so a round allocates nothing.
+#[derive(Default)]
+struct Poller {
+    fds: Vec<libc::pollfd>,
+    ids: Vec<ConnId>,
+    /// The connections the last wait found ready.
+    readable: Vec<ConnId>,
+}
+
+impl Poller {
+    /// Blocks until a socket is ready or `timeout` passes; returns whether
+    /// the listener is readable, and leaves the ready connections in
+    /// `readable`.
+    fn wait(&mut self, st: &mut State, timeout: Duration) -> bool {
+        use std::os::fd::AsRawFd as _;
+        let pollfd = |fd, events| libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        self.fds.clear();
+        self.ids.clear();
+        self.readable.clear();
+        let listening = st.listener.is_some();
+        if let Some(l) = &st.listener {
+            self.fds.push(pollfd(l.as_raw_fd(), libc::POLLIN));
         }
-        if !c.outbox.is_empty() {
-            events |= libc::POLLOUT;
+        let base = self.fds.len();
+        for (id, c) in &st.conns {
+            let mut events = 0;
+            if c.wants_read() {
+                events |= libc::POLLIN;
+            }
+            if !c.outbox.is_empty() {
+                events |= libc::POLLOUT;
+            }
+            self.fds.push(pollfd(c.stream.as_raw_fd(), events));
+            self.ids.push(*id);
         }
-        fds.push(pollfd(c.stream.as_raw_fd(), events));
-    }
-    let mut timeout = timeout;
-    let mut sleeping = false;
-    if let Some(h) = &st.hot {
-        fds.push(pollfd(h.wake_fd(), libc::POLLIN));
-        if !timeout.is_zero() {
-            // Clients that send now notify the wake listener.
-            sleeping = true;
-            if h.prepare_sleep() {
-                timeout = Duration::ZERO;
+        let mut timeout = timeout;
+        let mut sleeping = false;
+        if let Some(h) = &st.hot {
+            self.fds.push(pollfd(h.wake_fd(), libc::POLLIN));
+            if !timeout.is_zero() {
+                // Clients that send now notify the wake listener.
+                sleeping = true;
+                if h.prepare_sleep() {
+                    timeout = Duration::ZERO;
+                }
             }
         }
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: a valid array of pollfds and a timespec.
+        let n = unsafe {
+            libc::ppoll(
+                self.fds.as_mut_ptr(),
+                self.fds.len() as libc::nfds_t,
+                &ts,
+                std::ptr::null(),
+            )
+        };
+        if sleeping && let Some(h) = &st.hot {
+            h.woke();
+        }
+        // On an error (EINTR) look at everything once.
+        let fds = &self.fds;
+        let ready = |i: usize| n < 0 || fds.get(i).is_some_and(|p| p.revents != 0);
+        let accept = listening && ready(0);
+        for (i, id) in self.ids.iter().enumerate() {
+            if ready(base + i) {
+                self.readable.push(*id);
+            }
+        }
+        accept
     }
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: a valid array of pollfds and a timespec.
-    let n = unsafe {
-        libc::ppoll(
-            fds.as_mut_ptr(),
-            fds.len() as libc::nfds_t,
-            &ts,
-            std::ptr::null(),
-        )
-    };
-    if sleeping && let Some(h) = &st.hot {
-        h.woke();
-    }
-    // On an error (EINTR) look at everything once.
-    let ready = |i: usize| n < 0 || fds.get(i).is_some_and(|p| p.revents != 0);
-    let accept = listening && ready(0);
-    let readable = st
-        .conns
-        .keys()
-        .enumerate()
-        .filter(|(i, _)| ready(base + i))
-        .map(|(_, id)| *id)
-        .collect();
-    (accept, readable)
 }
 
 /// Takes buffered frames, bounded per connection and by the inbox's room;
@@ -236,6 +284,7 @@ pub fn shutdown(st: &mut State) {
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
+        st.now = Instant::now();
         st.tick();
         if st.rt.is_idle() {
             break;

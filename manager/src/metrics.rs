@@ -109,6 +109,9 @@ impl Timed {
     }
 }
 
+/// The `stage` labels of `latency_seconds`.
+const STAGES: [&str; 5] = ["query", "prepare", "restore", "publish", "tick"];
+
 /// Latency measurements in flight, bounded: past the bound the oldest are
 /// forgotten (a missed sample, never unbounded memory).
 const MAX_TIMED: usize = 1 << 17;
@@ -118,7 +121,9 @@ pub struct Metrics {
     mirrored: Mirrored,
     gauges: Gauges,
     pub counters: Counters,
-    latency: Family<Stage, Histogram>,
+    /// Each stage's histogram of `latency_seconds`, looked up once: an
+    /// observation is then an atomic add, not a label lookup.
+    stage_latency: [Histogram; 5],
     last: Option<orbitkv_world::Stats>,
     by_command: HashMap<CommandId, (Timed, Instant)>,
     by_operation: HashMap<(u64, Timed), Instant>,
@@ -253,22 +258,25 @@ impl Metrics {
         r.register(
             "latency_seconds",
             "Time from a command's arrival to its answer, by stage (query: query_result; \
-             prepare: ready or miss; restore: restore_done; publish: publish_done; tick: one \
-             runtime tick)",
+             prepare: ready or miss; restore: restore_done; publish: publish_done; tick: a loop \
+             round's commands taken and its runtime tick)",
             latency.clone(),
         );
-        for stage in ["query", "prepare", "restore", "publish", "tick"] {
-            let _ = latency.get_or_create(&Stage {
-                stage: stage.into(),
-            });
-        }
+        // The families' histograms share their state with these clones.
+        let stage_latency = STAGES.map(|stage| {
+            latency
+                .get_or_create(&Stage {
+                    stage: stage.into(),
+                })
+                .clone()
+        });
         let now = Instant::now();
         Metrics {
             registry: Arc::new(r),
             mirrored,
             gauges,
             counters,
-            latency,
+            stage_latency,
             last: None,
             by_command: HashMap::new(),
             by_operation: HashMap::new(),
@@ -308,11 +316,9 @@ impl Metrics {
     }
 
     fn observe(&self, stage: &str, d: Duration) {
-        self.latency
-            .get_or_create(&Stage {
-                stage: stage.into(),
-            })
-            .observe(d.as_secs_f64());
+        if let Some(i) = STAGES.iter().position(|s| *s == stage) {
+            self.stage_latency[i].observe(d.as_secs_f64());
+        }
     }
 
     /// What clock a command starts, if any (taken before the command moves
@@ -327,9 +333,9 @@ impl Metrics {
         })
     }
 
-    /// A command was queued: start the clock of what answers it.
-    pub fn submitted(&mut self, cid: CommandId, clock: StartClock) {
-        let now = Instant::now();
+    /// A command was queued (in the round whose clock read `now`): start
+    /// the clock of what answers it.
+    pub fn submitted(&mut self, cid: CommandId, clock: StartClock, now: Instant) {
         match clock {
             StartClock::Operation(op, t) => {
                 if self.by_operation.len() >= MAX_TIMED {
@@ -349,9 +355,9 @@ impl Metrics {
         }
     }
 
-    /// An event came out of a tick: stop the clocks it answers.
-    pub fn event(&mut self, e: &Event) {
-        let now = Instant::now();
+    /// An event came out of a tick that ended at `now`: stop the clocks it
+    /// answers.
+    pub fn event(&mut self, e: &Event, now: Instant) {
         match e {
             Event::QueryResult {
                 command,

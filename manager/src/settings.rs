@@ -63,6 +63,8 @@ struct ServeFile {
     metrics_timeout_ms: Option<u64>,
     hot_path: Option<bool>,
     hot_area: Option<String>,
+    spin_after_work_us: Option<u64>,
+    socket_poll_interval_us: Option<u64>,
 }
 
 /// A size in the config file: bytes, or a string with a unit (`"64MiB"`).
@@ -120,6 +122,15 @@ pub struct Settings {
     pub metrics_timeout: Duration,
     pub hot_path: bool,
     pub hot_area_bytes: u64,
+    /// How long the loop spins (polls without sleeping) after a command:
+    /// the next request of an engine step usually follows at once. 0 turns
+    /// spinning off (every round then may sleep).
+    pub spin_after_work: Duration,
+    /// While spinning with the hot path on, the sockets are polled at most
+    /// this often (unless a socket brought a frame within the spin): the
+    /// hot path is a look at shared memory, a poll is a system call. The
+    /// most a socket frame or a new connection waits behind hot traffic.
+    pub socket_poll_interval: Duration,
     pub runtime: Config,
 }
 
@@ -258,8 +269,43 @@ impl Settings {
                 Some(s) => parse_size(s)?,
                 None => orbitkv_ipc::hot::DEFAULT_AREA_BYTES,
             },
+            spin_after_work: Duration::from_micros(at_most(
+                "spin_after_work_us",
+                serve
+                    .spin_after_work_us
+                    .unwrap_or(DEFAULT_SPIN_AFTER_WORK_US),
+                0,
+                MAX_SPIN_AFTER_WORK_US,
+            )?),
+            socket_poll_interval: Duration::from_micros(at_most(
+                "socket_poll_interval_us",
+                serve
+                    .socket_poll_interval_us
+                    .unwrap_or(DEFAULT_SOCKET_POLL_INTERVAL_US),
+                1,
+                MAX_SOCKET_POLL_INTERVAL_US,
+            )?),
             runtime,
         })
+    }
+}
+
+pub const DEFAULT_SPIN_AFTER_WORK_US: u64 = 100;
+/// Spinning longer burns a core for little: an engine's next request
+/// comes within microseconds or after a model step (milliseconds).
+pub const MAX_SPIN_AFTER_WORK_US: u64 = 10_000;
+pub const DEFAULT_SOCKET_POLL_INTERVAL_US: u64 = 20;
+/// A longer interval would keep socket clients and new connections
+/// waiting behind hot traffic for a noticeable time.
+pub const MAX_SOCKET_POLL_INTERVAL_US: u64 = 10_000;
+
+fn at_most(name: &str, v: u64, min: u64, max: u64) -> Result<u64, ServeError> {
+    if (min..=max).contains(&v) {
+        Ok(v)
+    } else {
+        Err(ServeError::Setting(format!(
+            "[serve] {name} = {v} is outside {min}..={max}"
+        )))
     }
 }
 
@@ -284,5 +330,35 @@ mod tests {
         assert!(parse_size("GiB").is_err());
         assert!(parse_size("4XB").is_err());
         assert!(parse_size("99999999999TiB").is_err());
+    }
+
+    fn from_file(text: &str) -> Result<Settings, ServeError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("orbitkv.toml");
+        std::fs::write(&path, text).unwrap();
+        Settings::from_args(&Args {
+            config: Some(path),
+            ..Args::default()
+        })
+    }
+
+    #[test]
+    fn the_spin_bounds_are_read_and_out_of_range_values_refused() {
+        let s = from_file("[serve]\n").unwrap();
+        assert_eq!(s.spin_after_work, Duration::from_micros(100));
+        assert_eq!(s.socket_poll_interval, Duration::from_micros(20));
+        let s =
+            from_file("[serve]\nspin_after_work_us = 0\nsocket_poll_interval_us = 500\n").unwrap();
+        assert_eq!(s.spin_after_work, Duration::ZERO);
+        assert_eq!(s.socket_poll_interval, Duration::from_micros(500));
+        for bad in [
+            "spin_after_work_us = 10001",
+            "socket_poll_interval_us = 0",
+            "socket_poll_interval_us = 10001",
+        ] {
+            let e = from_file(&format!("[serve]\n{bad}\n")).unwrap_err();
+            let name = bad.split(' ').next().unwrap();
+            assert!(e.to_string().contains(name), "{e}");
+        }
     }
 }

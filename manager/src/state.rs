@@ -41,6 +41,11 @@ pub struct State {
     pub hot: Option<HotServer>,
     pub last_tick: Instant,
     pub started: Instant,
+    /// The round's clock: read once per loop round (after its wait) and
+    /// once more after a tick; commands submitted in the round start their
+    /// latency clocks at it, and the tick's events stop theirs at the
+    /// reading after it.
+    pub now: Instant,
 }
 
 /// Why a connection is closed, as a metrics label.
@@ -77,7 +82,7 @@ impl State {
         match self.rt.submit(origin(conn), command) {
             Ok(cid) => {
                 if let Some(clock) = clock {
-                    self.metrics.submitted(cid, clock);
+                    self.metrics.submitted(cid, clock, self.now);
                 }
                 Ok(cid)
             }
@@ -183,14 +188,18 @@ impl State {
         self.rt.close_origin(origin(id));
     }
 
-    /// One runtime tick; every event goes to the connection it belongs to.
+    /// One runtime tick at the round's clock; every event goes to the
+    /// connection it belongs to. Reads the clock once, after the tick, and
+    /// moves the round's clock there.
     pub fn tick(&mut self) {
-        let t0 = Instant::now();
-        let events = self.rt.tick();
-        self.last_tick = Instant::now();
-        self.metrics.tick_took(self.last_tick - t0);
+        let t0 = self.now;
+        let events = self.rt.tick_wall(t0);
+        self.now = Instant::now();
+        self.last_tick = self.now;
+        // From the round's reading: the tick and the commands taken before it.
+        self.metrics.tick_took(self.now - t0);
         for a in events {
-            self.metrics.event(&a.event);
+            self.metrics.event(&a.event, self.now);
             self.deliver(a);
         }
         if let Some(h) = self.hot.as_mut() {
@@ -260,7 +269,7 @@ impl State {
     /// Sends what every connection has queued, without waiting; closes the
     /// ones past their outbox bound or stalled past the stall timeout.
     pub fn flush(&mut self) {
-        let now = Instant::now();
+        let now = self.now;
         let mut close = Vec::new();
         for (id, c) in self.conns.iter_mut() {
             c.seal_events();

@@ -3,10 +3,10 @@
 //! reads and no byte reservations.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::StateKey;
 use orbitkv_components::api::MissReason;
 use orbitkv_components::contract::Rule;
 use orbitkv_components::ecs::{Instance, OpState, Operation, RankState, Recovery, at};
+use orbitkv_components::{KeyRef, StateKey};
 use orbitkv_io::tier::BackingTier;
 
 use crate::lifecycle::set_state;
@@ -63,14 +63,25 @@ fn rank_candidates(
             .find(|g| g.group == group.id)
             .expect("validated at ingest")
             .hashes;
-        let mut ends = Vec::new();
+        let mut ends = Vec::with_capacity(last.saturating_sub(first) as usize);
         for index in first..last {
-            let key = StateKey {
-                namespace: rank.namespace,
+            let native = &hashes[index as usize];
+            // The DRAM index by borrowed parts; a whole key only for the
+            // lower tiers, and only when DRAM lacks the page.
+            let parts = KeyRef {
+                namespace: &rank.namespace,
                 group: group.id,
-                native: hashes[index as usize],
+                native,
             };
-            if dram.index.contains_key(&key) || tiers.iter().any(|t| t.lookup(&key).is_some()) {
+            let held = dram.index.contains_key(&parts) || {
+                let key = StateKey {
+                    namespace: rank.namespace,
+                    group: group.id,
+                    native: *native,
+                };
+                tiers.iter().any(|t| t.lookup(&key).is_some())
+            };
+            if held {
                 ends.push((index + 1) * page);
             } else if group.rule == Rule::Prefix {
                 break;

@@ -20,10 +20,13 @@ pub fn validate(
 ) {
     for (entity, mut op, mut rec) in &mut ops {
         metrics.queried_tokens += rec.end - rec.origin;
+        // Nothing after this stage reads the evidence: it moves into the
+        // event.
+        let mut candidates = std::mem::take(&mut rec.candidates);
         let (selected, common, miss) = match (rec.miss, instances.get(op.instance)) {
             (Some(reason), _) => (None, Vec::new(), Some(reason)),
             (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),
-            (None, Ok(instance)) => select(instance, &mut rec),
+            (None, Ok(instance)) => select(instance, &mut rec, &mut candidates),
         };
         outbox.push(
             op.origin,
@@ -31,13 +34,12 @@ pub fn validate(
                 command: op.command,
                 request: op.request,
                 operation: entity.to_bits(),
-                candidates: rec
-                    .candidates
-                    .iter()
-                    .map(|(rank, group, ends)| Candidates {
-                        rank: *rank,
-                        group: *group,
-                        page_ends: ends.clone(),
+                candidates: candidates
+                    .into_iter()
+                    .map(|(rank, group, page_ends)| Candidates {
+                        rank,
+                        group,
+                        page_ends,
                     })
                     .collect(),
                 common,
@@ -59,28 +61,37 @@ pub fn validate(
     }
 }
 
-/// Returns (selected, common boundaries, miss reason).
-fn select(instance: &Instance, rec: &mut Recovery) -> (Option<u64>, Vec<u64>, Option<MissReason>) {
-    if rec.candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
+/// Returns (selected, common boundaries, miss reason). `candidates` are
+/// lent to each rank's bundle and given back.
+fn select(
+    instance: &Instance,
+    rec: &mut Recovery,
+    candidates: &mut [(u32, u32, Vec<u64>)],
+) -> (Option<u64>, Vec<u64>, Option<MissReason>) {
+    if candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
         return (None, Vec::new(), Some(MissReason::NotFound));
     }
     let mut per_rank = Vec::with_capacity(instance.ranks.len());
     for (index, rank) in instance.ranks.iter().enumerate() {
+        let of_rank = |c: &&mut (u32, u32, Vec<u64>)| c.0 as usize == index;
         let bundle = StateBundle {
             namespace: rank.namespace,
             start: rec.origin,
             end: rec.end,
-            groups: rec
-                .candidates
-                .iter()
-                .filter(|(r, _, _)| *r as usize == index)
+            groups: candidates
+                .iter_mut()
+                .filter(of_rank)
                 .map(|(_, group, ends)| GroupEvidence {
                     group: *group,
-                    page_ends: ends.clone(),
+                    page_ends: std::mem::take(ends),
                 })
                 .collect(),
         };
-        match rank.contract.restorable_boundaries(&bundle) {
+        let legal = rank.contract.restorable_boundaries(&bundle);
+        for (c, ev) in candidates.iter_mut().filter(of_rank).zip(bundle.groups) {
+            c.2 = ev.page_ends;
+        }
+        match legal {
             Ok(b) if b.is_empty() => return (None, Vec::new(), Some(MissReason::IncompleteGroup)),
             Ok(b) => per_rank.push(b),
             // Discovery builds well-formed bundles; if one is not, the

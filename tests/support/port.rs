@@ -46,7 +46,7 @@ pub fn with_driver<R>(
     let mut d = Driver::new(ClientPort { client });
     d.max_steps = (timeout.as_millis() / STEP.as_millis()).max(1) as usize;
     let r = f(&mut d);
-    let left = std::mem::take(&mut d.pending);
+    let left = std::mem::take(&mut d.pending).into();
     d.port.client.requeue(left);
     r
 }

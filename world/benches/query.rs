@@ -107,6 +107,7 @@ fn setup() -> Setup {
 }
 
 /// One query: the timed submit + tick, then the untimed release tick.
+#[inline(never)]
 fn query_once(s: &mut Setup, check: bool) -> Duration {
     let cmd = s.query.clone();
     let start = Instant::now();
@@ -174,6 +175,18 @@ fn main() {
         secs(t0)
     );
     query_once(&mut s, true);
+    // `-- --profile N`: only N queries, for a profiler (valgrind
+    // --tool=callgrind --toggle-collect='*query_once*').
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--profile") {
+        let n: u64 = args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or(100);
+        let t: Duration = (0..n).map(|_| query_once(&mut s, false)).sum();
+        println!(
+            "{n} queries, {:.1} us/query",
+            t.as_secs_f64() * 1e6 / n as f64
+        );
+        return;
+    }
     let map: FxHashMap<StateKey, u64> = s
         .keys
         .iter()

@@ -335,8 +335,15 @@ impl Runtime {
     /// Runs every stage once and returns the events it produced, each
     /// addressed to the origin it belongs to.
     pub fn tick(&mut self) -> Vec<Addressed> {
+        self.tick_wall(Instant::now())
+    }
+
+    /// `tick` at a wall-clock reading the caller already took (the
+    /// manager's loop reads the clock once per round). On a simulated
+    /// clock `now` is ignored, as in `tick`.
+    pub fn tick_wall(&mut self, now: Instant) -> Vec<Addressed> {
         if !self.simulated {
-            let now = self.started.elapsed().as_micros() as u64;
+            let now = now.saturating_duration_since(self.started).as_micros() as u64;
             let mut clock = self.world.resource_mut::<Clock>();
             clock.now_us = clock.now_us.max(now);
         }

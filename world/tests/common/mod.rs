@@ -84,7 +84,7 @@ impl Harness {
 
     /// Keeps what the driver's last steps produced in the test's log.
     fn log(&mut self) -> Vec<Event> {
-        let ev = std::mem::take(&mut self.d.pending);
+        let ev: Vec<Event> = std::mem::take(&mut self.d.pending).into();
         self.events.extend(ev.clone());
         self.last = ev.clone();
         ev

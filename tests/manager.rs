@@ -1192,6 +1192,7 @@ fn cross_connection_actions_are_refused_with_no_effect() {
     else {
         panic!("the victim's query is a hit");
     };
+    assert_eq!(leases.len(), 4, "the victim holds one lease per page");
     let leases_before = m.wait_sample("orbitkv_leases", |v| v == 4);
 
     let mut attacker = Client::connect(&m.socket, "attacker").unwrap();
@@ -1312,36 +1313,7 @@ fn cross_connection_actions_are_refused_with_no_effect() {
                 .all(|b| *b == 0xaa)
         );
     }
-    let targets = leases
-        .iter()
-        .map(|l| RestoreTarget {
-            pos: l.pos,
-            device_page: vpages[(l.pos.page_end / PAGE - 1) as usize],
-        })
-        .collect();
-    victim
-        .submit(Command::Restore {
-            session: vs,
-            operation: vop,
-            targets,
-            retained: vec![],
-        })
-        .unwrap();
-    let done = victim
-        .wait_event(T, |e| matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == vop))
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(done, Event::RestoreDone { pages: 4, .. }),
-        "{done:?}"
-    );
-    for i in 0..4u64 {
-        let at = ((10 + i) * BYTES) as usize;
-        assert_eq!(
-            &victim.region_mut(vr).unwrap()[at..at + BYTES as usize],
-            &payload(i)[..]
-        );
-    }
+    restore_four_into(&mut victim, vs, vr, vop, &vpages, 10, payload);
     let r = attacker.call(query(as_, 4), T).unwrap();
     assert!(matches!(r, Event::QueryResult { .. }), "{r:?}");
     let Event::QueryResult { candidates, .. } = r else {

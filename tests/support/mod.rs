@@ -89,9 +89,8 @@ pub fn publish_four(a: &mut Client, hashes: &[NativeHash], payload: impl Fn(u64)
 }
 
 /// Restores the four pages of a ready `operation` (positions `PAGE` to
-/// `4 * PAGE`) into the device pages at slots `first_slot..first_slot + 4`
-/// of `region`, and checks that slot `first_slot + i` then holds exactly
-/// `payload(i)`. Returns the `restore_done` event.
+/// `4 * PAGE`) into device pages allocated at slots
+/// `first_slot..first_slot + 4` of `region`; see [`restore_four_into`].
 pub fn restore_four(
     c: &mut Client,
     s: SessionHandle,
@@ -100,17 +99,36 @@ pub fn restore_four(
     first_slot: u32,
     payload: impl Fn(u64) -> Vec<u8>,
 ) -> Event {
-    let mut targets = Vec::new();
-    for i in 0..4u64 {
-        targets.push(RestoreTarget {
+    let device_pages: Vec<u64> = (0..4)
+        .map(|i| alloc(c, s, region, first_slot + i))
+        .collect();
+    restore_four_into(c, s, region, operation, &device_pages, first_slot, payload)
+}
+
+/// Restores page `i` of a ready `operation` (position `(i + 1) * PAGE`)
+/// into `device_pages[i]`, the device page at slot `first_slot + i` of
+/// `region`, waits for this operation's `restore_done`, and checks that
+/// each slot then holds exactly `payload(i)`. Returns the event.
+pub fn restore_four_into(
+    c: &mut Client,
+    s: SessionHandle,
+    region: u64,
+    operation: u64,
+    device_pages: &[u64],
+    first_slot: u32,
+    payload: impl Fn(u64) -> Vec<u8>,
+) -> Event {
+    assert_eq!(device_pages.len(), 4);
+    let targets = (0..4u64)
+        .map(|i| RestoreTarget {
             pos: PagePos {
                 rank: 0,
                 group: 0,
                 page_end: (i + 1) * PAGE,
             },
-            device_page: alloc(c, s, region, first_slot + i as u32),
-        });
-    }
+            device_page: device_pages[i as usize],
+        })
+        .collect();
     c.submit(Command::Restore {
         session: s,
         operation,
@@ -120,7 +138,7 @@ pub fn restore_four(
     .unwrap();
     let done = c
         .wait_event(T, |e| {
-            matches!(e, Event::RestoreDone { .. } | Event::Miss { .. })
+            matches!(e, Event::RestoreDone { operation: o, .. } | Event::Miss { operation: o, .. } if *o == operation)
         })
         .unwrap()
         .unwrap();

@@ -1078,20 +1078,33 @@ mod agent_on_cuda {
             .collect()
     }
 
+    /// A copy agent on the fake driver's executor with its window set: a
+    /// pool filled with a pattern (`mul`) and an empty staging area, both
+    /// shared memory named after `tag`. Returns the agent and both maps.
+    fn agent_with_window(
+        fake: &Fake,
+        tag: &str,
+        mul: usize,
+    ) -> (CopyAgent, memmap2::MmapMut, memmap2::MmapMut) {
+        let exec = Executor::open(fake.driver(), config()).unwrap();
+        let (pool_file, mut pool) = shared_memory(&format!("{tag}-pool"), POOL).unwrap();
+        for (i, b) in pool.iter_mut().enumerate() {
+            *b = (i * mul + i / 4096) as u8;
+        }
+        let (staging_file, staging) = shared_memory(&format!("{tag}-staging"), STAGING).unwrap();
+        let mut agent = CopyAgent::new(Box::new(FakeCuda(exec)));
+        agent
+            .set_window(HostWindow::map(&pool_file, POOL, &staging_file, STAGING).unwrap())
+            .unwrap();
+        (agent, pool, staging)
+    }
+
     #[test]
     fn exact_bytes_pool_to_fake_device_to_staging_with_the_window_pinned_per_span() {
         let fake = Fake::new(1, true);
-        let exec = Executor::open(fake.driver(), config()).unwrap();
-        let (pool_file, mut pool) = shared_memory("agent-cuda-pool", POOL).unwrap();
-        for (i, b) in pool.iter_mut().enumerate() {
-            *b = (i * 13 + i / 4096) as u8;
-        }
-        let (staging_file, staging) = shared_memory("agent-cuda-staging", STAGING).unwrap();
+        let (mut agent, pool, staging) = agent_with_window(&fake, "agent-cuda", 13);
         let device = Device::new(&fake);
-        let mut agent = CopyAgent::new(Box::new(FakeCuda(exec)));
         assert_eq!(agent.engine(), "cuda");
-        let window = HostWindow::map(&pool_file, POOL, &staging_file, STAGING).unwrap();
-        agent.set_window(window).unwrap();
         // The pool is pinned read-only, the staging area writable.
         let pins: Vec<(u64, bool)> = fake
             .calls()
@@ -1192,17 +1205,8 @@ mod agent_on_cuda {
     #[test]
     fn layered_restores_land_and_count_layer_by_layer_and_one_failed_layer_fails_the_copy() {
         let fake = Fake::new(1, false);
-        let exec = Executor::open(fake.driver(), config()).unwrap();
-        let (pool_file, mut pool) = shared_memory("agent-layers-pool", POOL).unwrap();
-        for (i, b) in pool.iter_mut().enumerate() {
-            *b = (i * 29 + i / 4096) as u8;
-        }
-        let (staging_file, _staging) = shared_memory("agent-layers-staging", STAGING).unwrap();
+        let (mut agent, pool, _staging) = agent_with_window(&fake, "agent-layers", 29);
         let device = Device::new(&fake);
-        let mut agent = CopyAgent::new(Box::new(FakeCuda(exec)));
-        agent
-            .set_window(HostWindow::map(&pool_file, POOL, &staging_file, STAGING).unwrap())
-            .unwrap();
         // K runs are layer 0, V runs layer 1.
         // SAFETY: `device` outlives the agent.
         let (region, _) =

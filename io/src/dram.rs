@@ -768,20 +768,6 @@ pub fn staging_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, m
     Ok((file, map))
 }
 
-/// An anonymous shared-memory file of `len` bytes (memfd), mapped.
-pub fn shared_memory(name: &str, len: u64) -> std::io::Result<(std::fs::File, memmap2::MmapMut)> {
-    let fd = memfd::MemfdOptions::default()
-        .close_on_exec(true)
-        .create(name)
-        .map_err(std::io::Error::other)?;
-    let file = fd.into_file();
-    file.set_len(len)?;
-    // SAFETY: the file is ours; processes that map it share the bytes by
-    // design, and the slot and lease protocol decides who writes what.
-    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
-    Ok((file, map))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -234,6 +234,48 @@ fn agent_copy(
     }
 }
 
+/// The embedded origin's staging area, mapped writable: the agent's side.
+fn staging_map(h: &mut Harness) -> memmap2::MmapMut {
+    let fd = h
+        .rt()
+        .export_staging(Origin::EMBEDDED)
+        .expect("staging area");
+    unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap()
+}
+
+/// Plays the agent for a publish copy of one page: writes `bytes` into its
+/// staging slot and reports the copy done.
+fn land_publish(
+    h: &mut Harness,
+    copy: u64,
+    staged: &orbitkv_components::api::AgentPageCopy,
+    bytes: &[u8],
+) -> Vec<Event> {
+    let mut map = staging_map(h);
+    let at = staged.host_offset as usize;
+    map[at..at + bytes.len()].copy_from_slice(bytes);
+    h.step(vec![Command::CopyDone {
+        copy,
+        failure: None,
+    }])
+}
+
+/// Publishes `bytes` as the page of `hash(1, 0, 0)` from `device_page`
+/// through a hand-played agent, and waits until it is stored.
+fn store_one(h: &mut Harness, s: SessionHandle, request: u64, device_page: u64, bytes: &[u8]) {
+    h.step(vec![publish_cmd(
+        s,
+        request,
+        0,
+        vec![(0, hash(1, 0, 0), device_page)],
+    )]);
+    let (copy, _, staged) = agent_copy(h);
+    land_publish(h, copy, &staged[0], bytes);
+    h.until("publish", |e| {
+        matches!(e, Event::PublishDone { inserted: 1, .. })
+    });
+}
+
 fn rejected(events: &[Event]) -> Option<CommandError> {
     events.iter().find_map(|e| match e {
         Event::Rejected { error, .. } => Some(error.clone()),
@@ -288,17 +330,7 @@ fn copy_reports_are_refused_from_another_origin_or_for_unknown_copies() {
     );
     // The agent writes the page into its staging slot and reports it.
     let bytes = payload(&ns, 0, &hash(1, 0, 0));
-    let fd = h
-        .rt()
-        .export_staging(Origin::EMBEDDED)
-        .expect("staging area");
-    let mut map = unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap();
-    let at = pages[0].host_offset as usize;
-    map[at..at + bytes.len()].copy_from_slice(&bytes);
-    let ev = h.step(vec![Command::CopyDone {
-        copy,
-        failure: None,
-    }]);
+    let ev = land_publish(&mut h, copy, &pages[0], &bytes);
     assert!(rejected(&ev).is_none(), "{ev:?}");
     let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
     assert!(
@@ -365,24 +397,7 @@ fn a_failed_agent_copy_drops_the_publish_and_fails_the_restore() {
     h.assert_idle();
     // Now store it for real, then fail the restore's copy.
     let bytes = payload(&ns, 0, &hash(1, 0, 0));
-    h.step(vec![publish_cmd(
-        s,
-        2,
-        0,
-        vec![(0, hash(1, 0, 0), pages[0])],
-    )]);
-    let (copy, _, staged) = agent_copy(&mut h);
-    let fd = h.rt().export_staging(Origin::EMBEDDED).unwrap();
-    let mut map = unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap();
-    let at = staged[0].host_offset as usize;
-    map[at..at + bytes.len()].copy_from_slice(&bytes);
-    h.step(vec![Command::CopyDone {
-        copy,
-        failure: None,
-    }]);
-    h.until("publish", |e| {
-        matches!(e, Event::PublishDone { inserted: 1, .. })
-    });
+    store_one(&mut h, s, 2, pages[0], &bytes);
     let q =
         h.d.query(query(s, 3, 1, &[0], 1, PAGE + 1, true))
             .expect("query");
@@ -420,24 +435,7 @@ fn a_lost_agent_fails_its_copies_and_everything_returns() {
     let pages: Vec<u64> = (0..3).map(|slot| h.alloc(s, region, slot)).collect();
     // Store a page, then leave a restore and a publish in flight.
     let bytes = payload(&ns, 0, &hash(1, 0, 0));
-    h.step(vec![publish_cmd(
-        s,
-        1,
-        0,
-        vec![(0, hash(1, 0, 0), pages[0])],
-    )]);
-    let (copy, _, staged) = agent_copy(&mut h);
-    let fd = h.rt().export_staging(Origin::EMBEDDED).unwrap();
-    let mut map = unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap();
-    let at = staged[0].host_offset as usize;
-    map[at..at + bytes.len()].copy_from_slice(&bytes);
-    h.step(vec![Command::CopyDone {
-        copy,
-        failure: None,
-    }]);
-    h.until("publish", |e| {
-        matches!(e, Event::PublishDone { inserted: 1, .. })
-    });
+    store_one(&mut h, s, 1, pages[0], &bytes);
     let q =
         h.d.query(query(s, 2, 1, &[0], 1, PAGE + 1, true))
             .expect("query");
@@ -529,14 +527,7 @@ fn an_agent_past_its_deadline_fails_the_copy_but_holds_everything_until_it_repor
         "{ev:?}"
     );
     let bytes = payload(&ns, 0, &hash(1, 0, 0));
-    let fd = h.rt().export_staging(Origin::EMBEDDED).unwrap();
-    let mut map = unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap();
-    let at = staged[0].host_offset as usize;
-    map[at..at + bytes.len()].copy_from_slice(&bytes);
-    h.step(vec![Command::CopyDone {
-        copy,
-        failure: None,
-    }]);
+    land_publish(&mut h, copy, &staged[0], &bytes);
     let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
     assert!(
         matches!(
@@ -582,8 +573,7 @@ fn agent_copies_in_flight_per_origin_are_bounded() {
         .map(|i| (0, hash(1, 0, i), pages[i as usize]))
         .collect();
     h.step(vec![publish_cmd(s, 1, 0, items)]);
-    let fd = h.rt().export_staging(Origin::EMBEDDED).unwrap();
-    let mut map = unsafe { memmap2::MmapMut::map_mut(&std::fs::File::from(fd)) }.unwrap();
+    let mut map = staging_map(&mut h);
     for i in 0..3u64 {
         let (copy, _, staged) = agent_copy(&mut h);
         assert_eq!(staged.len(), 1, "one page per batch");

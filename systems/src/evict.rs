@@ -5,11 +5,18 @@
 //! checksum it carries since its bytes landed, which the tier verifies its
 //! copy against; a refusal (`checksum` for bytes altered in memory) is
 //! counted by reason, and the page is dropped either way.
+//!
+//! A tier that writes straight from the pool (`Demoted::InPlace`, the SSD
+//! store) keeps the victim's slot allocated until it releases the token
+//! (`Dram::demoting`, freed by the fence stage's `land`); the page itself
+//! leaves the index at once, so nothing can lease or alter it meanwhile.
+//! Slots on their way back count against a class's pressure, so a tick
+//! never evicts again for an allocation that a pending release will serve.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::ecs::{Leases, Page};
 
-use orbitkv_io::tier::DemoteRefused;
+use orbitkv_io::tier::{DemoteRefused, Demoted};
 
 use crate::resources::{Clock, Dram, EvictReason, Limits, Metrics, Tiers};
 
@@ -26,6 +33,7 @@ pub fn evict(
     let pressure = std::mem::take(&mut dram.pressure);
     let mut budget = limits.max_evictions_per_tick;
     for (class, wanted) in pressure {
+        let wanted = wanted.saturating_sub(dram.demoting_in(class));
         let mut freed = 0;
         while freed < wanted && budget > 0 {
             let Some(victim) = dram.lru.get_mut(&class).and_then(|lru| lru.pop_oldest()) else {
@@ -33,20 +41,34 @@ pub fn evict(
             };
             let (page, leased) = pages.get(victim).expect("the LRU holds live pages");
             assert!(!leased, "a leased page was evictable");
-            if let Some(bytes) = dram.slot_bytes(page.residency.dram_slot, page.bytes) {
+            let slot = page.residency.dram_slot;
+            let mut held = None;
+            if let Some(bytes) = dram.slot_bytes(slot, page.bytes) {
                 let outcome = tiers
                     .iter_mut()
-                    .map(|t| t.demote(&page.key, page.format, bytes, page.checksum, clock.now_us))
-                    .find(|r| *r != Err(DemoteRefused::NotWritable));
+                    .enumerate()
+                    .map(|(i, t)| {
+                        let r = t.demote(&page.key, page.format, bytes, page.checksum, clock.now_us);
+                        (i, r)
+                    })
+                    .find(|(_, r)| *r != Err(DemoteRefused::NotWritable));
                 let key = match outcome {
-                    Some(Ok(())) => "submitted",
-                    Some(Err(reason)) => reason.as_str(),
+                    Some((_, Ok(Demoted::Copied))) => "submitted",
+                    Some((tier, Ok(Demoted::InPlace(token)))) => {
+                        held = Some((tier, token.0));
+                        *metrics.demotions.entry("in_place".to_owned()).or_default() += 1;
+                        "submitted"
+                    }
+                    Some((_, Err(reason))) => reason.as_str(),
                     None => "no_writable_tier",
                 };
                 *metrics.demotions.entry(key.to_owned()).or_default() += 1;
             }
             dram.index.remove(&page.key);
-            dram.free(page.residency.dram_slot);
+            match held {
+                Some((tier, token)) => dram.hold_for_demotion(tier, token, slot),
+                None => dram.free(slot),
+            }
             commands.entity(victim).despawn();
             *metrics.evictions.entry(EvictReason::Capacity).or_default() += 1;
             freed += 1;

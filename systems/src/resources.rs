@@ -173,6 +173,13 @@ pub struct Dram {
     pub lru: BTreeMap<u64, LruOrder<Entity>>,
     /// Slot classes an allocation failed for this tick, and how many slots.
     pub pressure: BTreeMap<u64, u64>,
+    /// Slots of evicted pages a tier is writing straight from (in-place
+    /// demotion), by (tier index, token): no page owns them any more, and
+    /// they are freed only when the tier releases the token.
+    pub demoting: BTreeMap<(usize, u64), u64>,
+    /// `demoting`, counted per slot class: slots that will come free
+    /// without evicting anything else.
+    pub demoting_by_class: BTreeMap<u64, u64>,
 }
 
 impl Dram {
@@ -183,7 +190,42 @@ impl Dram {
             reading: KeyMap::default(),
             lru: BTreeMap::new(),
             pressure: BTreeMap::new(),
+            demoting: BTreeMap::new(),
+            demoting_by_class: BTreeMap::new(),
         }
+    }
+
+    /// An evicted page's slot stays allocated while `tier` writes from it.
+    pub fn hold_for_demotion(&mut self, tier: usize, token: u64, slot: u64) {
+        let class = self.class_of(slot);
+        let previous = self.demoting.insert((tier, token), slot);
+        assert!(
+            previous.is_none(),
+            "tier {tier} reused in-place demotion token {token}"
+        );
+        *self.demoting_by_class.entry(class).or_default() += 1;
+    }
+
+    /// The tier no longer reads the slot behind `token`: free it. A token
+    /// the runtime does not hold is a tier bug; it is ignored here (never
+    /// a double free) and returned as `false` for the caller to count.
+    pub fn release_demotion(&mut self, tier: usize, token: u64) -> bool {
+        let Some(slot) = self.demoting.remove(&(tier, token)) else {
+            return false;
+        };
+        let class = self.class_of(slot);
+        let held = self.demoting_by_class.entry(class).or_default();
+        decrement(held, 1, "dram.demoting_by_class");
+        if *held == 0 {
+            self.demoting_by_class.remove(&class);
+        }
+        self.free(slot);
+        true
+    }
+
+    /// Slots of `class` that in-place demotions will give back.
+    pub fn demoting_in(&self, class: u64) -> u64 {
+        self.demoting_by_class.get(&class).copied().unwrap_or(0)
     }
 
     /// Allocates a slot; on failure records pressure for the evict stage.

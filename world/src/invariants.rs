@@ -18,7 +18,7 @@ use orbitkv_components::ecs::{
     TransferOf, at,
 };
 use orbitkv_io::dram::SlotKey;
-use orbitkv_systems::resources::{Agents, Budget, Dram, Registry};
+use orbitkv_systems::resources::{Agents, Budget, Dram, Registry, Tiers};
 
 pub fn check(world: &mut World) -> Vec<String> {
     let mut v = Vec::new();
@@ -31,7 +31,52 @@ pub fn check(world: &mut World) -> Vec<String> {
     states(world, &mut v);
     counts(world, &mut v);
     agents(world, &mut v);
+    demotions(world, &mut v);
     v
+}
+
+/// Slots held for in-place demotions are live, owned by no page, counted
+/// per class, and each tier holds exactly the tokens the runtime waits on.
+fn demotions(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<&Page>();
+    let page_slots: HashSet<u64> = q.iter(world).map(|p| p.residency.dram_slot).collect();
+    let dram = world.resource::<Dram>();
+    let mut by_class: HashMap<u64, u64> = HashMap::new();
+    let mut slots = HashSet::new();
+    let mut by_tier: HashMap<usize, usize> = HashMap::new();
+    for (&(tier, token), &slot) in &dram.demoting {
+        if dram.pool.offset(SlotKey::from_bits(slot)).is_none() {
+            v.push(format!("in-place demotion {tier}/{token} holds a free slot"));
+        }
+        if page_slots.contains(&slot) || !slots.insert(slot) {
+            v.push(format!("in-place demotion {tier}/{token} shares its slot"));
+        }
+        *by_class.entry(dram.class_of(slot)).or_default() += 1;
+        *by_tier.entry(tier).or_default() += 1;
+    }
+    let counted: HashMap<u64, u64> = dram
+        .demoting_by_class
+        .iter()
+        .map(|(c, n)| (*c, *n))
+        .collect();
+    if counted != by_class {
+        v.push(format!(
+            "demoting slots per class {counted:?}, held {by_class:?}"
+        ));
+    }
+    let Some(mut tiers) = world.get_resource_mut::<Tiers>() else {
+        return;
+    };
+    for (i, tier) in tiers.0.get_mut().iter().enumerate() {
+        let held = by_tier.get(&i).copied().unwrap_or(0);
+        if tier.demotions_holding() != held {
+            v.push(format!(
+                "tier {} holds {} in-place demotions, the runtime waits on {held}",
+                tier.name(),
+                tier.demotions_holding()
+            ));
+        }
+    }
 }
 
 /// Every agent copy in flight is exactly one live agent Transfer sent to

@@ -1,7 +1,8 @@
 //! Lower-tier reads landing in DRAM: verified against the checksum the
 //! tier indexed, then indexed and (if an operation still wants the page)
 //! leased at once, so eviction cannot take it before the read stage sees
-//! it. Also counts finished demotions.
+//! it. Also counts finished demotions and frees the slots of in-place
+//! demotions their tier released.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::MissReason;
@@ -88,16 +89,28 @@ fn landed(tier: usize, operation: Entity, t: &Transfer) -> Option<Landed> {
 }
 
 impl Landing<'_> {
-    /// Every tier's finished reads; finished demotions are counted.
+    /// Every tier's finished reads; finished demotions are counted, and
+    /// released in-place demotions give their slots back.
     fn poll(&mut self) -> Vec<(usize, ReadDone)> {
         let now_us = self.clock.now_us;
         let mut reads = Vec::new();
         let mut demoted = Vec::new();
+        let mut released = Vec::new();
         for (i, tier) in self.tiers.0.get_mut().iter_mut().enumerate() {
             let mut done = Vec::new();
             tier.poll(now_us, &mut done);
             reads.extend(done.into_iter().map(|d| (i, d)));
             tier.poll_demotions(now_us, &mut demoted);
+            tier.poll_released(&mut released);
+            for token in released.drain(..) {
+                if !self.dram.release_demotion(i, token.0) {
+                    // A tier bug, never a double free: counted, and the
+                    // invariants compare each tier's holding count with
+                    // the runtime's.
+                    let key = "release_of_unknown_token".to_owned();
+                    *self.metrics.demotions.entry(key).or_default() += 1;
+                }
+            }
         }
         for d in demoted {
             let key = if d.is_ok() { "written" } else { "failed" };

@@ -1,13 +1,17 @@
 //! SSD store throughput against raw io_uring O_DIRECT I/O on the same
 //! filesystem, same block size and queue depth, measured in the same run.
 //!
-//! - read: the store reads 1024 pages of 64 KiB (each one readv of the 4 KiB
+//! - read: the store reads 1024 pages of 64 KiB (each one readv of the
 //!   header block + the payload straight into a pool slot, then header and
 //!   XXH3 verification) vs raw 64 KiB O_DIRECT reads of the same payload
 //!   offsets of the same segment files, into the same pool; QD 32 both.
-//! - write: the store writes 256 new 64 KiB pages (record = 68 KiB) under
-//!   each sync policy vs raw 64 KiB O_DIRECT writes into a freshly
-//!   fallocate'd file: no sync / fdatasync after every 32 / O_DSYNC; QD 32.
+//! - write: the runtime's path. Pages sit in a registered `HostPool`; the
+//!   store takes each with `demote` and the checksum it carries, in place
+//!   (one pwritev of header block + pool range, no copy, no hashing), 16 MiB
+//!   of 16 KiB or 64 KiB pages per batch, under each sync policy; vs raw
+//!   O_DIRECT writes of the same payload bytes from the same slots into a
+//!   freshly fallocate'd file: no sync / fdatasync after every 32 /
+//!   O_DSYNC; QD 32.
 //!
 //! Criterion reports each; a final pass prints the store/raw ratios
 //! (median of 5). The directory is $ORBITKV_BENCH_DIR or the system temp
@@ -24,13 +28,18 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use io_uring::{IoUring, opcode, types};
 use orbitkv_components::{Namespace, StateKey};
 use orbitkv_io::dram::{HostPool, HostPoolConfig};
-use orbitkv_io::ssd::format::HEADER_BLOCK;
+use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::ssd::{IoBackend, SsdConfig, SsdStore, SyncPolicy, WriteRefused};
-use orbitkv_io::tier::BackingTier;
+use orbitkv_io::tier::{BackingTier, DemoteRefused, Demoted};
 
 const PAGE: usize = 64 << 10;
 const READ_PAGES: usize = 1024;
-const WRITE_PAGES: usize = 256;
+/// Payload bytes per write batch.
+const WRITE_BYTES: usize = 16 << 20;
+/// Write page sizes.
+const WRITE_PAGES: [usize; 2] = [16 << 10, 64 << 10];
+/// Distinct source slots per page size.
+const SLOTS: usize = 64;
 const QD: usize = 32;
 
 fn key(i: u64) -> StateKey {
@@ -63,7 +72,8 @@ struct ReadSetup {
     pool: HostPool,
     slots: Vec<u64>,
     keys: Vec<StateKey>,
-    raw: Vec<(PathBuf, u64)>,
+    /// Segment file and payload offset of each page, and its header block.
+    raw: Vec<(PathBuf, u64, u64)>,
 }
 
 fn read_setup(dir: &Path, backend: IoBackend) -> ReadSetup {
@@ -102,7 +112,8 @@ fn read_setup(dir: &Path, backend: IoBackend) -> ReadSetup {
             let info = store.record_info(k).unwrap();
             (
                 store.segment_path(info.segment_id),
-                info.offset + HEADER_BLOCK,
+                info.offset + info.block,
+                info.block,
             )
         })
         .collect();
@@ -141,11 +152,11 @@ fn store_read_all(s: &mut ReadSetup) -> Duration {
 }
 
 /// Raw O_DIRECT reads of the payloads; with `headers`, each is one readv of
-/// the record's 4 KiB header block (into `hdr`) plus the payload, i.e. the
+/// the record's header block (into `hdr`) plus the payload, i.e. the
 /// store's exact I/O pattern without its bookkeeping and verification.
 fn raw_read_all(s: &mut ReadSetup, ring: &mut IoUring, hdr: Option<&mut HostPool>) -> Duration {
     let mut files = std::collections::HashMap::new();
-    for (p, _) in &s.raw {
+    for (p, _, _) in &s.raw {
         files.entry(p.clone()).or_insert_with(|| {
             OpenOptions::new()
                 .read(true)
@@ -160,11 +171,11 @@ fn raw_read_all(s: &mut ReadSetup, ring: &mut IoUring, hdr: Option<&mut HostPool
         .map(|i| {
             [
                 libc::iovec {
-                    // SAFETY: QD header blocks of 4 KiB inside `hdr`.
+                    // SAFETY: QD header blocks of at most 4 KiB inside `hdr`.
                     iov_base: hdr_base
                         .map_or(std::ptr::null_mut(), |b| unsafe { b.add((i % QD) * 4096) })
                         .cast(),
-                    iov_len: 4096,
+                    iov_len: s.raw[i].2 as usize,
                 },
                 libc::iovec {
                     // SAFETY: slot offsets are inside the pool.
@@ -178,11 +189,11 @@ fn raw_read_all(s: &mut ReadSetup, ring: &mut IoUring, hdr: Option<&mut HostPool
     let (mut next, mut inflight) = (0, 0);
     while next < s.raw.len() || inflight > 0 {
         while inflight < QD && next < s.raw.len() {
-            let (path, off) = &s.raw[next];
+            let (path, off, hb) = &s.raw[next];
             let fd = types::Fd(files[path].as_raw_fd());
             let e = if hdr_base.is_some() {
                 opcode::Readv::new(fd, iovs[next].as_ptr(), 2)
-                    .offset(*off - HEADER_BLOCK)
+                    .offset(*off - *hb)
                     .build()
             } else {
                 opcode::Read::new(fd, iovs[next][1].iov_base.cast(), PAGE as u32)
@@ -204,31 +215,92 @@ fn raw_read_all(s: &mut ReadSetup, ring: &mut IoUring, hdr: Option<&mut HostPool
     start.elapsed()
 }
 
-fn store_write_batch(store: &mut SsdStore, next_key: &mut u64, page: &[u8]) -> Duration {
+/// Source pages of the write benches: `SLOTS` slots of each page size in
+/// one host pool (registered with every write store), each filled with its
+/// own bytes, with the checksum a page carries since it landed.
+struct Sources {
+    pool: HostPool,
+    /// Per page size: (pool offset, checksum) of each slot.
+    slots: Vec<(usize, Vec<(u64, u64)>)>,
+}
+
+impl Sources {
+    fn new() -> Sources {
+        let bytes: usize = WRITE_PAGES.iter().map(|p| p * SLOTS).sum();
+        let mut pool = HostPool::new(HostPoolConfig::new((bytes + (8 << 20)) as u64)).unwrap();
+        pool.first_touch();
+        let slots = WRITE_PAGES
+            .iter()
+            .map(|&page| {
+                let v = (0..SLOTS)
+                    .map(|i| {
+                        let slot = pool.alloc(page as u64).unwrap();
+                        let b = pool.bytes_mut(slot, page as u64).unwrap();
+                        for (j, x) in b.iter_mut().enumerate() {
+                            *x = (j as u64 * 31 + i as u64 * 7 + page as u64) as u8;
+                        }
+                        let sum = page_checksum(b);
+                        (pool.offset(slot).unwrap(), sum)
+                    })
+                    .collect();
+                (page, v)
+            })
+            .collect();
+        Sources { pool, slots }
+    }
+
+    fn page(&mut self, page: usize, i: usize) -> (&[u8], u64) {
+        let (_, v) = self.slots.iter().find(|(p, _)| *p == page).unwrap();
+        let (off, sum) = v[i % SLOTS];
+        let base = self.pool.base_ptr();
+        // SAFETY: a slot of `page` bytes inside the pool, never written
+        // after `new` (so unchanged while any in-place write reads it).
+        (unsafe { std::slice::from_raw_parts(base.add(off as usize), page) }, sum)
+    }
+
+    fn ptrs(&mut self, page: usize) -> Vec<*const u8> {
+        (0..SLOTS).map(|i| self.page(page, i).0.as_ptr()).collect()
+    }
+}
+
+/// One batch of WRITE_BYTES through `demote`, as the runtime evicts: in
+/// place, carried checksum; waits until every write is reported and every
+/// token released.
+fn store_demote_batch(
+    store: &mut SsdStore,
+    src: &mut Sources,
+    page: usize,
+    next_key: &mut u64,
+) -> Duration {
+    let n = WRITE_BYTES / page;
     let start = Instant::now();
     let mut now = 0;
-    let mut done = Vec::new();
-    let mut ok = 0;
-    for _ in 0..WRITE_PAGES {
+    let (mut done, mut released) = (Vec::new(), Vec::new());
+    for i in 0..n {
         let k = key(*next_key);
         *next_key += 1;
+        let (bytes, sum) = src.page(page, i);
         loop {
             now += 1;
-            match store.submit_write(&k, [0; 32], page, now) {
-                Ok(_) => break,
-                Err(WriteRefused::QueueFull) => store.poll_writes(now, &mut done),
+            match store.demote(&k, [0; 32], bytes, sum, now) {
+                Ok(Demoted::InPlace(_)) => break,
+                Ok(Demoted::Copied) => panic!("a pool page was copied"),
+                Err(DemoteRefused::QueueFull) => {
+                    store.poll_demotions(now, &mut done);
+                    store.poll_released(&mut released);
+                }
                 Err(e) => panic!("{e}"),
             }
         }
     }
-    done.extend(store.wait_writes(now));
-    for d in &done {
-        if d.result.is_ok() {
-            ok += 1;
-        }
-    }
-    assert_eq!(ok, WRITE_PAGES);
-    start.elapsed()
+    let rest = store.wait_writes(now);
+    store.poll_released(&mut released);
+    let elapsed = start.elapsed();
+    assert!(done.iter().all(|d| d.is_ok()) && rest.iter().all(|d| d.result.is_ok()));
+    assert_eq!(done.len() + rest.len(), n);
+    assert_eq!(released.len(), n);
+    assert_eq!(store.demotions_holding(), 0);
+    elapsed
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,9 +310,17 @@ enum RawSync {
     Dsync,
 }
 
-/// Raw O_DIRECT writes of WRITE_PAGES x 64 KiB at QD into a fresh,
-/// fallocate'd file (created outside the timed part).
-fn raw_write_batch(dir: &Path, ring: &mut IoUring, buf: *const u8, sync: RawSync) -> Duration {
+/// Raw O_DIRECT writes of WRITE_BYTES in `page`-byte writes from the
+/// source slots at QD into a fresh, fallocate'd file (created outside the
+/// timed part).
+fn raw_write_batch(
+    dir: &Path,
+    ring: &mut IoUring,
+    bufs: &[*const u8],
+    page: usize,
+    sync: RawSync,
+) -> Duration {
+    let n = WRITE_BYTES / page;
     let path = dir.join("raw-write.bin");
     let _ = std::fs::remove_file(&path);
     let flags = libc::O_DIRECT
@@ -257,19 +337,18 @@ fn raw_write_batch(dir: &Path, ring: &mut IoUring, buf: *const u8, sync: RawSync
         .custom_flags(flags)
         .open(&path)
         .unwrap();
-    let size = (WRITE_PAGES * PAGE) as i64;
     // SAFETY: plain syscall.
-    unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, size) };
+    unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, WRITE_BYTES as i64) };
     let fd = types::Fd(f.as_raw_fd());
     let start = Instant::now();
     let (mut next, mut inflight, mut since_sync) = (0usize, 0, 0);
-    while next < WRITE_PAGES || inflight > 0 {
-        while inflight < QD && next < WRITE_PAGES {
-            let e = opcode::Write::new(fd, buf, PAGE as u32)
-                .offset((next * PAGE) as u64)
+    while next < n || inflight > 0 {
+        while inflight < QD && next < n {
+            let e = opcode::Write::new(fd, bufs[next % bufs.len()], page as u32)
+                .offset((next * page) as u64)
                 .build()
                 .user_data(0);
-            // SAFETY: `buf` outlives the batch.
+            // SAFETY: the slots outlive the batch.
             unsafe { ring.submission().push(&e).unwrap() };
             next += 1;
             inflight += 1;
@@ -278,12 +357,9 @@ fn raw_write_batch(dir: &Path, ring: &mut IoUring, buf: *const u8, sync: RawSync
         for cqe in ring.completion() {
             assert!(cqe.result() >= 0, "raw write: {}", cqe.result());
             inflight -= 1;
-            if cqe.user_data() == 0 {
-                since_sync += 1;
-            }
+            since_sync += 1;
         }
-        if sync == RawSync::Every32 && (since_sync >= 32 || (next == WRITE_PAGES && inflight == 0))
-        {
+        if sync == RawSync::Every32 && (since_sync >= 32 || (next == n && inflight == 0)) {
             since_sync = 0;
             f.sync_data().unwrap();
         }
@@ -353,15 +429,7 @@ fn ssd(c: &mut Criterion) {
     g.finish();
 
     // Writes.
-    let page = vec![0xa5u8; PAGE];
-    // An aligned copy for the raw writer.
-    let mut raw_pool = HostPool::new(HostPoolConfig::new(2 << 20)).unwrap();
-    let raw_slot = raw_pool.alloc(PAGE as u64).unwrap();
-    raw_pool
-        .bytes_mut(raw_slot, PAGE as u64)
-        .unwrap()
-        .fill(0xa5);
-    let raw_buf = raw_pool.bytes(raw_slot, PAGE as u64).unwrap().as_ptr();
+    let mut src = Sources::new();
     let write_dir = root.path().join("write");
     std::fs::create_dir_all(&write_dir).unwrap();
     let policies = [
@@ -369,40 +437,51 @@ fn ssd(c: &mut Criterion) {
         (SyncPolicy::Dsync, RawSync::Dsync),
         (SyncPolicy::None, RawSync::None),
     ];
+    let base = src.pool.base_ptr();
+    let cap = src.pool.capacity();
     let mut stores: Vec<(SyncPolicy, RawSync, SsdStore)> = policies
         .iter()
         .map(|&(p, r)| {
             let d = write_dir.join(format!("{p:?}"));
-            (
-                p,
-                r,
-                SsdStore::open(cfg(&d, IoBackend::IoUring, p)).unwrap(),
-            )
+            let mut store = SsdStore::open(cfg(&d, IoBackend::IoUring, p)).unwrap();
+            // SAFETY: `src` outlives the stores (dropped at the end, after
+            // them) and its slots are never written after setup.
+            unsafe { store.register_host_pool(base, cap) }.unwrap();
+            (p, r, store)
         })
         .collect();
+    println!(
+        "record block {} bytes: a 64 KiB page takes {} KiB on disk, a 16 KiB page {} KiB",
+        stores[0].2.block_bytes(),
+        (stores[0].2.block_bytes() as f64 + 65536.0) / 1024.0,
+        (stores[0].2.block_bytes() as f64 + 16384.0) / 1024.0
+    );
     let mut next_key = 0u64;
-    let mut g = c.benchmark_group("ssd_write_64k_qd32");
-    g.throughput(Throughput::Bytes((WRITE_PAGES * PAGE) as u64));
-    g.sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2));
-    for (policy, raw, store) in &mut stores {
-        g.bench_function(format!("raw_odirect_{raw:?}"), |b| {
-            b.iter_custom(|n| {
-                (0..n)
-                    .map(|_| raw_write_batch(&write_dir, &mut ring, raw_buf, *raw))
-                    .sum()
-            })
-        });
-        g.bench_function(format!("store_{policy:?}"), |b| {
-            b.iter_custom(|n| {
-                (0..n)
-                    .map(|_| store_write_batch(store, &mut next_key, &page))
-                    .sum()
-            })
-        });
+    for page in WRITE_PAGES {
+        let bufs = src.ptrs(page);
+        let mut g = c.benchmark_group(format!("ssd_write_{}k_qd32", page >> 10));
+        g.throughput(Throughput::Bytes(WRITE_BYTES as u64));
+        g.sample_size(10)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2));
+        for (policy, raw, store) in &mut stores {
+            g.bench_function(format!("raw_odirect_{raw:?}"), |b| {
+                b.iter_custom(|n| {
+                    (0..n)
+                        .map(|_| raw_write_batch(&write_dir, &mut ring, &bufs, page, *raw))
+                        .sum()
+                })
+            });
+            g.bench_function(format!("store_demote_{policy:?}"), |b| {
+                b.iter_custom(|n| {
+                    (0..n)
+                        .map(|_| store_demote_batch(store, &mut src, page, &mut next_key))
+                        .sum()
+                })
+            });
+        }
+        g.finish();
     }
-    g.finish();
 
     // Ratios, same run: median of 5 each, interleaved.
     println!(
@@ -440,22 +519,26 @@ fn ssd(c: &mut Criterion) {
             rawv.as_secs_f64() / t.as_secs_f64()
         );
     }
-    let bytes = WRITE_PAGES * PAGE;
-    for (policy, rawp, store) in &mut stores {
-        let (mut r, mut s) = (Vec::new(), Vec::new());
-        for _ in 0..5 {
-            r.push(raw_write_batch(&write_dir, &mut ring, raw_buf, *rawp));
-            s.push(store_write_batch(store, &mut next_key, &page));
+    let bytes = WRITE_BYTES;
+    for page in WRITE_PAGES {
+        let bufs = src.ptrs(page);
+        for (policy, rawp, store) in &mut stores {
+            let (mut r, mut s) = (Vec::new(), Vec::new());
+            for _ in 0..5 {
+                r.push(raw_write_batch(&write_dir, &mut ring, &bufs, page, *rawp));
+                s.push(store_demote_batch(store, &mut src, page, &mut next_key));
+            }
+            let (r, s) = (median(r), median(s));
+            println!(
+                "write {:>2}K raw {:<8} {:6.2} GB/s | store demote {:<15} {:6.2} GB/s  ratio {:.2}",
+                page >> 10,
+                format!("{rawp:?}"),
+                gbps(bytes, r),
+                format!("{policy:?}"),
+                gbps(bytes, s),
+                r.as_secs_f64() / s.as_secs_f64()
+            );
         }
-        let (r, s) = (median(r), median(s));
-        println!(
-            "write raw {:<8} {:6.2} GB/s | store {:<15} {:6.2} GB/s  ratio {:.2}",
-            format!("{rawp:?}"),
-            gbps(bytes, r),
-            format!("{policy:?}"),
-            gbps(bytes, s),
-            r.as_secs_f64() / s.as_secs_f64()
-        );
     }
     for (p, _, s) in &stores {
         let st = s.stats();
@@ -468,6 +551,7 @@ fn ssd(c: &mut Criterion) {
         );
     }
     drop(stores);
+    drop(src);
     drop(setups);
 }
 

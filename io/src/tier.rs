@@ -24,6 +24,22 @@ pub struct TierEntry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReadToken(pub u64);
 
+/// Names one in-place demotion until [`BackingTier::poll_released`]
+/// returns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DemoteToken(pub u64);
+
+/// How a tier took a page DRAM is evicting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Demoted {
+    /// The tier holds its own copy: the caller frees the DRAM slot at once.
+    Copied,
+    /// The tier writes straight from the registered host pool: the caller
+    /// keeps that range's bytes unchanged (and the slot allocated) until
+    /// `poll_released` returns this token.
+    InPlace(DemoteToken),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TierError {
     #[error("no host pool is registered")]
@@ -71,12 +87,15 @@ pub trait BackingTier: Send {
         None
     }
 
-    /// Registers the host pool that read destinations are offsets into.
+    /// Registers the host pool that read destinations are offsets into, and
+    /// that in-place demotions write from.
     ///
     /// # Safety
     /// As for `CopyEngine::register_host_pool`: the range stays valid until
-    /// the tier is dropped, and nobody touches a destination range while a
-    /// read into it is in flight.
+    /// the tier is dropped, nobody touches a destination range while a
+    /// read into it is in flight, and nobody writes a range while an
+    /// in-place demotion from it is unreleased ([`Demoted::InPlace`] until
+    /// [`poll_released`](Self::poll_released) returns its token).
     unsafe fn register_host_pool(&mut self, base: *mut u8, len: u64) -> Result<(), TierError>;
 
     /// Starts reading `key` into `[host_offset, host_offset + len)`.
@@ -93,13 +112,22 @@ pub trait BackingTier: Send {
 
     fn in_flight(&self) -> usize;
 
-    /// Demotion: keep a page DRAM is evicting. The payload is copied before
-    /// this returns, so the caller frees its DRAM slot at once. A refusal
-    /// is typed, and the runtime counts it by reason: nothing is dropped
-    /// silently. `checksum` is the one the page carries since its bytes
-    /// landed: the tier verifies the bytes it keeps against it (refusing
-    /// with [`DemoteRefused::Checksum`] when they differ) and never computes
-    /// a fresh one over whatever the bytes are now.
+    /// Demotion: keep a page DRAM is evicting. Either the payload is
+    /// copied before this returns ([`Demoted::Copied`]: the caller frees its
+    /// DRAM slot at once), or, where `payload` lies in the registered host
+    /// pool and the tier can write from it directly, the tier writes
+    /// straight from there ([`Demoted::InPlace`]: the caller keeps the
+    /// slot, bytes unchanged, until [`poll_released`](Self::poll_released)
+    /// returns the token). A refusal is typed, and the runtime counts it by
+    /// reason: nothing is dropped silently.
+    ///
+    /// `checksum` is the one the page carries since its bytes landed; the
+    /// tier never computes a fresh one over whatever the bytes are now.
+    /// Tiers that copy may verify the copy against it (refusing with
+    /// [`DemoteRefused::Checksum`]); the SSD tier records it as the
+    /// record's checksum without hashing, so bytes altered in DRAM after
+    /// they landed are stored but refused when read
+    /// ([`TierError::Corrupt`], and the record leaves the tier).
     fn demote(
         &mut self,
         _key: &StateKey,
@@ -107,8 +135,20 @@ pub trait BackingTier: Send {
         _payload: &[u8],
         _checksum: u64,
         _now_us: u64,
-    ) -> Result<(), DemoteRefused> {
+    ) -> Result<Demoted, DemoteRefused> {
         Err(DemoteRefused::NotWritable)
+    }
+
+    /// Tokens of in-place demotions whose source bytes the tier no longer
+    /// needs (the write I/O finished, successfully or not; durability is
+    /// reported separately by [`poll_demotions`](Self::poll_demotions)).
+    /// Every token is returned exactly once. Never blocks.
+    fn poll_released(&mut self, _out: &mut Vec<DemoteToken>) {}
+
+    /// In-place demotions not yet released (tokens `poll_released` has not
+    /// returned yet).
+    fn demotions_holding(&self) -> usize {
+        0
     }
 
     /// Demotions that finished since the last call: `Ok` once visible to
@@ -116,10 +156,11 @@ pub trait BackingTier: Send {
     fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), DemoteFailed>>) {}
 
     /// Write-through: a page was just published into DRAM and stays there;
-    /// a tier that shares pages with other hosts copies it now. `checksum`
-    /// (the one the copy computed as the bytes landed) and refusals as for
-    /// [`demote`](Self::demote); completions are the tier's own business
-    /// (they are not demotions).
+    /// a tier that shares pages with other hosts copies it now (always a
+    /// copy, verified against `checksum`, the one the copy computed as the
+    /// bytes landed: [`DemoteRefused::Checksum`] when they differ).
+    /// Refusals as for [`demote`](Self::demote); completions are the tier's
+    /// own business (they are not demotions).
     fn write_through(
         &mut self,
         _key: &StateKey,
@@ -180,6 +221,10 @@ pub enum DemoteRefused {
     Unavailable,
     /// The bytes no longer match the checksum the page carries since they
     /// landed (altered in memory): never stored under a fresh checksum.
+    /// Only tiers that copy and verify the copy refuse this way (the remote
+    /// tier, its write-through, the simulator's copying tier); the SSD tier
+    /// stores the carried checksum unverified and refuses such bytes when
+    /// they are read ([`TierError::Corrupt`]).
     #[error("the bytes do not match the page's checksum")]
     Checksum,
 }
@@ -274,6 +319,9 @@ struct MemoryPages {
     meta: orbitkv_components::KeyMap<(u64, u64)>,
     /// Remote mode: down (lookups absent, reads fail) before this time.
     down_until_us: u64,
+    /// In-place demotions (opt-in, see [`MemoryTierHandle::set_in_place`]):
+    /// released this long after `demote`.
+    in_place_us: Option<u64>,
     /// The latest time the tier was polled or submitted to.
     now_us: u64,
 }
@@ -316,11 +364,9 @@ impl MemoryPages {
         verdict
     }
 
-    /// Keeps a copy of `payload` (a demotion or a write-through). In remote
-    /// mode it is refused while the store is down or when the key is
-    /// stored already; the copy is verified against the checksum the page
-    /// carries, as the real tiers do.
-    fn keep(&mut self, key: &StateKey, payload: &[u8], checksum: u64) -> Result<(), DemoteRefused> {
+    /// In remote mode a write is refused while the store is down or when
+    /// the key is stored already.
+    fn admit(&self, key: &StateKey) -> Result<(), DemoteRefused> {
         if self.remote.is_some() {
             if self.down() {
                 return Err(DemoteRefused::Unavailable);
@@ -329,6 +375,14 @@ impl MemoryPages {
                 return Err(DemoteRefused::Duplicate);
             }
         }
+        Ok(())
+    }
+
+    /// Keeps a copy of `payload` (a demotion or a write-through), refused
+    /// as [`admit`](Self::admit) says; the copy is verified against the
+    /// checksum the page carries, as the copying tiers do.
+    fn keep(&mut self, key: &StateKey, payload: &[u8], checksum: u64) -> Result<(), DemoteRefused> {
+        self.admit(key)?;
         let kept = payload.to_vec();
         if page_checksum(&kept) != checksum {
             return Err(DemoteRefused::Checksum);
@@ -345,11 +399,29 @@ impl MemoryPages {
     }
 }
 
+/// An in-place demotion of the simulated tier, copied out of the pool only
+/// at its release.
+struct HeldDemotion {
+    key: StateKey,
+    offset: u64,
+    len: u64,
+    checksum: u64,
+}
+
 /// An in-memory tier with a deterministic latency model: the simulated
 /// remote/SSD tier of replays and runtime tests. Bytes land in the pool only
 /// when the read completes. Its contents are shared with
 /// [`MemoryTierHandle`]s, through which tests and the fuzzer insert, lose,
 /// corrupt or fail pages while the runtime owns the tier.
+///
+/// Demotions are copied at once by default. With
+/// [`MemoryTierHandle::set_in_place`] a demotion whose payload lies in the
+/// registered pool is taken [`Demoted::InPlace`], like the SSD tier does:
+/// the bytes are copied out of the pool only at the release (the first
+/// poll at or after `demote`'s clock plus the delay), stored under the
+/// checksum the page carried, so a runtime that reuses the slot before the
+/// token comes back stores wrong bytes and a later read fails its checksum.
+/// Drop releases (copies) whatever is still held.
 pub struct MemoryTier {
     name: &'static str,
     /// Accepts demotions from DRAM (a simulated SSD), or only reads (a
@@ -364,6 +436,13 @@ pub struct MemoryTier {
     max_in_flight: usize,
     next_token: u64,
     pending: BTreeMap<(u64, ReadToken), PendingRead>,
+    next_demote: u64,
+    /// In-place demotions by release time.
+    held: BTreeMap<(u64, DemoteToken), HeldDemotion>,
+    /// Released, not yet returned by `poll_released`.
+    released: Vec<DemoteToken>,
+    /// The latest clock the tier was given.
+    now_us: u64,
 }
 
 /// Outside access to a [`MemoryTier`]'s pages.
@@ -382,6 +461,14 @@ impl MemoryTierHandle {
     pub fn insert(&self, key: StateKey, bytes: Vec<u8>) {
         let sum = page_checksum(&bytes);
         self.pages().store(key, bytes, sum);
+    }
+
+    /// In-place demotions: `Some(us)` makes `demote` of a payload inside
+    /// the registered pool return [`Demoted::InPlace`] and copy the bytes
+    /// out `us` later (at the first poll past it); `None` (the default)
+    /// copies at once.
+    pub fn set_in_place(&self, release_after_us: Option<u64>) {
+        self.pages().in_place_us = release_after_us;
     }
 
     /// Gives the tier remote-store semantics ([`SimRemote`]).
@@ -492,6 +579,10 @@ impl MemoryTier {
             max_in_flight,
             next_token: 0,
             pending: BTreeMap::new(),
+            next_demote: 0,
+            held: BTreeMap::new(),
+            released: Vec::new(),
+            now_us: 0,
         }
     }
 
@@ -503,10 +594,9 @@ impl MemoryTier {
         latency_us: u64,
         max_in_flight: usize,
     ) -> Self {
-        MemoryTier {
-            shared: handle.0.clone(),
-            ..MemoryTier::new(name, latency_us, max_in_flight)
-        }
+        let mut tier = MemoryTier::new(name, latency_us, max_in_flight);
+        tier.shared = handle.0.clone();
+        tier
     }
 
     /// Makes the tier accept demotions from DRAM.
@@ -521,6 +611,50 @@ impl MemoryTier {
 
     fn pages(&self) -> std::sync::MutexGuard<'_, MemoryPages> {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The pool offset of `payload` when it lies entirely inside the
+    /// registered pool.
+    fn pool_offset(&self, payload: &[u8]) -> Option<u64> {
+        let pool = self.pool.as_ref()?;
+        let start = (payload.as_ptr() as usize).checked_sub(pool.0 as usize)? as u64;
+        let end = start.checked_add(payload.len() as u64)?;
+        (end <= pool.1).then_some(start)
+    }
+
+    /// Copies out every in-place demotion due by `now_us` (all with
+    /// `u64::MAX`) and releases its token.
+    fn release_due(&mut self, now_us: u64) {
+        self.now_us = self.now_us.max(now_us);
+        while let Some(entry) = self.held.first_entry() {
+            if entry.key().0 > now_us {
+                break;
+            }
+            let ((_, token), d) = entry.remove_entry();
+            let Some(pool) = &self.pool else {
+                // Unreachable: in-place demotions need a registered pool.
+                self.released.push(token);
+                continue;
+            };
+            // SAFETY: the range was inside the registered pool at demote,
+            // and the pool stays valid until the tier is dropped
+            // (register_host_pool contract).
+            let bytes =
+                unsafe { std::slice::from_raw_parts(pool.0.add(d.offset as usize), d.len as usize) }
+                    .to_vec();
+            // Whatever the slot holds now, under the checksum the page
+            // carried: no verification, as on the SSD's write path.
+            self.pages().store(d.key, bytes, d.checksum);
+            self.demoted += 1;
+            self.released.push(token);
+        }
+    }
+}
+
+impl Drop for MemoryTier {
+    fn drop(&mut self) {
+        // The "writes" in flight finish before the tier is gone.
+        self.release_due(u64::MAX);
     }
 }
 
@@ -624,6 +758,7 @@ impl BackingTier for MemoryTier {
     }
 
     fn poll(&mut self, now_us: u64, out: &mut Vec<ReadDone>) {
+        self.release_due(now_us);
         let shared = self.shared.clone();
         let mut pages = shared.lock().unwrap_or_else(|e| e.into_inner());
         pages.now_us = pages.now_us.max(now_us);
@@ -681,17 +816,46 @@ impl BackingTier for MemoryTier {
         _format: [u8; 32],
         payload: &[u8],
         checksum: u64,
-        _now_us: u64,
-    ) -> Result<(), DemoteRefused> {
+        now_us: u64,
+    ) -> Result<Demoted, DemoteRefused> {
         if !self.writable {
             return Err(DemoteRefused::NotWritable);
         }
+        self.now_us = self.now_us.max(now_us);
+        let in_place = self.pages().in_place_us;
+        if let Some(after) = in_place
+            && let Some(offset) = self.pool_offset(payload)
+        {
+            self.pages().admit(key)?;
+            let token = DemoteToken(self.next_demote);
+            self.next_demote += 1;
+            self.held.insert(
+                (now_us.saturating_add(after), token),
+                HeldDemotion {
+                    key: *key,
+                    offset,
+                    len: payload.len() as u64,
+                    checksum,
+                },
+            );
+            return Ok(Demoted::InPlace(token));
+        }
         self.pages().keep(key, payload, checksum)?;
         self.demoted += 1;
-        Ok(())
+        Ok(Demoted::Copied)
     }
 
-    fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
+    fn poll_released(&mut self, out: &mut Vec<DemoteToken>) {
+        self.release_due(self.now_us);
+        out.append(&mut self.released);
+    }
+
+    fn demotions_holding(&self) -> usize {
+        self.held.len() + self.released.len()
+    }
+
+    fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
+        self.release_due(now_us);
         out.extend((0..std::mem::take(&mut self.demoted)).map(|_| Ok(())));
     }
 
@@ -716,5 +880,127 @@ impl BackingTier for MemoryTier {
         } else {
             local_miss_reason(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orbitkv_components::Namespace;
+
+    fn key(i: u64) -> StateKey {
+        StateKey::new(Namespace([2; 32]), 0, &i.to_le_bytes()).unwrap()
+    }
+
+    const SLOT: usize = 4096;
+
+    /// Views of a test pool, all through one raw pointer (the tier holds
+    /// the same pointer).
+    struct Mem {
+        _buf: Vec<u8>,
+        base: *mut u8,
+    }
+
+    impl Mem {
+        fn new(slots: usize) -> Mem {
+            let mut buf = vec![0u8; slots * SLOT];
+            let base = buf.as_mut_ptr();
+            Mem { _buf: buf, base }
+        }
+
+        fn slot(&self, i: usize) -> &mut [u8] {
+            // SAFETY: inside `_buf`; tests never hold two views of a slot.
+            unsafe { std::slice::from_raw_parts_mut(self.base.add(i * SLOT), SLOT) }
+        }
+    }
+
+    #[test]
+    fn in_place_demotions_copy_out_at_release() {
+        let mem = Mem::new(4);
+        let mut tier = MemoryTier::new("sim", 10, 8).writable();
+        let handle = tier.handle();
+        handle.set_in_place(Some(100));
+        // SAFETY: `mem` outlives the tier (dropped after it, below).
+        unsafe { tier.register_host_pool(mem.base, 4 * SLOT as u64) }.unwrap();
+        mem.slot(0).fill(1);
+        mem.slot(1).fill(2);
+        let (sum1, sum2) = (page_checksum(mem.slot(0)), page_checksum(mem.slot(1)));
+        let Ok(Demoted::InPlace(t1)) = tier.demote(&key(1), [0; 32], mem.slot(0), sum1, 1000)
+        else {
+            panic!("not in place")
+        };
+        let Ok(Demoted::InPlace(t2)) = tier.demote(&key(2), [0; 32], mem.slot(1), sum2, 1000)
+        else {
+            panic!("not in place")
+        };
+        let outside = vec![3u8; 100];
+        assert_eq!(
+            tier.demote(&key(3), [0; 32], &outside, page_checksum(&outside), 1000),
+            Ok(Demoted::Copied)
+        );
+        assert_eq!(tier.demotions_holding(), 2);
+        let mut released = Vec::new();
+        tier.poll_released(&mut released);
+        assert!(released.is_empty(), "released before its time");
+        assert!(tier.lookup(&key(1)).is_none(), "not written yet");
+        // The runtime reuses slot 1 too early.
+        mem.slot(1).fill(9);
+        tier.poll(1099, &mut Vec::new());
+        tier.poll_released(&mut released);
+        assert!(released.is_empty());
+        tier.poll(1100, &mut Vec::new());
+        tier.poll_released(&mut released);
+        assert_eq!(released, vec![t1, t2]);
+        assert_eq!(tier.demotions_holding(), 0);
+        let mut done = Vec::new();
+        tier.poll_demotions(1100, &mut done);
+        assert_eq!(done, vec![Ok(()); 3]);
+        // Page 2 was stored as the slot held at release, under the checksum
+        // it carried: a read lands bytes that fail it.
+        assert_eq!(tier.lookup(&key(2)).unwrap().checksum, sum2);
+        let t = tier.submit_read(&key(2), 2 * SLOT as u64, SLOT as u64, 2000).unwrap();
+        let mut reads = Vec::new();
+        tier.poll(2010, &mut reads);
+        assert_eq!(reads, vec![ReadDone { token: t, result: Ok(()) }]);
+        assert!(mem.slot(2).iter().all(|&b| b == 9));
+        assert_ne!(page_checksum(mem.slot(2)), sum2);
+        // Page 1 is intact.
+        assert_eq!(tier.lookup(&key(1)).unwrap().checksum, sum1);
+        let t = tier.submit_read(&key(1), 3 * SLOT as u64, SLOT as u64, 3000).unwrap();
+        tier.poll(3010, &mut reads);
+        assert_eq!(reads.last(), Some(&ReadDone { token: t, result: Ok(()) }));
+        assert_eq!(page_checksum(mem.slot(3)), sum1);
+        // Drop releases what is still held (the write finishes).
+        mem.slot(0).fill(4);
+        let sum4 = page_checksum(mem.slot(0));
+        assert!(matches!(
+            tier.demote(&key(4), [0; 32], mem.slot(0), sum4, 4000),
+            Ok(Demoted::InPlace(_))
+        ));
+        drop(tier);
+        assert!(handle.contains(&key(4)));
+        drop(mem);
+    }
+
+    #[test]
+    fn in_place_is_opt_in() {
+        let mem = Mem::new(1);
+        let mut tier = MemoryTier::new("sim", 10, 8).writable();
+        // SAFETY: `mem` outlives the tier.
+        unsafe { tier.register_host_pool(mem.base, SLOT as u64) }.unwrap();
+        mem.slot(0).fill(5);
+        let sum = page_checksum(mem.slot(0));
+        assert_eq!(
+            tier.demote(&key(1), [0; 32], mem.slot(0), sum, 0),
+            Ok(Demoted::Copied)
+        );
+        // The copying tier still verifies against the carried checksum.
+        assert_eq!(
+            tier.demote(&key(2), [0; 32], mem.slot(0), sum ^ 1, 0),
+            Err(DemoteRefused::Checksum)
+        );
+        assert!(tier.handle().contains(&key(1)));
+        drop(tier);
+        drop(mem);
     }
 }

@@ -4,7 +4,7 @@
 mod ssd_common;
 
 use orbitkv_io::checksum::page_checksum;
-use orbitkv_io::ssd::format::{HEADER_BLOCK, RecordHeader};
+use orbitkv_io::ssd::format::RecordHeader;
 use orbitkv_io::ssd::{
     IoBackend, SsdConfig, SsdError, SsdStore, SyncPolicy, WriteAdmission, WriteRefused,
 };
@@ -117,6 +117,22 @@ fn restart(backend: IoBackend, reopen_with: IoBackend) {
     assert_eq!(s.open_scan.records, 30);
     assert_eq!(s.open_scan.corrupt_skipped, 0);
     assert_eq!(s.records, 30);
+    assert_eq!(s.open_scan.v1_records, 0);
+    // Version-2 records at the store's block, packed: header block plus
+    // the payload rounded up to the block.
+    let blk = store.block_bytes();
+    let mut infos: Vec<_> = pages
+        .iter()
+        .map(|(k, b)| (store.record_info(k).unwrap(), b.len() as u64))
+        .collect();
+    infos.sort_by_key(|(r, _)| (r.segment_id, r.offset));
+    for w in infos.windows(2) {
+        let ((a, alen), (c, _)) = (&w[0], &w[1]);
+        assert_eq!((a.block, a.offset % blk), (blk, 0));
+        if a.segment_id == c.segment_id {
+            assert_eq!(c.offset, a.offset + blk + alen.div_ceil(blk) * blk);
+        }
+    }
     let mut pool = Pool::new(&mut store, 32 << 20);
     for (k, bytes) in &pages {
         assert_eq!(store.lookup(k).unwrap().bytes, bytes.len() as u64);
@@ -177,7 +193,7 @@ fn corruption(backend: IoBackend, damage: Damage) {
     let info = store.record_info(victim).unwrap();
     let path = store.segment_path(info.segment_id);
     match damage {
-        Damage::Payload => flip_byte(&path, info.offset + HEADER_BLOCK + 100),
+        Damage::Payload => flip_byte(&path, info.offset + info.block + 100),
         Damage::Header => flip_byte(&path, info.offset + 100),
         Damage::ForeignKey | Damage::MovedHeader => {
             use std::os::unix::fs::FileExt;
@@ -186,7 +202,7 @@ fn corruption(backend: IoBackend, damage: Damage) {
                 .write(true)
                 .open(&path)
                 .unwrap();
-            let mut block = vec![0u8; HEADER_BLOCK as usize];
+            let mut block = vec![0u8; info.block as usize];
             let block = if let Damage::ForeignKey = damage {
                 f.read_exact_at(&mut block, info.offset).unwrap();
                 let mut h = RecordHeader::decode(&block).unwrap();
@@ -284,7 +300,7 @@ fn torn_records(backend: IoBackend) {
     use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().unwrap();
     let pages: Vec<_> = (0..5).map(|i| (key(i), payload(i, 20_000))).collect();
-    let (seg_path, offs) = {
+    let (seg_path, offs, hb) = {
         let mut store = open(dir.path(), backend);
         write_all(&mut store, &pages);
         let infos: Vec<_> = pages
@@ -292,9 +308,11 @@ fn torn_records(backend: IoBackend) {
             .map(|(k, _)| store.record_info(k).unwrap())
             .collect();
         assert!(infos.iter().all(|i| i.segment_id == infos[0].segment_id));
+        assert!(infos.iter().all(|i| i.block == store.block_bytes()));
         (
             store.segment_path(infos[0].segment_id),
             infos.iter().map(|i| i.offset).collect::<Vec<_>>(),
+            infos[0].block,
         )
     };
     let f = std::fs::OpenOptions::new()
@@ -305,10 +323,10 @@ fn torn_records(backend: IoBackend) {
     // Record 0: garbage header (a torn first block).
     f.write_all_at(&[0xab; 4096], offs[0]).unwrap();
     // Record 2: the payload's second half never reached the disk.
-    f.write_all_at(&vec![0u8; 8192], offs[2] + HEADER_BLOCK + 12288)
+    f.write_all_at(&vec![0u8; 8192], offs[2] + hb + 12288)
         .unwrap();
     // Record 4: the file ends inside its payload.
-    f.set_len(offs[4] + HEADER_BLOCK + 4096).unwrap();
+    f.set_len(offs[4] + hb + 4096).unwrap();
     f.sync_all().unwrap();
     drop(f);
 

@@ -7,13 +7,20 @@
 //!
 //! Page `i`: key `StateKey(namespace [7; 32], group 3, native i as 8 LE
 //! bytes)`, length `1 + mix(i) % 24576`, bytes from an xorshift stream
-//! seeded by `i` (the test regenerates both).
+//! seeded by `i` (the test regenerates both). Even pages are demoted in
+//! place from a registered host pool (the runtime's path: carried
+//! checksum, the slot freed when its token is released), odd pages go
+//! through `submit_write` (copy and hash).
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use orbitkv_components::{Namespace, StateKey};
+use orbitkv_io::checksum::page_checksum;
+use orbitkv_io::dram::{HostPool, HostPoolConfig};
 use orbitkv_io::ssd::{IoBackend, SsdConfig, SsdStore, WriteRefused};
+use orbitkv_io::tier::{BackingTier, DemoteRefused, Demoted};
 
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
@@ -69,6 +76,22 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let mut pool = match HostPool::new(HostPoolConfig::new(64 << 20)) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("pool: {e}");
+            std::process::exit(1);
+        }
+    };
+    // SAFETY: the pool outlives the store (the store is dropped first, at
+    // the end of main, and Drop waits for writes in flight); a slot is
+    // written only before its demotion and freed only once released.
+    if let Err(e) = unsafe { store.register_host_pool(pool.base_ptr(), pool.capacity()) } {
+        eprintln!("register pool: {e}");
+        std::process::exit(1);
+    }
+    let mut held = HashMap::new();
+    let mut released = Vec::new();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let _ = writeln!(out, "ready {}", store.stats().records);
@@ -82,15 +105,53 @@ fn main() {
         t += 1;
         let key = StateKey::new(ns, 3, &next.to_le_bytes()).expect("valid key");
         let len = 1 + (mix(next) % 24_576) as usize;
-        match store.submit_write(&key, [0xd1; 32], &payload(next, len), t) {
-            Ok(_) => next += 1,
-            Err(WriteRefused::QueueFull) => std::thread::sleep(Duration::from_micros(100)),
-            Err(e) => {
-                eprintln!("refused {next}: {e}");
+        let bytes = payload(next, len);
+        let outcome = if next % 2 == 0 {
+            let Ok(slot) = pool.alloc(len as u64) else {
+                eprintln!("pool exhausted");
+                std::process::exit(1);
+            };
+            let Some(dst) = pool.bytes_mut(slot, len as u64) else {
+                eprintln!("pool slot");
+                std::process::exit(1);
+            };
+            dst.copy_from_slice(&bytes);
+            let src = pool.bytes(slot, len as u64).unwrap_or_default();
+            match store.demote(&key, [0xd1; 32], src, page_checksum(&bytes), t) {
+                Ok(Demoted::InPlace(token)) => {
+                    held.insert(token, slot);
+                    Ok(())
+                }
+                Ok(Demoted::Copied) => {
+                    let _ = pool.free(slot);
+                    Ok(())
+                }
+                Err(e) => {
+                    let _ = pool.free(slot);
+                    Err(e == DemoteRefused::QueueFull)
+                }
+            }
+        } else {
+            match store.submit_write(&key, [0xd1; 32], &bytes, t) {
+                Ok(_) => Ok(()),
+                Err(e) => Err(e == WriteRefused::QueueFull),
+            }
+        };
+        match outcome {
+            Ok(()) => next += 1,
+            Err(true) => std::thread::sleep(Duration::from_micros(100)),
+            Err(false) => {
+                eprintln!("refused {next}");
                 next += 1;
             }
         }
         store.poll_writes(t, &mut done);
+        store.poll_released(&mut released);
+        for token in released.drain(..) {
+            if let Some(slot) = held.remove(&token) {
+                let _ = pool.free(slot);
+            }
+        }
         for d in done.drain(..) {
             let i = u64::from_le_bytes(d.key.native.as_bytes().try_into().expect("8 bytes"));
             let _ = match d.result {
@@ -107,4 +168,6 @@ fn main() {
         }
     }
     let _ = out.flush();
+    drop(store);
+    drop(pool);
 }

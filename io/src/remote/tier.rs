@@ -18,7 +18,7 @@ use super::record::{Expect, RecordHeader, data_key, directory_key, shard_of, ver
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
 use crate::checksum::page_checksum;
 use crate::tier::{
-    BackingTier, DemoteFailed, DemoteRefused, ReadDone, ReadToken, TierEntry, TierError,
+    BackingTier, DemoteFailed, DemoteRefused, Demoted, ReadDone, ReadToken, TierEntry, TierError,
     remote_miss_reason,
 };
 
@@ -733,11 +733,12 @@ impl BackingTier for RemoteTier {
         payload: &[u8],
         checksum: u64,
         _now_us: u64,
-    ) -> Result<(), DemoteRefused> {
+    ) -> Result<Demoted, DemoteRefused> {
         if !self.shared.cfg.write_policy.on_evict() {
             return Err(DemoteRefused::NotWritable);
         }
         self.offer_write(key, format, payload, checksum, Origin::Demote)
+            .map(|()| Demoted::Copied)
     }
 
     fn poll_demotions(&mut self, _now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {

@@ -1,14 +1,21 @@
 //! Store-owned, 4 KiB-aligned I/O buffers (O_DIRECT needs the address, the
-//! length and the file offset aligned to the logical block size).
+//! length and the file offset aligned to the device's direct-I/O
+//! alignment, at most 4 KiB; lengths are whole record blocks, multiples of
+//! 512).
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 
-use super::format::BLOCK;
+use super::format::{MAX_BLOCK, MIN_BLOCK};
 
-/// A zero-initialised heap buffer whose address and length are multiples
-/// of [`BLOCK`].
+/// Address alignment of every buffer.
+const ALIGN: usize = MAX_BLOCK as usize;
+/// Lengths are multiples of this.
+const UNIT: usize = MIN_BLOCK as usize;
+
+/// A zero-initialised heap buffer whose address is 4 KiB aligned and whose
+/// length is a multiple of 512.
 pub(crate) struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
@@ -20,14 +27,14 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// `len` rounded up to whole blocks; `None` if zero or the allocator
-    /// refuses.
+    /// `len` rounded up to a multiple of 512; `None` if zero or the
+    /// allocator refuses.
     pub(crate) fn new(len: usize) -> Option<AlignedBuf> {
-        let len = len.checked_next_multiple_of(BLOCK as usize)?;
+        let len = len.checked_next_multiple_of(UNIT)?;
         if len == 0 {
             return None;
         }
-        let layout = Layout::from_size_align(len, BLOCK as usize).ok()?;
+        let layout = Layout::from_size_align(len, ALIGN).ok()?;
         // SAFETY: layout has non-zero size.
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })?;
         Some(AlignedBuf { ptr, len })
@@ -62,7 +69,7 @@ impl Drop for AlignedBuf {
         unsafe {
             dealloc(
                 self.ptr.as_ptr(),
-                Layout::from_size_align_unchecked(self.len, BLOCK as usize),
+                Layout::from_size_align_unchecked(self.len, ALIGN),
             )
         }
     }
@@ -84,10 +91,10 @@ impl BufPool {
         }
     }
 
-    /// A buffer of `len` rounded up to blocks. Recycled buffers hold stale
+    /// A buffer of `len` rounded up to 512. Recycled buffers hold stale
     /// bytes: callers overwrite (and zero-pad) what they use.
     pub(crate) fn get(&mut self, len: usize) -> Option<AlignedBuf> {
-        let len = len.checked_next_multiple_of(BLOCK as usize)?;
+        let len = len.checked_next_multiple_of(UNIT)?;
         if let Some(list) = self.free.get_mut(&len)
             && let Some(buf) = list.pop()
         {
@@ -113,14 +120,14 @@ mod tests {
     #[test]
     fn aligned_and_recycled() {
         let b = AlignedBuf::new(5000).unwrap();
-        assert_eq!(b.len(), 8192);
+        assert_eq!(b.len(), 5120);
         assert_eq!(b.as_ptr() as usize % 4096, 0);
         assert!(b.as_slice().iter().all(|&x| x == 0));
         assert!(AlignedBuf::new(0).is_none());
         let mut pool = BufPool::new(16384);
         let p = b.as_ptr();
         pool.put(b);
-        let again = pool.get(8000).unwrap();
+        let again = pool.get(4700).unwrap();
         assert_eq!(again.as_ptr(), p);
         pool.put(AlignedBuf::new(16384).unwrap());
         pool.put(again); // over max_bytes: dropped

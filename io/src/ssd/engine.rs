@@ -23,6 +23,14 @@ pub(crate) enum Request {
         ptr: *const u8,
         len: usize,
     },
+    /// `pwritev` of `iovcnt` buffers starting at `iov` (one record written
+    /// from its header buffer and the host pool).
+    Writev {
+        fd: RawFd,
+        offset: u64,
+        iov: *const libc::iovec,
+        iovcnt: u32,
+    },
     /// `fdatasync`.
     Fdatasync { fd: RawFd },
 }
@@ -100,6 +108,12 @@ pub(crate) unsafe fn perform(req: Request) -> Result<usize, i32> {
                     ptr,
                     len,
                 } => libc::pwrite(fd, ptr.cast(), len, offset as libc::off_t),
+                Request::Writev {
+                    fd,
+                    offset,
+                    iov,
+                    iovcnt,
+                } => libc::pwritev(fd, iov, iovcnt as i32, offset as libc::off_t),
                 Request::Fdatasync { fd } => libc::fdatasync(fd) as isize,
             }
         };

@@ -6,7 +6,9 @@
 //! `ssd`): `lookup` answers from the in-memory index only; `submit_read`
 //! reads one record and delivers exactly its payload into the registered
 //! host pool after verifying it; `poll` reaps completions. Writes go through
-//! [`SsdStore::submit_write`] / [`SsdStore::poll_writes`]. Nothing blocks
+//! [`SsdStore::submit_write`] / [`SsdStore::poll_writes`], demotions through
+//! `demote` (in place from the host pool where it can, see Writes) /
+//! `poll_demotions` / `poll_released`. Nothing blocks
 //! inside a tick: submissions only queue, `poll` only reaps, and segment
 //! file creation/deletion runs on a helper thread.
 //!
@@ -24,37 +26,77 @@
 //!
 //! # Record layout
 //!
-//! Records start at 4 KiB-aligned offsets inside a segment. Each is one
-//! 4 KiB header block followed by the payload, zero-padded to a multiple of
-//! 4 KiB, so a record occupies `4096 + round_up(payload_len, 4096)` bytes
-//! and its payload is 4 KiB aligned on disk (it can be read with O_DIRECT
-//! straight into a 4 KiB-aligned pool slot). Header fields (integers
-//! little-endian):
+//! Every record uses blocks of `B` bytes: the directory's direct-I/O
+//! alignment, read at `open` with `statx(STATX_DIOALIGN)` (its
+//! `dio_offset_align`; where the kernel or filesystem does not report one,
+//! the backing device's logical block size from sysfs, else 4096), rounded
+//! up to a power of two and clamped to 512..=4096 ([`SsdStats::block_bytes`];
+//! 512 on ext4 over a 512-byte-sector disk). A record starts at a multiple
+//! of `B`, is one `B`-byte header block followed by the payload zero-padded
+//! to a multiple of `B`, so it occupies `B + round_up(payload_len, B)` bytes
+//! (with `B` = 512: a 64 KiB page 64.5 KiB, a 16 KiB page 16.5 KiB) and its
+//! payload is `B`-aligned on disk (read with O_DIRECT straight into a pool
+//! slot). Header fields (format version 2, integers little-endian):
 //!
 //! ```text
 //! offset size  field
 //!      0    8  magic             "OKVSSDR\x01"
-//!      8    2  format_version    1
+//!      8    2  format_version    2
 //!     10    2  header_len        256 (bytes of the block that carry data)
 //!     12    2  key_len           length of the encoded StateKey (41..=104)
 //!     14    2  flags             0
 //!     16    8  segment_id        id of the segment written into
-//!     24    8  record_offset     offset of this header in that segment
+//!     24    8  record_offset     offset of this header in that segment (a multiple of B)
 //!     32    8  sequence          store-wide write sequence; newest wins
 //!     40    8  payload_len       bytes of payload (without padding), > 0
 //!     48    8  payload_checksum  XXH3-64 of the payload (checksum::page_checksum)
-//!     56    8  written_us        caller's clock at submit_write (informational)
+//!     56    8  written_us        caller's clock at the write (informational)
 //!     64   32  format_digest     StateFormat::digest of the bytes' format
 //!     96  104  key               StateKey::encode, zero-padded
-//!    200   48  reserved          zero
+//!    200    4  block             B: 512, 1024, 2048 or 4096
+//!    204   44  reserved          zero
 //!    248    8  header_checksum   XXH3-64 of bytes [0, 248)
-//!    256 3840  zero
-//!   4096    …  payload, then zero padding to the next 4 KiB boundary
+//!    256  B-256  zero
+//!      B    …  payload, then zero padding to the next multiple of B
 //! ```
 //!
 //! `segment_id` and `record_offset` bind a header to its place, so a stale
 //! or misplaced copy of a header (or one embedded in a payload) never
-//! validates elsewhere.
+//! validates elsewhere; `block` is covered by the header checksum, so a
+//! header tells where its payload starts and how long its record is.
+//!
+//! Version 1 (earlier releases) is the same header with `format_version`
+//! 1, bytes 200..248 reserved (zero) and `B` fixed at 4096. Segments in
+//! that layout found at `open` are read as written (their records are
+//! indexed with `B` = 4096 and counted in [`OpenScan::v1_records`]); new
+//! records are always version 2. A segment holding records of a smaller
+//! block than the current device's alignment (moved from another device)
+//! is read through the page cache instead of O_DIRECT
+//! ([`OpenScan::buffered_segments`]).
+//!
+//! # Writes
+//!
+//! [`SsdStore::submit_write`] (tools, tests: bytes with no known checksum)
+//! copies the payload into a store-owned aligned buffer behind its header
+//! block, hashes the copy, and writes the record with one `pwrite`.
+//! Demotions ([`BackingTier::demote`](crate::tier::BackingTier::demote))
+//! never hash: the header records the checksum the page carries (computed
+//! once, when its bytes landed in DRAM). When the payload lies inside the
+//! registered host pool and (under O_DIRECT) starts on `B` and the
+//! direct-I/O memory alignment, the record is written in place: one
+//! `pwritev` of `[header block, the payload's whole blocks straight from
+//! the pool, a zero-padded copy of the last partial block]` (the tail is
+//! copied at `demote`, at most `B - 1` bytes), and `demote` returns
+//! [`Demoted::InPlace`](crate::tier::Demoted::InPlace). Its token comes
+//! back from `poll_released` exactly once, when that write completed
+//! (successfully or not), or when the queued write is failed without being
+//! issued (no space, no segment); until then the caller keeps the slot and
+//! its bytes. Anything else (a payload outside the pool, misaligned) takes
+//! the copy path without hashing and returns `Copied`. Bytes altered in
+//! DRAM after they landed are therefore stored as they are and refused at
+//! read (below). `Drop` waits for every submitted operation, so no write
+//! reads the pool after the store is gone; queued, unissued writes are
+//! dropped.
 //!
 //! # Verification
 //!
@@ -69,7 +111,7 @@
 //! # Durability
 //!
 //! [`SyncPolicy::BatchFdatasync`] (default): a record is written with one
-//! O_DIRECT `pwrite` of header + payload. When writes complete, the next
+//! O_DIRECT `pwrite` (copy) or `pwritev` (in place) of header + payload. When writes complete, the next
 //! `poll` submits one `fdatasync` per segment (asynchronously, through the
 //! same engine) covering every write of that segment completed so far;
 //! only when it succeeds are those records inserted into the index and
@@ -80,13 +122,11 @@
 //! while the previous sync ran. `SyncPolicy::Dsync` (O_DSYNC, every write
 //! durable on completion) and `SyncPolicy::None` (visible on completion,
 //! survives a process crash but not power loss) are available; the
-//! benchmark `benches/ssd.rs` measures all three. On the development VM
-//! (ext4 on virtio `/dev/vda`, 64 KiB pages, QD 32, criterion medians of
-//! one run) the store wrote 1.20 GiB/s with `BatchFdatasync`, 1.05 GiB/s
-//! with `None` and 0.81 GiB/s with `Dsync`: batching (~36 writes per
-//! fdatasync) costs nothing measurable against no sync at all, while
-//! O_DSYNC pays a flush per write. Hence the default. (Run-to-run noise on
-//! the shared 2-core VM is large; compare within one run.)
+//! benchmark `benches/ssd.rs` measures all three against raw O_DIRECT
+//! io_uring writes of the same payload bytes, in the same run. Batching
+//! (tens of writes per fdatasync) costs little against no sync at all,
+//! while O_DSYNC pays a flush per write; hence the default. (Run-to-run
+//! noise on the shared 2-core VM is large; compare within one run.)
 //!
 //! # Submission
 //!
@@ -99,10 +139,12 @@
 //!
 //! `open` scans every segment front to back (buffered reads): a block that
 //! parses as a header of this segment at this offset, whose record fits in
-//! the file and whose payload checksum matches, is indexed; other non-zero
-//! blocks are skipped 4 KiB at a time and counted
+//! the file and whose payload checksum matches, is indexed and its whole
+//! record skipped; other non-zero blocks are skipped 512 bytes (the
+//! smallest block) at a time, each run counted once
 //! ([`OpenScan::corrupt_skipped`]); zero blocks (preallocated, never
-//! written) are skipped silently. If a key occurs twice the highest
+//! written) are skipped silently. Stepping 512 bytes finds records of
+//! every block size, version 1 included. If a key occurs twice the highest
 //! sequence wins. Segments without a valid record are removed. The scan
 //! reads all data (O(stored bytes)); a checkpointed index is future work.
 //!
@@ -132,7 +174,9 @@
 //! (`max_inflight_reads`), engine operations (`max_inflight_io`, of which
 //! writes get at most the part not reserved for reads, plus up to 4
 //! fdatasyncs), accepted writes (`write_queue_depth`, each owning an aligned
-//! copy of its payload) and the seen-once set (`seen_once_capacity`).
+//! copy of its payload, or for an in-place demotion a header block, at most
+//! one tail block and its pool range, held until released) and the
+//! seen-once set (`seen_once_capacity`).
 
 mod blocking;
 mod buf;

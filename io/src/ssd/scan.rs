@@ -1,13 +1,14 @@
 //! The open-time scan of one segment file: every header and every payload
 //! checksum is verified; torn, partial or corrupt records are skipped and
-//! counted.
+//! counted. It steps [`MIN_BLOCK`] bytes at a time, so it finds records of
+//! every block size (version-1 records, at 4 KiB, included).
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-use super::format::{BLOCK, HEADER_BLOCK, HeaderError, RecordHeader};
+use super::format::{HeaderError, MIN_BLOCK, RecordHeader};
 use crate::checksum::page_checksum;
 
 /// Reads through the file in windows of this many bytes.
@@ -86,12 +87,12 @@ pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
     };
     let mut pos = 0u64;
     let mut in_bad_run = false;
-    while pos + HEADER_BLOCK <= file_len {
-        let parsed = RecordHeader::decode(w.read(pos, HEADER_BLOCK as usize)?);
+    while pos + MIN_BLOCK <= file_len {
+        let parsed = RecordHeader::decode(w.read(pos, MIN_BLOCK as usize)?);
         let header = match parsed {
             Err(HeaderError::Empty) => {
                 in_bad_run = false;
-                pos += BLOCK;
+                pos += MIN_BLOCK;
                 continue;
             }
             Ok(h) if h.segment_id == id && h.record_offset == pos => h,
@@ -100,7 +101,7 @@ pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
                     out.corrupt += 1;
                     in_bad_run = true;
                 }
-                pos += BLOCK;
+                pos += MIN_BLOCK;
                 continue;
             }
         };
@@ -112,7 +113,7 @@ pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
             out.corrupt += 1;
             break;
         }
-        let payload = w.read(pos + HEADER_BLOCK, header.payload_len as usize)?;
+        let payload = w.read(pos + header.block, header.payload_len as usize)?;
         if page_checksum(payload) == header.payload_checksum {
             out.records.push(header);
         } else {

@@ -12,7 +12,9 @@ use orbitkv_components::StateKey;
 use super::blocking::BlockingEngine;
 use super::buf::{AlignedBuf, BufPool};
 use super::engine::{Completion, Engine, Request};
-use super::format::{BLOCK, HEADER_BLOCK, RecordHeader, record_bytes, round_up};
+use super::format::{
+    FORMAT_V1, MAX_BLOCK, MIN_BLOCK, RecordHeader, record_bytes, round_up, valid_block,
+};
 use super::meta::{
     self, MAX_SEGMENT_ID, Meta, MetaDone, MetaReq, parse_segment_name, segment_name,
 };
@@ -21,7 +23,8 @@ use super::types::*;
 use super::uring::UringEngine;
 use crate::checksum::page_checksum;
 use crate::tier::{
-    BackingTier, DemoteFailed, DemoteRefused, ReadDone, ReadToken, TierEntry, TierError,
+    BackingTier, DemoteFailed, DemoteRefused, DemoteToken, Demoted, ReadDone, ReadToken,
+    TierEntry, TierError,
 };
 
 /// Fdatasync operations in flight at once (one per segment at most).
@@ -44,6 +47,8 @@ struct IndexEntry {
     sequence: u64,
     digest: [u8; 32],
     written_us: u64,
+    /// The record's block (header block size, payload padding unit).
+    block: u64,
 }
 
 impl IndexEntry {
@@ -56,7 +61,12 @@ impl IndexEntry {
             sequence: h.sequence,
             digest: h.format_digest,
             written_us: h.written_us,
+            block: h.block,
         }
+    }
+
+    fn record_bytes(&self) -> u64 {
+        record_bytes(self.payload_len, self.block)
     }
 }
 
@@ -99,9 +109,35 @@ struct QueuedWrite {
     payload_len: u64,
     checksum: u64,
     written_us: u64,
-    /// Header block (filled at dispatch) + zero-padded payload.
-    buf: AlignedBuf,
+    src: WriteSrc,
 }
+
+/// Where a queued record's bytes come from.
+enum WriteSrc {
+    /// A store-owned copy: the header block (filled at dispatch), then the
+    /// payload zero-padded to whole blocks.
+    Copy(AlignedBuf),
+    /// An in-place demotion: written from the host pool.
+    InPlace(InPlaceWrite),
+}
+
+/// One record written as `[header block, pool range, tail block]` by one
+/// `pwritev`: the pool range is the payload's whole blocks (possibly
+/// none), the tail block a zero-padded copy of the last `len % block`
+/// bytes (absent when the length is a multiple of the block).
+struct InPlaceWrite {
+    token: DemoteToken,
+    header: AlignedBuf,
+    body: PoolRange,
+    tail: Option<AlignedBuf>,
+    iov: Iovecs<3>,
+}
+
+/// A range of the registered host pool.
+struct PoolRange(*const u8, usize);
+// SAFETY: an address in the registered pool, read only by the engine,
+// under `register_host_pool`'s contract (unchanged until released).
+unsafe impl Send for PoolRange {}
 
 enum ReadDest {
     /// Header into `header`, payload straight into the pool slot.
@@ -117,17 +153,22 @@ struct ReadOp {
     entry: IndexEntry,
     host_offset: u64,
     dest: ReadDest,
-    iov: Iovecs,
+    iov: Iovecs<2>,
     iovcnt: u32,
     expect: usize,
 }
 
-/// The iovecs of one read; boxed so their address is stable while the
-/// kernel or a worker uses them.
-struct Iovecs(Box<[libc::iovec; 2]>);
-// SAFETY: plain addresses of buffers owned by the same `ReadOp` (or of the
+/// The iovecs of one read or in-place write; boxed so their address is
+/// stable while the kernel or a worker uses them.
+struct Iovecs<const N: usize>(Box<[libc::iovec; N]>);
+// SAFETY: plain addresses of buffers owned by the same op (or of the
 // registered pool); only the engine dereferences them, under its contract.
-unsafe impl Send for Iovecs {}
+unsafe impl<const N: usize> Send for Iovecs<N> {}
+
+const NO_IOV: libc::iovec = libc::iovec {
+    iov_base: std::ptr::null_mut(),
+    iov_len: 0,
+};
 
 enum Op {
     Read(ReadOp),
@@ -244,6 +285,12 @@ pub struct SsdStore {
     engine: Box<dyn Engine>,
     meta: Meta,
     direct: bool,
+    /// Block of new records: the directory's direct-I/O offset alignment
+    /// (512..=4096).
+    block: u64,
+    /// Direct-I/O memory alignment: in-place sources must start on it (and
+    /// on `block`).
+    mem_align: u64,
     /// Open flags of new segment files (O_DIRECT, O_DSYNC).
     create_flags: i32,
     index: orbitkv_components::KeyMap<IndexEntry>,
@@ -269,6 +316,16 @@ pub struct SsdStore {
     pending_keys: HashSet<StateKey, orbitkv_components::KeyHasher>,
     seen: SeenOnce,
     pool: Option<PoolPtr>,
+    next_demote: u64,
+    /// In-place demotions released (write finished or never to be issued)
+    /// and not yet handed out by `poll_released`.
+    released: Vec<DemoteToken>,
+    /// In-place demotions accepted and not yet handed out by
+    /// `poll_released`.
+    holding: usize,
+    /// Fault injection: the next this many writes are issued against an
+    /// invalid fd (they fail with EBADF).
+    fail_writes: u32,
     bufs: BufPool,
     done_reads: Vec<ReadDone>,
     done_writes: Vec<WriteDone>,
@@ -319,6 +376,9 @@ impl SsdStore {
             Err(e) => return Err(SsdError::from_io("stat", &dir, e)),
         }
         let lock = lock_dir(&dir)?;
+        // The LOCK file is a regular file of the directory's filesystem.
+        let (block, mem_align) = dio_alignment(&lock);
+        assert!(valid_block(block), "ssd: record block {block} out of range");
 
         let Listing {
             ids,
@@ -390,6 +450,9 @@ impl SsdStore {
         let stats = SsdStats {
             backend: engine.kind(),
             direct_io: direct,
+            block_bytes: block,
+            writes_in_place: 0,
+            demotions_holding: 0,
             sync: cfg.sync,
             records: 0,
             bytes: 0,
@@ -421,6 +484,8 @@ impl SsdStore {
             engine,
             meta,
             direct,
+            block,
+            mem_align,
             create_flags,
             index: Default::default(),
             indexed_bytes: 0,
@@ -444,6 +509,10 @@ impl SsdStore {
             accepted_writes: 0,
             pending_keys: Default::default(),
             pool: None,
+            next_demote: 0,
+            released: Vec::new(),
+            holding: 0,
+            fail_writes: 0,
             bufs: BufPool::new(BUF_POOL_BYTES),
             done_reads: Vec::new(),
             done_writes: Vec::new(),
@@ -505,7 +574,15 @@ impl SsdStore {
             }
             return;
         }
-        let flags = if self.direct { libc::O_DIRECT } else { 0 };
+        // Records of a smaller block than this device's direct-I/O
+        // alignment (written on another device) cannot be read O_DIRECT:
+        // such a segment is read through the page cache.
+        let direct = self.direct && scan.records.iter().all(|h| h.block >= self.block);
+        if self.direct && !direct {
+            tracing::warn!(path = %path.display(), block = self.block, "segment holds records of a smaller block than the direct-I/O alignment: reading it buffered");
+            self.stats.open_scan.buffered_segments += 1;
+        }
+        let flags = if direct { libc::O_DIRECT } else { 0 };
         let file = match open_regular(&path, flags) {
             Ok(f) => f,
             Err(_) => {
@@ -530,6 +607,9 @@ impl SsdStore {
             }
             self.index_insert(h.key, entry);
             self.stats.open_scan.records += 1;
+            if h.version == FORMAT_V1 {
+                self.stats.open_scan.v1_records += 1;
+            }
             keys.push(h.key);
         }
         self.segments.insert(
@@ -584,7 +664,23 @@ impl SsdStore {
             sequence: e.sequence,
             format_digest: e.digest,
             written_us: e.written_us,
+            block: e.block,
         })
+    }
+
+    /// Block of new records (header block size, record alignment and
+    /// payload padding unit): the directory's direct-I/O alignment.
+    pub fn block_bytes(&self) -> u64 {
+        self.block
+    }
+
+    /// Fault injection for tests and tools: the next `n` record writes
+    /// dispatched are issued against an invalid file descriptor, so the
+    /// engine completes them with `EBADF` (a failed write, reported as
+    /// [`WriteError::Io`]; an in-place demotion's token is released).
+    #[doc(hidden)]
+    pub fn fail_next_writes(&mut self, n: u32) {
+        self.fail_writes = n;
     }
 
     /// Accepted writes not yet reported.
@@ -600,6 +696,7 @@ impl SsdStore {
         s.disk_bytes = self.disk_bytes();
         s.reads_in_flight = self.reads_in_flight as u64;
         s.writes_pending = self.accepted_writes as u64;
+        s.demotions_holding = self.holding as u64;
         s.seen_once = self.seen.map.len() as u64;
         s
     }
@@ -618,8 +715,9 @@ impl SsdStore {
     }
 
     /// Copies `payload` into a store-owned aligned buffer and queues it;
-    /// the caller may reuse its memory at once. Never blocks. The page
-    /// becomes visible to `lookup` when its [`WriteDone`] is reported by
+    /// the caller may reuse its memory at once. The record's checksum is
+    /// computed over the copy. Never blocks. The page becomes visible to
+    /// `lookup` when its [`WriteDone`] is reported by
     /// [`poll_writes`](Self::poll_writes).
     pub fn submit_write(
         &mut self,
@@ -628,71 +726,173 @@ impl SsdStore {
         payload: &[u8],
         now_us: u64,
     ) -> Result<WriteToken, WriteRefused> {
-        self.submit_write_checked(key, format_digest, payload, None, now_us)
+        self.submit_copy(key, format_digest, payload, None, now_us)
     }
 
     /// [`submit_write`](Self::submit_write) of bytes whose checksum is
-    /// already known (computed once, when they landed in DRAM): the copy in
-    /// the store's buffer is verified against it in the same pass, and
-    /// bytes that changed since are refused (`Checksum`), never stored
-    /// under a fresh checksum of whatever is there.
-    pub fn submit_write_checked(
+    /// already known (computed once, when they landed in DRAM): the header
+    /// records `checksum` and nothing is hashed. Bytes that changed since
+    /// are stored as they are now and refused when read
+    /// ([`TierError::Corrupt`]), never served under a fresh checksum.
+    pub fn submit_write_with_checksum(
         &mut self,
         key: &StateKey,
         format_digest: [u8; 32],
         payload: &[u8],
-        expected: Option<u64>,
+        checksum: u64,
+        now_us: u64,
+    ) -> Result<WriteToken, WriteRefused> {
+        self.submit_copy(key, format_digest, payload, Some(checksum), now_us)
+    }
+
+    fn submit_copy(
+        &mut self,
+        key: &StateKey,
+        format_digest: [u8; 32],
+        payload: &[u8],
+        known: Option<u64>,
         now_us: u64,
     ) -> Result<WriteToken, WriteRefused> {
         self.now_us = self.now_us.max(now_us);
-        let r = self.admit(key, payload);
-        if let Err(reason) = r {
+        if let Err(reason) = self.admit(key, payload) {
             self.stats.refusals.bump(reason);
             return Err(reason);
         }
         let len = payload.len();
-        let Some(mut buf) = self.bufs.get(record_bytes(len as u64) as usize) else {
+        let rec = record_bytes(len as u64, self.block) as usize;
+        let Some(mut buf) = self.bufs.get(rec) else {
             // The allocator refused: treat as a full queue (back-pressure).
             self.stats.refusals.bump(WriteRefused::QueueFull);
             return Err(WriteRefused::QueueFull);
         };
-        let h = HEADER_BLOCK as usize;
-        let body = buf.as_mut_slice();
+        let h = self.block as usize;
+        let body = &mut buf.as_mut_slice()[..rec];
         body[..h].fill(0);
         body[h..h + len].copy_from_slice(payload);
         body[h + len..].fill(0);
-        // The checksum of the copy that will be written, verified against
-        // the one the page carries.
-        let checksum = page_checksum(&body[h..h + len]);
-        if expected.is_some_and(|e| e != checksum) {
-            self.bufs.put(buf);
-            self.stats.refusals.bump(WriteRefused::Checksum);
-            return Err(WriteRefused::Checksum);
+        let checksum = known.unwrap_or_else(|| page_checksum(&body[h..h + len]));
+        Ok(self.enqueue(key, format_digest, len as u64, checksum, WriteSrc::Copy(buf)))
+    }
+
+    /// Whether `payload` can be written in place: it lies entirely inside
+    /// the registered host pool and (under O_DIRECT) starts on the block
+    /// and the direct-I/O memory alignment. Its length may be anything: a
+    /// partial last block goes through a small tail buffer.
+    fn in_place_ok(&self, payload: &[u8]) -> bool {
+        let Some(pool) = &self.pool else {
+            return false;
+        };
+        let (p, base) = (payload.as_ptr() as usize, pool.0 as usize);
+        let inside = p >= base
+            && ((p - base) as u64)
+                .checked_add(payload.len() as u64)
+                .is_some_and(|end| end <= pool.1);
+        let align = self.block.max(self.mem_align) as usize;
+        inside && (!self.direct || p.is_multiple_of(align))
+    }
+
+    /// Queues an in-place demotion of `payload` (which `in_place_ok`
+    /// accepted): nothing is hashed or copied but the partial last block.
+    fn submit_in_place(
+        &mut self,
+        key: &StateKey,
+        format_digest: [u8; 32],
+        payload: &[u8],
+        checksum: u64,
+        now_us: u64,
+    ) -> Result<DemoteToken, WriteRefused> {
+        self.now_us = self.now_us.max(now_us);
+        if let Err(reason) = self.admit(key, payload) {
+            self.stats.refusals.bump(reason);
+            return Err(reason);
         }
+        let b = self.block as usize;
+        let whole = payload.len() / b * b;
+        let header = self.bufs.get(b);
+        let tail = if whole < payload.len() {
+            self.bufs.get(b).map(|mut t| {
+                let rest = &payload[whole..];
+                let s = t.as_mut_slice();
+                s[..rest.len()].copy_from_slice(rest);
+                s[rest.len()..b].fill(0);
+                Some(t)
+            })
+        } else {
+            Some(None)
+        };
+        let (Some(header), Some(tail)) = (header, tail) else {
+            self.stats.refusals.bump(WriteRefused::QueueFull);
+            return Err(WriteRefused::QueueFull);
+        };
+        let token = DemoteToken(self.next_demote);
+        self.next_demote += 1;
+        let src = WriteSrc::InPlace(InPlaceWrite {
+            token,
+            header,
+            body: PoolRange(payload.as_ptr(), whole),
+            tail,
+            iov: Iovecs(Box::new([NO_IOV; 3])),
+        });
+        self.holding += 1;
+        self.stats.writes_in_place += 1;
+        self.enqueue(key, format_digest, payload.len() as u64, checksum, src);
+        Ok(token)
+    }
+
+    fn enqueue(
+        &mut self,
+        key: &StateKey,
+        digest: [u8; 32],
+        payload_len: u64,
+        checksum: u64,
+        src: WriteSrc,
+    ) -> WriteToken {
         let token = WriteToken(self.next_write);
         self.next_write += 1;
         self.write_queue.push_back(QueuedWrite {
             token,
             key: *key,
-            digest: format_digest,
-            payload_len: len as u64,
+            digest,
+            payload_len,
             checksum,
-            written_us: now_us,
-            buf,
+            written_us: self.now_us,
+            src,
         });
         self.pending_keys.insert(*key);
         self.accepted_writes += 1;
         self.stats.writes_accepted += 1;
         self.dispatch_writes();
         self.flush_if_batched();
-        Ok(token)
+        token
+    }
+
+    /// Returns a finished (or abandoned) write's buffers and releases its
+    /// in-place token.
+    fn retire_src(&mut self, src: WriteSrc) {
+        match src {
+            WriteSrc::Copy(buf) => self.bufs.put(buf),
+            WriteSrc::InPlace(ip) => {
+                self.bufs.put(ip.header);
+                if let Some(t) = ip.tail {
+                    self.bufs.put(t);
+                }
+                assert!(
+                    self.released.len() < self.holding,
+                    "ssd: releasing in-place demotion {:?} with {} released of {} held",
+                    ip.token,
+                    self.released.len(),
+                    self.holding
+                );
+                self.released.push(ip.token);
+            }
+        }
     }
 
     fn admit(&mut self, key: &StateKey, payload: &[u8]) -> Result<(), WriteRefused> {
         if payload.is_empty() {
             return Err(WriteRefused::Empty);
         }
-        if record_bytes(payload.len() as u64) > self.cfg.segment_bytes {
+        if record_bytes(payload.len() as u64, self.block) > self.cfg.segment_bytes {
             return Err(WriteRefused::TooLarge);
         }
         if self.index.contains_key(key) || self.pending_keys.contains(key) {
@@ -808,9 +1008,11 @@ impl SsdStore {
         if let Some(seg) = self.segments.get_mut(&segment) {
             seg.ops -= 1;
         }
-        let expected = w.buf.len() as u64;
+        let expected = entry.record_bytes();
         let (token, key) = (w.token, w.key);
-        self.bufs.put(w.buf);
+        // The write I/O is over: an in-place source is released whatever
+        // the outcome.
+        self.retire_src(w.src);
         match result {
             Ok(n) if n as u64 == expected => {
                 let done = Written { token, key, entry };
@@ -881,7 +1083,7 @@ impl SsdStore {
     fn fail_queued(&mut self, e: WriteError) {
         while let Some(w) = self.write_queue.pop_front() {
             let (token, key) = (w.token, w.key);
-            self.bufs.put(w.buf);
+            self.retire_src(w.src);
             self.fail_write(token, key, e.clone());
         }
     }
@@ -1042,7 +1244,11 @@ impl SsdStore {
             && self.writes_in_io < self.write_io_limit
             && self.engine.in_flight() < self.cfg.max_inflight_io + self.syncs_in_io
         {
-            let rec = self.write_queue.front().map_or(0, |w| w.buf.len() as u64);
+            let block = self.block;
+            let rec = self
+                .write_queue
+                .front()
+                .map_or(0, |w| record_bytes(w.payload_len, block));
             let Some(seg_id) = self.writable_segment(rec) else {
                 return;
             };
@@ -1055,7 +1261,12 @@ impl SsdStore {
             };
             let offset = seg.write_pos;
             seg.write_pos += rec;
-            let fd = seg.file.as_raw_fd();
+            let mut fd = seg.file.as_raw_fd();
+            let fault = self.fail_writes > 0;
+            if fault {
+                self.fail_writes -= 1;
+                fd = -1;
+            }
             let header = RecordHeader {
                 segment_id: seg_id,
                 record_offset: offset,
@@ -1065,38 +1276,83 @@ impl SsdStore {
                 payload_len: w.payload_len,
                 payload_checksum: w.checksum,
                 written_us: w.written_us,
+                block,
+                version: super::format::FORMAT_VERSION,
             };
             self.next_seq += 1;
             let entry = IndexEntry::from_header(&header);
-            if let Err(e) = header.encode_into(w.buf.as_mut_slice()) {
-                let (token, key) = (w.token, w.key);
-                self.bufs.put(w.buf);
-                self.fail_write(token, key, WriteError::Misaligned(e.to_string()));
-                continue;
-            }
-            if let Err(e) = check_aligned(self.direct, w.buf.as_ptr(), w.buf.len(), offset) {
-                let (token, key) = (w.token, w.key);
-                self.bufs.put(w.buf);
-                self.fail_write(token, key, WriteError::Misaligned(e.to_string()));
-                continue;
-            }
+            let built = match &mut w.src {
+                WriteSrc::Copy(buf) => header
+                    .encode_into(buf.as_mut_slice())
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| {
+                        check_aligned(
+                            self.direct,
+                            buf.as_ptr(),
+                            rec as usize,
+                            offset,
+                            block,
+                            self.mem_align,
+                        )
+                        .map_err(|e| e.to_string())
+                    })
+                    .map(|()| Request::Write {
+                        fd,
+                        offset,
+                        ptr: buf.as_ptr(),
+                        len: rec as usize,
+                    }),
+                WriteSrc::InPlace(ip) => header
+                    .encode_into(ip.header.as_mut_slice())
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| {
+                        let mut parts = vec![(ip.header.as_ptr(), block as usize)];
+                        if ip.body.1 > 0 {
+                            parts.push((ip.body.0, ip.body.1));
+                        }
+                        if let Some(t) = &ip.tail {
+                            parts.push((t.as_ptr(), block as usize));
+                        }
+                        for (i, &(ptr, len)) in parts.iter().enumerate() {
+                            check_aligned(self.direct, ptr, len, offset, block, self.mem_align)
+                                .map_err(|e| e.to_string())?;
+                            ip.iov.0[i] = libc::iovec {
+                                iov_base: ptr as *mut libc::c_void,
+                                iov_len: len,
+                            };
+                        }
+                        Ok(Request::Writev {
+                            fd,
+                            offset,
+                            iov: ip.iov.0.as_ptr(),
+                            iovcnt: parts.len() as u32,
+                        })
+                    }),
+            };
+            let req = match built {
+                Ok(r) => r,
+                Err(why) => {
+                    let (token, key) = (w.token, w.key);
+                    self.retire_src(w.src);
+                    self.fail_write(token, key, WriteError::Misaligned(why));
+                    continue;
+                }
+            };
             let user = self.next_user;
             self.next_user += 1;
-            let req = Request::Write {
-                fd,
-                offset,
-                ptr: w.buf.as_ptr(),
-                len: w.buf.len(),
-            };
-            // SAFETY: the buffer moves into `ops` (its heap address is
-            // stable) and stays there until this completion is reaped; the
-            // segment (and its fd) is not evicted while `ops > 0`.
+            // SAFETY: the buffers and iovecs move into `ops` (their heap
+            // addresses are stable) and stay there until this completion
+            // is reaped; an in-place pool range stays unchanged until its
+            // token is released (register_host_pool contract), which is
+            // after that; the segment (and its fd) is not evicted while
+            // `ops > 0`.
             if unsafe { self.engine.submit(user, req) }.is_err() {
                 // Cannot happen (we stay below capacity); retry later.
                 if let Some(seg) = self.segments.get_mut(&seg_id) {
                     seg.write_pos -= rec;
                 }
                 self.next_seq -= 1;
+                self.fail_writes += u32::from(fault);
                 self.write_queue.push_front(w);
                 return;
             }
@@ -1210,9 +1466,10 @@ impl SsdStore {
             return Err("host pool vanished".into());
         };
         let e = &r.entry;
+        let hb = e.block as usize;
         let header_block = match &r.dest {
-            ReadDest::Direct { header } => header.as_slice(),
-            ReadDest::Bounce { buf } => &buf.as_slice()[..HEADER_BLOCK as usize],
+            ReadDest::Direct { header } => &header.as_slice()[..hb],
+            ReadDest::Bounce { buf } => &buf.as_slice()[..hb],
         };
         let h = RecordHeader::decode(header_block).map_err(|e| format!("header: {e}"))?;
         if h.key != r.key {
@@ -1233,6 +1490,7 @@ impl SsdStore {
         if h.sequence != e.sequence
             || h.format_digest != e.digest
             || h.payload_checksum != e.checksum
+            || h.block != e.block
         {
             return Err("header disagrees with the index".into());
         }
@@ -1245,10 +1503,7 @@ impl SsdStore {
                     unsafe { std::slice::from_raw_parts(pool.0.add(r.host_offset as usize), len) };
                 page_checksum(dst)
             }
-            ReadDest::Bounce { buf } => {
-                let h = HEADER_BLOCK as usize;
-                page_checksum(&buf.as_slice()[h..h + len])
-            }
+            ReadDest::Bounce { buf } => page_checksum(&buf.as_slice()[hb..hb + len]),
         };
         if sum != h.payload_checksum {
             return Err(format!(
@@ -1257,11 +1512,10 @@ impl SsdStore {
             ));
         }
         if let ReadDest::Bounce { buf } = &r.dest {
-            let h = HEADER_BLOCK as usize;
             // SAFETY: as above; ranges do not overlap (store buffer vs pool).
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    buf.as_ptr().add(h),
+                    buf.as_ptr().add(hb),
                     pool.0.add(r.host_offset as usize),
                     len,
                 );
@@ -1331,13 +1585,60 @@ fn lock_dir(dir: &Path) -> Result<File, SsdError> {
     Ok(f)
 }
 
-/// The O_DIRECT guard: address, length and file offset on 4 KiB.
-fn check_aligned(direct: bool, ptr: *const u8, len: usize, offset: u64) -> Result<(), SsdError> {
+/// The record block and the direct-I/O memory alignment of `file`'s
+/// filesystem: `statx(STATX_DIOALIGN)`'s offset and memory alignment where
+/// the kernel reports them (Linux 6.1+, filesystems with direct I/O);
+/// otherwise the logical block size of the backing device from sysfs, and
+/// 4096 where that is unknown too (tmpfs, network filesystems). The block is
+/// rounded up to a power of two and clamped to `MIN_BLOCK..=MAX_BLOCK`.
+fn dio_alignment(file: &File) -> (u64, u64) {
+    let clamp = |v: u64| v.max(1).next_power_of_two().clamp(MIN_BLOCK, MAX_BLOCK);
+    // SAFETY: a zeroed statx is a valid out-buffer; plain syscall on an fd
+    // we own with an empty, NUL-terminated path (AT_EMPTY_PATH).
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    let r = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if r == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align > 0 {
+        let block = clamp(u64::from(stx.stx_dio_offset_align));
+        return (block, u64::from(stx.stx_dio_mem_align).max(1));
+    }
+    let logical = (r == 0)
+        .then(|| {
+            let dev = format!("/sys/dev/block/{}:{}", stx.stx_dev_major, stx.stx_dev_minor);
+            // A partition's queue is its disk's.
+            [format!("{dev}/queue/logical_block_size"), format!("{dev}/../queue/logical_block_size")]
+                .iter()
+                .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok())
+        })
+        .flatten()
+        .unwrap_or(MAX_BLOCK);
+    let block = clamp(logical);
+    (block, block)
+}
+
+/// The O_DIRECT guard: length and file offset on `block`, the address on
+/// `block` and on the memory alignment `mem`.
+fn check_aligned(
+    direct: bool,
+    ptr: *const u8,
+    len: usize,
+    offset: u64,
+    block: u64,
+    mem: u64,
+) -> Result<(), SsdError> {
     if !direct {
         return Ok(());
     }
-    let b = BLOCK as usize;
-    if !(ptr as usize).is_multiple_of(b) || !len.is_multiple_of(b) || !offset.is_multiple_of(BLOCK)
+    let b = block as usize;
+    let a = block.max(mem) as usize;
+    if !(ptr as usize).is_multiple_of(a) || !len.is_multiple_of(b) || !offset.is_multiple_of(block)
     {
         return Err(SsdError::Misaligned(format!(
             "address {ptr:p}, length {len}, offset {offset}"
@@ -1409,19 +1710,20 @@ impl BackingTier for SsdStore {
         if !self.segments.contains_key(&entry.segment) {
             return Err(TierError::NotFound);
         }
-        let padded = round_up(len);
+        let block = entry.block;
+        let padded = round_up(len, block);
         let dst = base as usize + host_offset as usize;
-        let direct_ok = dst.is_multiple_of(BLOCK as usize)
+        let direct_ok = dst.is_multiple_of(block.max(self.mem_align) as usize)
             && host_offset
                 .checked_add(padded)
                 .is_some_and(|end| end <= pool_len);
         let no_buf = || TierError::Io("out of memory for a read buffer".into());
         let (dest, iov, iovcnt) = if direct_ok {
-            let mut header = self.bufs.get(HEADER_BLOCK as usize).ok_or_else(no_buf)?;
+            let mut header = self.bufs.get(block as usize).ok_or_else(no_buf)?;
             let iov = Iovecs(Box::new([
                 libc::iovec {
                     iov_base: header.as_mut_ptr().cast(),
-                    iov_len: HEADER_BLOCK as usize,
+                    iov_len: block as usize,
                 },
                 libc::iovec {
                     iov_base: dst as *mut libc::c_void,
@@ -1432,17 +1734,14 @@ impl BackingTier for SsdStore {
         } else {
             let mut buf = self
                 .bufs
-                .get(record_bytes(len) as usize)
+                .get(entry.record_bytes() as usize)
                 .ok_or_else(no_buf)?;
             let iov = Iovecs(Box::new([
                 libc::iovec {
                     iov_base: buf.as_mut_ptr().cast(),
-                    iov_len: buf.len(),
+                    iov_len: entry.record_bytes() as usize,
                 },
-                libc::iovec {
-                    iov_base: std::ptr::null_mut(),
-                    iov_len: 0,
-                },
+                NO_IOV,
             ]));
             (ReadDest::Bounce { buf }, iov, 1)
         };
@@ -1463,7 +1762,7 @@ impl BackingTier for SsdStore {
                 dest,
                 iov,
                 iovcnt,
-                expect: (HEADER_BLOCK + padded) as usize,
+                expect: (block + padded) as usize,
             }),
         );
         self.reads_in_flight += 1;
@@ -1490,10 +1789,36 @@ impl BackingTier for SsdStore {
         payload: &[u8],
         checksum: u64,
         now_us: u64,
-    ) -> Result<(), DemoteRefused> {
-        self.submit_write_checked(key, format, payload, Some(checksum), now_us)
-            .map(|_| ())
-            .map_err(DemoteRefused::from)
+    ) -> Result<Demoted, DemoteRefused> {
+        // No hashing here: the header records the checksum the page
+        // carries; a read verifies the stored bytes against it.
+        if self.in_place_ok(payload) {
+            self.submit_in_place(key, format, payload, checksum, now_us)
+                .map(Demoted::InPlace)
+                .map_err(DemoteRefused::from)
+        } else {
+            self.submit_write_with_checksum(key, format, payload, checksum, now_us)
+                .map(|_| Demoted::Copied)
+                .map_err(DemoteRefused::from)
+        }
+    }
+
+    fn poll_released(&mut self, out: &mut Vec<DemoteToken>) {
+        if self.released.is_empty() && self.holding > 0 {
+            self.pump(self.now_us);
+        }
+        let n = self.released.len();
+        assert!(
+            n <= self.holding,
+            "ssd: handing out {n} released demotions with {} held",
+            self.holding
+        );
+        self.holding -= n;
+        out.append(&mut self.released);
+    }
+
+    fn demotions_holding(&self) -> usize {
+        self.holding
     }
 
     fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
@@ -1508,9 +1833,10 @@ impl BackingTier for SsdStore {
 
 impl Drop for SsdStore {
     fn drop(&mut self) {
-        // The kernel or a worker may still write into our buffers or the
-        // host pool: wait for every submitted operation first. Queued,
-        // unsubmitted writes are discarded (never reported, never visible).
+        // The kernel or a worker may still read from or write into our
+        // buffers or the host pool (reads, in-place demotions): wait for
+        // every submitted operation first. Queued, unsubmitted writes are
+        // discarded (never reported, never visible, never issued).
         self.drain();
     }
 }
@@ -1538,11 +1864,16 @@ mod tests {
 
     #[test]
     fn alignment_guard() {
-        assert!(check_aligned(true, 4096 as *const u8, 8192, 4096).is_ok());
-        assert!(check_aligned(true, 4097 as *const u8, 8192, 4096).is_err());
-        assert!(check_aligned(true, 4096 as *const u8, 100, 4096).is_err());
-        assert!(check_aligned(true, 4096 as *const u8, 4096, 10).is_err());
-        assert!(check_aligned(false, std::ptr::dangling::<u8>(), 1, 1).is_ok());
+        assert!(check_aligned(true, 4096 as *const u8, 8192, 4096, 4096, 4).is_ok());
+        assert!(check_aligned(true, 4097 as *const u8, 8192, 4096, 4096, 4).is_err());
+        assert!(check_aligned(true, 4096 as *const u8, 100, 4096, 4096, 4).is_err());
+        assert!(check_aligned(true, 4096 as *const u8, 4096, 10, 4096, 4).is_err());
+        assert!(check_aligned(true, 512 as *const u8, 1536, 2560, 512, 512).is_ok());
+        assert!(check_aligned(true, 512 as *const u8, 1536, 2560, 1024, 4).is_err());
+        // The memory alignment binds the address only.
+        assert!(check_aligned(true, 512 as *const u8, 512, 512, 512, 1024).is_err());
+        assert!(check_aligned(true, 1024 as *const u8, 512, 512, 512, 1024).is_ok());
+        assert!(check_aligned(false, std::ptr::dangling::<u8>(), 1, 1, 4096, 4096).is_ok());
     }
 
     #[test]

@@ -83,7 +83,8 @@ pub struct SsdConfig {
     /// oldest-first beyond it. At least two segments.
     pub capacity_bytes: u64,
     /// Size of one segment file, a multiple of 4096, at least 64 KiB.
-    /// Also the largest record (payload + 4 KiB header). Default 64 MiB.
+    /// Also the largest record (header block + padded payload). Default
+    /// 64 MiB.
     pub segment_bytes: u64,
     /// Reads accepted and not yet reported (`QueueFull` beyond). Default 64;
     /// the runtime additionally bounds reads per group.
@@ -94,7 +95,8 @@ pub struct SsdConfig {
     pub max_inflight_io: usize,
     /// Writes accepted and not yet reported (queued, in flight or waiting
     /// for their sync); `WriteRefused::QueueFull` beyond. Each holds a copy
-    /// of its payload. Default 256.
+    /// of its payload, or (an in-place demotion) a header block, a tail
+    /// block and its host-pool range. Default 256.
     pub write_queue_depth: usize,
     /// Worker threads of the blocking backend. Default 4.
     pub blocking_workers: usize,
@@ -240,8 +242,6 @@ pub enum WriteRefused {
     NoSpace,
     #[error("segment files cannot be created (retrying shortly)")]
     Unavailable,
-    #[error("the bytes do not match the checksum they were stored with")]
-    Checksum,
 }
 
 impl WriteRefused {
@@ -255,7 +255,6 @@ impl WriteRefused {
             WriteRefused::Duplicate => "duplicate",
             WriteRefused::NoSpace => "no_space",
             WriteRefused::Unavailable => "unavailable",
-            WriteRefused::Checksum => "checksum",
         }
     }
 }
@@ -271,7 +270,6 @@ impl From<WriteRefused> for crate::tier::DemoteRefused {
             WriteRefused::Duplicate => D::Duplicate,
             WriteRefused::NoSpace => D::NoSpace,
             WriteRefused::Unavailable => D::Unavailable,
-            WriteRefused::Checksum => D::Checksum,
         }
     }
 }
@@ -327,6 +325,9 @@ pub struct RecordInfo {
     pub sequence: u64,
     pub format_digest: [u8; 32],
     pub written_us: u64,
+    /// The record's block: its header block's size (the payload starts at
+    /// `offset + block`) and the payload's padding unit.
+    pub block: u64,
 }
 
 /// Refusals by reason.
@@ -339,7 +340,6 @@ pub struct Refusals {
     pub duplicate: u64,
     pub no_space: u64,
     pub unavailable: u64,
-    pub checksum: u64,
 }
 
 impl Refusals {
@@ -352,7 +352,6 @@ impl Refusals {
             WriteRefused::Duplicate => self.duplicate,
             WriteRefused::NoSpace => self.no_space,
             WriteRefused::Unavailable => self.unavailable,
-            WriteRefused::Checksum => self.checksum,
         }
     }
 
@@ -365,7 +364,6 @@ impl Refusals {
             WriteRefused::Duplicate => &mut self.duplicate,
             WriteRefused::NoSpace => &mut self.no_space,
             WriteRefused::Unavailable => &mut self.unavailable,
-            WriteRefused::Checksum => &mut self.checksum,
         };
         *c += 1;
     }
@@ -378,7 +376,6 @@ impl Refusals {
             + self.duplicate
             + self.no_space
             + self.unavailable
-            + self.checksum
     }
 }
 
@@ -456,6 +453,13 @@ pub struct OpenScan {
     pub segments: u64,
     /// Valid records indexed.
     pub records: u64,
+    /// Of those, records in the version-1 layout (4 KiB blocks), read as
+    /// written.
+    pub v1_records: u64,
+    /// Segments opened without O_DIRECT because they hold records whose
+    /// block is smaller than this device's direct-I/O alignment (written
+    /// on another device).
+    pub buffered_segments: u64,
     /// Torn, partial or corrupt records (or unparseable regions) skipped.
     pub corrupt_skipped: u64,
     /// Older copies of a key superseded by a newer record.
@@ -479,6 +483,9 @@ pub struct SsdStats {
     pub backend: BackendKind,
     /// Whether segment files are open `O_DIRECT`.
     pub direct_io: bool,
+    /// Record block of new records (the directory's direct-I/O alignment,
+    /// 512..=4096): header block size, record alignment, padding unit.
+    pub block_bytes: u64,
     pub sync: SyncPolicy,
     /// Indexed (visible) records and their payload bytes.
     pub records: u64,
@@ -496,6 +503,11 @@ pub struct SsdStats {
     pub reads_corrupt: u64,
     pub reads_in_flight: u64,
     pub writes_accepted: u64,
+    /// Of those, demotions written straight from the host pool.
+    pub writes_in_place: u64,
+    /// In-place demotions whose pool range the store still needs (or whose
+    /// release `poll_released` has not handed out yet).
+    pub demotions_holding: u64,
     /// Writes that became visible.
     pub writes_completed: u64,
     pub write_failures: WriteFailures,

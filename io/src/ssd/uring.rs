@@ -48,6 +48,14 @@ impl UringEngine {
             } => opcode::Write::new(types::Fd(fd), ptr, len as u32)
                 .offset(offset)
                 .build(),
+            Request::Writev {
+                fd,
+                offset,
+                iov,
+                iovcnt,
+            } => opcode::Writev::new(types::Fd(fd), iov, iovcnt)
+                .offset(offset)
+                .build(),
             Request::Fdatasync { fd } => opcode::Fsync::new(types::Fd(fd))
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),

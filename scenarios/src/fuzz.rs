@@ -264,9 +264,20 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
         agent_rng.next();
     }
     let mut agents = agent_rng.chance(300).then_some(agent_rng);
+    // In-place demotion (the SSD tier's direct-I/O path) from a fourth.
+    let mut in_place_rng = Rng(seed.wrapping_mul(0xa076_1d64_78bd_642f) | 1);
+    for _ in 0..4 {
+        in_place_rng.next();
+    }
+    let in_place = in_place_rng
+        .chance(500)
+        .then(|| 1 + in_place_rng.below(400));
     let mut latency = Latency::default();
     if let Some(t) = latency.tiers.iter_mut().find(|t| t.name == "remote") {
         t.remote = remote;
+    }
+    if let Some(t) = latency.tiers.iter_mut().find(|t| t.demote) {
+        t.write_in_place_us = in_place;
     }
     let interval = 10;
     let (batch, inflight, engine) = copy_limits(&mut rng);

@@ -370,6 +370,9 @@ impl<'o> Replay<'o> {
                         write_through: r.write_through,
                     });
                 }
+                if t.demote {
+                    handle.set_in_place(t.write_in_place_us);
+                }
                 (t.name.clone(), handle, t.read_us, t.demote)
             })
             .collect();

@@ -83,6 +83,12 @@ pub struct TierLatency {
     /// stale metadata, verified reads with a deadline, down periods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<RemoteModel>,
+    /// With `demote`: the tier writes demoted pages straight from their
+    /// DRAM slots (the SSD tier with direct I/O) and releases each slot
+    /// this many µs later; until then the runtime keeps the slot. Absent:
+    /// the tier copies at demotion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_in_place_us: Option<u64>,
 }
 
 /// The simulator's model of the remote tier.
@@ -107,12 +113,14 @@ impl Default for Latency {
                     read_us: 100,
                     demote: true,
                     remote: None,
+                    write_in_place_us: None,
                 },
                 TierLatency {
                     name: "remote".into(),
                     read_us: 800,
                     demote: false,
                     remote: None,
+                    write_in_place_us: None,
                 },
             ],
         }

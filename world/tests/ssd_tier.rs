@@ -321,7 +321,7 @@ fn corrupt_on_disk(dir: &Path, backend: IoBackend, key: &StateKey) {
     let path = store.segment_path(info.segment_id);
     drop(store);
     let mut bytes = std::fs::read(&path).unwrap();
-    bytes[(info.offset + 4096 + 100) as usize] ^= 0x40;
+    bytes[(info.offset + info.block + 100) as usize] ^= 0x40;
     std::fs::write(&path, bytes).unwrap();
 }
 
@@ -338,7 +338,13 @@ fn evicted_pages_round_trip_through_ssd_with_exact_bytes() {
         // DRAM holds 8 pages: publishing 8 more demotes the first 8 to SSD.
         n.publish(2, 8);
         n.wait_demoted(SLOTS);
-        assert_eq!(n.rt.stats().metrics.evictions.values().sum::<u64>(), SLOTS);
+        let st = n.rt.stats();
+        assert_eq!(st.metrics.evictions.values().sum::<u64>(), SLOTS);
+        // Written straight from their DRAM slots, which are all back: the
+        // pool holds exactly seed 2's pages.
+        assert_eq!(st.metrics.demotions.get("in_place"), Some(&SLOTS));
+        assert_eq!(st.pool_bytes_used, SLOTS * PAGE_BYTES, "{backend:?}");
+        n.rt.check_invariants().unwrap();
         // Seed 1 comes back from SSD (evicting seed 2 in turn).
         assert_eq!(n.recover(1), Ok((SLOTS, 0, SLOTS)), "{backend:?}");
         // And now it is in DRAM.
@@ -414,7 +420,7 @@ fn a_record_corrupted_under_a_running_manager_is_a_checksum_miss() {
         };
         let mut n = node(dir.path(), backend);
         let mut bytes = std::fs::read(&path).unwrap();
-        bytes[(info.offset + 4096 + 100) as usize] ^= 0x40;
+        bytes[(info.offset + info.block + 100) as usize] ^= 0x40;
         std::fs::write(&path, bytes).unwrap();
         assert_eq!(n.recover(7), Err(MissReason::Checksum), "{backend:?}");
         assert_eq!(n.rt.stats().metrics.checksum_failures, 1);

@@ -137,7 +137,7 @@ struct HotPath {
     writer: hot::RingWriter,
     token: u64,
     /// First response per tag: the command's id, or why it was not queued.
-    first: HashMap<u64, Result<CommandId, ClientError>>,
+    first: HashMap<u64, Result<CommandId, ClientError>, foldhash::fast::RandomState>,
     _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
         Ipc,
         HotRequest,
@@ -199,7 +199,7 @@ impl HotPath {
             writer: hot::RingWriter::new(area.req),
             area,
             token: info.token,
-            first: HashMap::new(),
+            first: HashMap::default(),
             _rpc: rpc,
             _wake: wake,
             _node: node,

@@ -655,6 +655,11 @@ impl RingWriter {
 struct Put(Vec<u8>);
 
 impl Put {
+    /// A part of exactly `n` bytes is about to be written: one allocation,
+    /// never a regrowth.
+    fn with_capacity(n: usize) -> Put {
+        Put(Vec::with_capacity(n))
+    }
     fn u32(&mut self, v: u32) -> &mut Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
@@ -729,7 +734,11 @@ fn hash(bytes: &[u8]) -> Result<NativeHash, HotError> {
 }
 
 fn encode_groups(groups: &[GroupHashes]) -> Option<Vec<u8>> {
-    let mut p = Put::default();
+    let bytes = groups
+        .iter()
+        .map(|g| 16 + g.hashes.iter().map(|h| h.as_bytes().len()).sum::<usize>() + 7)
+        .sum();
+    let mut p = Put::with_capacity(bytes);
     for g in groups {
         let len = if g.hashes.is_empty() {
             1
@@ -780,7 +789,7 @@ fn encode_publish(pages: &[PublishPage]) -> Option<Vec<u8>> {
     } else {
         uniform_hash_len(pages.iter().map(|p| &p.hash))?
     };
-    let mut p = Put::default();
+    let mut p = Put::with_capacity(8 + pages.len() * (16 + len.next_multiple_of(8)));
     p.u32(len as u32).u32(pages.len() as u32);
     for pg in pages {
         p.u32(pg.rank)
@@ -821,7 +830,7 @@ fn decode_publish(b: &[u8]) -> Result<Vec<PublishPage>, HotError> {
 }
 
 fn encode_targets(targets: &[RestoreTarget]) -> Vec<u8> {
-    let mut p = Put::default();
+    let mut p = Put::with_capacity(24 * targets.len());
     for t in targets {
         p.u32(t.pos.rank)
             .u32(t.pos.group)
@@ -848,7 +857,7 @@ fn decode_targets(b: &[u8]) -> Result<Vec<RestoreTarget>, HotError> {
 }
 
 fn encode_positions(pos: &[PagePos]) -> Vec<u8> {
-    let mut p = Put::default();
+    let mut p = Put::with_capacity(16 * pos.len());
     for x in pos {
         p.u32(x.rank).u32(x.group).u64(x.page_end);
     }
@@ -869,7 +878,7 @@ fn decode_positions(b: &[u8]) -> Result<Vec<PagePos>, HotError> {
 }
 
 fn encode_u64s(xs: &[u64]) -> Vec<u8> {
-    let mut p = Put::default();
+    let mut p = Put::with_capacity(8 * xs.len());
     for x in xs {
         p.u64(*x);
     }
@@ -882,7 +891,7 @@ fn decode_u64s(b: &[u8]) -> Result<Vec<u64>, HotError> {
 }
 
 fn encode_candidates(c: &[Candidates]) -> Vec<u8> {
-    let mut p = Put::default();
+    let mut p = Put::with_capacity(c.iter().map(|x| 16 + 8 * x.page_ends.len()).sum());
     for x in c {
         p.u32(x.rank)
             .u32(x.group)
@@ -914,7 +923,7 @@ fn decode_candidates(b: &[u8]) -> Result<Vec<Candidates>, HotError> {
 }
 
 fn encode_ranges(r: &[(u32, RequiredRange)]) -> Vec<u8> {
-    let mut p = Put::default();
+    let mut p = Put::with_capacity(24 * r.len());
     for (rank, x) in r {
         p.u32(*rank).u32(x.group).u64(x.start).u64(x.end);
     }
@@ -939,7 +948,7 @@ fn decode_ranges(b: &[u8]) -> Result<Vec<(u32, RequiredRange)>, HotError> {
 }
 
 fn encode_leases(l: &[LeaseInfo]) -> Vec<u8> {
-    let mut p = Put::default();
+    let mut p = Put::with_capacity(56 * l.len());
     for x in l {
         p.u64(x.lease)
             .u32(x.pos.rank)
@@ -1015,6 +1024,28 @@ fn session_of(w: [u64; 3]) -> SessionHandle {
     }
 }
 
+/// A message's encoded parts (at most two per message, the most any
+/// encoding fills; the list lives on the stack, not in an allocation).
+#[derive(Default)]
+struct Parts {
+    n: usize,
+    p: [(u32, Vec<u8>); 2],
+}
+
+impl Parts {
+    fn push(&mut self, part: (u32, Vec<u8>)) {
+        debug_assert!(self.n < self.p.len(), "a message has at most two parts");
+        if let Some(slot) = self.p.get_mut(self.n) {
+            *slot = part;
+            self.n += 1;
+        }
+    }
+
+    fn as_slice(&self) -> &[(u32, Vec<u8>)] {
+        &self.p[..self.n]
+    }
+}
+
 /// Whether `command` has a hot encoding at all.
 pub fn is_hot(command: &Command) -> bool {
     matches!(
@@ -1045,7 +1076,7 @@ pub fn encode_request(
         tag,
         ..HotRequest::default()
     };
-    let mut parts: Vec<(u32, Vec<u8>)> = Vec::new();
+    let mut parts = Parts::default();
     match command {
         Command::Query {
             session,
@@ -1102,7 +1133,7 @@ pub fn encode_request(
         }
         _ => return None,
     }
-    for (i, (kind, bytes)) in parts.iter().enumerate() {
+    for (i, (kind, bytes)) in parts.as_slice().iter().enumerate() {
         match w.write(area, *kind, bytes) {
             Some(d) => r.parts[i] = d,
             None => {
@@ -1205,7 +1236,7 @@ pub fn encode_event(
     w: &mut RingWriter,
 ) -> Option<HotResponse> {
     let mut r = response(RespKind::EventJson, tag, command);
-    let mut parts: Vec<(u32, Vec<u8>)> = Vec::new();
+    let mut parts = Parts::default();
     match e {
         Event::QueryResult {
             command,
@@ -1291,7 +1322,7 @@ pub fn encode_event(
             ));
         }
     }
-    for (i, (kind, bytes)) in parts.iter().enumerate() {
+    for (i, (kind, bytes)) in parts.as_slice().iter().enumerate() {
         match w.write(area, *kind, bytes) {
             Some(d) => r.parts[i] = d,
             None => {

@@ -17,7 +17,7 @@
 //! `accepted` (or `rejected`) after the tick that ran them, their effects
 //! arriving on the query's request.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::os::fd::RawFd;
 use std::sync::atomic::{Ordering, fence};
@@ -32,6 +32,10 @@ use crate::hot::{
     self, Area, HotError, HotErrorCode, HotRequest, HotResponse, Ipc, Op, RESP_LAST, RespKind,
     RingWriter,
 };
+
+/// The server's maps: keyed by counters, tokens and ids; only looked up
+/// with a client's bytes (its token), never filled from them.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 type ActiveRequest = iceoryx2::active_request::ActiveRequest<Ipc, HotRequest, (), HotResponse, ()>;
 
@@ -61,7 +65,8 @@ struct Active {
     sent: u32,
     /// The operation this (query's) request carries the events of.
     operation: Option<u64>,
-    /// Submitted before the tick now running.
+    /// Submitted before the tick now running (its key is in
+    /// `HotServer::fresh`).
     this_tick: bool,
 }
 
@@ -83,6 +88,8 @@ pub struct HotServer {
     by_command: HashMap<CommandId, u64>,
     by_operation: HashMap<u64, u64>,
     wake_conns: BTreeSet<ConnId>,
+    /// Keys of the requests received since the last `end_tick`.
+    fresh: Vec<u64>,
     next_key: u64,
     area_bytes: u64,
     pub stats: HotStats,
@@ -162,12 +169,13 @@ impl HotServer {
             .create()
             .map_err(|e| err("wake listener")(&e))?;
         Ok(HotServer {
-            active: HashMap::new(),
-            conns: HashMap::new(),
-            tokens: HashMap::new(),
-            by_command: HashMap::new(),
-            by_operation: HashMap::new(),
+            active: HashMap::default(),
+            conns: HashMap::default(),
+            tokens: HashMap::default(),
+            by_command: HashMap::default(),
+            by_operation: HashMap::default(),
             wake_conns: BTreeSet::new(),
+            fresh: Vec::new(),
             next_key: 0,
             area_bytes,
             stats: HotStats::default(),
@@ -271,11 +279,12 @@ impl HotServer {
         let _ = self.listener.try_wait(|_| {});
     }
 
-    /// Takes up to `max` requests. Valid ones come back as commands to
-    /// submit; bad ones are answered with a typed error here.
-    pub fn receive(&mut self, max: usize) -> Vec<Incoming> {
-        let mut out = Vec::new();
-        while out.len() < max {
+    /// Takes up to `max` requests. Valid ones are appended to `out` as
+    /// commands to submit (the caller keeps the buffer between rounds);
+    /// bad ones are answered with a typed error here.
+    pub fn receive(&mut self, max: usize, out: &mut Vec<Incoming>) {
+        let start = out.len();
+        while out.len() - start < max {
             let request = match self.server.receive() {
                 Ok(Some(r)) => r,
                 _ => break,
@@ -321,6 +330,7 @@ impl HotServer {
                             this_tick: true,
                         },
                     );
+                    self.fresh.push(key);
                     out.push(Incoming { key, conn, command });
                 }
                 Err(e) => {
@@ -332,7 +342,6 @@ impl HotServer {
                 }
             }
         }
-        out
     }
 
     /// The loop submitted `key`'s command: its id, or why not (answered
@@ -489,14 +498,11 @@ impl HotServer {
     /// are complete get `accepted` (if nothing answered them yet) and
     /// close; a publish's stays open for `publish_done`.
     pub fn end_tick(&mut self) {
-        let keys: Vec<u64> = self
-            .active
-            .iter()
-            .filter(|(_, a)| a.this_tick)
-            .map(|(k, _)| *k)
-            .collect();
-        for key in keys {
-            let Some(a) = self.active.get_mut(&key) else {
+        // The list keeps its allocation from tick to tick.
+        let mut fresh = std::mem::take(&mut self.fresh);
+        for key in fresh.drain(..) {
+            // Closed during the tick (its last event), or seen already.
+            let Some(a) = self.active.get_mut(&key).filter(|a| a.this_tick) else {
                 continue;
             };
             a.this_tick = false;
@@ -532,6 +538,7 @@ impl HotServer {
                 self.close(key);
             }
         }
+        self.fresh = fresh;
     }
 
     fn close(&mut self, key: u64) {

@@ -20,6 +20,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use orbitkv_ipc::hot_server::Incoming;
 use tracing::info;
 
 use crate::connection::ConnId;
@@ -46,6 +47,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
     let mut refreshed = st.now;
     let mut refreshed_tick = st.last_tick;
     let mut poller = Poller::default();
+    let mut incoming = Vec::new();
     st.refresh_metrics();
     while !stop.load(Ordering::Relaxed) {
         // `st.now` is the previous round's last reading.
@@ -89,7 +91,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             }
         }
         let from_sockets = take_frames(st);
-        let submitted = from_sockets + read_hot(st);
+        let submitted = from_sockets + read_hot(st, &mut incoming);
         let since_tick = now.saturating_duration_since(st.last_tick);
         // The inbox also holds what departed connections left (close_origin).
         if submitted > 0
@@ -254,7 +256,8 @@ fn take_frames(st: &mut State) -> usize {
 
 /// Takes hot requests (non-blocking, bounded by the inbox's room) and
 /// submits their commands. Bad requests were answered by the hot server.
-fn read_hot(st: &mut State) -> usize {
+/// `incoming`: a buffer kept between rounds, empty between calls.
+fn read_hot(st: &mut State, incoming: &mut Vec<Incoming>) -> usize {
     let room = st.rt.inbox_room().min(1024);
     let Some(h) = st.hot.as_mut() else {
         return 0;
@@ -262,9 +265,9 @@ fn read_hot(st: &mut State) -> usize {
     if room == 0 {
         return 0;
     }
-    let incoming = h.receive(room);
+    h.receive(room, incoming);
     let mut submitted = 0;
-    for inc in incoming {
+    for inc in incoming.drain(..) {
         let result = st.submit(inc.conn, inc.command);
         submitted += usize::from(result.is_ok());
         if let Some(h) = st.hot.as_mut() {

@@ -639,9 +639,10 @@ impl MemoryTier {
             // SAFETY: the range was inside the registered pool at demote,
             // and the pool stays valid until the tier is dropped
             // (register_host_pool contract).
-            let bytes =
-                unsafe { std::slice::from_raw_parts(pool.0.add(d.offset as usize), d.len as usize) }
-                    .to_vec();
+            let bytes = unsafe {
+                std::slice::from_raw_parts(pool.0.add(d.offset as usize), d.len as usize)
+            }
+            .to_vec();
             // Whatever the slot holds now, under the checksum the page
             // carried: no verification, as on the SSD's write path.
             self.pages().store(d.key, bytes, d.checksum);
@@ -958,17 +959,33 @@ mod tests {
         // Page 2 was stored as the slot held at release, under the checksum
         // it carried: a read lands bytes that fail it.
         assert_eq!(tier.lookup(&key(2)).unwrap().checksum, sum2);
-        let t = tier.submit_read(&key(2), 2 * SLOT as u64, SLOT as u64, 2000).unwrap();
+        let t = tier
+            .submit_read(&key(2), 2 * SLOT as u64, SLOT as u64, 2000)
+            .unwrap();
         let mut reads = Vec::new();
         tier.poll(2010, &mut reads);
-        assert_eq!(reads, vec![ReadDone { token: t, result: Ok(()) }]);
+        assert_eq!(
+            reads,
+            vec![ReadDone {
+                token: t,
+                result: Ok(())
+            }]
+        );
         assert!(mem.slot(2).iter().all(|&b| b == 9));
         assert_ne!(page_checksum(mem.slot(2)), sum2);
         // Page 1 is intact.
         assert_eq!(tier.lookup(&key(1)).unwrap().checksum, sum1);
-        let t = tier.submit_read(&key(1), 3 * SLOT as u64, SLOT as u64, 3000).unwrap();
+        let t = tier
+            .submit_read(&key(1), 3 * SLOT as u64, SLOT as u64, 3000)
+            .unwrap();
         tier.poll(3010, &mut reads);
-        assert_eq!(reads.last(), Some(&ReadDone { token: t, result: Ok(()) }));
+        assert_eq!(
+            reads.last(),
+            Some(&ReadDone {
+                token: t,
+                result: Ok(())
+            })
+        );
         assert_eq!(page_checksum(mem.slot(3)), sum1);
         // Drop releases what is still held (the write finishes).
         mem.slot(0).fill(4);

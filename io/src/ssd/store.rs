@@ -23,8 +23,8 @@ use super::types::*;
 use super::uring::UringEngine;
 use crate::checksum::page_checksum;
 use crate::tier::{
-    BackingTier, DemoteFailed, DemoteRefused, DemoteToken, Demoted, ReadDone, ReadToken,
-    TierEntry, TierError,
+    BackingTier, DemoteFailed, DemoteRefused, DemoteToken, Demoted, ReadDone, ReadToken, TierEntry,
+    TierError,
 };
 
 /// Fdatasync operations in flight at once (one per segment at most).
@@ -771,7 +771,13 @@ impl SsdStore {
         body[h..h + len].copy_from_slice(payload);
         body[h + len..].fill(0);
         let checksum = known.unwrap_or_else(|| page_checksum(&body[h..h + len]));
-        Ok(self.enqueue(key, format_digest, len as u64, checksum, WriteSrc::Copy(buf)))
+        Ok(self.enqueue(
+            key,
+            format_digest,
+            len as u64,
+            checksum,
+            WriteSrc::Copy(buf),
+        ))
     }
 
     /// Whether `payload` can be written in place: it lies entirely inside
@@ -1613,9 +1619,12 @@ fn dio_alignment(file: &File) -> (u64, u64) {
         .then(|| {
             let dev = format!("/sys/dev/block/{}:{}", stx.stx_dev_major, stx.stx_dev_minor);
             // A partition's queue is its disk's.
-            [format!("{dev}/queue/logical_block_size"), format!("{dev}/../queue/logical_block_size")]
-                .iter()
-                .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok())
+            [
+                format!("{dev}/queue/logical_block_size"),
+                format!("{dev}/../queue/logical_block_size"),
+            ]
+            .iter()
+            .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok())
         })
         .flatten()
         .unwrap_or(MAX_BLOCK);

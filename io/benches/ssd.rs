@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use io_uring::{IoUring, opcode, types};
 use orbitkv_components::{Namespace, StateKey};
-use orbitkv_io::dram::{HostPool, HostPoolConfig};
 use orbitkv_io::checksum::page_checksum;
+use orbitkv_io::dram::{HostPool, HostPoolConfig};
 use orbitkv_io::ssd::{IoBackend, SsdConfig, SsdStore, SyncPolicy, WriteRefused};
 use orbitkv_io::tier::{BackingTier, DemoteRefused, Demoted};
 
@@ -255,7 +255,10 @@ impl Sources {
         let base = self.pool.base_ptr();
         // SAFETY: a slot of `page` bytes inside the pool, never written
         // after `new` (so unchanged while any in-place write reads it).
-        (unsafe { std::slice::from_raw_parts(base.add(off as usize), page) }, sum)
+        (
+            unsafe { std::slice::from_raw_parts(base.add(off as usize), page) },
+            sum,
+        )
     }
 
     fn ptrs(&mut self, page: usize) -> Vec<*const u8> {

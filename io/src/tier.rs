@@ -639,9 +639,10 @@ impl MemoryTier {
             // SAFETY: the range was inside the registered pool at demote,
             // and the pool stays valid until the tier is dropped
             // (register_host_pool contract).
-            let bytes =
-                unsafe { std::slice::from_raw_parts(pool.0.add(d.offset as usize), d.len as usize) }
-                    .to_vec();
+            let bytes = unsafe {
+                std::slice::from_raw_parts(pool.0.add(d.offset as usize), d.len as usize)
+            }
+            .to_vec();
             // Whatever the slot holds now, under the checksum the page
             // carried: no verification, as on the SSD's write path.
             self.pages().store(d.key, bytes, d.checksum);
@@ -908,9 +909,15 @@ mod tests {
             Mem { _buf: buf, base }
         }
 
-        fn slot(&self, i: usize) -> &mut [u8] {
-            // SAFETY: inside `_buf`; tests never hold two views of a slot.
-            unsafe { std::slice::from_raw_parts_mut(self.base.add(i * SLOT), SLOT) }
+        fn slot(&self, i: usize) -> &[u8] {
+            // SAFETY: inside `_buf`; `fill` is never called while a view
+            // is held.
+            unsafe { std::slice::from_raw_parts(self.base.add(i * SLOT), SLOT) }
+        }
+
+        fn fill(&self, i: usize, v: u8) {
+            // SAFETY: inside `_buf`, through the pointer the tier holds.
+            unsafe { std::ptr::write_bytes(self.base.add(i * SLOT), v, SLOT) }
         }
     }
 
@@ -922,8 +929,8 @@ mod tests {
         handle.set_in_place(Some(100));
         // SAFETY: `mem` outlives the tier (dropped after it, below).
         unsafe { tier.register_host_pool(mem.base, 4 * SLOT as u64) }.unwrap();
-        mem.slot(0).fill(1);
-        mem.slot(1).fill(2);
+        mem.fill(0, 1);
+        mem.fill(1, 2);
         let (sum1, sum2) = (page_checksum(mem.slot(0)), page_checksum(mem.slot(1)));
         let Ok(Demoted::InPlace(t1)) = tier.demote(&key(1), [0; 32], mem.slot(0), sum1, 1000)
         else {
@@ -944,7 +951,7 @@ mod tests {
         assert!(released.is_empty(), "released before its time");
         assert!(tier.lookup(&key(1)).is_none(), "not written yet");
         // The runtime reuses slot 1 too early.
-        mem.slot(1).fill(9);
+        mem.fill(1, 9);
         tier.poll(1099, &mut Vec::new());
         tier.poll_released(&mut released);
         assert!(released.is_empty());
@@ -958,20 +965,36 @@ mod tests {
         // Page 2 was stored as the slot held at release, under the checksum
         // it carried: a read lands bytes that fail it.
         assert_eq!(tier.lookup(&key(2)).unwrap().checksum, sum2);
-        let t = tier.submit_read(&key(2), 2 * SLOT as u64, SLOT as u64, 2000).unwrap();
+        let t = tier
+            .submit_read(&key(2), 2 * SLOT as u64, SLOT as u64, 2000)
+            .unwrap();
         let mut reads = Vec::new();
         tier.poll(2010, &mut reads);
-        assert_eq!(reads, vec![ReadDone { token: t, result: Ok(()) }]);
+        assert_eq!(
+            reads,
+            vec![ReadDone {
+                token: t,
+                result: Ok(())
+            }]
+        );
         assert!(mem.slot(2).iter().all(|&b| b == 9));
         assert_ne!(page_checksum(mem.slot(2)), sum2);
         // Page 1 is intact.
         assert_eq!(tier.lookup(&key(1)).unwrap().checksum, sum1);
-        let t = tier.submit_read(&key(1), 3 * SLOT as u64, SLOT as u64, 3000).unwrap();
+        let t = tier
+            .submit_read(&key(1), 3 * SLOT as u64, SLOT as u64, 3000)
+            .unwrap();
         tier.poll(3010, &mut reads);
-        assert_eq!(reads.last(), Some(&ReadDone { token: t, result: Ok(()) }));
+        assert_eq!(
+            reads.last(),
+            Some(&ReadDone {
+                token: t,
+                result: Ok(())
+            })
+        );
         assert_eq!(page_checksum(mem.slot(3)), sum1);
         // Drop releases what is still held (the write finishes).
-        mem.slot(0).fill(4);
+        mem.fill(0, 4);
         let sum4 = page_checksum(mem.slot(0));
         assert!(matches!(
             tier.demote(&key(4), [0; 32], mem.slot(0), sum4, 4000),
@@ -988,7 +1011,7 @@ mod tests {
         let mut tier = MemoryTier::new("sim", 10, 8).writable();
         // SAFETY: `mem` outlives the tier.
         unsafe { tier.register_host_pool(mem.base, SLOT as u64) }.unwrap();
-        mem.slot(0).fill(5);
+        mem.fill(0, 5);
         let sum = page_checksum(mem.slot(0));
         assert_eq!(
             tier.demote(&key(1), [0; 32], mem.slot(0), sum, 0),

@@ -63,9 +63,10 @@ fn round_trip_io_uring() {
     round_trip(IoBackend::IoUring);
 }
 
-/// Reads into pool ranges that are not 4 KiB aligned, or too short for the
-/// padded tail, go through a bounce buffer: exactly `len` bytes land, the
-/// bytes around them are untouched.
+/// Reads into pool ranges that are not aligned to the record block (100
+/// bytes off: no block divides it), or too short for the padded tail, go
+/// through a bounce buffer: exactly `len` bytes land, the bytes around them
+/// are untouched.
 fn unaligned_destination(backend: IoBackend) {
     let dir = tempfile::tempdir().unwrap();
     let mut store = open(dir.path(), backend);
@@ -77,13 +78,13 @@ fn unaligned_destination(backend: IoBackend) {
         let slot = pool.pool.alloc(len + 8192).unwrap();
         let off = pool.pool.offset(slot).unwrap();
         pool.pool.bytes_mut(slot, len + 8192).unwrap().fill(0xee);
-        let token = store.submit_read(k, off + 512, len, 0).unwrap();
+        let token = store.submit_read(k, off + 100, len, 0).unwrap();
         let done = pool.wait(&mut store, token);
         assert_eq!(done.result, Ok(()));
         let all = pool.pool.bytes(slot, len + 8192).unwrap();
-        assert!(all[..512].iter().all(|&b| b == 0xee));
-        assert!(all[512..512 + len as usize] == bytes[..]);
-        assert!(all[512 + len as usize..].iter().all(|&b| b == 0xee));
+        assert!(all[..100].iter().all(|&b| b == 0xee));
+        assert!(all[100..100 + len as usize] == bytes[..]);
+        assert!(all[100 + len as usize..].iter().all(|&b| b == 0xee));
         pool.pool.free(slot).unwrap();
     }
     // The tail of the pool: room for `len` but not for the padded length.

@@ -67,7 +67,10 @@ fn round_trip(backend: IoBackend) {
     let dir = tempfile::tempdir().unwrap();
     let mut store = open(dir.path(), backend);
     let b = store.block_bytes();
-    assert!(b.is_power_of_two() && (512..=4096).contains(&b), "block {b}");
+    assert!(
+        b.is_power_of_two() && (512..=4096).contains(&b),
+        "block {b}"
+    );
     let mut pool = Pool::new(&mut store, 32 << 20);
     let mut tokens = Vec::new();
     let mut slots = Vec::new();
@@ -332,7 +335,10 @@ fn altered_after_land(backend: IoBackend) {
     assert_eq!(store.lookup(&key(1)).unwrap().checksum, sum1);
     for (k, sum) in [(key(1), sum1), (key(2), sum2)] {
         assert_eq!(store.lookup(&k).unwrap().checksum, sum);
-        assert_eq!(pool.read(&mut store, &k, len as u64), Err(TierError::Corrupt));
+        assert_eq!(
+            pool.read(&mut store, &k, len as u64),
+            Err(TierError::Corrupt)
+        );
         assert!(store.lookup(&k).is_none(), "refused record left the index");
     }
     assert!(pool.read(&mut store, &key(3), len as u64).unwrap() == payload(3, len));
@@ -406,7 +412,13 @@ fn write_v1_segment(path: &std::path::Path, id: u64, pages: &[(u64, usize)], bad
 /// skipped and counted; new records beside them are version 2.
 fn v1_segments_are_read(backend: IoBackend) {
     let dir = tempfile::tempdir().unwrap();
-    let pages = [(0u64, 5000usize), (1, 4096), (2, 1), (3, 70_000), (4, 12_288)];
+    let pages = [
+        (0u64, 5000usize),
+        (1, 4096),
+        (2, 1),
+        (3, 70_000),
+        (4, 12_288),
+    ];
     let offs = write_v1_segment(&dir.path().join("seg-0000000000000000.okv"), 0, &pages, 2);
     let mut store = open(dir.path(), backend);
     let s = store.stats();
@@ -422,7 +434,10 @@ fn v1_segments_are_read(backend: IoBackend) {
             continue;
         }
         let info = store.record_info(&key(i)).unwrap();
-        assert_eq!((info.block, info.offset, info.sequence), (V1_BLOCK, at[&i], i));
+        assert_eq!(
+            (info.block, info.offset, info.sequence),
+            (V1_BLOCK, at[&i], i)
+        );
         assert!(pool.read(&mut store, &key(i), len as u64).unwrap() == payload(i, len));
     }
     // New pages beside them use the current layout.
@@ -467,7 +482,10 @@ fn submit_write_copies_and_hashes() {
         );
         store.submit_write(&key(5), DIGEST, &bytes, 0).unwrap();
         assert_eq!(store.wait_writes(0)[0].result, Ok(()));
-        assert_eq!(store.lookup(&key(5)).unwrap().checksum, page_checksum(&bytes));
+        assert_eq!(
+            store.lookup(&key(5)).unwrap().checksum,
+            page_checksum(&bytes)
+        );
         assert_eq!(store.stats().writes_in_place, 0);
         drop(store);
     }

@@ -311,10 +311,7 @@ mod tests {
             }
         }
         assert_eq!(header(512).record_bytes(), 512 + 5120);
-        assert_eq!(
-            RecordHeader::decode(&[0u8; 512]),
-            Err(HeaderError::Empty)
-        );
+        assert_eq!(RecordHeader::decode(&[0u8; 512]), Err(HeaderError::Empty));
         assert_eq!(
             RecordHeader::decode(&[0u8; 100]),
             Err(HeaderError::Short(100, 512))
@@ -332,10 +329,7 @@ mod tests {
         put_u32(&mut enc, OFF_BLOCK, 768);
         let sum = header_sum(&enc);
         put_u64(&mut enc, OFF_HEADER_SUM, sum);
-        assert_eq!(
-            RecordHeader::decode(&enc),
-            Err(HeaderError::Field("block"))
-        );
+        assert_eq!(RecordHeader::decode(&enc), Err(HeaderError::Field("block")));
         let mut h = header(4096);
         h.record_offset = 512;
         let enc = h.encode().unwrap();

@@ -20,8 +20,9 @@ pub(crate) struct SegmentScan {
     /// Valid records in file order.
     pub records: Vec<RecordHeader>,
     /// Skipped regions: a record whose payload fails its checksum or runs
-    /// past the end of the file, or a run of consecutive non-empty blocks
-    /// that do not parse as a header of this segment at that offset.
+    /// past the end of the file, or a stretch (up to the next valid record)
+    /// holding non-empty blocks that do not parse as a header of this
+    /// segment at that offset.
     pub corrupt: u64,
     /// File length in bytes.
     pub file_len: u64,
@@ -91,7 +92,9 @@ pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
         let parsed = RecordHeader::decode(w.read(pos, MIN_BLOCK as usize)?);
         let header = match parsed {
             Err(HeaderError::Empty) => {
-                in_bad_run = false;
+                // Zero blocks (padding, preallocated space) do not end a
+                // bad run: a damaged record whose header block is larger
+                // than the step counts once, whatever its padding.
                 pos += MIN_BLOCK;
                 continue;
             }

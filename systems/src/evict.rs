@@ -48,7 +48,8 @@ pub fn evict(
                     .iter_mut()
                     .enumerate()
                     .map(|(i, t)| {
-                        let r = t.demote(&page.key, page.format, bytes, page.checksum, clock.now_us);
+                        let r =
+                            t.demote(&page.key, page.format, bytes, page.checksum, clock.now_us);
                         (i, r)
                     })
                     .find(|(_, r)| *r != Err(DemoteRefused::NotWritable));

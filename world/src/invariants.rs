@@ -46,7 +46,9 @@ fn demotions(world: &mut World, v: &mut Vec<String>) {
     let mut by_tier: HashMap<usize, usize> = HashMap::new();
     for (&(tier, token), &slot) in &dram.demoting {
         if dram.pool.offset(SlotKey::from_bits(slot)).is_none() {
-            v.push(format!("in-place demotion {tier}/{token} holds a free slot"));
+            v.push(format!(
+                "in-place demotion {tier}/{token} holds a free slot"
+            ));
         }
         if page_slots.contains(&slot) || !slots.insert(slot) {
             v.push(format!("in-place demotion {tier}/{token} shares its slot"));

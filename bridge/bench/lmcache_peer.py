@@ -16,8 +16,9 @@ back is compared after its timing.
 - OrbitKV: a real `orbitkv serve` (release build) and `orbitkv.Client`;
   the engine buffers are agent-owned regions (the manager never maps them;
   the client's copy agent copies on its instruction), as the vLLM and
-  SGLang adapters use it. Save = `publish` in batches of `--batch` pages
-  until `publish_done`; retrieve = `query` with prepare until `ready`, then
+  SGLang adapters use it. Save = `publish` in batches of `--batch` pages,
+  up to `--inflight` (default 4) outstanding at once as an engine saving
+  several requests has them, each checked at its `publish_done`; retrieve = `query` with prepare until `ready`, then
   `restore` until `restore_done`. Checksums are always on: the publish copy
   computes each page's XXH3-64, the restore copy verifies it.
 
@@ -209,7 +210,9 @@ def hashes(pages: int, rnd: int) -> list:
     return [f"{(rnd << 48) + 0x5EED0000 + i:016x}" for i in range(pages)]
 
 
-def run_orbitkv(c, src: np.ndarray, dst: np.ndarray, page_bytes: int, batch: int, rnd: int) -> dict:
+def run_orbitkv(
+    c, src: np.ndarray, dst: np.ndarray, page_bytes: int, batch: int, rnd: int, inflight: int = 1
+) -> dict:
     pages = src.size // page_bytes
     s = ss.expect(c.call({"command": "open_session", "instance": "peer"}, ss.T), "session_opened")["session"]
     rs = agent_region(c, s, src, pages, page_bytes)
@@ -220,22 +223,31 @@ def run_orbitkv(c, src: np.ndarray, dst: np.ndarray, page_bytes: int, batch: int
     long_wait = max(ss.T, src.size / 2**30 * 30)
 
     t0 = time.perf_counter()
+    # Up to `inflight` publishes outstanding (an engine saving several
+    # requests at once has as many); each is checked at its publish_done.
+    sizes: dict = {}
+
+    def finish_one() -> None:
+        done = ss.expect(c.wait_event(long_wait, kind="publish_done"), "publish_done")
+        want = sizes.pop(done["request"])
+        if done["inserted"] != want:
+            sys.exit(f"OrbitKV publish stored {done['inserted']} of {want} pages: {done}")
+
     for at in range(0, pages, batch):
         idx = range(at, min(at + batch, pages))
-        done = ss.expect(
-            c.call(
-                {
-                    "command": "publish",
-                    "session": s,
-                    "request": at,
-                    "pages": [{"rank": 0, "group": 0, "hash": hs[i], "device_page": dps_src[i]} for i in idx],
-                },
-                long_wait,
-            ),
-            "publish_done",
+        if len(sizes) >= inflight:
+            finish_one()
+        sizes[at] = len(idx)
+        c.submit(
+            {
+                "command": "publish",
+                "session": s,
+                "request": at,
+                "pages": [{"rank": 0, "group": 0, "hash": hs[i], "device_page": dps_src[i]} for i in idx],
+            }
         )
-        if done["inserted"] != len(idx):
-            sys.exit(f"OrbitKV publish stored {done['inserted']} of {len(idx)} pages: {done}")
+    while sizes:
+        finish_one()
     save = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -282,6 +294,7 @@ def main() -> None:
     ap.add_argument("--total", type=size, default=size("2GiB"))
     ap.add_argument("--page-bytes", type=size, default=size("256KiB"))
     ap.add_argument("--batch", type=int, default=256, help="pages per save/retrieve call")
+    ap.add_argument("--inflight", type=int, default=4, help="OrbitKV publishes outstanding at once during save")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profile", default="release", choices=["release", "debug"])
     a = ap.parse_args()
@@ -327,7 +340,7 @@ def main() -> None:
                     if name == "lmcache":
                         res = lm.round(src, dst, a.page_bytes, a.batch, r)
                     else:
-                        res = run_orbitkv(c, src, dst, a.page_bytes, a.batch, r)
+                        res = run_orbitkv(c, src, dst, a.page_bytes, a.batch, r, a.inflight)
                     if not res["exact"]:
                         sys.exit(f"{name}: the bytes read back differ from what was saved")
                     if r > 0:
@@ -354,6 +367,7 @@ def main() -> None:
             "OrbitKV's save copies twice (engine -> staging -> pool, hashing in the second pass)",
             "OrbitKV verifies a checksum on restore; LMCache verifies nothing",
             "OrbitKV's device pages are allocated before timing, as its adapters do at startup",
+            f"OrbitKV keeps up to {a.inflight} publishes in flight; LMCache's puts are synchronous copies in this process",
         ],
     }
     for d in ("save", "retrieve"):

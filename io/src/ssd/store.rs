@@ -753,11 +753,7 @@ impl SsdStore {
         known: Option<u64>,
         now_us: u64,
     ) -> Result<WriteToken, WriteRefused> {
-        self.now_us = self.now_us.max(now_us);
-        if let Err(reason) = self.admit(key, payload) {
-            self.stats.refusals.bump(reason);
-            return Err(reason);
-        }
+        self.admit(key, payload, now_us)?;
         let len = payload.len();
         let rec = record_bytes(len as u64, self.block) as usize;
         let Some(mut buf) = self.bufs.get(rec) else {
@@ -807,11 +803,7 @@ impl SsdStore {
         checksum: u64,
         now_us: u64,
     ) -> Result<DemoteToken, WriteRefused> {
-        self.now_us = self.now_us.max(now_us);
-        if let Err(reason) = self.admit(key, payload) {
-            self.stats.refusals.bump(reason);
-            return Err(reason);
-        }
+        self.admit(key, payload, now_us)?;
         let b = self.block as usize;
         let whole = payload.len() / b * b;
         let header = self.bufs.get(b);
@@ -894,7 +886,18 @@ impl SsdStore {
         }
     }
 
-    fn admit(&mut self, key: &StateKey, payload: &[u8]) -> Result<(), WriteRefused> {
+    /// Advances the store's clock to `now_us` and admits a write, counting
+    /// a refusal by its reason.
+    fn admit(&mut self, key: &StateKey, payload: &[u8], now_us: u64) -> Result<(), WriteRefused> {
+        self.now_us = self.now_us.max(now_us);
+        let r = self.check_admission(key, payload);
+        if let Err(reason) = r {
+            self.stats.refusals.bump(reason);
+        }
+        r
+    }
+
+    fn check_admission(&mut self, key: &StateKey, payload: &[u8]) -> Result<(), WriteRefused> {
         if payload.is_empty() {
             return Err(WriteRefused::Empty);
         }

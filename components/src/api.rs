@@ -657,6 +657,28 @@ impl std::fmt::Display for LimitName {
     }
 }
 
+impl Command {
+    /// The wire name of the command (`"command"` on the wire).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::RegisterInstance { .. } => "register_instance",
+            Command::OpenSession { .. } => "open_session",
+            Command::CloseSession { .. } => "close_session",
+            Command::RegisterDeviceRegion { .. } => "register_device_region",
+            Command::DevicePageAlloc { .. } => "device_page_alloc",
+            Command::DevicePageFree { .. } => "device_page_free",
+            Command::Query { .. } => "query",
+            Command::Prepare { .. } => "prepare",
+            Command::Restore { .. } => "restore",
+            Command::Publish { .. } => "publish",
+            Command::Release { .. } => "release",
+            Command::Cancel { .. } => "cancel",
+            Command::CopyDone { .. } => "copy_done",
+            Command::AdvanceClock { .. } => "advance_clock",
+        }
+    }
+}
+
 impl CommandError {
     /// The serde name of the variant: reports and metrics count by it.
     pub fn kind(&self) -> &'static str {
@@ -676,6 +698,22 @@ impl CommandError {
             CommandError::WallClock => "wall_clock",
             CommandError::NotOwner => "not_owner",
             CommandError::UnknownCopy(_) => "unknown_copy",
+        }
+    }
+
+    /// What a refusal is counted by (`orbitkv_refusals_total{reason}`,
+    /// `orbitkv inspect`): the malformation's kind for `invalid`
+    /// (`unknown_rank`, `contract`, ...), `limit_<name>` for a limit, the
+    /// variant's name otherwise. The same label the Python adapters give
+    /// a refusal.
+    pub fn reason(&self) -> String {
+        match self {
+            CommandError::Invalid(inv) => serde_json::to_value(inv)
+                .ok()
+                .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(String::from))
+                .unwrap_or_else(|| "invalid".to_owned()),
+            CommandError::Limit { name, .. } => format!("limit_{}", name.as_str()),
+            other => other.kind().to_owned(),
         }
     }
 }

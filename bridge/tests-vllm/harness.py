@@ -307,11 +307,13 @@ class Engine:
         self.preemptions = 0
         self.finished: List[str] = []
         self.aggregator = KVOutputAggregator(tp)
-        #: rank -> steps by which each of that rank's non-empty connector
-        #: outputs reaches the aggregator late (a rank whose load finishes
-        #: later than another's).
-        self.delay: Dict[int, int] = {}
-        self._late: List[tuple] = []
+        #: rank -> a condition: while it holds, that rank's non-empty
+        #: connector outputs are held back from the aggregator (a rank
+        #: whose load finishes later than another's), then delivered.
+        self.hold: Dict[int, Callable[[], bool]] = {}
+        self._held: Dict[int, List[KVConnectorOutput]] = {}
+        #: rank -> every non-empty connector output it produced, in order.
+        self.produced: Dict[int, List[KVConnectorOutput]] = {}
         #: (step, aggregated output) of every step that reported anything.
         self.reports: List[tuple] = []
 
@@ -466,19 +468,23 @@ class Engine:
 
     def _aggregate(self, outputs: List[Optional[KVConnectorOutput]]) -> KVConnectorOutput:
         """vLLM's `KVOutputAggregator` over the workers' outputs, after
-        holding back the outputs of the ranks in `delay`."""
+        holding back the outputs of the ranks in `hold`."""
         now = []
         for rank, o in enumerate(outputs):
             o = o or KVConnectorOutput()
-            steps = self.delay.get(rank, 0)
-            if steps and not o.is_empty():
-                self._late.append((self.steps + steps, rank, o))
+            if not o.is_empty():
+                self.produced.setdefault(rank, []).append(o)
+            held = self._held.setdefault(rank, [])
+            when = self.hold.get(rank)
+            if when is not None and when():
+                if not o.is_empty():
+                    held.append(o)
                 o = KVConnectorOutput()
+            else:
+                for late in held:
+                    o = _merge(late, o)
+                held.clear()
             now.append(o)
-        due = [x for x in self._late if x[0] <= self.steps]
-        self._late = [x for x in self._late if x[0] > self.steps]
-        for _, rank, o in due:
-            now[rank] = _merge(now[rank], o)
         wrapped = [
             ModelRunnerOutput(
                 req_ids=[],

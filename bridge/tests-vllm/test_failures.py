@@ -46,6 +46,17 @@ def count_offers(e: Engine):
     return offers
 
 
+def reported(e: Engine, rank: int, what: str, rid: str = "B") -> bool:
+    """Whether `rank` produced an output reporting `rid` finished
+    (`what` = "finished") or invalid blocks (`what` = "invalid")."""
+    for o in e.produced.get(rank, ()):
+        if what == "finished" and rid in (o.finished_recving or ()):
+            return True
+        if what == "invalid" and o.invalid_block_ids:
+            return True
+    return False
+
+
 def first_step(e: Engine, what: str, rid: str, blocks=None):
     """The first step whose aggregated output reported `rid` finished
     (`what` = "finished") or any invalid block (`what` = "invalid")."""
@@ -57,10 +68,25 @@ def first_step(e: Engine, what: str, rid: str, blocks=None):
     return None
 
 
-# late rank -> how the aggregator delivers rank 1's failure: in the same
-# step as the finished report (both ranks report at once, or the failing
-# rank reports last), or steps before it (the failing rank reports first).
-ORDERS = {"same_step": None, "invalid_before_finished": 0, "invalid_with_finished": 1}
+# How the aggregator delivers rank 1's failure: steps before B's finished
+# report (rank 0's report is held until rank 1's invalid blocks went
+# through, and two steps more), or with it (rank 1's report is held until
+# rank 0 reported B finished).
+def hold_for(e: Engine, order: str) -> None:
+    if order == "invalid_before_finished":
+        seen: list = []
+
+        def rank0_waits() -> bool:
+            if first_step(e, "invalid", "B") is not None:
+                seen.append(1)
+            return len(seen) < 3
+
+        e.hold[0] = rank0_waits
+    else:
+        e.hold[1] = lambda: not reported(e, 0, "finished")
+
+
+ORDERS = ("invalid_before_finished", "invalid_with_finished")
 
 
 @pytest.mark.parametrize("order", sorted(ORDERS))
@@ -70,14 +96,14 @@ def test_tensor_parallel_failed_load_is_offered_once(model, manager, order):
     # and reports B finished once both ranks have: whichever comes first,
     # B's load failed and it is never offered another one.
     with engine(model, manager.socket, tp=2) as e:
-        late = ORDERS[order]
-        if late is not None:
-            e.delay[late] = 3
         offers = count_offers(e)
         w0, w1 = e.workers[0].worker, e.workers[1].worker
 
         def refuse_rank_1():
+            # Right after the scheduler counted B's tokens: rank 1's load
+            # will be refused, and the reports of B's load are ordered.
             w1.mover.region = lambda gid: BOGUS_REGION
+            hold_for(e, order)
 
         promised = hit_then_fail(e, PROMPT, refuse_rank_1)
         assert promised == 64
@@ -92,17 +118,16 @@ def test_tensor_parallel_failed_load_is_offered_once(model, manager, order):
             assert invalid < finished, (invalid, finished)
         else:
             assert invalid == finished, (invalid, finished)
+        assert reported(e, 0, "finished") and reported(e, 1, "invalid")
         assert "B" in e.finished
     no_leaks(manager)
 
 
-@pytest.mark.parametrize("late", [None, 0, 1], ids=["same_step", "rank0_late", "rank1_late"])
+@pytest.mark.parametrize("late", [0, 1], ids=["rank0_late", "rank1_late"])
 def test_tensor_parallel_missing_page_loads_the_common_prefix(model, manager, late):
     # Rank 1 never stores page 2 of A: both ranks load exactly pages 0-1,
     # whichever rank reports first, and the load is offered once.
     with engine(model, manager.socket, tp=2) as e:
-        if late is not None:
-            e.delay[late] = 3
         offers = count_offers(e)
         w1 = e.workers[1].worker
         real = w1._gather
@@ -115,6 +140,7 @@ def test_tensor_parallel_missing_page_loads_the_common_prefix(model, manager, la
         e.run()
         assert e.sched.reset_prefix_cache()
         e.wipe()
+        e.hold[late] = lambda: not reported(e, 1 - late, "finished")
         e.add("B", PROMPT + [99, 98])
         e.run()
         assert e.stats.hit_tokens == 32, e.stats
@@ -280,6 +306,7 @@ def test_refusal_after_a_manager_restart_is_loud(model, manager, orbitkv_bin, ca
             deadline = time.monotonic() + ss.T
             k = 0
             while not e.stats.refusals_by_reason and time.monotonic() < deadline:
+                assert e.sched.reset_prefix_cache()
                 e.add(f"B{k}", PROMPT + [99, k])
                 e.run()
                 k += 1

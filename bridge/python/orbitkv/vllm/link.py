@@ -170,6 +170,7 @@ class ManagerLink:
         self.last_refusal: Optional[Refused] = None
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
         self._refusals_unlogged = 0
+        self._starting = False
 
     @property
     def up(self) -> bool:
@@ -244,12 +245,15 @@ class ManagerLink:
         """Connects once while the engine starts: a refusal is a
         `ConfigError` naming the setting (the engine does not start); a
         manager that does not answer only delays the connection."""
+        self._starting = True
         try:
             self.get()
         except Refused as e:
             raise ConfigError(str(e)) from e
         except Unavailable:
             pass  # logged by `get`; the first use retries
+        finally:
+            self._starting = False
 
     def _refused(self, e: Refused) -> None:
         """Counts a refusal and logs it at error level, at most once per
@@ -257,6 +261,8 @@ class ManagerLink:
         self.refusals = {**self.refusals, e.reason: self.refusals.get(e.reason, 0) + 1}
         self.last_refusal = e
         self.last_error = f"refused: {e}"
+        if self._starting:
+            return  # the engine stops with it (`connect_at_startup`)
         now = time.monotonic()
         if now - self._refusal_logged_at < REFUSAL_LOG_INTERVAL_S:
             self._refusals_unlogged += 1

@@ -426,7 +426,8 @@ class WorkerSide:
         self._stopping = True
         self._io_q.put(None)
         for t in self._threads:
-            t.join(self.settings.timeout_s)
+            if t.is_alive():
+                t.join(self.settings.timeout_s)
         self.link.close()
 
     # results ----------------------------------------------------------------

@@ -117,17 +117,21 @@ def build_config(
         kv_load_failure_policy=failure_policy,
         kv_connector_extra_config={"socket": socket, "timeout_s": 5.0, **(extra or {})},
     )
-    vc = VllmConfig(
-        scheduler_config=sc,
-        model_config=mc,
-        cache_config=cc,
-        kv_transfer_config=kvt,
-        device_config=DeviceConfig("cpu"),
-        attention_config=AttentionConfig(),
-    )
+    # vLLM's own HMA tests do this (test_hma_auto_config.py): CPU platforms
+    # turn the hybrid allocator off otherwise (one group whatever the
+    # platform says when every layer is alike).
+    with patch.object(current_platform, "support_hybrid_kv_cache", lambda: True):
+        vc = VllmConfig(
+            scheduler_config=sc,
+            model_config=mc,
+            cache_config=cc,
+            kv_transfer_config=kvt,
+            device_config=DeviceConfig("cpu"),
+            attention_config=AttentionConfig(),
+        )
+        specs = layer_specs(mc.hf_text_config, block_size, sliding_window)
+        groups = get_kv_cache_groups(vc, specs)
     vc.parallel_config.tensor_parallel_size = tp
-    specs = layer_specs(mc.hf_text_config, block_size, sliding_window)
-    groups = get_kv_cache_groups(vc, specs)
     page = next(iter(specs.values())).page_size_bytes
     kcc = get_kv_cache_config_from_groups(
         vc, groups, available_memory=page * num_blocks * len(specs)

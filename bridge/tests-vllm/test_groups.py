@@ -94,13 +94,9 @@ def test_the_mapping_is_part_of_the_identity(hybrid):
     # A group's vLLM index and storage id are in the representation the
     # identity covers: the same layers mapped differently never share a
     # namespace.
-    from unittest.mock import patch
-
     from harness import build_config
-    from vllm.platforms import current_platform
 
-    with patch.object(current_platform, "support_hybrid_kv_cache", lambda: True):
-        vc, kcc, _ = build_config(hybrid("gemma2"), "/nonexistent.sock")
+    vc, kcc, _ = build_config(hybrid("gemma2"), "/nonexistent.sock")
     settings = ov.ConnectorSettings.from_extra_config({"socket": "/nonexistent.sock"})
     spec = ov.resolve_engine(vc, kcc, settings)
     assert [(g.id, g.vllm_group, g.kind) for g in spec.groups] == [

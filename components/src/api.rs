@@ -987,4 +987,39 @@ mod tests {
         assert_eq!(serde_json::from_value::<Addressed>(v).unwrap(), a);
         assert_eq!(Origin::EMBEDDED, Origin(0));
     }
+
+    #[test]
+    fn refusal_reasons_name_the_malformation_or_the_limit() {
+        let rank = CommandError::Invalid(InvalidCommand::UnknownRank { rank: 3 });
+        assert_eq!(rank.reason(), "unknown_rank");
+        let contract = CommandError::Invalid(InvalidCommand::Contract {
+            reason: "group 1: a window must keep at least one past token".into(),
+        });
+        assert_eq!(contract.reason(), "contract");
+        let limit = CommandError::Limit {
+            name: LimitName::MaxSessions,
+            limit: 4,
+        };
+        assert_eq!(limit.reason(), "limit_max_sessions");
+        assert_eq!(
+            CommandError::InstanceConflict("x".into()).reason(),
+            "instance_conflict"
+        );
+        assert_eq!(CommandError::StaleSession.reason(), "stale_session");
+    }
+
+    #[test]
+    fn command_kinds_are_the_wire_names() {
+        let cmds = [
+            serde_json::json!({"command": "open_session", "instance": "a"}),
+            serde_json::json!({"command": "advance_clock", "us": 1}),
+            serde_json::json!({"command": "cancel", "session": {"id": 1, "epoch": 1, "incarnation": 1}, "operation": 2}),
+        ];
+        for v in cmds {
+            let want = v["command"].as_str().unwrap().to_owned();
+            let c: Command = serde_json::from_value(v).unwrap();
+            assert_eq!(c.kind(), want);
+            assert_eq!(serde_json::to_value(&c).unwrap()["command"], want.as_str());
+        }
+    }
 }

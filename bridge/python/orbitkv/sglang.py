@@ -716,7 +716,11 @@ def _build_registration(
     except orbitkv.IdentityError as e:
         raise _Unsupported(f"orbitkv: the model identity cannot be established: {e}") from e
     identity = ident["identity"]
-    instance = f"sglang/{identity[:16]}/tp{storage_rank}/pp{sc.pp_rank}"
+    # Named after the sealed namespace, not the identity alone: two engines
+    # of one model whose layouts differ (another SWA window, another page
+    # format) are different instances, never a conflict that leaves one of
+    # them without a cache.
+    instance = f"sglang/{ident['namespace'][:16]}/tp{storage_rank}/pp{sc.pp_rank}"
     command = {
         "command": "register_instance",
         "instance": instance,

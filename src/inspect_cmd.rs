@@ -70,6 +70,10 @@ fn window(name: &str, w: &Window) -> String {
         let m: Vec<String> = w.misses.iter().map(|(k, v)| format!("{k} {v}")).collect();
         o.push_str(&format!("  misses: {}\n", m.join(", ")));
     }
+    if !w.refusals.is_empty() {
+        let m: Vec<String> = w.refusals.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        o.push_str(&format!("  refused: {}\n", m.join(", ")));
+    }
     if !w.evictions.is_empty() {
         let m: Vec<String> = w
             .evictions

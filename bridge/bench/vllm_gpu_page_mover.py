@@ -66,7 +66,7 @@ def main() -> None:
     raw, kv = kv_tensors(num_blocks, dev, dtype)
     seg = BLOCK * HEADS * 2 * HEAD * 2
     layers = tuple(LayerPlan(name, i, seg) for i, name in enumerate(kv))
-    group = GroupPlan(0, "full", "prefix", ("attention_kv",), layers)
+    group = GroupPlan(0, 0, "full", "prefix", ("attention_kv",), layers)
     slots = [
         {
             "layer": lp.index,

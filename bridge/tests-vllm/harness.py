@@ -1,8 +1,11 @@
 """Drives the real vLLM 0.33 classes on CPU around `OrbitKVConnector`: the
 real `Scheduler` / `AsyncScheduler`, the worker connector built by vLLM's own
-factory, the model runner's worker glue (`ActiveKVConnector`) and KV
-tensors from the model runner's allocator (`allocate_kv_cache`). Only the
-model's forward is a stand-in: it writes a known value for every
+factory, the model runner's worker glue (`ActiveKVConnector`), KV cache
+groups from vLLM's own `get_kv_cache_groups` over each layer's spec as the
+model's config declares it (`layer_types`, `sliding_window`), KV tensors
+from the model runner's allocator (`allocate_kv_cache`), and the workers'
+outputs merged by vLLM's own `KVOutputAggregator`. Only the model's
+forward is a stand-in: it writes a known value for every
 (layer, token, position) it computes.
 
 After every step the harness checks the engine's view of the truth: every
@@ -33,6 +36,7 @@ from vllm.config import (
     set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_transfer_state import (
     ensure_kv_transfer_initialized,
@@ -42,11 +46,11 @@ from vllm.distributed.kv_transfer.kv_transfer_state import (
 from vllm.forward_context import set_forward_context
 from vllm.platforms import current_platform
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -58,6 +62,10 @@ EOS = 2
 HEADS = 2
 HEAD = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
 
 
 def make_model(path: Path, seed: int = 0) -> Path:
@@ -87,7 +95,9 @@ def build_config(
     role: str = "kv_both",
 ):
     """(VllmConfig, KVCacheConfig, groups) of a CPU engine with the
-    connector configured."""
+    connector configured. The groups are vLLM's own (`get_kv_cache_groups`)
+    over the layers' specs; `sliding_window` makes the second layer of a
+    two-layer model a sliding-window layer."""
     mc = ModelConfig(model=str(model), dtype="float32", seed=0)
     sc = SchedulerConfig(
         max_num_seqs=8,
@@ -107,33 +117,65 @@ def build_config(
         kv_load_failure_policy=failure_policy,
         kv_connector_extra_config={"socket": socket, "timeout_s": 5.0, **(extra or {})},
     )
-    vc = VllmConfig(
-        scheduler_config=sc,
-        model_config=mc,
-        cache_config=cc,
-        kv_transfer_config=kvt,
-        device_config=DeviceConfig("cpu"),
-        attention_config=AttentionConfig(),
-    )
-    vc.parallel_config.tensor_parallel_size = tp
-    full = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
-    )
-    if sliding_window is not None:
-        swa = SlidingWindowSpec(
-            block_size=block_size,
-            num_kv_heads=HEADS,
-            head_size=HEAD,
-            dtype=torch.float32,
-            sliding_window=sliding_window,
+    # vLLM's own HMA tests do this (test_hma_auto_config.py): CPU platforms
+    # turn the hybrid allocator off otherwise (one group whatever the
+    # platform says when every layer is alike).
+    with patch.object(current_platform, "support_hybrid_kv_cache", lambda: True):
+        vc = VllmConfig(
+            scheduler_config=sc,
+            model_config=mc,
+            cache_config=cc,
+            kv_transfer_config=kvt,
+            device_config=DeviceConfig("cpu"),
+            attention_config=AttentionConfig(),
         )
-        groups = [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], swa)]
-    else:
-        groups = [KVCacheGroupSpec(list(LAYERS), full)]
+        specs = layer_specs(mc.hf_text_config, block_size, sliding_window)
+        groups = get_kv_cache_groups(vc, specs)
+    vc.parallel_config.tensor_parallel_size = tp
+    page = next(iter(specs.values())).page_size_bytes
     kcc = get_kv_cache_config_from_groups(
-        vc, groups, available_memory=full.page_size_bytes * num_blocks * 2
+        vc, groups, available_memory=page * num_blocks * len(specs)
     )
     return vc, kcc, groups
+
+
+def layer_types(hf_config: Any, sliding_window: Optional[int] = None) -> List[Optional[int]]:
+    """Each layer's sliding window (None: full attention), as vLLM's model
+    code reads the config: a layer is sliding when `layer_types` says
+    ``sliding_attention``, with the config's `sliding_window`."""
+    n = int(hf_config.num_hidden_layers)
+    if sliding_window is not None:
+        return [None, sliding_window]
+    kinds = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * n)
+    out: List[Optional[int]] = []
+    for kind in kinds[:n]:
+        if kind == "sliding_attention":
+            out.append(int(hf_config.sliding_window))
+        elif kind == "full_attention":
+            out.append(None)
+        else:
+            raise ValueError(f"layer type {kind!r} has no stand-in")
+    return out
+
+
+def layer_specs(hf_config: Any, block_size: int, sliding_window: Optional[int] = None):
+    """Each attention layer's KV cache spec, as vLLM's `Attention` builds it
+    for this config (float32, the tiny models' 2 KV heads of 16 dims)."""
+    specs: Dict[str, Any] = {}
+    for i, window in enumerate(layer_types(hf_config, sliding_window)):
+        if window is None:
+            specs[layer_name(i)] = FullAttentionSpec(
+                block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+            )
+        else:
+            specs[layer_name(i)] = SlidingWindowSpec(
+                block_size=block_size,
+                num_kv_heads=HEADS,
+                head_size=HEAD,
+                dtype=torch.float32,
+                sliding_window=window,
+            )
+    return specs
 
 
 class Engine:
@@ -157,15 +199,50 @@ class Engine:
         failure_policy: str = "recompute",
         role: str = "kv_both",
     ):
+        # vLLM's own HMA tests do this (test_hma_auto_config.py): CPU
+        # platforms turn the hybrid allocator off otherwise. (One group
+        # whatever the platform says when every layer is alike.)
+        self._platform = patch.object(current_platform, "support_hybrid_kv_cache", lambda: True)
+        self._platform.start()
+        try:
+            self._start(
+                model,
+                socket,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_batched=max_batched,
+                async_scheduling=async_scheduling,
+                sliding_window=sliding_window,
+                tp=tp,
+                extra=extra,
+                hash_algo=hash_algo,
+                failure_policy=failure_policy,
+                role=role,
+            )
+        except BaseException:
+            # A refused startup leaves nothing behind for the next test.
+            ensure_kv_transfer_shutdown()
+            self._platform.stop()
+            raise
+
+    def _start(
+        self,
+        model: Path,
+        socket: str,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_batched: int,
+        async_scheduling: bool,
+        sliding_window: Optional[int],
+        tp: int,
+        extra: Optional[Dict[str, Any]],
+        hash_algo: str,
+        failure_policy: str,
+        role: str,
+    ) -> None:
         self.bs = block_size
         self.tp = tp
-        if sliding_window is not None:
-            # vLLM's own HMA tests do this (test_hma_auto_config.py): CPU
-            # platforms turn the hybrid allocator off otherwise.
-            self._platform = patch.object(current_platform, "support_hybrid_kv_cache", lambda: True)
-            self._platform.start()
-        else:
-            self._platform = None
         self.vc, self.kcc, self.groups = build_config(
             model,
             socket,
@@ -180,6 +257,8 @@ class Engine:
             failure_policy=failure_policy,
             role=role,
         )
+        self.layers = [name for g in self.groups for name in g.layer_names]
+        self.layers.sort(key=lambda name: int(name.split(".")[2]))
         self.vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
         sched_cls = AsyncScheduler if async_scheduling else Scheduler
         self.sched = sched_cls(
@@ -228,10 +307,19 @@ class Engine:
         self.layerwise = (extra or {}).get("load_mode") == "layerwise"
         self.layer_hook: Optional[Callable[[Any, str], None]] = None
         self.layer_waits: List[str] = []
-        self._pending: Dict[str, Dict[str, int]] = {}
         self.steps = 0
         self.preemptions = 0
         self.finished: List[str] = []
+        self.aggregator = KVOutputAggregator(tp)
+        #: rank -> a condition: while it holds, that rank's non-empty
+        #: connector outputs are held back from the aggregator (a rank
+        #: whose load finishes later than another's), then delivered.
+        self.hold: Dict[int, Callable[[], bool]] = {}
+        self._held: Dict[int, List[KVConnectorOutput]] = {}
+        #: rank -> every non-empty connector output it produced, in order.
+        self.produced: Dict[int, List[KVConnectorOutput]] = {}
+        #: (step, aggregated output) of every step that reported anything.
+        self.reports: List[tuple] = []
 
     # requests
 
@@ -263,7 +351,7 @@ class Engine:
                     for layer in g.layer_names:
                         if only is not None and layer != only:
                             continue
-                        li = LAYERS.index(layer)
+                        li = self.layers.index(layer)
                         kv[layer][blk.block_id, :, pos % self.bs, :] = value(
                             li, req.all_token_ids[pos], pos
                         )
@@ -276,7 +364,7 @@ class Engine:
         self.glue.pre_forward(so)
         with set_forward_context(None, self.vc):
             if self.layerwise:
-                for layer in LAYERS:
+                for layer in self.layers:
                     self.workers[0].wait_for_layer_load(layer)
                     self.layer_waits.append(layer)
                     if self.layer_hook is not None:
@@ -306,7 +394,7 @@ class Engine:
             )
             w.clear_connector_metadata()
             outputs.append(out)
-        kvo = _aggregate(outputs, self.tp, self._pending)
+        kvo = self._aggregate(outputs)
         ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(
             req_ids=ids,
@@ -358,7 +446,7 @@ class Engine:
             for rank in range(self.tp):
                 for gi, g in enumerate(self.groups):
                     for layer in g.layer_names:
-                        li = LAYERS.index(layer)
+                        li = self.layers.index(layer)
                         t = self.kv[rank][layer]
                         for pos in range(upto):
                             blk = blocks[gi][pos // self.bs]
@@ -372,6 +460,51 @@ class Engine:
                                     f"(block {blk.block_id}) holds {got.flatten()[:4].tolist()}, "
                                     f"want {want}"
                                 )
+
+    def check_null_block(self) -> None:
+        """No byte was ever written into vLLM's null block (block 0, the
+        stand-in for pages a sliding window dropped)."""
+        null = self.sched.kv_cache_manager.block_pool.null_block.block_id
+        for rank in range(self.tp):
+            for layer, t in self.kv[rank].items():
+                got = t[null]
+                assert bool((got == -1.0).all()), f"rank {rank} {layer}: null block written"
+
+    def _aggregate(self, outputs: List[Optional[KVConnectorOutput]]) -> KVConnectorOutput:
+        """vLLM's `KVOutputAggregator` over the workers' outputs, after
+        holding back the outputs of the ranks in `hold`."""
+        now = []
+        for rank, o in enumerate(outputs):
+            o = o or KVConnectorOutput()
+            if not o.is_empty():
+                self.produced.setdefault(rank, []).append(o)
+            held = self._held.setdefault(rank, [])
+            when = self.hold.get(rank)
+            if when is not None and when():
+                if not o.is_empty():
+                    held.append(o)
+                o = KVConnectorOutput()
+            else:
+                for late in held:
+                    o = _merge(late, o)
+                held.clear()
+            now.append(o)
+        wrapped = [
+            ModelRunnerOutput(
+                req_ids=[],
+                req_id_to_index={},
+                sampled_token_ids=[],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=None,
+                kv_connector_output=o,
+            )
+            for o in now
+        ]
+        out = self.aggregator.aggregate(wrapped, 0).kv_connector_output
+        if out.finished_recving or out.invalid_block_ids or out.failed_recving:
+            self.reports.append((self.steps, out))
+        return out
 
     def wipe(self) -> None:
         """Forgets every KV byte (after reset_prefix_cache): what is not
@@ -389,33 +522,21 @@ class Engine:
             w.shutdown()
         ensure_kv_transfer_shutdown()
         self.connector.shutdown()
-        if self._platform is not None:
-            self._platform.stop()
+        self._platform.stop()
 
 
-def _aggregate(
-    outputs: List[Optional[KVConnectorOutput]], world: int, pending: Dict[str, Dict[str, int]]
-) -> KVConnectorOutput:
-    """What vLLM's KVOutputAggregator does across workers: a request is
-    finished sending/receiving once every worker reported it."""
-    out = KVConnectorOutput(finished_sending=set(), finished_recving=set(), invalid_block_ids=set())
-    failed: set = set()
-    for o in outputs:
-        if o is None:
-            continue
-        for kind in ("finished_sending", "finished_recving"):
-            for rid in getattr(o, kind) or ():
-                counts = pending.setdefault(kind, {})
-                counts[rid] = counts.get(rid, 0) + 1
-                if counts[rid] == world:
-                    del counts[rid]
-                    getattr(out, kind).add(rid)
-        failed |= set(o.failed_recving or ())
-        out.invalid_block_ids |= set(o.invalid_block_ids or ())
-    out.failed_recving = failed
-    out.finished_sending = out.finished_sending or None
-    out.finished_recving = out.finished_recving or None
-    return out
+def _merge(a: KVConnectorOutput, b: KVConnectorOutput) -> KVConnectorOutput:
+    """One rank's two outputs as one (a late one joining a later step)."""
+
+    def union(x, y):
+        return (set(x or ()) | set(y or ())) or None
+
+    return KVConnectorOutput(
+        finished_sending=union(a.finished_sending, b.finished_sending),
+        finished_recving=union(a.finished_recving, b.finished_recving),
+        invalid_block_ids=set(a.invalid_block_ids) | set(b.invalid_block_ids),
+        failed_recving=set(a.failed_recving) | set(b.failed_recving),
+    )
 
 
 @contextlib.contextmanager

@@ -47,3 +47,53 @@ def make_llama(
     LlamaForCausalLM(cfg).save_pretrained(path)
     save_tokenizer(path, cfg.vocab_size)
     return path
+
+
+def make_hybrid(path: Path, family: str, seed: int = 0, *, window: int = 32) -> Path:
+    """A tiny random model whose config has sliding-window layers, as the
+    real families lay them out (`config.layer_types`):
+
+    - ``gemma2``: alternating, sliding first (vLLM's group 0 is sliding);
+    - ``gpt_oss``: the same alternation, in gpt-oss's config;
+    - ``qwen2``: full attention below ``max_window_layers``, sliding above;
+    - ``gemma3``: five sliding layers to one full (vLLM makes six groups).
+
+    Every layer has 2 KV heads of 16 dims, as `make_llama(..., kv_heads=2,
+    head_dim=16)`."""
+    import torch
+    import transformers as tf
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=window,
+    )
+    if family == "gemma2":
+        cfg = tf.Gemma2Config(num_hidden_layers=4, head_dim=16, **common)
+        cls = tf.Gemma2ForCausalLM
+    elif family == "gpt_oss":
+        cfg = tf.GptOssConfig(
+            num_hidden_layers=4, head_dim=16, num_local_experts=2, num_experts_per_tok=1, **common
+        )
+        cls = tf.GptOssForCausalLM
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(
+            num_hidden_layers=4, use_sliding_window=True, max_window_layers=2, **common
+        )
+        cls = tf.Qwen2ForCausalLM
+    elif family == "gemma3":
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=16, **common)
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(family)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cls(cfg).save_pretrained(path)
+    save_tokenizer(path, cfg.vocab_size)
+    return path

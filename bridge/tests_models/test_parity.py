@@ -169,3 +169,23 @@ def test_restore_through_a_manager_client(saved, tmp_path, name):
         manager.wait_metric("leases", 0)
     finally:
         manager.stop()
+
+
+def test_a_refused_registration_is_a_typed_error(saved):
+    """A manager that refuses the cache's registration (a page larger than
+    its DRAM extent) raises `OrbitKVError` with the manager's reason: a
+    refusal, never reported as a lost connection."""
+    import serve_support as ss
+    from orbitkv.transformers import OrbitKVError
+
+    config = ss.CONFIG.replace("extent_bytes = 65536", "extent_bytes = 4096")
+    manager = ss.Manager(ss.orbitkv_binary(), dram="64MiB", config=config).start()
+    try:
+        with orbitkv.Client(manager.socket, "transformers") as client:
+            with pytest.raises(OrbitKVError) as err:
+                store_for(saved, "llama", client)
+            assert err.value.kind == "invalid", err.value
+            assert err.value.detail["kind"] == "page_exceeds_extent", err.value
+            assert not isinstance(err.value, orbitkv.ConnectionError)
+    finally:
+        manager.stop()

@@ -436,3 +436,59 @@ def test_concurrent_threads_exact_bytes(manager):
     assert stats["connections"] <= 3 and stats["pages_loaded"] == 6 * 6 * 4
     assert stats["misses"] == {}
     quiet(manager)
+
+
+SMALL_EXTENT = (
+    "[serve]\nidle_tick_us = 100\n"
+    "[dram]\nfirst_touch = false\nslot_align_bytes = 512\nextent_bytes = 512\n"
+)
+
+
+def test_refused_registration_fails_the_attach(orbitkv_bin):
+    """A manager whose DRAM extent is smaller than a page refuses the
+    instance: the attach fails with the setting to change (SGLang does not
+    start without its cache), not a warning about an absent manager."""
+    m = ss.Manager(orbitkv_bin, dram="64MiB", config=SMALL_EXTENT)
+    try:
+        m.start()
+        with pytest.raises(ValueError, match=r"refused register_instance \(page_exceeds_extent\).*dram.extent_bytes"):
+            backend(host_pool("page_first"), m.socket)
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
+
+
+def test_refusal_after_a_restart_is_not_manager_down(manager, orbitkv_bin, caplog):
+    """Attached to a manager that serves it, then refused by the one
+    started in its place: every call misses as refused (counted by kind,
+    logged at error level), never as "manager_down", also while the
+    backend waits out its reconnect interval."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="orbitkv")
+    host = host_pool("page_first")
+    be = backend(host, manager.socket, reconnect_interval_s=0.2)
+    keys = keys_for("refused", 2)
+    src = host.alloc(2 * PAGE)
+    fill(host, starts_of(src), seed=3)
+    assert be.batch_set_v1(keys, src) == [True] * 2
+    manager.stop()
+    small = ss.Manager(orbitkv_bin, dram="64MiB", config=SMALL_EXTENT)
+    small.socket = manager.socket
+    try:
+        small.start()
+        for _ in range(6):
+            be.batch_exists(keys)
+            time.sleep(0.05)
+        stats = be.get_stats()
+        assert stats["refusals"].get("page_exceeds_extent", 0) >= 2, stats
+        refused = stats["misses"].get("refused_page_exceeds_extent", 0)
+        # The first call may find the old connection gone (connection_lost);
+        # none after it is "down".
+        assert refused >= 2 and "manager_down" not in stats["misses"], stats
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors and "dram.extent_bytes" in errors[0].getMessage(), caplog.text
+    finally:
+        be.close()
+        small.stop()
+        shutil.rmtree(small.dir, ignore_errors=True)

@@ -302,7 +302,12 @@ def test_v2_boundaries_only_where_both_pools_hold_their_pages(manager):
     other.register_mem_host_pool_v2(swa2, PoolName.SWA)
     other.on_host_pools_registered()
     assert other.get_stats()["namespace"] != be.get_stats()["namespace"]
+    # Another instance, served (not refused as a conflict): it finds nothing
+    # because it shares nothing.
+    assert other.get_stats()["instance"] != be.get_stats()["instance"]
+    assert other.get_stats()["connections"] == 1 and other.get_stats()["refusals"] == {}
     assert other.batch_exists_v2(keys, [swa_transfer(["__placeholder__"] * 3)]).kv_hit_pages == 0
+    assert other.get_stats()["misses"].get("not_found", 0) >= 1, other.get_stats()
     assert "error" not in misses
     quiet(manager)
 

@@ -657,6 +657,28 @@ impl std::fmt::Display for LimitName {
     }
 }
 
+impl Command {
+    /// The wire name of the command (`"command"` on the wire).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::RegisterInstance { .. } => "register_instance",
+            Command::OpenSession { .. } => "open_session",
+            Command::CloseSession { .. } => "close_session",
+            Command::RegisterDeviceRegion { .. } => "register_device_region",
+            Command::DevicePageAlloc { .. } => "device_page_alloc",
+            Command::DevicePageFree { .. } => "device_page_free",
+            Command::Query { .. } => "query",
+            Command::Prepare { .. } => "prepare",
+            Command::Restore { .. } => "restore",
+            Command::Publish { .. } => "publish",
+            Command::Release { .. } => "release",
+            Command::Cancel { .. } => "cancel",
+            Command::CopyDone { .. } => "copy_done",
+            Command::AdvanceClock { .. } => "advance_clock",
+        }
+    }
+}
+
 impl CommandError {
     /// The serde name of the variant: reports and metrics count by it.
     pub fn kind(&self) -> &'static str {
@@ -676,6 +698,22 @@ impl CommandError {
             CommandError::WallClock => "wall_clock",
             CommandError::NotOwner => "not_owner",
             CommandError::UnknownCopy(_) => "unknown_copy",
+        }
+    }
+
+    /// What a refusal is counted by (`orbitkv_refusals_total{reason}`,
+    /// `orbitkv inspect`): the malformation's kind for `invalid`
+    /// (`unknown_rank`, `contract`, ...), `limit_<name>` for a limit, the
+    /// variant's name otherwise. The same label the Python adapters give
+    /// a refusal.
+    pub fn reason(&self) -> String {
+        match self {
+            CommandError::Invalid(inv) => serde_json::to_value(inv)
+                .ok()
+                .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(String::from))
+                .unwrap_or_else(|| "invalid".to_owned()),
+            CommandError::Limit { name, .. } => format!("limit_{}", name.as_str()),
+            other => other.kind().to_owned(),
         }
     }
 }
@@ -948,5 +986,40 @@ mod tests {
         );
         assert_eq!(serde_json::from_value::<Addressed>(v).unwrap(), a);
         assert_eq!(Origin::EMBEDDED, Origin(0));
+    }
+
+    #[test]
+    fn refusal_reasons_name_the_malformation_or_the_limit() {
+        let rank = CommandError::Invalid(InvalidCommand::UnknownRank { rank: 3 });
+        assert_eq!(rank.reason(), "unknown_rank");
+        let contract = CommandError::Invalid(InvalidCommand::Contract {
+            reason: "group 1: a window must keep at least one past token".into(),
+        });
+        assert_eq!(contract.reason(), "contract");
+        let limit = CommandError::Limit {
+            name: LimitName::MaxSessions,
+            limit: 4,
+        };
+        assert_eq!(limit.reason(), "limit_max_sessions");
+        assert_eq!(
+            CommandError::InstanceConflict("x".into()).reason(),
+            "instance_conflict"
+        );
+        assert_eq!(CommandError::StaleSession.reason(), "stale_session");
+    }
+
+    #[test]
+    fn command_kinds_are_the_wire_names() {
+        let cmds = [
+            serde_json::json!({"command": "open_session", "instance": "a"}),
+            serde_json::json!({"command": "advance_clock", "us": 1}),
+            serde_json::json!({"command": "cancel", "session": {"id": 1, "epoch": 1, "incarnation": 1}, "operation": 2}),
+        ];
+        for v in cmds {
+            let want = v["command"].as_str().unwrap().to_owned();
+            let c: Command = serde_json::from_value(v).unwrap();
+            assert_eq!(c.kind(), want);
+            assert_eq!(serde_json::to_value(&c).unwrap()["command"], want.as_str());
+        }
     }
 }

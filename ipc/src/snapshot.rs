@@ -35,6 +35,11 @@ pub struct Window {
     pub misses: BTreeMap<String, u64>,
     /// Evictions by reason.
     pub evictions: BTreeMap<String, u64>,
+    /// Refused commands by `"<command>.<reason>"` (e.g.
+    /// `register_device_region.unknown_rank`): an engine the manager
+    /// refuses gets no hits, and this says why.
+    #[serde(default)]
+    pub refusals: BTreeMap<String, u64>,
     pub checksum_failures: u64,
 }
 

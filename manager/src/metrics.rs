@@ -26,6 +26,12 @@ pub struct Reason {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Refusal {
+    pub command: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Outcome {
     pub outcome: String,
 }
@@ -48,6 +54,7 @@ struct Mirrored {
     checksum_failures: Counter,
     transfers_overdue: Counter,
     commands_rejected: Counter,
+    refusals: Family<Refusal, Counter>,
     misses: Family<Reason, Counter>,
     evictions: Family<Reason, Counter>,
     demotions: Family<Outcome, Counter>,
@@ -178,12 +185,18 @@ impl Metrics {
             ),
             transfers_overdue: counter(&mut r, "transfers_overdue", "Transfers past their timeout"),
             commands_rejected: counter(&mut r, "commands_rejected", "Commands refused"),
+            refusals: Family::default(),
             misses: Family::default(),
             evictions: Family::default(),
             demotions: Family::default(),
             write_through: Family::default(),
         };
         r.register("misses", "Misses by reason", mirrored.misses.clone());
+        r.register(
+            "refusals",
+            "Commands refused, by command and reason (a refusal is not unavailability)",
+            mirrored.refusals.clone(),
+        );
         r.register(
             "evictions",
             "Evictions by reason",
@@ -439,6 +452,15 @@ impl Metrics {
             m.commands_rejected,
             prev.map(|p| p.commands_rejected),
         );
+        for (k, v) in &m.refusals {
+            let before = prev.and_then(|p| p.refusals.get(k).copied());
+            let (command, reason) = k.split_once('.').unwrap_or((k.as_str(), ""));
+            let labels = Refusal {
+                command: command.to_owned(),
+                reason: reason.to_owned(),
+            };
+            inc(&x.refusals.get_or_create(&labels), *v, before);
+        }
         for (r, v) in &m.misses {
             let before = prev.and_then(|p| p.misses.get(r).copied());
             inc(
@@ -554,6 +576,7 @@ fn window(s: &Stats, age: Duration) -> Window {
             .map(|(r, v)| (r.as_str().to_owned(), *v))
             .collect(),
         evictions: m.evictions.iter().map(|(r, v)| (label(r), *v)).collect(),
+        refusals: m.refusals.clone(),
         checksum_failures: m.checksum_failures,
     };
     w.hit_rate = rate(w.hits, w.queries);
@@ -586,6 +609,7 @@ fn diff(now: &Window, then: &Window, age: Duration) -> Window {
         bytes_published: now.bytes_published.saturating_sub(then.bytes_published),
         misses: sub(&now.misses, &then.misses),
         evictions: sub(&now.evictions, &then.evictions),
+        refusals: sub(&now.refusals, &then.refusals),
         checksum_failures: now.checksum_failures.saturating_sub(then.checksum_failures),
     };
     w.hit_rate = rate(w.hits, w.queries);

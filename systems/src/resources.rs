@@ -454,6 +454,10 @@ pub struct Metrics {
     pub checksum_failures: u64,
     pub evictions: BTreeMap<EvictReason, u64>,
     pub commands_rejected: u64,
+    /// Refused commands by `"<command>.<reason>"` (`Command::kind`,
+    /// `CommandError::reason`): a refusal is never counted as a miss or as
+    /// unavailability. Bounded: both parts come from fixed sets.
+    pub refusals: BTreeMap<String, u64>,
     pub transfers_overdue: u64,
     /// Copy batches sent to copy agents, and those that failed, by reason.
     pub agent_copies: u64,
@@ -469,5 +473,13 @@ pub struct Metrics {
 impl Metrics {
     pub fn miss(&mut self, reason: MissReason) {
         *self.misses.entry(reason).or_default() += 1;
+    }
+
+    pub fn refused(&mut self, command: &str, error: &orbitkv_components::api::CommandError) {
+        self.commands_rejected += 1;
+        *self
+            .refusals
+            .entry(format!("{command}.{}", error.reason()))
+            .or_default() += 1;
     }
 }

@@ -28,6 +28,13 @@ What it guarantees (``docs/sglang.md`` has the user's view):
   in :meth:`OrbitKVStorage.get_stats` and logged (rate-limited). A broken
   connection is dropped; the next call reconnects (a new session) once
   ``reconnect_interval_s`` has passed.
+- A refusal is not unavailability: a manager that refuses this engine's
+  registration (an instance name taken by another computation, a page
+  larger than its extent, a limit) fails the attach at startup with the
+  setting to change; refused later (a restarted manager), calls miss with
+  ``refused_<kind>`` (``get_stats()["refusals"]`` counts them by kind) and
+  the refusal is logged at error level every 10 s while it lasts, never as
+  "manager down".
 - Blocking work (manager round trips, page copies) runs without the GIL.
 
 Every byte moves through this process's copy agent, on the manager's
@@ -223,6 +230,49 @@ class _BadInput(_Miss):
 
 class _Down(_Miss):
     reason = "manager_down"
+
+
+class _Refused(_Miss):
+    """The manager answered a registration (or session, or region) with a
+    typed refusal: not unavailability. ``reason`` is ``refused_<kind>``
+    (``refused_instance_conflict``, ``refused_page_exceeds_extent``, ...);
+    the message names what to change."""
+
+    def __init__(self, command: str, error: Dict[str, Any]):
+        kind = str(error.get("error", "unknown"))
+        detail = error.get("detail")
+        if kind == "invalid" and isinstance(detail, dict) and "kind" in detail:
+            kind = str(detail["kind"])
+        elif kind == "limit" and isinstance(detail, dict) and "name" in detail:
+            kind = f"limit_{detail['name']}"
+        self.kind = kind
+        self.error = error
+        super().__init__(
+            f"the OrbitKV manager refused {command} ({kind}): {_refusal_setting(kind, detail)}",
+            reason=f"refused_{kind}",
+        )
+
+
+def _refusal_setting(kind: str, detail: Any) -> str:
+    d = detail if isinstance(detail, dict) else {}
+    if kind == "instance_conflict":
+        return (
+            f"instance {detail!r} is registered with another identity or layout: give each "
+            "computation its own extra-config 'instance', or leave it empty"
+        )
+    if kind == "page_exceeds_extent":
+        return (
+            f"a page of group {d.get('group')} is {d.get('page_bytes')} bytes, more than one DRAM "
+            f"extent of the manager ({d.get('extent_bytes')}): raise the manager's "
+            "dram.extent_bytes, or use a smaller --page-size"
+        )
+    if kind == "unknown_rank":
+        return f"rank {d.get('rank')} is not one the instance registers (--tp-size)"
+    if kind == "contract":
+        return f"the host pools do not form a recovery contract: {d.get('reason', '')}"
+    if kind.startswith("limit_"):
+        return f"the manager's limit {kind[len('limit_'):]} ({d.get('limit')}) is reached"
+    return f"{kind}: {detail}"
 
 
 class _Broken(_Miss):
@@ -666,7 +716,11 @@ def _build_registration(
     except orbitkv.IdentityError as e:
         raise _Unsupported(f"orbitkv: the model identity cannot be established: {e}") from e
     identity = ident["identity"]
-    instance = f"sglang/{identity[:16]}/tp{storage_rank}/pp{sc.pp_rank}"
+    # Named after the sealed namespace, not the identity alone: two engines
+    # of one model whose layouts differ (another SWA window, another page
+    # format) are different instances, never a conflict that leaves one of
+    # them without a cache.
+    instance = f"sglang/{ident['namespace'][:16]}/tp{storage_rank}/pp{sc.pp_rank}"
     command = {
         "command": "register_instance",
         "instance": instance,
@@ -689,6 +743,15 @@ def _build_registration(
 
 # ---------------------------------------------------------------------------
 # One connection
+
+
+#: Answers to the commands that set a connection up: a refusal of one of
+#: them refuses the whole engine (`_Refused`), not one call.
+_SETUP_EVENTS = {
+    "instance_registered": "register_instance",
+    "session_opened": "open_session",
+    "region_registered": "register_device_region",
+}
 
 
 class _Conn:
@@ -746,7 +809,9 @@ class _Conn:
         if event.get("event") == kind:
             return event
         if event.get("event") == "rejected":
-            err = event.get("error", {})
+            err = event.get("error") or {}
+            if kind in _SETUP_EVENTS:
+                raise _Refused(_SETUP_EVENTS[kind], err)
             raise _Miss(f"manager refused the command: {err}", reason=f"refused_{err.get('error', 'unknown')}")
         raise _Broken(f"expected {kind}, got {event.get('event')}")
 
@@ -1040,6 +1105,9 @@ class _Connections:
         self._idle: List[_Conn] = []
         self._open = 0
         self._down_until = 0.0
+        #: Why the last connect failed when the manager refused it: calls
+        #: until the next attempt miss with that refusal, never as "down".
+        self._refusal: Optional[_Refused] = None
         self._closed = False
 
     @contextlib.contextmanager
@@ -1075,6 +1143,8 @@ class _Connections:
                     return self._idle.pop()
                 if self._open < self.cfg.max_connections:
                     if time.monotonic() < self._down_until:
+                        if self._refusal is not None:
+                            raise self._refusal
                         raise _Down("the manager was unreachable moments ago")
                     self._open += 1
                     break
@@ -1091,12 +1161,15 @@ class _Connections:
                 # Whatever failed (no manager, a refused registration), do
                 # not retry it on every call.
                 self._down_until = time.monotonic() + self.cfg.reconnect_interval_s
+                self._refusal = e if isinstance(e, _Refused) else None
                 self._cv.notify()
             if isinstance(e, _Unsupported):
                 raise _Miss(str(e), reason="namespace_mismatch") from e
             if isinstance(e, (orbitkv.ConnectionError, TimeoutError, OSError)):
                 raise _Down(f"cannot connect to {self.cfg.socket}: {e}") from e
             raise
+        with self._cv:
+            self._refusal = None
         self.stats.add("connects")
         return conn
 
@@ -1147,6 +1220,7 @@ class _Stats:
         self._lock = threading.Lock()
         self.counters: Dict[str, int] = {}
         self.misses: Dict[str, int] = {}
+        self.refusals: Dict[str, int] = {}
         self._logged: Dict[str, float] = {}
 
     def add(self, name: str, n: int = 1) -> None:
@@ -1164,9 +1238,22 @@ class _Stats:
         if log and message:
             logger.warning("orbitkv: miss (%s): %s", reason, message)
 
+    def refused(self, kind: str, message: str) -> None:
+        """A refusal of this engine: counted by kind, and logged at error
+        level at most every 10 s (by time: one that repeats stays
+        visible)."""
+        with self._lock:
+            self.refusals[kind] = self.refusals.get(kind, 0) + 1
+            now = time.monotonic()
+            log = now - self._logged.get("refused", -1e9) > 10.0
+            if log:
+                self._logged["refused"] = now
+        if log:
+            logger.error("orbitkv: %s; calls miss until this is fixed", message)
+
     def snapshot(self) -> Dict[str, Any]:
         with self._lock:
-            return {**self.counters, "misses": dict(self.misses)}
+            return {**self.counters, "misses": dict(self.misses), "refusals": dict(self.refusals)}
 
 
 # ---------------------------------------------------------------------------
@@ -1215,10 +1302,13 @@ class OrbitKVStorage(HiCacheStorage):
         what OrbitKV refuses: SGLang then fails the attach."""
         self._register()
         # Connect now so a misconfigured socket shows at startup; a manager
-        # that is not up yet only means misses until it is.
+        # that is not up yet only means misses until it is. One that
+        # refuses this engine fails the attach, naming the setting.
         try:
             with self._conns.borrow():
                 pass
+        except _Refused as e:
+            raise _Unsupported(str(e)) from e
         except _Miss as e:
             logger.warning("orbitkv: not connected to the manager yet (%s): %s", e.reason, e)
 
@@ -1250,6 +1340,9 @@ class OrbitKVStorage(HiCacheStorage):
     def _guard(self, what: str, pages: int, fallback: Any, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
+        except _Refused as e:
+            self.stats.refused(e.kind, str(e))
+            self.stats.miss(e.reason, pages)
         except _Miss as e:
             self.stats.miss(e.reason, pages, f"{what}: {e}")
         except Exception as e:  # never into SGLang's threads
@@ -1624,6 +1717,10 @@ class OrbitKVStorage(HiCacheStorage):
             # A fresh page in the pool's flat format.
             try:
                 target_location = self._kv().host.get_dummy_flat_data_page()
+            except _Refused as e:
+                self.stats.refused(e.kind, str(e))
+                self.stats.miss(e.reason, 1)
+                return None
             except _Miss as e:
                 self.stats.miss(e.reason, 1, f"get: {e}")
                 return None

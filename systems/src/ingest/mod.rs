@@ -43,8 +43,9 @@ pub fn ingest(world: &mut World) {
                 origin,
                 command,
             } => {
+                let kind = command.kind();
                 if let Err(error) = handle(world, Ctx { id, origin }, command) {
-                    world.resource_mut::<Metrics>().commands_rejected += 1;
+                    world.resource_mut::<Metrics>().refused(kind, &error);
                     emit(world, origin, Event::Rejected { command: id, error });
                 }
             }

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .engine import EngineSpec
+from .link import expect
 from .settings import ConfigError
 
 
@@ -183,8 +184,7 @@ class HostPageMover(PageMover):
                 },
                 self.timeout_s,
             )
-            if e.get("event") != "region_registered":
-                raise ConnectionError(f"staging region for group {group.id}: {e}")
+            expect("register_device_region", e, "region_registered", self.blocks.spec, self.rank)
             if e["page_bytes"] != group.page_bytes:
                 raise ConfigError(
                     f"group {group.id}: the manager's page is {e['page_bytes']} bytes, "
@@ -351,8 +351,7 @@ class AgentPageMover(PageMover):
                 },
                 self.timeout_s,
             )
-            if e.get("event") != "region_registered":
-                raise ConnectionError(f"agent region for group {group.id}: {e}")
+            expect("register_device_region", e, "region_registered", self.blocks.spec, self.rank)
             regions[group.id] = e["region"]
         with self._lock:
             self._regions, self._agent, self._client = regions, agents, client

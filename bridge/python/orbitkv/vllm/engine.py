@@ -38,7 +38,10 @@ class LayerPlan:
 @dataclass(frozen=True)
 class GroupPlan:
     id: int
-    """vLLM's KV cache group index, also the storage group id."""
+    """The storage group id (`storage_group_ids`): 0 for full attention."""
+    vllm_group: int
+    """vLLM's KV cache group index: where this group's block ids are in
+    vLLM's per-group block lists (`KVCacheBlocks.blocks`, `LoadSpec`)."""
     kind: str
     """``full``, ``sliding_window`` or ``mamba``."""
     rule: Any
@@ -55,6 +58,37 @@ class GroupPlan:
 
     def group_spec(self) -> Dict[str, Any]:
         return {"id": self.id, "rule": self.rule, "components": list(self.components)}
+
+
+KIND_ORDER = {"full": 0, "sliding_window": 1, "mamba": 2}
+
+
+def storage_group_ids(kinds: Sequence[Tuple[str, int]]) -> List[int]:
+    """The storage group id of each vLLM KV cache group, given each group's
+    ``(kind, window)`` in vLLM's order (window 0 for non-window groups).
+
+    The spec's rule: the full-attention group is storage group 0; each
+    sliding-window (or recurrent) group gets its own id after it, ordered by
+    kind, then window, then vLLM's index. vLLM orders its groups by their
+    first layer, so a model whose first layer is sliding (Gemma 2/3,
+    gpt-oss) has the sliding group first there; the ids here do not depend
+    on that. Without a full-attention group, ids start at 0 all the same
+    (the contract then leads with a window or checkpoint group). Several
+    full-attention groups (vLLM splits full attention only when it has more
+    layers than another kind) would need a page that spans several block
+    tables: refused."""
+    full = [i for i, (kind, _) in enumerate(kinds) if kind == "full"]
+    if len(full) > 1:
+        raise ConfigError(
+            f"vLLM split the full-attention layers into {len(full)} KV cache groups "
+            f"({full}); OrbitKV stores full attention as one group (storage group 0) "
+            "and cannot yet build its pages from several block tables"
+        )
+    order = sorted(range(len(kinds)), key=lambda i: (KIND_ORDER[kinds[i][0]], kinds[i][1], i))
+    ids = [0] * len(kinds)
+    for sid, i in enumerate(order):
+        ids[i] = sid
+    return ids
 
 
 @dataclass(frozen=True)
@@ -76,6 +110,11 @@ class EngineSpec:
         (block-level errors); otherwise a load is all or nothing."""
         return len(self.groups) == 1 and self.groups[0].kind == "full"
 
+    @property
+    def vllm_index(self) -> Dict[int, int]:
+        """Storage group id → vLLM's KV cache group index."""
+        return {g.id: g.vllm_group for g in self.groups}
+
     def group(self, gid: int) -> GroupPlan:
         for g in self.groups:
             if g.id == gid:
@@ -87,7 +126,7 @@ def _type_name(spec: Any) -> str:
     return type(spec).__name__
 
 
-def _compile_group(gid: int, spec: Any, first_index: int, names: Sequence[str]):
+def _compile_group(gid: int, spec: Any, names: Sequence[str]):
     """(kind, rule, components) for one vLLM group spec; unknown specs fail."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -129,6 +168,8 @@ def _compile_group(gid: int, spec: Any, first_index: int, names: Sequence[str]):
 
 def _group_representation(plan: GroupPlan, spec: Any) -> Dict[str, Any]:
     rep: Dict[str, Any] = {
+        "id": plan.id,
+        "vllm_group": plan.vllm_group,
         "kind": plan.kind,
         "spec": _type_name(spec),
         "block_size": int(spec.block_size),
@@ -299,9 +340,7 @@ def resolve_engine(
     if not groups_cfg:
         raise ConfigError("the KV cache config has no groups")
     order = _layer_index_order(groups_cfg)
-    plans: List[GroupPlan] = []
-    reps: List[Dict[str, Any]] = []
-    slot_shapes: List[Tuple[GroupPlan, Any]] = []
+    compiled = []
     for gid, g in enumerate(groups_cfg):
         spec = g.kv_cache_spec
         if not getattr(g, "enable_kv_transfer", True):
@@ -315,7 +354,19 @@ def resolve_engine(
                 f"KV cache group {gid} has block_size {spec.block_size} but block hashes "
                 f"cover {hash_block} tokens; every group must use the hash block size"
             )
-        kind, rule, components = _compile_group(gid, spec, len(plans), list(g.layer_names))
+        if not g.layer_names:
+            raise ConfigError(f"KV cache group {gid} has no layers")
+        compiled.append(_compile_group(gid, spec, list(g.layer_names)))
+    ids = storage_group_ids(
+        [(kind, rule["window"] if isinstance(rule, dict) else 0) for kind, rule, _ in compiled]
+    )
+    plans: List[GroupPlan] = []
+    reps: List[Dict[str, Any]] = []
+    slot_shapes: List[Tuple[GroupPlan, Any]] = []
+    for gid in sorted(range(len(groups_cfg)), key=lambda i: ids[i]):
+        g = groups_cfg[gid]
+        spec = g.kv_cache_spec
+        kind, rule, components = compiled[gid]
         segment = int(spec.real_page_size_bytes)
         layers = tuple(
             sorted(
@@ -323,9 +374,7 @@ def resolve_engine(
                 key=lambda lp: lp.index,
             )
         )
-        if not layers:
-            raise ConfigError(f"KV cache group {gid} has no layers")
-        plan = GroupPlan(gid, kind, rule, components, layers)
+        plan = GroupPlan(ids[gid], gid, kind, rule, components, layers)
         plans.append(plan)
         reps.append(_group_representation(plan, spec))
         slot_shapes.append((plan, spec))

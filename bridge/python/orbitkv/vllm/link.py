@@ -1,7 +1,20 @@
 """One process's connection to the manager: connect, register the instance,
 open a session; after a failure, reconnect with a new session, at most once
-per `reconnect_interval_s`. While the manager is away, callers get
-`Unavailable` and treat it as a miss (or a dropped save)."""
+per `reconnect_interval_s`.
+
+Two different failures, never confused:
+
+- `Unavailable`: the manager does not answer (down, restarting, timed
+  out). Callers treat it as a miss or a dropped save, and it is logged as
+  a warning.
+- `Refused`: the manager answered and refused this engine (an impossible
+  rank, a contract or layout it cannot serve, an instance name taken by
+  another computation, a limit). At startup it becomes a `ConfigError`
+  naming the setting (`connect_at_startup`); later (a manager restarted
+  with other settings) every refusal is a miss or a dropped save counted
+  by reason (`refusals`), and is logged at error level with the manager's
+  reason, at most once per `REFUSAL_LOG_INTERVAL_S`.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import orbitkv
 
 from .engine import EngineSpec
-from .settings import ConnectorSettings
+from .settings import ConfigError, ConnectorSettings
 
 log = logging.getLogger("orbitkv.vllm")
 
@@ -21,8 +34,112 @@ log = logging.getLogger("orbitkv.vllm")
 LINK_ERRORS = (orbitkv.ConnectionError, ConnectionError, TimeoutError, OSError)
 
 
-class Unavailable(Exception):
-    """The manager is down, restarting, or refused this engine."""
+REFUSAL_LOG_INTERVAL_S = 10.0
+"""Refusals are logged at error level at most this often (by time, not by
+count: a refusal that repeats stays visible)."""
+
+
+class ManagerError(Exception):
+    """The manager could not serve this process: `Unavailable` or
+    `Refused`."""
+
+
+class Unavailable(ManagerError):
+    """The manager does not answer: down, restarting, or too slow."""
+
+
+class Refused(ManagerError):
+    """The manager answered a command with a typed refusal.
+
+    `command` is the refused command, `error` the manager's `CommandError`
+    as it arrived (``{"error": kind, "detail": ...}``), `reason` a short
+    label for metrics (``unknown_rank``, ``contract``, ``instance_conflict``
+    ...), `setting` what the operator must change."""
+
+    def __init__(self, command: str, error: Dict[str, Any], setting: str, message: str):
+        super().__init__(message)
+        self.command = command
+        self.error = error
+        self.setting = setting
+        self.reason = refusal_reason(error)
+
+
+def refusal_reason(error: Dict[str, Any]) -> str:
+    """The label of a manager refusal: the `InvalidCommand` kind, the
+    limit's name, or the error itself."""
+    kind = str(error.get("error", "unknown"))
+    detail = error.get("detail")
+    if kind == "invalid" and isinstance(detail, dict) and "kind" in detail:
+        return str(detail["kind"])
+    if kind == "limit" and isinstance(detail, dict) and "name" in detail:
+        return f"limit_{detail['name']}"
+    return kind
+
+
+def _setting_for(reason: str, detail: Any, spec: EngineSpec, rank: Optional[int]) -> str:
+    """The setting an operator changes to end a refusal, in words."""
+    d = detail if isinstance(detail, dict) else {}
+    if reason == "unknown_rank":
+        return (
+            f"tensor parallel rank {d.get('rank', rank)} is outside 0..{spec.tp_size} "
+            f"(parallel_config.tensor_parallel_size = {spec.tp_size}): every worker's rank "
+            "must be one of the ranks the engine registers"
+        )
+    if reason == "contract":
+        return (
+            "the KV cache groups (kv_cache_config.kv_cache_groups, from the model's "
+            f"layer types and sliding_window) do not form a recovery contract: {d.get('reason', '')}"
+        )
+    if reason in ("layout", "slot_page_tokens", "slot_group", "slot_rank", "rank_without_group"):
+        return (
+            "the storage layout (cache_config.block_size, kv_cache_layout, the KV cache "
+            f"groups' layers) was refused: {d or reason}"
+        )
+    if reason == "page_exceeds_extent":
+        return (
+            f"a page of group {d.get('group')} is {d.get('page_bytes')} bytes, more than one "
+            f"DRAM extent of the manager ({d.get('extent_bytes')} bytes): raise the manager's "
+            "dram.extent_bytes, or use a smaller cache_config.block_size"
+        )
+    if reason == "instance_conflict":
+        return (
+            f"kv_connector_extra_config.instance {spec.instance!r} is registered in the manager "
+            "with another identity or layout (another model, configuration or parallelism "
+            "uses this name): give each computation its own instance name, or leave it "
+            "empty to derive it from the identity"
+        )
+    if reason.startswith("limit_"):
+        return f"the manager's limit {reason[len('limit_'):]} ({d.get('limit')}) is reached"
+    return f"the manager refused it ({reason}: {d})"
+
+
+def refused(
+    command: str, event: Dict[str, Any], spec: EngineSpec, rank: Optional[int] = None
+) -> Refused:
+    """A `Refused` for a `rejected` answer to `command`."""
+    error = event.get("error") or {}
+    reason = refusal_reason(error)
+    setting = _setting_for(reason, error.get("detail"), spec, rank)
+    return Refused(
+        command, error, setting, f"the OrbitKV manager refused {command} ({reason}): {setting}"
+    )
+
+
+def expect(
+    command: str,
+    event: Dict[str, Any],
+    kind: str,
+    spec: EngineSpec,
+    rank: Optional[int] = None,
+) -> Dict[str, Any]:
+    """`event` if it is `kind`; a `rejected` answer raises `Refused`, any
+    other answer `Unavailable` (a manager that does not speak the
+    protocol)."""
+    if event.get("event") == kind:
+        return event
+    if event.get("event") == "rejected":
+        raise refused(command, event, spec, rank)
+    raise Unavailable(f"{command}: expected {kind}, got {event.get('event')!r}")
 
 
 class ManagerLink:
@@ -32,8 +149,10 @@ class ManagerLink:
         spec: EngineSpec,
         name: str,
         on_connect: Optional[Callable[[Any, Dict[str, Any]], None]] = None,
+        rank: Optional[int] = None,
     ):
         self.settings = settings
+        self.rank = rank
         self.spec = spec
         self.name = name
         self.on_connect = on_connect
@@ -46,6 +165,12 @@ class ManagerLink:
         self.failures = 0
         self._retry_at = 0.0
         self.last_error = ""
+        self.refusals: Dict[str, int] = {}
+        """Refusals by reason (`Refused.reason`), since the process started."""
+        self.last_refusal: Optional[Refused] = None
+        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
+        self._refusals_unlogged = 0
+        self._starting = False
 
     @property
     def up(self) -> bool:
@@ -63,15 +188,28 @@ class ManagerLink:
         try:
             client = orbitkv.Client(self.settings.socket, self.name)
             t = self.settings.timeout_s
-            reg = client.call(self.spec.register_command, t)
-            if reg.get("event") != "instance_registered":
-                raise Unavailable(f"registering instance {self.spec.instance!r}: {reg}")
-            opened = client.call({"command": "open_session", "instance": self.spec.instance}, t)
-            if opened.get("event") != "session_opened":
-                raise Unavailable(f"opening a session: {opened}")
+            reg = expect(
+                "register_instance",
+                client.call(self.spec.register_command, t),
+                "instance_registered",
+                self.spec,
+                self.rank,
+            )
+            opened = expect(
+                "open_session",
+                client.call({"command": "open_session", "instance": self.spec.instance}, t),
+                "session_opened",
+                self.spec,
+                self.rank,
+            )
             session = opened["session"]
             if self.on_connect is not None:
                 self.on_connect(client, session)
+        except Refused as e:
+            if client is not None:
+                client.close()
+            self._refused(e)
+            raise
         except (Unavailable, *LINK_ERRORS) as e:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -85,6 +223,10 @@ class ManagerLink:
             if client is not None:
                 client.close()
             raise Unavailable(self.last_error) from e
+        except BaseException:
+            if client is not None:
+                client.close()
+            raise
         self.client, self.session = client, session
         self.namespaces = list(reg["namespaces"])
         self.generation += 1
@@ -98,6 +240,41 @@ class ManagerLink:
             client.incarnation,
         )
         return client, session
+
+    def connect_at_startup(self) -> None:
+        """Connects once while the engine starts: a refusal is a
+        `ConfigError` naming the setting (the engine does not start); a
+        manager that does not answer only delays the connection."""
+        self._starting = True
+        try:
+            self.get()
+        except Refused as e:
+            raise ConfigError(str(e)) from e
+        except Unavailable:
+            pass  # logged by `get`; the first use retries
+        finally:
+            self._starting = False
+
+    def _refused(self, e: Refused) -> None:
+        """Counts a refusal and logs it at error level, at most once per
+        `REFUSAL_LOG_INTERVAL_S` (with how many were not logged since)."""
+        self.refusals = {**self.refusals, e.reason: self.refusals.get(e.reason, 0) + 1}
+        self.last_refusal = e
+        self.last_error = f"refused: {e}"
+        if self._starting:
+            return  # the engine stops with it (`connect_at_startup`)
+        now = time.monotonic()
+        if now - self._refusal_logged_at < REFUSAL_LOG_INTERVAL_S:
+            self._refusals_unlogged += 1
+            return
+        more = self._refusals_unlogged
+        self._refusal_logged_at, self._refusals_unlogged = now, 0
+        log.error(
+            "OrbitKV: %s: %s; lookups miss and saves are dropped until this is fixed%s",
+            self.name,
+            e,
+            f" ({more} more refusals since the last report)" if more else "",
+        )
 
     def drop(self, why: str) -> None:
         """Forgets the connection after a failure; the next `get` reconnects."""

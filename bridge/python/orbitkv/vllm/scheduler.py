@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .engine import EngineSpec
-from .link import LINK_ERRORS, ManagerLink, Unavailable
+from .link import LINK_ERRORS, ManagerLink, Refused, Unavailable
 from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveItem, SaveSpec
 from .settings import ConnectorSettings
 
@@ -34,9 +34,15 @@ class _Request:
     only once the workers report the saves done."""
     loading: Set[int] = field(default_factory=set)
     """Blocks of the load in flight (to recognise a block-level failure)."""
+    load_pages: List[int] = field(default_factory=list)
+    """The full-attention group's block of each page of the load in flight
+    (page index → block), to find the first page a failure lost."""
     load_failed: bool = False
-    """A load of this request failed: it is not offered another one (the
-    retry could fail the same way, forever)."""
+    """A load of this request failed, on some rank: it is not offered
+    another one (the retry could fail the same way, forever)."""
+    offers: int = 0
+    """Loads offered to vLLM for this request (at most one after a
+    failure: the failed one)."""
 
 
 @dataclass
@@ -47,6 +53,9 @@ class SchedulerStats:
     queried_tokens: int = 0
     misses_by_reason: Dict[str, int] = field(default_factory=dict)
     unavailable: int = 0
+    refusals_by_reason: Dict[str, int] = field(default_factory=dict)
+    """Lookups the manager refused (not unavailability): the manager's
+    reason, e.g. ``unknown_rank``, ``contract``, ``instance_conflict``."""
     pages_saved: int = 0
     load_failures: int = 0
 
@@ -56,6 +65,13 @@ class SchedulerStats:
             **self.misses_by_reason,
             reason: self.misses_by_reason.get(reason, 0) + 1,
         }
+
+    def refused(self, reason: str) -> None:
+        self.refusals_by_reason = {
+            **self.refusals_by_reason,
+            reason: self.refusals_by_reason.get(reason, 0) + 1,
+        }
+        self.miss("refused")
 
 
 class SchedulerSide:
@@ -69,6 +85,9 @@ class SchedulerSide:
         self.stats = SchedulerStats()
         self._next_request = 0
         self._late: Set[int] = set()
+        # A refusal stops the engine here, naming the setting; a manager
+        # that is not up yet only delays the first connection.
+        self.link.connect_at_startup()
 
     # vLLM hooks -----------------------------------------------------------
 
@@ -94,6 +113,7 @@ class SchedulerSide:
             return 0, False
         self.stats.hits += 1
         self.stats.hit_tokens += selected - num_computed_tokens
+        state.offers += 1
         # Layer-wise loads are synchronous: the request computes in this
         # step, each layer after its own copies landed.
         return selected - num_computed_tokens, self.settings.load_mode == "async"
@@ -114,6 +134,7 @@ class SchedulerSide:
             per_group.append(ids)
         if state is not None:
             state.loading = {b for ids in per_group for b in ids if b != NULL_BLOCK}
+            state.load_pages = per_group[self.spec.groups[0].vllm_group]
         self.pending_loads.append(
             LoadSpec(
                 req_id=rid,
@@ -135,16 +156,40 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: Any) -> None:
+        """Marks failed loads. vLLM's output aggregator forwards each rank's
+        invalid blocks at once but reports a load finished (or failed) only
+        once every rank has, so a block-level failure on one rank may arrive
+        steps before the request's finished report, or with it: either way
+        the load failed, and the request is never offered another one."""
         failed = set(getattr(output, "failed_recving", None) or ())
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        if invalid:
+            for state in self.requests.values():
+                if state.loading & invalid:
+                    self._load_failed(state, invalid)
+        for rid in failed:
+            state = self.requests.get(rid)
+            if state is not None:
+                self._load_failed(state, set(state.loading))
         for rid in set(getattr(output, "finished_recving", None) or ()) | failed:
             state = self.requests.get(rid)
-            if state is None:
-                continue
-            if rid in failed or (invalid and state.loading & invalid):
-                state.load_failed = True
-                self.stats.load_failures += 1
-            state.loading = set()
+            if state is not None:
+                state.loading = set()
+                state.load_pages = []
+
+    def _load_failed(self, state: _Request, lost: Set[int]) -> None:
+        if not state.load_failed:
+            state.load_failed = True
+            self.stats.load_failures += 1
+        # vLLM recomputes from the first lost page: those pages are saved
+        # again as they are recomputed. (A layer-wise load computed the
+        # step after its boundary before the failure was known; the worker
+        # dropped that step's saves of this request.)
+        first = next((i for i, b in enumerate(state.load_pages) if b in lost), None)
+        if first is None:
+            first = state.origin // self.spec.page_tokens
+        if state.saved_pages >= 0:
+            state.saved_pages = min(state.saved_pages, first)
 
     def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
         state = self.requests.pop(request.request_id, None)
@@ -159,6 +204,9 @@ class SchedulerSide:
         """The selected boundary, or None (a miss, whatever the reason)."""
         try:
             client, session = self.link.get()
+        except Refused as e:
+            self.stats.refused(e.reason)
+            return None
         except Unavailable:
             self.stats.unavailable += 1
             self.stats.miss("unavailable")

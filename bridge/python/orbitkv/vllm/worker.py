@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .copy import AgentPageMover, EngineBlocks, HostPageMover, PageMover
 from .engine import EngineSpec
-from .link import LINK_ERRORS, ManagerLink, Unavailable
+from .link import LINK_ERRORS, ManagerError, ManagerLink, Refused, Unavailable
 from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveSpec
 from .settings import ConfigError, ConnectorSettings
 
@@ -108,6 +108,9 @@ class _StepLoad:
     #: The step gave up on it (a layer timed out): it fails even if its
     #: copies complete later.
     abandoned: bool = False
+    #: It ended short of its boundary: the step computed past pages that
+    #: did not land.
+    failed: bool = False
 
 
 @dataclass
@@ -148,7 +151,9 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.stats = WorkerStats()
         self.mover: Optional[PageMover] = None
-        self.link = ManagerLink(settings, spec, f"vllm-worker-{rank}", self._on_connect)
+        self.link = ManagerLink(
+            settings, spec, f"vllm-worker-{rank}", self._on_connect, rank=rank
+        )
 
         self._lock = threading.Lock()
         # Guarded by _lock:
@@ -193,11 +198,10 @@ class WorkerSide:
             threading.Thread(target=self._io_loop, name=f"orbitkv-io-{self.rank}", daemon=True),
         ]
         # Connect now, so that the first steps' saves have somewhere to go;
-        # a manager that is down only delays that (the I/O thread retries).
-        try:
-            self.link.get()
-        except Unavailable:
-            pass
+        # a manager that is down only delays that (the I/O thread retries),
+        # one that refuses this worker (its rank, its layout) stops the
+        # engine here with the setting to change.
+        self.link.connect_at_startup()
         for t in self._threads:
             t.start()
 
@@ -238,7 +242,16 @@ class WorkerSide:
             return
         self._saves_queued = True
         waits: List[_Publish] = []
+        # Layer-wise: a request whose load failed this step computed its new
+        # tokens over pages that never landed, so what it computed is wrong
+        # in a real model. vLLM recomputes it; those pages are saved then
+        # (the scheduler rewinds its saved pages), never now.
+        unsound = self._failed_step_loads() if self.layerwise else set()
         for save in meta.saves:
+            if save.req_id in unsound:
+                self.stats.pages_dropped += len(save.items)
+                self.stats.fail("save_after_failed_load")
+                continue
             with self._lock:
                 self._had_saves.add(save.req_id)
             jobs: List[_Publish] = []
@@ -363,14 +376,25 @@ class WorkerSide:
                 self._changed.wait(min(left, 0.05))
         return True
 
-    def end_step(self) -> None:
-        """Layer-wise: every load of the step ends before its results are
-        reported, so a failed one is in this step's load errors."""
+    def _settle_step(self) -> Optional[_Step]:
+        """Layer-wise: waits (bounded) until every load of the step ended;
+        returns the step."""
         with self._lock:
             step = self._step
         if step is not None and step.loads:
             if not self._wait_step_done(step, self.settings.timeout_s):
                 self._give_up(step, "the step's loads did not end in time")
+        return step
+
+    def _failed_step_loads(self) -> Set[str]:
+        step = self._settle_step()
+        with self._lock:
+            return {r for r, sl in (step.loads if step else {}).items() if sl.failed}
+
+    def end_step(self) -> None:
+        """Layer-wise: every load of the step ends before its results are
+        reported, so a failed one is in this step's load errors."""
+        step = self._settle_step()
         with self._lock:
             if self._step is step:
                 self._step = None
@@ -402,7 +426,8 @@ class WorkerSide:
         self._stopping = True
         self._io_q.put(None)
         for t in self._threads:
-            t.join(self.settings.timeout_s)
+            if t.is_alive():
+                t.join(self.settings.timeout_s)
         self.link.close()
 
     # results ----------------------------------------------------------------
@@ -429,19 +454,21 @@ class WorkerSide:
                     good = load.origin
                     self.stats.loads_failed += 1
                     self.stats.fail(failure)
+        # Block-level errors exist only with one group (layer-wise loads and
+        # `single_prefix_group`): that group's blocks past what landed.
+        lost = load.block_ids[self.spec.groups[0].vllm_group][good // page : load.boundary // page]
         with self._lock:
             if sl is not None:
                 # A synchronous load: nothing to report as received; the
                 # blocks past what landed are invalid.
+                sl.failed = good < load.boundary
                 if good < load.boundary:
-                    page_ids = load.block_ids[0][good // page : load.boundary // page]
-                    self._invalid_blocks.update(b for b in page_ids if b != NULL_BLOCK)
+                    self._invalid_blocks.update(b for b in lost if b != NULL_BLOCK)
             elif good >= load.boundary:
                 self._loaded.add(load.req_id)
             elif self.spec.single_prefix_group:
                 # vLLM keeps the pages before the first bad block.
-                ids = load.block_ids[0][good // page : load.boundary // page]
-                self._invalid_blocks.update(b for b in ids if b != NULL_BLOCK)
+                self._invalid_blocks.update(b for b in lost if b != NULL_BLOCK)
                 self._loaded.add(load.req_id)
             else:
                 # Several groups: block ids are per group, so vLLM takes a
@@ -476,9 +503,10 @@ class WorkerSide:
         assert self.mover is not None
         jobs: List[_Publish] = []
         batch = self.settings.publish_batch_pages
-        for gi, group in enumerate(self.spec.groups):
+        for group in self.spec.groups:
+            vi = group.vllm_group
             pages = [
-                (it.hash, it.block_ids[gi]) for it in save.items if it.block_ids[gi] != NULL_BLOCK
+                (it.hash, it.block_ids[vi]) for it in save.items if it.block_ids[vi] != NULL_BLOCK
             ]
             if not pages:
                 continue
@@ -626,6 +654,13 @@ class _IoState:
                 self.start_load(item[1])
             elif kind == "publish":
                 self.start_publish(item[1])
+        except Refused as e:
+            # Counted and logged (error level) by the link.
+            if kind == "load":
+                self.w._finish_load(item[1], None, f"refused_{e.reason}")
+            elif kind == "publish":
+                self.w.stats.fail(f"publish_refused_{e.reason}")
+                self.w._publish_done(item[1], None, free_slots=False)
         except Unavailable as e:
             if kind == "load":
                 self.w._finish_load(item[1], None, "unavailable")
@@ -762,6 +797,8 @@ class _IoState:
                 events += client.poll_events()
             for ev in events:
                 self.dispatch(ev)
+        except Refused as e:
+            self.abandon(f"refused_{e.reason}")
         except Unavailable:
             self.abandon("unavailable")
         except LINK_ERRORS as e:
@@ -854,7 +891,7 @@ class _IoState:
         spec = job.spec
         page = self.w.spec.page_tokens
         client, session = self.client()
-        gindex = {g.id: i for i, g in enumerate(self.w.spec.groups)}
+        gindex = self.w.spec.vllm_index
         per_group: Dict[int, List[Tuple[Dict[str, Any], int]]] = {}
         retained: List[Dict[str, Any]] = []
         failure = None
@@ -917,7 +954,7 @@ class _IoState:
             return
         client, session = self.client()
         per_group: Dict[int, List[Tuple[int, int, int]]] = {}
-        gindex = {g.id: i for i, g in enumerate(self.w.spec.groups)}
+        gindex = self.w.spec.vllm_index
         failure = None
         for lease in ev.get("leases", []):
             pos = lease["pos"]
@@ -981,5 +1018,5 @@ class _IoState:
                 try:
                     client, session = self.client()
                     client.submit({"command": "cancel", "session": session, "operation": op})
-                except (Unavailable, *LINK_ERRORS):
+                except (ManagerError, *LINK_ERRORS):
                     pass

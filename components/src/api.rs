@@ -631,6 +631,13 @@ pub enum LimitName {
     /// The manager's per-connection quotas (`orbitkv serve` settings).
     MaxSessionsPerConnection,
     MaxRegionsPerConnection,
+    /// Bytes of every manager-owned device region together (each is mapped
+    /// in full, so this bounds the manager's address space).
+    MaxRegionBytes,
+    /// Sessions of one client uid across its connections.
+    MaxSessionsPerUid,
+    /// Sessions of one client process across its connections.
+    MaxSessionsPerProcess,
 }
 
 impl LimitName {
@@ -647,6 +654,9 @@ impl LimitName {
             LimitName::MaxRegionSlots => "max_region_slots",
             LimitName::MaxSessionsPerConnection => "max_sessions_per_connection",
             LimitName::MaxRegionsPerConnection => "max_regions_per_connection",
+            LimitName::MaxRegionBytes => "max_region_bytes",
+            LimitName::MaxSessionsPerUid => "max_sessions_per_uid",
+            LimitName::MaxSessionsPerProcess => "max_sessions_per_process",
         }
     }
 }

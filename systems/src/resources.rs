@@ -49,6 +49,12 @@ pub struct Limits {
     pub max_operations: usize,
     /// Page slots in one device region.
     pub max_region_slots: u32,
+    /// Bytes of all manager-owned device regions together. Each is mapped
+    /// in full (sparse, but address space all the same), so without this
+    /// bound clients could fill the manager's address space and the next
+    /// allocation would abort it. Agent-owned regions are the engine's
+    /// memory and do not count.
+    pub max_region_bytes: u64,
     /// Preparation limit: from query to restore submission.
     pub prepare_deadline_us: u64,
     /// Time a publish may wait for DRAM space and copy room; pages not
@@ -92,6 +98,7 @@ impl Default for Limits {
             max_groups: 16,
             max_operations: 1 << 16,
             max_region_slots: 1 << 22,
+            max_region_bytes: 1 << 40,
             prepare_deadline_us: 5_000_000,
             publish_deadline_us: 5_000_000,
             restore_deadline_us: 5_000_000,

@@ -269,6 +269,14 @@ pub enum Command {
         copy: u64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         failure: Option<CopyFailure>,
+        /// `region_to_staging`: the XXH3-64 of each page, in the copy's
+        /// page order, computed by the agent from its own memory while it
+        /// copied. The manager verifies each staged page against it when
+        /// it moves the page into the pool; a page that differs (its
+        /// staging slot was written after the agent's copy) is refused, and
+        /// a publish report without them stores nothing.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        checksums: Vec<u64>,
     },
     /// Simulated clock only: move time forward.
     AdvanceClock {

@@ -295,8 +295,9 @@ pub struct Agents {
     next_copy: u64,
     /// Sent and not reported, by copy id.
     pub sent: HashMap<u64, AgentCopyEntry>,
-    /// Reported (or failed by the runtime), for the fence to land.
-    pub reported: Vec<(u64, Entity, Result<(), CopyFailure>)>,
+    /// Reported (or failed by the runtime), for the fence to land; a
+    /// success carries the agent's page checksums (publishes).
+    pub reported: Vec<(u64, Entity, Result<Vec<u64>, CopyFailure>)>,
     /// This tick's copy events, moved to the outbox after the copy stages.
     pub events: Vec<Addressed>,
     /// Each origin's staging area, created with its first agent region.
@@ -459,6 +460,10 @@ pub struct Metrics {
     /// Bytes read into DRAM, per lower tier.
     pub bytes_read_by_tier: BTreeMap<String, u64>,
     pub checksum_failures: u64,
+    /// Published pages an agent copied whose staged bytes did not match
+    /// the checksum the agent took from its own memory (or came without
+    /// one): refused, never stored. Counted in `checksum_failures` too.
+    pub publish_checksum_refused: u64,
     pub evictions: BTreeMap<EvictReason, u64>,
     pub commands_rejected: u64,
     pub transfers_overdue: u64,

@@ -1930,3 +1930,257 @@ fn metrics_are_loopback_only_or_owner_only() {
     assert!(child.0.wait().unwrap().success());
     assert!(!path.exists(), "the metrics socket is removed at shutdown");
 }
+
+/// The copy agent of an engine, riding on its client as the bridge's does.
+struct RacedAgent(std::sync::Arc<std::sync::Mutex<orbitkv_gpu::agent::CopyAgent>>);
+
+impl RacedAgent {
+    fn lock(&self) -> std::sync::MutexGuard<'_, orbitkv_gpu::agent::CopyAgent> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl orbitkv_ipc::Agent for RacedAgent {
+    fn window(
+        &mut self,
+        pool: &std::fs::File,
+        pool_len: u64,
+        staging: std::fs::File,
+        staging_len: u64,
+    ) -> Result<(), String> {
+        use std::os::fd::AsFd as _;
+        let mut agent = self.lock();
+        if agent.has_window() {
+            return Ok(());
+        }
+        let w = orbitkv_gpu::agent::HostWindow::map(
+            pool.as_fd(),
+            pool_len,
+            staging.as_fd(),
+            staging_len,
+        )
+        .map_err(|e| e.to_string())?;
+        agent.set_window(w).map_err(|e| e.to_string())
+    }
+
+    fn take(&mut self, event: &Event) -> bool {
+        matches!(event, Event::AgentCopy { .. }) && self.lock().handle(event)
+    }
+
+    fn reports(&mut self, out: &mut Vec<Command>) {
+        self.lock().poll(out);
+    }
+
+    fn busy(&self) -> bool {
+        self.lock().busy()
+    }
+
+    fn lost(&mut self) {
+        let mut discard = Vec::new();
+        self.lock().drain(Duration::from_secs(10), &mut discard);
+    }
+}
+
+/// Issue 23: another process of the engine's uid opened its staging area
+/// through `/proc/<engine>/fd/N` and rewrote pages between the agent's
+/// copy and the manager's copy-in: 780 of 800 published pages were
+/// replaced, all under valid checksums. Here a thread of the engine
+/// process itself plays that writer, reopening the staging memfd through
+/// `/proc/self/fd` and overwriting all of it in a loop while an official
+/// client publishes 800 pages through its copy agent. Every page is then
+/// looked up: each one the manager serves holds exactly the engine's
+/// bytes; the raced ones were refused at publish.
+#[test]
+fn a_racing_writer_of_the_staging_area_never_gets_a_page_served() {
+    use std::os::unix::fs::FileExt as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const PAGES: u32 = 800;
+    const BATCH: u32 = 100;
+    let dir = tempfile::tempdir().unwrap();
+    // A pool of another size than the staging area, so the writer finds
+    // the staging memfd by its size.
+    let m = start_full(dir.path(), "32MiB", "", "", &[]);
+    let payload = |i: u32| -> Vec<u8> {
+        (0..BYTES)
+            .map(|b| (u64::from(i) * 31 + b * 7 + b / 251) as u8)
+            .collect()
+    };
+    // The engine's memory: one page per slot, written before the publish.
+    let mut memory = vec![0u8; (PAGES as u64 * BYTES) as usize];
+    for i in 0..PAGES {
+        let at = (u64::from(i) * BYTES) as usize;
+        memory[at..at + BYTES as usize].copy_from_slice(&payload(i));
+    }
+    let executor = Box::new(orbitkv_gpu::host::HostCopyEngine::new(
+        orbitkv_gpu::host::HostCopyConfig::default(),
+    ));
+    let agent = std::sync::Arc::new(std::sync::Mutex::new(orbitkv_gpu::agent::CopyAgent::new(
+        executor,
+    )));
+    let chunk = orbitkv_gpu::agent::Chunk {
+        kind: orbitkv_gpu::agent::MemoryKind::Host,
+        ptr: memory.as_mut_ptr() as u64,
+        stride: BYTES,
+        len: BYTES,
+    };
+    // SAFETY: `memory` outlives the agent (dropped with the client below).
+    let (engine_region, page_bytes) =
+        unsafe { agent.lock().unwrap().attach(PAGES, &[chunk]) }.unwrap();
+    let options = ClientOptions {
+        hot_path: false,
+        ..ClientOptions::default()
+    };
+    let mut c = Client::connect_with(&m.socket, "engine", options).unwrap();
+    c.set_agent(Box::new(RacedAgent(agent.clone()))).unwrap();
+    register(&mut c);
+    let (s, region) = with_driver(&mut c, T, |d| {
+        let s = d.open("llama")?;
+        let r = d.call(
+            "region",
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 0,
+                group: 0,
+                slots: PAGES,
+                agent: Some(orbitkv_components::api::AgentRegion {
+                    region: engine_region,
+                    page_bytes,
+                }),
+            },
+        )?;
+        Ok::<_, orbitkv_world::driver::DriverError<_>>((s, r))
+    })
+    .unwrap();
+    let Event::RegionRegistered { region, .. } = region else {
+        panic!("{region:?}");
+    };
+    // The writer: the staging area is the one writable shared-memory
+    // mapping of this process of the staging area's size (the agent's
+    // window); another process of the uid writes it through
+    // /proc/<engine>/mem, as this thread does through /proc/self/mem.
+    let staging_len = orbitkv_world::Config::default().limits.max_staging_bytes;
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let staging_at = maps
+        .lines()
+        .filter(|l| {
+            l.contains("memfd:")
+                && l.split_whitespace()
+                    .nth(1)
+                    .is_some_and(|p| p.starts_with("rw"))
+        })
+        .find_map(|l| {
+            let (range, _) = l.split_once(' ')?;
+            let (a, b) = range.split_once('-')?;
+            let (a, b) = (
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            );
+            (b - a == staging_len).then_some(a)
+        })
+        .expect("the agent's writable staging mapping");
+    let staging = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/self/mem")
+        .unwrap();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let junk = vec![0xEEu8; 1 << 20];
+            let mut rounds = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for at in (0..staging_len).step_by(1 << 20) {
+                    staging.write_all_at(&junk, staging_at + at).unwrap();
+                }
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let mut inserted = 0;
+    for first in (0..PAGES).step_by(BATCH as usize) {
+        let done = with_driver(&mut c, T, |d| {
+            let dps = d.alloc_many(s, region, first..first + BATCH)?;
+            let pages = dps
+                .iter()
+                .enumerate()
+                .map(|(n, &device_page)| PublishPage {
+                    rank: 0,
+                    group: 0,
+                    hash: NativeHash::from_u64(0xA000 + u64::from(first) + n as u64),
+                    device_page,
+                })
+                .collect();
+            d.publish(s, u64::from(first) + 1, pages)
+        })
+        .unwrap();
+        inserted += done.inserted;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = writer.join().unwrap();
+    assert!(rounds > 0, "the writer raced");
+    // Every page: served exactly as the engine wrote it, or a miss.
+    let (mut hits, mut wrong) = (0, 0);
+    for i in 0..PAGES {
+        let q = Command::Query {
+            session: s,
+            request: 10_000 + u64::from(i),
+            groups: vec![GroupHashes {
+                group: 0,
+                hashes: vec![NativeHash::from_u64(0xA000 + u64::from(i))],
+            }],
+            origin: 0,
+            prompt_len: 2 * PAGE,
+            expect_namespaces: vec![],
+            prepare: true,
+            speculative: false,
+        };
+        let ready = with_driver(&mut c, T, |d| {
+            let id = d.submit(q)?;
+            d.tick()?;
+            match d.reply("query", id)? {
+                Event::QueryResult {
+                    operation,
+                    miss: None,
+                    ..
+                } => d.ready(operation).map(Some),
+                _ => Ok(None),
+            }
+        })
+        .unwrap();
+        let Some(Event::Ready {
+            operation, leases, ..
+        }) = ready
+        else {
+            continue;
+        };
+        hits += 1;
+        if c.page(&leases[0]).unwrap() != payload(i) {
+            wrong += 1;
+        }
+        c.submit(Command::Release {
+            session: s,
+            operation,
+        })
+        .unwrap();
+        c.wait_event(
+            T,
+            |e| matches!(e, Event::Released { operation: o } if *o == operation),
+        )
+        .unwrap()
+        .unwrap();
+    }
+    let refused = m.wait_metric_until("publish_checksum_refusals_total", |_| true);
+    eprintln!(
+        "{PAGES} published under a racing writer ({rounds} passes over the staging area): \
+         {inserted} stored, {refused} refused, {hits} served, {wrong} wrong"
+    );
+    assert_eq!(wrong, 0, "a page the writer altered was served");
+    assert_eq!(hits, inserted as usize, "every stored page is served");
+    assert_eq!(u64::from(inserted) + refused, u64::from(PAGES));
+    drop(c);
+    drop(agent);
+    drop(memory);
+}

@@ -2179,7 +2179,7 @@ fn a_racing_writer_of_the_staging_area_never_gets_a_page_served() {
     );
     assert_eq!(wrong, 0, "a page the writer altered was served");
     assert_eq!(hits, inserted as usize, "every stored page is served");
-    assert_eq!(u64::from(inserted) + refused, u64::from(PAGES));
+    assert_eq!(inserted + refused, u64::from(PAGES));
     drop(c);
     drop(agent);
     drop(memory);

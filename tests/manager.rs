@@ -102,6 +102,21 @@ impl Raw {
         }
     }
 
+    /// The next frame within the socket's read timeout; `None` when none
+    /// came by then or the manager closed the connection.
+    fn next_opt(&mut self) -> Option<(Kind, Vec<u8>)> {
+        loop {
+            if let Ok(Some(f)) = self.r.next_frame() {
+                return Some(f);
+            }
+            let mut fresh = Vec::new();
+            match self.r.fill(&self.s, 1 << 20, &mut fresh) {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => self.fds.extend(fresh),
+            }
+        }
+    }
+
     /// Reads until the manager sends an `Error` frame and closes.
     fn refused(&mut self) -> String {
         let mut error = None;
@@ -221,6 +236,15 @@ fn frames_out_of_order_are_refused_with_typed_errors() {
     c.send(&h);
     let e = c.refused();
     assert!(e.contains("exceeds"), "{e}");
+    // Issue 23: Ping and Inspect carry `null`; anything else is refused.
+    for kind in [Kind::Ping, Kind::Inspect] {
+        let (mut c, _) = Raw::hello(&m, false);
+        let mut f = frame::header(kind, 9).to_vec();
+        f.extend_from_slice(b"\"garbage\"");
+        c.send(&f);
+        let e = c.refused();
+        assert!(e.contains("payload"), "{kind:?}: {e}");
+    }
     assert!(good.ping().unwrap() < T);
 }
 
@@ -618,6 +642,160 @@ fn an_impostor_socket_of_another_uid_is_refused_before_anything_is_sent() {
     );
 }
 
+/// A child process killed when the test ends, passed or not (a failed
+/// assertion must not leave a manager running).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// What `open(path, O_RDWR)` gives a process of `uid` (`None`: this
+/// process, not root) that holds no capability: "ok" or the errno, per
+/// path. As root the probe runs as that uid with every capability dropped
+/// (the kernel clears them on the setuid away from 0).
+fn open_as(uid: Option<u32>, paths: &[String]) -> Vec<String> {
+    let Some(uid) = uid else {
+        return paths
+            .iter()
+            .map(
+                |p| match std::fs::OpenOptions::new().read(true).write(true).open(p) {
+                    Ok(_) => "ok".to_owned(),
+                    Err(e) => e.raw_os_error().unwrap_or(-1).to_string(),
+                },
+            )
+            .collect();
+    };
+    use std::os::unix::process::CommandExt as _;
+    let script = "import os,sys\nfor p in sys.argv[1:]:\n  try:\n    os.close(os.open(p, os.O_RDWR)); print('ok')\n  except OSError as e:\n    print(e.errno)\n";
+    let out = Proc::new("/usr/bin/python3")
+        .args(["-I", "-c", script])
+        .args(paths)
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Issue 23: a process of the manager's uid that never connects used to
+/// reopen its memfds through `/proc/<pid>/fd/N` read-write and rewrite
+/// what engines publish. The manager is non-dumpable now: its `/proc`
+/// entries belong to root, and the same-uid open is `EACCES`.
+///
+/// As root (CI), the manager and the probe both run as `nobody`, since
+/// root's `CAP_SYS_PTRACE` passes the check whatever the manager does; a
+/// dumpable process of that uid holding a memfd is the control that shows
+/// the probe can open what is open to it. As another user both run as
+/// that user.
+#[test]
+fn a_same_uid_process_that_never_connects_cannot_open_the_managers_memfds() {
+    use std::os::unix::fs::MetadataExt as _;
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let as_uid = root.then_some(65534u32);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("orbitkv.sock");
+    let config = dir.path().join("orbitkv.toml");
+    std::fs::write(&config, BASE_CONFIG).unwrap();
+    if let Some(uid) = as_uid {
+        let path = std::ffi::CString::new(dir.path().to_str().unwrap()).unwrap();
+        // SAFETY: a valid path; chown has no other preconditions.
+        assert_eq!(unsafe { libc::chown(path.as_ptr(), uid, uid) }, 0);
+        let path = std::ffi::CString::new(config.to_str().unwrap()).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::chown(path.as_ptr(), uid, uid) }, 0);
+    }
+    let mut cmd = Proc::new(env!("CARGO_BIN_EXE_orbitkv"));
+    cmd.args(["serve", "--socket", socket.to_str().unwrap()])
+        .args(["--dram", "16MiB", "--config", config.to_str().unwrap()])
+        .env("RUST_LOG", "error")
+        .env("ORBITKV_HOT_PATH", "0")
+        .stdout(Stdio::null());
+    if let Some(uid) = as_uid {
+        cmd.uid(uid).gid(uid);
+    }
+    let mut child = Reaped(cmd.spawn().unwrap());
+    let pid = child.0.id();
+    let deadline = Instant::now() + T;
+    while !socket.exists() {
+        assert!(child.0.try_wait().unwrap().is_none(), "manager exited");
+        assert!(Instant::now() < deadline, "manager did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The pool's memfd is open from the start. Root can list them; another
+    // user cannot even do that, so it tries the low descriptors.
+    let fds: Vec<String> = if root {
+        let memfds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|e| {
+                let e = e.unwrap();
+                let target = std::fs::read_link(e.path()).ok()?;
+                target
+                    .to_string_lossy()
+                    .starts_with("/memfd:")
+                    .then(|| e.path().display().to_string())
+            })
+            .collect();
+        assert!(!memfds.is_empty(), "the manager holds its pool's memfd");
+        // Non-dumpable: the kernel hands its /proc entries to root.
+        let meta = std::fs::metadata(format!("/proc/{pid}/fd")).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (0, 0));
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        assert!(
+            status
+                .lines()
+                .any(|l| l.starts_with("Uid:") && l.contains("65534")),
+            "{status}"
+        );
+        memfds
+    } else {
+        (0..32).map(|n| format!("/proc/{pid}/fd/{n}")).collect()
+    };
+    let got = open_as(as_uid, &fds);
+    assert_eq!(got.len(), fds.len());
+    for (fd, r) in fds.iter().zip(&got) {
+        assert_eq!(r, &libc::EACCES.to_string(), "{fd}");
+    }
+    // The control: a dumpable process of the same uid holding a memfd is
+    // open to the probe, so the refusal above is the manager's doing.
+    let mut control = Proc::new("/usr/bin/python3");
+    control
+        .args([
+            "-I",
+            "-c",
+            "import os,sys,time\nfd=os.memfd_create('control')\nprint(fd,flush=True)\ntime.sleep(30)\n",
+        ])
+        .stdout(Stdio::piped());
+    if let Some(uid) = as_uid {
+        control.uid(uid).gid(uid);
+    }
+    let mut control = Reaped(control.spawn().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(control.0.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let path = format!("/proc/{}/fd/{}", control.0.id(), line.trim());
+    let got = open_as(as_uid, std::slice::from_ref(&path));
+    assert_eq!(got, vec!["ok".to_owned()], "{path}");
+    drop(child);
+}
+
 #[test]
 fn iceoryx2_files_are_not_writable_by_others() {
     use std::os::unix::fs::PermissionsExt as _;
@@ -773,7 +951,8 @@ fn an_idle_manager_barely_wakes_and_barely_uses_a_core() {
 }
 
 /// Writes `bytes` into the manager's memory at `offset` of its DRAM pool,
-/// through /proc (root, or the manager's parent): what no client can do.
+/// through /proc (root: the manager is not dumpable, so only a process
+/// with `CAP_SYS_PTRACE` gets in): what no client can do.
 fn alter_pool(m: &Manager, offset: u64, bytes: &[u8]) {
     use std::os::unix::fs::FileExt as _;
     let maps = std::fs::read_to_string(format!("/proc/{}/maps", m.pid())).unwrap();
@@ -825,6 +1004,11 @@ fn prepared(c: &mut Client, s: SessionHandle, hashes: &[NativeHash]) -> Event {
 
 #[test]
 fn a_page_altered_in_memory_is_never_a_hit_on_any_tier() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: altering the non-dumpable manager's memory needs root");
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let ssd = dir.path().join("ssd");
     std::fs::create_dir(&ssd).unwrap();
@@ -1394,4 +1578,609 @@ fn another_cache_scope_never_reads_these_pages() {
         ),
         "{r:?}"
     );
+}
+
+fn region_command(session: SessionHandle, slots: u32) -> Command {
+    Command::RegisterDeviceRegion {
+        session,
+        rank: 0,
+        group: 0,
+        slots,
+        agent: None,
+    }
+}
+
+/// Issue 23: manager-owned regions are mapped in full, so enough sparse
+/// 16 GiB regions used to fill the manager's address space and abort it.
+/// All of them together are bounded now (`limits.max_region_bytes`), on
+/// every connection alike; a region past it is refused with `limit`, the
+/// bytes come back when their session closes, and another client keeps
+/// publishing and restoring exact bytes throughout.
+#[test]
+fn regions_past_the_global_byte_budget_are_refused_and_others_keep_serving() {
+    const REGION: u64 = (1 << 22) * BYTES; // 16 GiB, the largest region
+    let dir = tempfile::tempdir().unwrap();
+    let mut m = start_with(
+        dir.path(),
+        "",
+        &format!("[limits]\nmax_region_bytes = {}\n", 4 * REGION),
+    );
+    let mut good = Client::connect(&m.socket, "good").unwrap();
+    let hashes: Vec<NativeHash> = (0..4).map(|i| NativeHash::from_u64(0x9100 + i)).collect();
+    let payload = |i: u64| vec![0x21 + i as u8; BYTES as usize];
+    publish_four(&mut good, &hashes, payload); // and a 64-slot region
+    let budget_refusal = |e: &Event| {
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::Limit {
+                    name: LimitName::MaxRegionBytes,
+                    limit,
+                },
+                ..
+            } if *limit == 4 * REGION
+        )
+    };
+    // Two greedy connections share the one budget: three regions fit
+    // beside the good client's small one, the fourth does not, on either.
+    let (mut a, _) = Raw::hello(&m, false);
+    let (mut b, _) = Raw::hello(&m, false);
+    let sa = raw_session(&mut a);
+    let sb = raw_session(&mut b);
+    let mut outcomes = Vec::new();
+    for (n, on_b) in [false, false, true, true, false].into_iter().enumerate() {
+        let (c, s) = if on_b { (&mut b, sb) } else { (&mut a, sa) };
+        c.submit(100 + n as u64, region_command(s, 1 << 22));
+        let e = loop {
+            let (k, p) = c.next().unwrap();
+            c.fds.clear(); // the test does not map them
+            if k != Kind::Events {
+                continue;
+            }
+            if let Some(e) = events_of(&p)
+                .into_iter()
+                .find(|e| matches!(e, Event::RegionRegistered { .. } | Event::Rejected { .. }))
+            {
+                break e;
+            }
+        };
+        outcomes.push(if budget_refusal(&e) {
+            "limit"
+        } else if matches!(e, Event::RegionRegistered { .. }) {
+            "ok"
+        } else {
+            panic!("{e:?}")
+        });
+    }
+    assert_eq!(outcomes, ["ok", "ok", "ok", "limit", "limit"]);
+    // The manager is alive and the good client's pages are exact.
+    assert!(m.child.try_wait().ok().flatten().is_none());
+    let (s, region) = open(&mut good);
+    let Event::Ready { operation, .. } = prepared(&mut good, s, &hashes) else {
+        panic!("the good client's pages are a hit");
+    };
+    restore_four(&mut good, s, region, operation, 8, payload);
+    // B's session closes: its region's bytes come back to the budget.
+    drop(b);
+    let deadline = Instant::now() + T;
+    loop {
+        a.submit(200, region_command(sa, 1 << 22));
+        let e = loop {
+            let (k, p) = a.next().unwrap();
+            a.fds.clear();
+            if k == Kind::Events
+                && let Some(e) = events_of(&p)
+                    .into_iter()
+                    .find(|e| matches!(e, Event::RegionRegistered { .. } | Event::Rejected { .. }))
+            {
+                break e;
+            }
+        };
+        if matches!(e, Event::RegionRegistered { .. }) {
+            break;
+        }
+        assert!(budget_refusal(&e), "{e:?}");
+        assert!(
+            Instant::now() < deadline,
+            "the closed session's bytes never came back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 23: `max_sessions` is global, so one uid's connections could take
+/// every session. A process and a uid each have a share now
+/// (`max_sessions_per_process`, `max_sessions_per_uid`), typed `limit`
+/// refusals past them; a second process of the same uid gets the uid's
+/// share that the first left (the child re-runs this test binary).
+#[test]
+fn sixteen_connections_of_one_uid_cannot_take_every_session() {
+    const CHILD: &str = "ORBITKV_TEST_SESSIONS_CHILD";
+    let open_cmd = || Command::OpenSession {
+        instance: "llama".into(),
+    };
+    // Opens sessions on fresh connections, 8 each, until refused; returns
+    // the sessions opened and the refusal.
+    let grab = |socket: &Path, conns: &mut Vec<Client>| -> (usize, CommandError) {
+        let mut opened = 0;
+        loop {
+            let mut c = Client::connect(socket, "greedy").unwrap();
+            if conns.is_empty() {
+                register(&mut c);
+            }
+            for _ in 0..8 {
+                match c.call(open_cmd(), T) {
+                    Ok(Event::SessionOpened { .. }) => opened += 1,
+                    Err(ClientError::Command(e)) => {
+                        conns.push(c);
+                        return (opened, e);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            conns.push(c);
+            assert!(conns.len() <= 16, "16 connections took {opened} sessions");
+        }
+    };
+    if let Ok(socket) = std::env::var(CHILD) {
+        // The child: the same uid, another process.
+        let mut conns = Vec::new();
+        let (opened, e) = grab(Path::new(&socket), &mut conns);
+        println!(
+            "child opened {opened} refused {}",
+            serde_json::to_string(&e).unwrap()
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let m = start_full(
+        dir.path(),
+        "16MiB",
+        "max_sessions_per_connection = 8\nmax_sessions_per_uid = 96\nmax_sessions_per_process = 60",
+        "[limits]\nmax_sessions = 128\n",
+        &[],
+    );
+    let mut conns = Vec::new();
+    let (opened, e) = grab(&m.socket, &mut conns);
+    assert_eq!(opened, 60);
+    assert_eq!(
+        e,
+        CommandError::Limit {
+            name: LimitName::MaxSessionsPerProcess,
+            limit: 60
+        }
+    );
+    let out = Proc::new(std::env::current_exe().unwrap())
+        .args([
+            "sixteen_connections_of_one_uid_cannot_take_every_session",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, &m.socket)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let refusal = serde_json::to_string(&CommandError::Limit {
+        name: LimitName::MaxSessionsPerUid,
+        limit: 96,
+    })
+    .unwrap();
+    assert!(
+        text.contains(&format!("child opened 36 refused {refusal}")),
+        "{text}"
+    );
+    // 96 of 128: the rest is left to other uids, and nothing was broken.
+    let mut again = Client::connect(&m.socket, "again").unwrap();
+    assert!(matches!(
+        again.call(open_cmd(), T).unwrap_err(),
+        ClientError::Command(CommandError::Limit {
+            name: LimitName::MaxSessionsPerProcess,
+            ..
+        })
+    ));
+    drop(conns);
+    let deadline = Instant::now() + T;
+    while !matches!(again.call(open_cmd(), T), Ok(Event::SessionOpened { .. })) {
+        assert!(Instant::now() < deadline, "closed sessions never came back");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 23: outboxes were bounded per connection only, and a frame is
+/// held whole until it completes, so 30 connections announcing 16 MiB
+/// frames grew the manager by half a gigabyte. Partly received large
+/// frames are bounded together (`max_partial_frame_bytes`): the frame
+/// that does not fit gets an `Error` naming the limit and its connection
+/// closes, before the rest of it is read; outboxes are bounded together
+/// (`max_total_outbox_bytes`): past it the largest is cut off.
+#[test]
+fn half_received_frames_and_outboxes_stay_under_their_global_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start_with(
+        dir.path(),
+        "max_partial_frame_bytes = \"40MiB\"\nmax_total_outbox_bytes = \"12MiB\"\nmax_outbox_bytes = \"64MiB\"",
+        "",
+    );
+    let rss_before = m.rss_kib();
+    // Each announces a 16 MiB Submit and sends 4 MiB of it.
+    let mut senders = Vec::new();
+    let mut refused = 0;
+    for _ in 0..30 {
+        let (mut c, _) = Raw::hello(&m, false);
+        let mut bytes = frame::header(Kind::Submit, 16 << 20).to_vec();
+        bytes.resize(frame::HEADER_BYTES + (4 << 20), b' ');
+        // The manager may close it before all of it is read.
+        let _ = c.s.write_all(&bytes);
+        senders.push(c);
+    }
+    for c in &mut senders {
+        c.s.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        if let Some((k, p)) = c.next_opt() {
+            assert_eq!(k, Kind::Error);
+            let text = String::from_utf8_lossy(&p);
+            assert!(text.contains("max_partial_frame_bytes"), "{text}");
+            refused += 1;
+        }
+    }
+    // Two 16 MiB frames fit in 40 MiB; every other one is refused.
+    assert_eq!(refused, 28, "refused {refused} of 30");
+    assert!(
+        m.rss_kib() < rss_before + 96 * 1024,
+        "RSS {} KiB -> {} KiB",
+        rss_before,
+        m.rss_kib()
+    );
+    m.wait_sample("orbitkv_disconnects_total{reason=\"input_budget\"}", |v| {
+        v == 28
+    });
+    drop(senders);
+    // Clients that ask for snapshots and never read: 12 MiB among them.
+    let mut readers = Vec::new();
+    for _ in 0..8 {
+        let (mut c, _) = Raw::hello(&m, false);
+        let mut burst = Vec::new();
+        for _ in 0..4000 {
+            burst.extend_from_slice(&frame::encode(Kind::Inspect, &()));
+        }
+        c.s.write_all(&burst).unwrap();
+        readers.push(c);
+    }
+    let cut = m.wait_sample("orbitkv_disconnects_total{reason=\"outbox_budget\"}", |v| {
+        v > 0
+    });
+    assert!(cut < 8, "{cut} of 8 cut off");
+    // The outbox gauge never stays over the bound.
+    assert!(m.metric("outbox_bytes").unwrap() <= 12 << 20);
+    // The manager serves a good client.
+    let mut good = Client::connect(&m.socket, "good").unwrap();
+    good.ping().unwrap();
+    drop(readers);
+}
+
+/// Issue 23: `/metrics` was readable by every local user over TCP. A TCP
+/// address must be loopback (unless `metrics_public`), and `unix:PATH`
+/// serves it on a socket of mode 0600 whose peers must be this uid: as
+/// root the test shows `nobody` cannot connect to it.
+#[test]
+fn metrics_are_loopback_only_or_owner_only() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("m.toml");
+    std::fs::write(&config, BASE_CONFIG).unwrap();
+    let serve = |metrics: &str, name: &str| {
+        let mut p = Proc::new(env!("CARGO_BIN_EXE_orbitkv"));
+        p.args(["serve", "--socket"])
+            .arg(dir.path().join(format!("{name}.sock")))
+            .args(["--dram", "16MiB", "--config", config.to_str().unwrap()])
+            .args(["--metrics-addr", metrics])
+            .env("RUST_LOG", "error")
+            .env("ORBITKV_HOT_PATH", "0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        p
+    };
+    let out = serve(&format!("0.0.0.0:{}", free_port()), "public")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a loopback address"), "{err}");
+    let path = dir.path().join("metrics.sock");
+    let mut child = Reaped(
+        serve(&format!("unix:{}", path.display()), "unix")
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + T;
+    while !path.exists() || !dir.path().join("unix.sock").exists() {
+        assert!(Instant::now() < deadline, "manager did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let mut s = UnixStream::connect(&path).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(body.contains("orbitkv_queries_total"), "{body}");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        use std::os::unix::process::CommandExt as _;
+        let script = format!(
+            "import socket\ns=socket.socket(socket.AF_UNIX)\ntry:\n  s.connect({:?}); print('connected')\nexcept OSError as e:\n  print(e.errno)\n",
+            path.display().to_string()
+        );
+        // The socket's directory must be reachable for the mode to be
+        // what stops `nobody`.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = Proc::new("/usr/bin/python3")
+            .args(["-I", "-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        let got = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(got, libc::EACCES.to_string());
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
+    assert!(!path.exists(), "the metrics socket is removed at shutdown");
+}
+
+/// The copy agent of an engine, riding on its client as the bridge's does.
+struct RacedAgent(std::sync::Arc<std::sync::Mutex<orbitkv_gpu::agent::CopyAgent>>);
+
+impl RacedAgent {
+    fn lock(&self) -> std::sync::MutexGuard<'_, orbitkv_gpu::agent::CopyAgent> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl orbitkv_ipc::Agent for RacedAgent {
+    fn window(
+        &mut self,
+        pool: &std::fs::File,
+        pool_len: u64,
+        staging: std::fs::File,
+        staging_len: u64,
+    ) -> Result<(), String> {
+        use std::os::fd::AsFd as _;
+        let mut agent = self.lock();
+        if agent.has_window() {
+            return Ok(());
+        }
+        let w = orbitkv_gpu::agent::HostWindow::map(
+            pool.as_fd(),
+            pool_len,
+            staging.as_fd(),
+            staging_len,
+        )
+        .map_err(|e| e.to_string())?;
+        agent.set_window(w).map_err(|e| e.to_string())
+    }
+
+    fn take(&mut self, event: &Event) -> bool {
+        matches!(event, Event::AgentCopy { .. }) && self.lock().handle(event)
+    }
+
+    fn reports(&mut self, out: &mut Vec<Command>) {
+        self.lock().poll(out);
+    }
+
+    fn busy(&self) -> bool {
+        self.lock().busy()
+    }
+
+    fn lost(&mut self) {
+        let mut discard = Vec::new();
+        self.lock().drain(Duration::from_secs(10), &mut discard);
+    }
+}
+
+/// Issue 23: another process of the engine's uid opened its staging area
+/// through `/proc/<engine>/fd/N` and rewrote pages between the agent's
+/// copy and the manager's copy-in: 780 of 800 published pages were
+/// replaced, all under valid checksums. Here a thread of the engine
+/// process itself plays that writer, reopening the staging memfd through
+/// `/proc/self/fd` and overwriting all of it in a loop while an official
+/// client publishes 800 pages through its copy agent. Every page is then
+/// looked up: each one the manager serves holds exactly the engine's
+/// bytes; the raced ones were refused at publish.
+#[test]
+fn a_racing_writer_of_the_staging_area_never_gets_a_page_served() {
+    use std::os::unix::fs::FileExt as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const PAGES: u32 = 800;
+    const BATCH: u32 = 100;
+    let dir = tempfile::tempdir().unwrap();
+    // A pool of another size than the staging area, so the writer finds
+    // the staging memfd by its size.
+    let m = start_full(dir.path(), "32MiB", "", "", &[]);
+    let payload = |i: u32| -> Vec<u8> {
+        (0..BYTES)
+            .map(|b| (u64::from(i) * 31 + b * 7 + b / 251) as u8)
+            .collect()
+    };
+    // The engine's memory: one page per slot, written before the publish.
+    let mut memory = vec![0u8; (PAGES as u64 * BYTES) as usize];
+    for i in 0..PAGES {
+        let at = (u64::from(i) * BYTES) as usize;
+        memory[at..at + BYTES as usize].copy_from_slice(&payload(i));
+    }
+    let executor = Box::new(orbitkv_gpu::host::HostCopyEngine::new(
+        orbitkv_gpu::host::HostCopyConfig::default(),
+    ));
+    let agent = std::sync::Arc::new(std::sync::Mutex::new(orbitkv_gpu::agent::CopyAgent::new(
+        executor,
+    )));
+    let chunk = orbitkv_gpu::agent::Chunk {
+        kind: orbitkv_gpu::agent::MemoryKind::Host,
+        ptr: memory.as_mut_ptr() as u64,
+        stride: BYTES,
+        len: BYTES,
+    };
+    // SAFETY: `memory` outlives the agent (dropped with the client below).
+    let (engine_region, page_bytes) =
+        unsafe { agent.lock().unwrap().attach(PAGES, &[chunk]) }.unwrap();
+    let options = ClientOptions {
+        hot_path: false,
+        ..ClientOptions::default()
+    };
+    let mut c = Client::connect_with(&m.socket, "engine", options).unwrap();
+    c.set_agent(Box::new(RacedAgent(agent.clone()))).unwrap();
+    register(&mut c);
+    let (s, region) = with_driver(&mut c, T, |d| {
+        let s = d.open("llama")?;
+        let r = d.call(
+            "region",
+            Command::RegisterDeviceRegion {
+                session: s,
+                rank: 0,
+                group: 0,
+                slots: PAGES,
+                agent: Some(orbitkv_components::api::AgentRegion {
+                    region: engine_region,
+                    page_bytes,
+                }),
+            },
+        )?;
+        Ok::<_, orbitkv_world::driver::DriverError<_>>((s, r))
+    })
+    .unwrap();
+    let Event::RegionRegistered { region, .. } = region else {
+        panic!("{region:?}");
+    };
+    // The writer: the staging area is the one writable shared-memory
+    // mapping of this process of the staging area's size (the agent's
+    // window); another process of the uid writes it through
+    // /proc/<engine>/mem, as this thread does through /proc/self/mem.
+    let staging_len = orbitkv_world::Config::default().limits.max_staging_bytes;
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let staging_at = maps
+        .lines()
+        .filter(|l| {
+            l.contains("memfd:")
+                && l.split_whitespace()
+                    .nth(1)
+                    .is_some_and(|p| p.starts_with("rw"))
+        })
+        .find_map(|l| {
+            let (range, _) = l.split_once(' ')?;
+            let (a, b) = range.split_once('-')?;
+            let (a, b) = (
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            );
+            (b - a == staging_len).then_some(a)
+        })
+        .expect("the agent's writable staging mapping");
+    let staging = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/self/mem")
+        .unwrap();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let junk = vec![0xEEu8; 1 << 20];
+            let mut rounds = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for at in (0..staging_len).step_by(1 << 20) {
+                    staging.write_all_at(&junk, staging_at + at).unwrap();
+                }
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let mut inserted = 0;
+    for first in (0..PAGES).step_by(BATCH as usize) {
+        let done = with_driver(&mut c, T, |d| {
+            let dps = d.alloc_many(s, region, first..first + BATCH)?;
+            let pages = dps
+                .iter()
+                .enumerate()
+                .map(|(n, &device_page)| PublishPage {
+                    rank: 0,
+                    group: 0,
+                    hash: NativeHash::from_u64(0xA000 + u64::from(first) + n as u64),
+                    device_page,
+                })
+                .collect();
+            d.publish(s, u64::from(first) + 1, pages)
+        })
+        .unwrap();
+        inserted += done.inserted;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = writer.join().unwrap();
+    assert!(rounds > 0, "the writer raced");
+    // Every page: served exactly as the engine wrote it, or a miss.
+    let (mut hits, mut wrong) = (0, 0);
+    for i in 0..PAGES {
+        let q = Command::Query {
+            session: s,
+            request: 10_000 + u64::from(i),
+            groups: vec![GroupHashes {
+                group: 0,
+                hashes: vec![NativeHash::from_u64(0xA000 + u64::from(i))],
+            }],
+            origin: 0,
+            prompt_len: 2 * PAGE,
+            expect_namespaces: vec![],
+            prepare: true,
+            speculative: false,
+        };
+        let ready = with_driver(&mut c, T, |d| {
+            let id = d.submit(q)?;
+            d.tick()?;
+            match d.reply("query", id)? {
+                Event::QueryResult {
+                    operation,
+                    miss: None,
+                    ..
+                } => d.ready(operation).map(Some),
+                _ => Ok(None),
+            }
+        })
+        .unwrap();
+        let Some(Event::Ready {
+            operation, leases, ..
+        }) = ready
+        else {
+            continue;
+        };
+        hits += 1;
+        if c.page(&leases[0]).unwrap() != payload(i) {
+            wrong += 1;
+        }
+        c.submit(Command::Release {
+            session: s,
+            operation,
+        })
+        .unwrap();
+        c.wait_event(
+            T,
+            |e| matches!(e, Event::Released { operation: o } if *o == operation),
+        )
+        .unwrap()
+        .unwrap();
+    }
+    let refused = m.wait_metric_until("publish_checksum_refusals_total", |_| true);
+    eprintln!(
+        "{PAGES} published under a racing writer ({rounds} passes over the staging area): \
+         {inserted} stored, {refused} refused, {hits} served, {wrong} wrong"
+    );
+    assert_eq!(wrong, 0, "a page the writer altered was served");
+    assert_eq!(hits, inserted as usize, "every stored page is served");
+    assert_eq!(inserted + refused, u64::from(PAGES));
+    drop(c);
+    drop(agent);
+    drop(memory);
 }

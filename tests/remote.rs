@@ -13,16 +13,22 @@ use std::time::{Duration, Instant};
 
 use orbitkv_components::NativeHash;
 use orbitkv_components::api::{Command, Event, GroupHashes, MissReason, SessionHandle};
+use orbitkv_io::remote::record::{RecordHeader, RecordMac, directory_key, encode_record, shard_of};
 use orbitkv_ipc::Client;
 use orbitkv_world::driver::{DriverError, target};
 
 /// A manager whose remote tier is `remote` (seed URLs, comma-separated),
 /// with short refresh and breaker timings; `prefix` keeps tests apart.
+/// The managers of one `dir` share its MAC secret, as a deployment does.
 fn start(dir: &Path, name: &str, remote: &str, prefix: &str) -> Manager {
+    let secret = dir.join("mac.key");
+    if !secret.exists() {
+        std::fs::write(&secret, "a deployment secret of 32+ bytes, for tests\n").unwrap();
+    }
     let config = format!(
         "{BASE_CONFIG}[remote]\nkey_prefix = \"{prefix}\"\nrefresh_interval_ms = 20\n\
          validate_every_rounds = 5\nread_timeout_ms = 1000\nbreaker_failures = 2\n\
-         breaker_cooldown_ms = 200\n"
+         breaker_cooldown_ms = 200\nmac_key_file = {secret:?}\n"
     );
     Manager::start(dir, name, "16MiB", &config, &["--remote", remote])
 }
@@ -256,9 +262,35 @@ fn a_corrupted_record_is_a_miss_through_the_manager() {
             orbitkv_components::StateKey::decode(&bytes).unwrap().native == native
         })
         .unwrap();
+    // Issue 23: a forged record as a writer of the store makes it, every
+    // unkeyed check recomputed (header checksum, payload XXH3) and a fresh
+    // directory entry promising it, MACs under public keys (it lacks the
+    // deployment's secret). Before records were keyed, B served it.
+    let bytes = hex::decode(&victim[prefix.len() + 2..]).unwrap();
+    let key = orbitkv_components::StateKey::decode(&bytes).unwrap();
+    let evil = vec![0x42u8; BYTES as usize];
+    let forger = RecordMac::unauthenticated();
+    let h = RecordHeader {
+        key,
+        format_digest: [0; 32],
+        payload_len: BYTES,
+        payload_checksum: orbitkv_io::checksum::page_checksum(&evil),
+        payload_mac: forger.payload_mac(&evil),
+        writer: 666,
+        written_unix_ms: 4_000_000_000_000,
+        ttl_ms: 3_600_000,
+    };
     let () = redis::cmd("SET")
         .arg(victim)
-        .arg(vec![0x42u8; 4200])
+        .arg(encode_record(&h, &forger, &evil))
+        .query(&mut raw)
+        .unwrap();
+    let dir_key = directory_key(&prefix, &key.namespace, shard_of(&key, 16));
+    let _: String = redis::cmd("XADD")
+        .arg(dir_key)
+        .arg("*")
+        .arg("h")
+        .arg(h.encode(&forger))
         .query(&mut raw)
         .unwrap();
 
@@ -319,4 +351,35 @@ fn a_remote_that_is_down_leaves_dram_serving() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(m.metric("remote_writes_total"), Some(0));
+}
+
+/// Issue 23: a manager with a remote tier and no MAC secret refuses to
+/// start (records from the store could not be authenticated), unless the
+/// operator says it trusts whoever can write the store. No Redis needed:
+/// the tier does not connect at start.
+#[test]
+fn a_manager_without_a_remote_secret_does_not_start_unless_told_to_trust() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = format!("redis://127.0.0.1:{}", free_port());
+    let config = dir.path().join("plain.toml");
+    std::fs::write(&config, format!("{BASE_CONFIG}[remote]\n")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orbitkv"))
+        .args(["serve", "--socket"])
+        .arg(dir.path().join("plain.sock"))
+        .args(["--config", config.to_str().unwrap(), "--remote", &dead])
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("mac_key_file"), "{err}");
+    let trusting = format!("{BASE_CONFIG}[remote]\nunauthenticated = true\n");
+    let m = Manager::start(
+        dir.path(),
+        "trusting",
+        "16MiB",
+        &trusting,
+        &["--remote", &dead],
+    );
+    m.stop();
 }

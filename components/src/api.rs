@@ -269,6 +269,14 @@ pub enum Command {
         copy: u64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         failure: Option<CopyFailure>,
+        /// `region_to_staging`: the XXH3-64 of each page, in the copy's
+        /// page order, computed by the agent from its own memory while it
+        /// copied. The manager verifies each staged page against it when
+        /// it moves the page into the pool; a page that differs (its
+        /// staging slot was written after the agent's copy) is refused, and
+        /// a publish report without them stores nothing.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        checksums: Vec<u64>,
     },
     /// Simulated clock only: move time forward.
     AdvanceClock {
@@ -631,6 +639,13 @@ pub enum LimitName {
     /// The manager's per-connection quotas (`orbitkv serve` settings).
     MaxSessionsPerConnection,
     MaxRegionsPerConnection,
+    /// Bytes of every manager-owned device region together (each is mapped
+    /// in full, so this bounds the manager's address space).
+    MaxRegionBytes,
+    /// Sessions of one client uid across its connections.
+    MaxSessionsPerUid,
+    /// Sessions of one client process across its connections.
+    MaxSessionsPerProcess,
 }
 
 impl LimitName {
@@ -647,6 +662,9 @@ impl LimitName {
             LimitName::MaxRegionSlots => "max_region_slots",
             LimitName::MaxSessionsPerConnection => "max_sessions_per_connection",
             LimitName::MaxRegionsPerConnection => "max_regions_per_connection",
+            LimitName::MaxRegionBytes => "max_region_bytes",
+            LimitName::MaxSessionsPerUid => "max_sessions_per_uid",
+            LimitName::MaxSessionsPerProcess => "max_sessions_per_process",
         }
     }
 }

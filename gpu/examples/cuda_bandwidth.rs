@@ -175,6 +175,7 @@ fn run() -> Result<(), String> {
                         device_offset: slots[i as usize] * page,
                         len: page,
                         expect_checksum: None,
+                        sum: orbitkv_gpu::SumOf::Destination,
                     })
                     .collect();
                 let verified: Vec<PageCopy> = copies

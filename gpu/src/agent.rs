@@ -113,12 +113,35 @@ struct Part {
     direction: Direction,
     copies: Vec<PageCopy>,
     layer: Option<LayerPart>,
+    /// A publish's pages, in order: what their checksums are taken from.
+    pages: Vec<StagedPage>,
+}
+
+/// One page a publish writes into the staging area.
+#[derive(Debug, Clone, Copy)]
+struct StagedPage {
+    /// Its last copy in the part: the executor's checksum of that copy,
+    /// hashed from the source, covers the whole page.
+    last: usize,
+    /// Where it lands in the window, and its length.
+    at: u64,
+    len: u64,
+}
+
+/// A running part: its copy, layer and pages.
+struct Running {
+    copy: u64,
+    layer: Option<LayerPart>,
+    pages: Vec<StagedPage>,
+    copies: usize,
 }
 
 /// A copy whose parts are not all done.
 struct CopyState {
     parts: usize,
     failure: Option<CopyFailure>,
+    /// A publish's page checksums, from the agent's source memory.
+    checksums: Vec<u64>,
 }
 
 /// An attached region: its page size and where each chunk lives.
@@ -241,14 +264,14 @@ pub struct CopyAgent {
     regions: HashMap<u32, Region>,
     next_region: u32,
     /// Executor token → the copy and layer part it carries.
-    running: HashMap<CompletionToken, (u64, Option<LayerPart>)>,
+    running: HashMap<CompletionToken, Running>,
     /// Parts of accepted copies the executor had no room for yet (bounded
     /// by the runtime's `max_agent_copies_per_origin` times the layers).
     waiting: VecDeque<Part>,
     /// Accepted copies with parts running or waiting.
     copies: HashMap<u64, CopyState>,
-    /// Finished copies not reported yet.
-    finished: Vec<(u64, Option<CopyFailure>)>,
+    /// Finished copies not reported yet, with a publish's page checksums.
+    finished: Vec<(u64, Option<CopyFailure>, Vec<u64>)>,
 }
 
 impl CopyAgent {
@@ -443,11 +466,12 @@ impl CopyAgent {
                     CopyState {
                         parts: parts.len(),
                         failure: None,
+                        checksums: Vec::new(),
                     },
                 );
                 self.waiting.extend(parts);
             }
-            Err(f) => self.finished.push((*copy, Some(f))),
+            Err(f) => self.finished.push((*copy, Some(f), Vec::new())),
         }
         self.start_waiting();
         true
@@ -481,6 +505,7 @@ impl CopyAgent {
         let mut layered: std::collections::BTreeMap<(u32, u32), (Vec<PageCopy>, u64)> =
             std::collections::BTreeMap::new();
         let mut verify = Vec::new();
+        let mut staged = Vec::new();
         for p in pages {
             let r = self
                 .regions
@@ -512,7 +537,15 @@ impl CopyAgent {
                 verify.push((p.host_offset, p.len, sum));
             }
             let mut counted: Vec<u32> = Vec::new();
-            for &(id, at, stride, len, layer) in &r.chunks {
+            for (n, &(id, at, stride, len, layer)) in r.chunks.iter().enumerate() {
+                // A publish's page checksum is taken from the engine's own
+                // memory as it is read, chunk after chunk (end to end: the
+                // manager verifies the staged page against it).
+                let sum = match (restore, n) {
+                    (true, _) => crate::SumOf::Destination,
+                    (false, 0) => crate::SumOf::SourceStart,
+                    (false, _) => crate::SumOf::SourceContinue,
+                };
                 let c = PageCopy {
                     host_offset: host_base + p.host_offset + at,
                     region: id,
@@ -521,6 +554,7 @@ impl CopyAgent {
                     // A page's checksum covers all its chunks: verified
                     // whole, below.
                     expect_checksum: None,
+                    sum,
                 };
                 match layer {
                     Some(l) if restore => {
@@ -533,6 +567,13 @@ impl CopyAgent {
                     }
                     _ => whole.push(c),
                 }
+            }
+            if !restore {
+                staged.push(StagedPage {
+                    last: whole.len() - 1,
+                    at: host_base + p.host_offset,
+                    len: p.len,
+                });
             }
         }
         if whole.is_empty() && layered.is_empty() {
@@ -548,6 +589,7 @@ impl CopyAgent {
                 direction: dir,
                 copies: whole,
                 layer: None,
+                pages: staged,
             });
         }
         for ((layer, region), (copies, pages)) in layered {
@@ -556,6 +598,7 @@ impl CopyAgent {
                 direction: dir,
                 copies,
                 layer: Some((region, layer, pages)),
+                pages: Vec::new(),
             });
         }
         Ok(parts)
@@ -582,7 +625,13 @@ impl CopyAgent {
         while let Some(part) = self.waiting.pop_front() {
             match self.executor.submit(part.direction, &part.copies, 0) {
                 Ok(token) => {
-                    self.running.insert(token, (part.copy, part.layer));
+                    let running = Running {
+                        copy: part.copy,
+                        layer: part.layer,
+                        copies: part.copies.len(),
+                        pages: part.pages,
+                    };
+                    self.running.insert(token, running);
                 }
                 Err(CopyError::QueueFull(..)) if !self.running.is_empty() => {
                     self.waiting.push_front(part);
@@ -591,7 +640,7 @@ impl CopyAgent {
                 Err(e) => self.part_done(
                     part.copy,
                     part.layer,
-                    Some(CopyFailure::Executor(e.to_string())),
+                    Err(CopyFailure::Executor(e.to_string())),
                 ),
             }
         }
@@ -599,7 +648,16 @@ impl CopyAgent {
 
     /// One part of `copy` finished (`failure` if it failed): counts its
     /// layer, and finishes the copy with its last part.
-    fn part_done(&mut self, copy: u64, layer: Option<LayerPart>, failure: Option<CopyFailure>) {
+    fn part_done(
+        &mut self,
+        copy: u64,
+        layer: Option<LayerPart>,
+        result: Result<Vec<u64>, CopyFailure>,
+    ) {
+        let (failure, sums) = match result {
+            Ok(sums) => (None, sums),
+            Err(f) => (Some(f), Vec::new()),
+        };
         if let Some((region, l, pages)) = layer
             && let Some(count) = self
                 .regions
@@ -623,10 +681,16 @@ impl CopyAgent {
         if state.failure.is_none() {
             state.failure = failure;
         }
+        state.checksums.extend(sums);
         if state.parts == 0
             && let Some(state) = self.copies.remove(&copy)
         {
-            self.finished.push((copy, state.failure));
+            let sums = if state.failure.is_none() {
+                state.checksums
+            } else {
+                Vec::new()
+            };
+            self.finished.push((copy, state.failure, sums));
         }
     }
 
@@ -637,22 +701,62 @@ impl CopyAgent {
         let mut done: Vec<Completion> = Vec::new();
         self.executor.poll(0, &mut done);
         for c in done {
-            if let Some((copy, layer)) = self.running.remove(&c.token) {
-                let failure = c.result.err().map(|e| CopyFailure::Executor(e.to_string()));
-                self.part_done(copy, layer, failure);
+            if let Some(r) = self.running.remove(&c.token) {
+                let result = match c.result {
+                    Ok(()) => Ok(self.page_sums(&r, &c.checksums)),
+                    Err(e) => Err(CopyFailure::Executor(e.to_string())),
+                };
+                self.part_done(r.copy, r.layer, result);
             }
         }
         self.start_waiting();
     }
 
+    /// The checksums of a finished part's staged pages: from the executor,
+    /// which hashed each page's source as it copied it (the host engine);
+    /// an executor that did not (CUDA: the device's bytes are read only by
+    /// the DMA) has the agent hash the staged bytes right after they
+    /// landed, before anything is reported.
+    fn page_sums(&self, r: &Running, executor: &[u64]) -> Vec<u64> {
+        if executor.len() == r.copies {
+            return r
+                .pages
+                .iter()
+                .filter_map(|p| executor.get(p.last).copied())
+                .collect();
+        }
+        let Some(window) = self.window.as_ref() else {
+            return Vec::new();
+        };
+        r.pages
+            .iter()
+            .map(|p| {
+                // In bounds: `plan` checked each page against the staging
+                // area. SAFETY: the window stays mapped while the agent
+                // holds it, and the staging slot is this copy's until it
+                // is reported.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(window.base.add(p.at as usize), p.len as usize)
+                };
+                xxhash_rust::xxh3::xxh3_64(bytes)
+            })
+            .collect()
+    }
+
     /// Collects finished copies as `CopyDone` commands (to submit to the
-    /// runtime), and starts copies that waited for executor room.
+    /// runtime), and starts copies that waited for executor room. A
+    /// publish's carries its pages' checksums, taken from the engine's own
+    /// memory as it was copied.
     pub fn poll(&mut self, out: &mut Vec<Command>) {
         self.progress();
         out.extend(
             self.finished
                 .drain(..)
-                .map(|(copy, failure)| Command::CopyDone { copy, failure }),
+                .map(|(copy, failure, checksums)| Command::CopyDone {
+                    copy,
+                    failure,
+                    checksums,
+                }),
         );
     }
 

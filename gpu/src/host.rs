@@ -14,7 +14,8 @@ use std::thread::{self, JoinHandle};
 use std::{fmt, ptr};
 
 use crate::{
-    Completion, CompletionToken, CopyEngine, CopyError, Direction, PageCopy, RegionId, check_bounds,
+    Completion, CompletionToken, CopyEngine, CopyError, Direction, PageCopy, RegionId, SumOf,
+    check_bounds,
 };
 
 /// Device regions held in host memory, shared by an engine and its callers.
@@ -287,6 +288,8 @@ impl DeviceArena {
             .resolve(Some(host), copies)
             .map_err(|e| CopyError::Failed(format!("batch invalid at copy time: {e}")))?;
         let mut sums = Vec::with_capacity(copies.len());
+        // The page a chain of source-hashed copies is building.
+        let mut page = xxhash_rust::xxh3::Xxh3::new();
         for (copy, region) in copies.iter().zip(&regions) {
             let range = device_range(copy.device_offset, copy.len, region.len)?;
             let len = range.len();
@@ -299,14 +302,21 @@ impl DeviceArena {
             // else touches either range while this copy is in flight, and
             // the two cannot overlap (regions are never inside the pool).
             let dev_ptr = unsafe { region.base.add(range.start) };
-            // SAFETY: as above; both ranges are in bounds and disjoint.
-            let sum = match direction {
-                Direction::HostToDevice => unsafe {
-                    crate::copy_and_checksum(host_ptr, dev_ptr, len)
-                },
-                Direction::DeviceToHost => unsafe {
-                    crate::copy_and_checksum(dev_ptr, host_ptr, len)
-                },
+            let (src, dst) = match direction {
+                Direction::HostToDevice => (host_ptr as *const u8, dev_ptr),
+                Direction::DeviceToHost => (dev_ptr as *const u8, host_ptr),
+            };
+            let sum = match copy.sum {
+                // SAFETY: as above; both ranges are in bounds and disjoint.
+                SumOf::Destination => unsafe { crate::copy_and_checksum(src, dst, len) },
+                SumOf::SourceStart | SumOf::SourceContinue => {
+                    if copy.sum == SumOf::SourceStart {
+                        page.reset();
+                    }
+                    // SAFETY: as above.
+                    unsafe { crate::copy_hashing_source(src, dst, len, &mut page) };
+                    page.digest()
+                }
             };
             if copy.expect_checksum.is_some_and(|e| e != sum) {
                 return Err(CopyError::Checksum {
@@ -519,6 +529,29 @@ fn worker(jobs: &Mutex<Receiver<Job>>, done: &Sender<Completion>, arena: &Device
     }
 }
 
+/// Where each of (at most) `parts` parts of a batch starts: evenly by copy
+/// count, but never inside a page whose copies are hashed as one chain
+/// (`SumOf::SourceContinue` stays with the copy before it).
+fn part_starts(copies: &[PageCopy], parts: usize) -> Vec<usize> {
+    let per_part = copies.len().div_ceil(parts.max(1)).max(1);
+    let mut starts = vec![0];
+    let mut at = per_part;
+    while at < copies.len() {
+        while copies
+            .get(at)
+            .is_some_and(|c| c.sum == SumOf::SourceContinue)
+        {
+            at += 1;
+        }
+        if at >= copies.len() {
+            break;
+        }
+        starts.push(at);
+        at += per_part;
+    }
+    starts
+}
+
 impl CopyEngine for HostCopyEngine {
     fn name(&self) -> &'static str {
         "host"
@@ -578,20 +611,21 @@ impl CopyEngine for HostCopyEngine {
         } else {
             1
         };
+        let cuts = part_starts(copies, parts);
         let batch = Arc::new(Batch {
             token,
-            parts_left: AtomicUsize::new(parts),
+            parts_left: AtomicUsize::new(cuts.len()),
             error: Mutex::new(None),
             checksums: Mutex::new(vec![0; copies.len()]),
         });
-        let per_part = copies.len().div_ceil(parts);
-        for (i, chunk) in copies.chunks(per_part).enumerate() {
+        for (n, &first) in cuts.iter().enumerate() {
+            let end = cuts.get(n + 1).copied().unwrap_or(copies.len());
             let job = Job {
                 batch: batch.clone(),
                 direction,
                 host,
-                copies: chunk.to_vec(),
-                first: i * per_part,
+                copies: copies[first..end].to_vec(),
+                first,
             };
             // Workers only stop when the engine is dropped, so either every
             // part is queued or the first send already failed.
@@ -626,5 +660,43 @@ impl Drop for HostCopyEngine {
         for handle in self.workers.drain(..) {
             let _ = handle.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch is split across workers only where a page starts: a chain of
+    /// source-hashed copies stays in one part, in order.
+    #[test]
+    fn parts_never_start_inside_a_page() {
+        let copy = |sum| PageCopy {
+            host_offset: 0,
+            region: 0,
+            device_offset: 0,
+            len: 1,
+            expect_checksum: None,
+            sum,
+        };
+        // Pages of three copies each: 7 pages, 21 copies.
+        let copies: Vec<PageCopy> = (0..21)
+            .map(|i| match i % 3 {
+                0 => copy(SumOf::SourceStart),
+                _ => copy(SumOf::SourceContinue),
+            })
+            .collect();
+        for parts in 1..=8 {
+            let starts = part_starts(&copies, parts);
+            assert_eq!(starts[0], 0);
+            assert!(starts.windows(2).all(|w| w[0] < w[1]), "{starts:?}");
+            for &s in &starts {
+                assert_eq!(copies[s].sum, SumOf::SourceStart, "{parts}: {starts:?}");
+            }
+            assert!(starts.len() <= parts.max(1));
+        }
+        // Plain copies split evenly, as before.
+        let plain = vec![copy(SumOf::Destination); 10];
+        assert_eq!(part_starts(&plain, 3), vec![0, 4, 8]);
     }
 }

@@ -47,6 +47,25 @@ pub struct PageCopy {
     /// mismatch fails the batch ([`CopyError::Checksum`]): a page altered
     /// in memory is never handed back.
     pub expect_checksum: Option<u64>,
+    /// What the checksum reported for this copy covers: its destination
+    /// bytes (the default), or its source bytes, alone or after the
+    /// previous copy's (a page made of several chunks).
+    pub sum: SumOf,
+}
+
+/// What a copy's reported checksum covers ([`PageCopy::sum`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SumOf {
+    /// The bytes that landed (the runtime's own copies: a page carries the
+    /// checksum of what is in the pool).
+    #[default]
+    Destination,
+    /// The source bytes, starting a page: a copy agent's publish, whose
+    /// checksum is the end-to-end one from the engine's own memory.
+    SourceStart,
+    /// The source bytes, continuing the previous copy's page (the same
+    /// batch, next in order): the reported checksum covers the page so far.
+    SourceContinue,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -128,6 +147,30 @@ pub fn page_checksum(bytes: &[u8]) -> u64 {
 
 /// Bytes copied before their hash is taken: small enough to stay in cache.
 pub const COPY_CHUNK: usize = 64 << 10;
+
+/// Copies `len` bytes from `src` to `dst` chunk by chunk, hashing each
+/// source chunk right after it was read (still in cache) into `h`: one
+/// pass over the source.
+///
+/// # Safety
+/// `src` and `dst` must be valid for `len` bytes and must not overlap.
+pub unsafe fn copy_hashing_source(
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+    h: &mut xxhash_rust::xxh3::Xxh3,
+) {
+    let mut at = 0;
+    while at < len {
+        let n = COPY_CHUNK.min(len - at);
+        // SAFETY: in bounds by the caller's contract; non-overlapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), n);
+            h.update(std::slice::from_raw_parts(src.add(at), n));
+        }
+        at += n;
+    }
+}
 
 /// Copies `len` bytes from `src` to `dst` chunk by chunk, hashing each
 /// destination chunk right after it landed; returns the XXH3-64 of all of

@@ -78,7 +78,9 @@ fn run(
     assert!(agent.drain(Duration::from_secs(10), &mut out));
     assert_eq!(out.len(), 1, "{out:?}");
     match out.pop().unwrap() {
-        Command::CopyDone { copy: c, failure } => {
+        Command::CopyDone {
+            copy: c, failure, ..
+        } => {
             assert_eq!(c, copy);
             failure
         }
@@ -295,4 +297,77 @@ fn a_read_only_pool_descriptor_is_enough_for_the_window() {
     let w = HostWindow::map(&ro, 4 * PAGE, &staging_file, 4 * PAGE).unwrap();
     a.set_window(w).unwrap();
     assert!(a.has_window());
+}
+
+/// Issue 23: a publish's `CopyDone` carries each page's checksum, taken
+/// from the engine's memory chunk after chunk while the host executor
+/// copied it, equal to the page checksum of the staged page. A batch over
+/// a megabyte is split across the executor's workers, never inside a
+/// page.
+#[test]
+fn a_publish_reports_each_pages_checksum_from_its_source() {
+    const SLOTS: u32 = 600; // 600 pages of 4 KiB in two chunks: 2.4 MiB
+    let mut a = CopyAgent::new(Box::new(HostCopyEngine::new(HostCopyConfig {
+        workers: 4,
+        ..HostCopyConfig::default()
+    })));
+    let (pool_file, _pool) = shared_memory("test-pool", 16 * PAGE).unwrap();
+    let staging_bytes = u64::from(SLOTS) * PAGE;
+    let (staging_file, staging) = shared_memory("test-staging", staging_bytes).unwrap();
+    let w = HostWindow::map(&pool_file, 16 * PAGE, &staging_file, staging_bytes).unwrap();
+    a.set_window(w).unwrap();
+    // 1 KiB every 3 KiB, then 3 KiB back to back, as `Memory` lays them.
+    let mut first: Vec<u8> = (0..3072 * SLOTS as usize)
+        .map(|i| (i * 13 + 5) as u8)
+        .collect();
+    let mut second: Vec<u8> = (0..3072 * SLOTS as usize)
+        .map(|i| (i * 31 + i / 977) as u8)
+        .collect();
+    let chunks = [
+        Chunk {
+            kind: MemoryKind::Host,
+            ptr: first.as_mut_ptr() as u64,
+            stride: 3072,
+            len: 1024,
+        },
+        Chunk {
+            kind: MemoryKind::Host,
+            ptr: second.as_mut_ptr() as u64,
+            stride: 3072,
+            len: 3072,
+        },
+    ];
+    let (region, _) = unsafe { a.attach(SLOTS, &chunks) }.unwrap();
+    // Staged in reverse slot order, so page n of the copy is slot 599 - n.
+    let pages: Vec<AgentPageCopy> = (0..u64::from(SLOTS))
+        .map(|n| page(n * PAGE, region, u64::from(SLOTS) - 1 - n))
+        .collect();
+    assert!(a.handle(&Event::AgentCopy {
+        copy: 7,
+        direction: AgentDirection::RegionToStaging,
+        pages,
+    }));
+    let mut out = Vec::new();
+    assert!(a.drain(Duration::from_secs(10), &mut out));
+    let Some(Command::CopyDone {
+        copy: 7,
+        failure: None,
+        checksums,
+    }) = out.pop()
+    else {
+        panic!("{out:?}");
+    };
+    assert_eq!(checksums.len(), SLOTS as usize);
+    for (n, sum) in checksums.iter().enumerate() {
+        let slot = SLOTS as usize - 1 - n;
+        let source = [
+            &first[slot * 3072..slot * 3072 + 1024],
+            &second[slot * 3072..slot * 3072 + 3072],
+        ]
+        .concat();
+        let staged = &staging[n * PAGE as usize..(n + 1) * PAGE as usize];
+        assert_eq!(staged, &source[..], "page {n}");
+        assert_eq!(*sum, xxhash_rust::xxh3::xxh3_64(&source), "page {n}");
+    }
+    drop(a);
 }

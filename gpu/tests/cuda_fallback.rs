@@ -58,6 +58,7 @@ fn without_cuda_the_probe_reports_why_and_the_host_engine_round_trips() {
                 device_offset: (7 - i) * PAGE as u64, // reversed slots
                 len: PAGE as u64,
                 expect_checksum: None,
+                sum: orbitkv_gpu::SumOf::Destination,
             })
             .collect()
     };

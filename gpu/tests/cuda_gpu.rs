@@ -156,6 +156,7 @@ fn round_trip(pages: u64) {
                 expect_checksum: Some(orbitkv_gpu::page_checksum(
                     &src[(i * PAGE) as usize..((i + 1) * PAGE) as usize],
                 )),
+                sum: orbitkv_gpu::SumOf::Destination,
             })
             .collect();
         for c in run_all(&mut engine, HostToDevice, &restore, 256) {
@@ -254,6 +255,7 @@ fn unregister_returns_after_in_flight_copies_and_nothing_lands_later() {
                 device_offset: (PAGES - 1 - i) * PAGE,
                 len: PAGE,
                 expect_checksum: None,
+                sum: orbitkv_gpu::SumOf::Destination,
             })
             .collect()
     };
@@ -353,6 +355,7 @@ fn per_layer_tokens_complete_with_their_bytes() {
                         device_offset: off,
                         len: PAGE,
                         expect_checksum: None,
+                        sum: orbitkv_gpu::SumOf::Destination,
                     }
                 })
                 .collect();

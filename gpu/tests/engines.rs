@@ -120,6 +120,7 @@ fn copy(host_offset: u64, region: u32, device_offset: u64, len: u64) -> PageCopy
         device_offset,
         len,
         expect_checksum: None,
+        sum: orbitkv_gpu::SumOf::Destination,
     }
 }
 
@@ -638,6 +639,7 @@ fn attached_host_memory_round_trips_and_bad_memory_is_refused() {
         device_offset,
         len: 1024,
         expect_checksum: None,
+        sum: orbitkv_gpu::SumOf::Destination,
     };
     let t = engine
         .submit(Direction::HostToDevice, &[copy(1024, 2048)], 0)

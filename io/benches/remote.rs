@@ -121,6 +121,11 @@ fn tier_config(urls: &[String], page: usize) -> RemoteConfig {
     c.write_timeout_ms = 10_000;
     c.key_prefix = "okvbench:".into();
     c.ttl_ms = TTL_MS;
+    // Keyed records, as a deployment runs them: the MACs are part of the
+    // measured cost.
+    let secret = std::env::temp_dir().join(format!("okvbench-mac-{}", std::process::id()));
+    std::fs::write(&secret, [0x5a; 32]).unwrap();
+    c.mac_key_file = Some(secret);
     c
 }
 

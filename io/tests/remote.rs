@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use orbitkv_components::api::MissReason;
 use orbitkv_io::checksum::page_checksum;
-use orbitkv_io::remote::record::{RecordHeader, data_key, encode_record};
+use orbitkv_io::remote::record::{
+    RecordHeader, RecordMac, data_key, directory_key, encode_record, shard_of,
+};
 use orbitkv_io::remote::{RemoteConfig, RemoteTier, WritePolicy};
 use orbitkv_io::tier::{BackingTier, DemoteRefused, TierError};
 use redis::Commands;
@@ -139,13 +141,14 @@ fn value_faults(urls: Vec<String>, raw: &mut dyn redis::ConnectionLike) {
         format_digest: [4; 32],
         payload_len: PAGE as u64,
         payload_checksum: page_checksum(&other),
+        payload_mac: test_mac().payload_mac(&other),
         writer: 77,
         written_unix_ms: 1,
         ttl_ms: 60_000,
     };
     let _: () = redis::cmd("SET")
         .arg(dk(2))
-        .arg(encode_record(&h, &other))
+        .arg(encode_record(&h, &test_mac(), &other))
         .query(raw)
         .unwrap();
     // 3: gone.
@@ -628,4 +631,142 @@ fn records_expire_with_their_ttl() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(t.lookup(&k).is_none(), "expired metadata pruned");
+}
+
+/// Issue 23: whoever can write the Redis could recompute every unkeyed
+/// check (header checksum, payload XXH3, the directory's promise) and
+/// inject pages into every host. Records are keyed now: a forged record
+/// with its own directory entry is never looked up (the entry fails its
+/// MAC and is dropped), a forged record over an honest one is corrupt
+/// (`remote_corrupt`), and a value planted over its promised length is
+/// refused by its length without being read whole.
+fn forged_records(urls: Vec<String>, raw: &mut dyn redis::ConnectionLike) {
+    let ns = fresh_namespace();
+    let mut pool = Pool::new(PAGE);
+    let mut a = RemoteTier::open(config(urls.clone()), 1).unwrap();
+    let mut b = RemoteTier::open(config(urls), 2).unwrap();
+    pool.register(&mut b);
+    let pages: Vec<_> = (0..3u64).map(|i| (key(ns, i), payload(i, PAGE))).collect();
+    assert!(b.lookup(&pages[0].0).is_none()); // B follows the namespace
+    write_all(&mut a, &pages);
+    for (k, _) in &pages {
+        wait_lookup(&b, k, Duration::from_secs(10)).expect("B learns A's pages");
+    }
+    let cfg = a.config().clone();
+    let evil = vec![0xEE; PAGE];
+    // Records and entries as a writer of the store makes them: every
+    // field right, every unkeyed checksum recomputed, MACs under the keys
+    // it has (the public ones, or a secret of its own).
+    let forge = |k, forger: &RecordMac| {
+        let h = RecordHeader {
+            key: k,
+            format_digest: [0; 32],
+            payload_len: PAGE as u64,
+            payload_checksum: page_checksum(&evil),
+            payload_mac: forger.payload_mac(&evil),
+            writer: 666,
+            written_unix_ms: 4_000_000_000_000,
+            ttl_ms: 60_000,
+        };
+        (encode_record(&h, forger, &evil), h.encode(forger))
+    };
+    let plant = |raw: &mut dyn redis::ConnectionLike, k, forger: &RecordMac| {
+        let (record, entry) = forge(k, forger);
+        let _: () = redis::cmd("SET")
+            .arg(data_key(&cfg.key_prefix, &k))
+            .arg(record)
+            .query(raw)
+            .unwrap();
+        let dir = directory_key(&cfg.key_prefix, &ns, shard_of(&k, cfg.directory_shards));
+        let _: String = redis::cmd("XADD")
+            .arg(dir)
+            .arg("*")
+            .arg("h")
+            .arg(entry)
+            .query(raw)
+            .unwrap();
+    };
+    let fresh = key(ns, 100);
+    let other_secret = RecordMac::from_secret(&[0x77; 32]).unwrap();
+    plant(raw, fresh, &RecordMac::unauthenticated());
+    plant(raw, pages[1].0, &other_secret);
+    // B reads both forged entries and believes neither.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while b.stats().directory_entries_bad < 2 {
+        assert!(
+            std::time::Instant::now() < until,
+            "forged entries never read"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        b.lookup(&fresh).is_none(),
+        "a forged entry promises nothing"
+    );
+    assert_eq!(
+        b.submit_read(&fresh, 0, PAGE as u64, now_us()),
+        Err(TierError::NotFound)
+    );
+    // The honest entry of page 1 still promises it: its forged record is
+    // corrupt, and nothing lands.
+    pool.0.fill(0xAB);
+    assert_eq!(
+        read(&mut b, &pages[1].0, 0, PAGE as u64),
+        Err(TierError::Corrupt)
+    );
+    assert!(pool.0.iter().all(|x| *x == 0xAB), "no byte landed");
+    assert!(
+        b.last_error().unwrap_or_default().contains("MAC"),
+        "{:?}",
+        b.last_error()
+    );
+    // 64 MiB planted under page 2's key: refused by its length.
+    let _: () = redis::cmd("SET")
+        .arg(data_key(&cfg.key_prefix, &pages[2].0))
+        .arg(vec![0x11u8; 64 << 20])
+        .query(raw)
+        .unwrap();
+    assert_eq!(
+        read(&mut b, &pages[2].0, 0, PAGE as u64),
+        Err(TierError::Corrupt)
+    );
+    let why = b.last_error().unwrap_or_default().to_owned();
+    assert!(why.contains(&format!("{}", 64 << 20)), "{why}");
+    assert_eq!(b.stats().bytes_read, 0);
+    // Page 0 is untouched and exact.
+    read(&mut b, &pages[0].0, 0, PAGE as u64).unwrap();
+    assert_eq!(&pool.0[..], &pages[0].1[..]);
+    let _: () = redis::cmd("DEL")
+        .arg(data_key(&cfg.key_prefix, &pages[2].0))
+        .query(raw)
+        .unwrap();
+}
+
+#[test]
+fn single_node_forged_records_are_never_served() {
+    let Some(url) = single_url("single_node_forged_records_are_never_served") else {
+        return;
+    };
+    let mut raw = raw_single(&url);
+    forged_records(vec![url], &mut raw);
+}
+
+#[test]
+fn cluster_forged_records_are_never_served() {
+    let Some(urls) = cluster_urls("cluster_forged_records_are_never_served") else {
+        return;
+    };
+    let mut raw = raw_cluster(&urls);
+    forged_records(urls, &mut raw);
+}
+
+/// A store nobody configured a secret for is refused at open, unless the
+/// operator said it trusts the store fully.
+#[test]
+fn a_tier_without_a_secret_is_refused_unless_trusted() {
+    let mut cfg = RemoteConfig::new(["redis://127.0.0.1:1"]);
+    let e = RemoteTier::open(cfg.clone(), 1).unwrap_err();
+    assert!(e.to_string().contains("mac_key_file"), "{e}");
+    cfg.unauthenticated = true;
+    RemoteTier::open(cfg, 1).unwrap();
 }

@@ -284,8 +284,11 @@ pub fn recv_some(
 ) -> io::Result<usize> {
     let start = buf.len();
     // Receive into spare capacity: zero-filling a large buffer on every read
-    // would cost more than the read.
-    buf.reserve(max);
+    // would cost more than the read. A peer decides how much is asked for
+    // (a frame's announced length): failing to get it is an error for this
+    // stream, never an abort of the process.
+    buf.try_reserve(max)
+        .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, e))?;
     let mut iov = libc::iovec {
         iov_base: buf.spare_capacity_mut().as_mut_ptr() as *mut libc::c_void,
         iov_len: max,

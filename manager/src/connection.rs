@@ -139,6 +139,9 @@ pub struct Conn {
     pub id: ConnId,
     pub stream: UnixStream,
     pub pid: i32,
+    /// The peer's uid (`SO_PEERCRED` at connect): sessions are counted per
+    /// uid and per process across connections.
+    pub uid: u32,
     pub name: String,
     pub stage: Stage,
     pub hot: bool,
@@ -160,11 +163,12 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn new(id: ConnId, stream: UnixStream, pid: i32) -> Conn {
+    pub fn new(id: ConnId, stream: UnixStream, pid: i32, uid: u32) -> Conn {
         Conn {
             id,
             stream,
             pid,
+            uid,
             name: format!("pid {pid}"),
             stage: Stage::AwaitingHello,
             hot: false,
@@ -185,11 +189,32 @@ impl Conn {
         !self.eof && (self.input.buffered() < MAX_READ_AHEAD || self.input.missing() > 0)
     }
 
-    /// Reads what the socket has, up to the read-ahead bound. Descriptors
-    /// a client sends are dropped (clients send none).
-    pub fn read(&mut self) {
+    /// Bytes held for a frame that is not complete yet and is larger than
+    /// the read-ahead: the whole frame, once its header said how long it
+    /// is (it is kept until complete). 0 otherwise: frames within the
+    /// read-ahead are bounded per connection already.
+    pub fn partial_claim(&self) -> usize {
+        let missing = self.input.missing();
+        let whole = self.input.buffered() + missing;
+        if missing > 0 && whole > MAX_READ_AHEAD {
+            whole
+        } else {
+            0
+        }
+    }
+
+    /// Reads what the socket has, up to the read-ahead bound, and a large
+    /// frame only while it fits `partial_room` (what the global bound on
+    /// partly received frames leaves this connection): `Err` with the
+    /// frame's size when it does not, before the rest of it is read.
+    /// Descriptors a client sends are dropped (clients send none).
+    pub fn read(&mut self, partial_room: usize) -> Result<(), usize> {
         let mut fds = Vec::new();
         while self.wants_read() {
+            let claim = self.partial_claim();
+            if claim > partial_room {
+                return Err(claim);
+            }
             let want = READ_CHUNK.max(self.input.missing());
             match self.input.fill(&self.stream, want, &mut fds) {
                 Ok(0) => self.eof = true,
@@ -199,6 +224,11 @@ impl Conn {
                 Err(_) => self.eof = true,
             }
         }
+        let claim = self.partial_claim();
+        if claim > partial_room {
+            return Err(claim);
+        }
+        Ok(())
     }
 
     pub fn sessions_claimed(&self) -> usize {

@@ -37,10 +37,13 @@ pub fn frame(st: &mut State, id: ConnId, kind: Kind, payload: &[u8]) -> Result<u
         (Stage::Ready, Kind::Hello) => Err(Refusal::SecondHello),
         (Stage::Ready, Kind::Submit) => submit(st, id, payload),
         (Stage::Ready, Kind::Ping) => {
+            // The payload is `null`, like every frame's is checked.
+            frame::decode::<()>(kind, payload)?;
             push(st, id, frame::encode(Kind::Pong, &()));
             Ok(0)
         }
         (Stage::Ready, Kind::Inspect) => {
+            frame::decode::<()>(kind, payload)?;
             let snapshot = crate::inspect::snapshot(st);
             push(st, id, frame::encode(Kind::Snapshot, &snapshot));
             Ok(0)
@@ -128,23 +131,45 @@ fn submit(st: &mut State, id: ConnId, payload: &[u8]) -> Result<usize, Refusal> 
     Ok(submitted)
 }
 
-/// The typed refusal of a command past the connection's quota.
+/// The typed refusal of a command past the connection's quota, or past
+/// its process's or uid's share of the sessions.
 fn over_quota(st: &State, id: ConnId, q: Quota) -> Option<CommandError> {
     let c = st.conns.get(&id)?;
-    let (name, claimed, limit) = match q {
-        Quota::Session => (
-            LimitName::MaxSessionsPerConnection,
-            c.sessions_claimed(),
-            st.settings.max_sessions_per_connection,
-        ),
-        Quota::Region { .. } => (
+    let over = |name, claimed: usize, limit: usize| {
+        (claimed >= limit).then_some(CommandError::Limit {
+            name,
+            limit: limit as u64,
+        })
+    };
+    match q {
+        Quota::Session => {
+            let (mut of_uid, mut of_process) = (0, 0);
+            for other in st.conns.values().filter(|o| o.uid == c.uid) {
+                let n = other.sessions_claimed();
+                of_uid += n;
+                if other.pid == c.pid {
+                    of_process += n;
+                }
+            }
+            let s = &st.settings;
+            over(
+                LimitName::MaxSessionsPerConnection,
+                c.sessions_claimed(),
+                s.max_sessions_per_connection,
+            )
+            .or_else(|| {
+                over(
+                    LimitName::MaxSessionsPerProcess,
+                    of_process,
+                    s.max_sessions_per_process,
+                )
+            })
+            .or_else(|| over(LimitName::MaxSessionsPerUid, of_uid, s.max_sessions_per_uid))
+        }
+        Quota::Region { .. } => over(
             LimitName::MaxRegionsPerConnection,
             c.regions_claimed(),
             st.settings.max_regions_per_connection,
         ),
-    };
-    (claimed >= limit).then_some(CommandError::Limit {
-        name,
-        limit: limit as u64,
-    })
+    }
 }

@@ -38,6 +38,23 @@ use tracing::{info, warn};
 
 pub use settings::{Args, Settings};
 
+/// Makes the manager non-dumpable before it creates any shared memory.
+///
+/// Without it any process of the manager's uid could open
+/// `/proc/<manager>/fd/N` read-write (the `/proc` check is the ptrace
+/// check) and rewrite a staging area or a device region between a copy and
+/// the manager's copy-in, without ever connecting. Non-dumpable, the
+/// manager's `/proc` entries belong to root and only a process with
+/// `CAP_SYS_PTRACE` gets in. Refusing to start is better than serving
+/// without it.
+pub fn not_dumpable() -> Result<(), ServeError> {
+    use rustix::process::{DumpableBehavior, set_dumpable_behavior};
+    set_dumpable_behavior(DumpableBehavior::NotDumpable).map_err(|e| ServeError::Io {
+        what: "prctl(PR_SET_DUMPABLE, 0)".into(),
+        source: e.into(),
+    })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("{0}")]
@@ -58,6 +75,7 @@ pub enum ServeError {
 /// Runs the manager until `stop` is set (SIGTERM), then drains and
 /// removes its socket and iceoryx2 files.
 pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
+    not_dumpable()?;
     // Everything this process creates is its user's alone (iceoryx2 files,
     // the trace); the socket's mode is set explicitly too.
     // SAFETY: umask only swaps the process's mask.
@@ -107,6 +125,7 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
     if let Some(addr) = &settings.metrics_addr {
         http::serve(
             addr,
+            settings.metrics_public,
             metrics.registry.clone(),
             settings.max_metrics_connections,
             settings.metrics_timeout,

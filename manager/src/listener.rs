@@ -80,11 +80,53 @@ pub fn prepare(path: &Path, uid: u32) -> Result<(), ServeError> {
     std::fs::remove_file(path).map_err(|e| refuse(path, format!("removing the stale entry: {e}")))
 }
 
+/// Makes `dir` (mode 0700) if it is missing, and checks that it is this
+/// user's own directory, not a symlink, that nobody else may enter: the
+/// per-uid fallback directory `/tmp/orbitkv-<uid>`, where another user may
+/// have been first.
+pub fn private_dir(dir: &Path, uid: u32) -> Result<(), ServeError> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let refuse = |reason: String| ServeError::Socket {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(refuse(format!("creating it: {e}"))),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| refuse(e.to_string()))?;
+    if !meta.is_dir() {
+        return Err(refuse(
+            "it is not a directory (a symlink is never followed)".into(),
+        ));
+    }
+    if meta.uid() != uid {
+        return Err(refuse(format!(
+            "it belongs to uid {}: another user made it first; remove it or set \
+             XDG_RUNTIME_DIR or --socket",
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(refuse(format!(
+            "its mode is {:o}; it must be 0700",
+            meta.mode() & 0o7777
+        )));
+    }
+    Ok(())
+}
+
 /// Binds the socket with mode 0600 (set through the umask, so there is no
-/// moment at which others could connect), non-blocking.
+/// moment at which others could connect), non-blocking. In the per-uid
+/// fallback directory, that directory is made (0700) and checked first.
 pub fn bind(path: &Path) -> Result<UnixListener, ServeError> {
     // SAFETY: getuid has no preconditions.
     let uid = unsafe { libc::getuid() };
+    let fallback = crate::settings::fallback_socket_dir();
+    if path.parent() == Some(fallback.as_path()) {
+        private_dir(&fallback, uid)?;
+    }
     prepare(path, uid)?;
     // SAFETY: umask only swaps the process's mask; the manager binds before
     // it starts any thread that creates files.
@@ -120,6 +162,36 @@ mod tests {
         let m = std::fs::symlink_metadata(&sock).unwrap();
         assert!(m.file_type().is_socket());
         assert_eq!(m.mode() & 0o777, 0o600);
+    }
+
+    #[test]
+    fn the_private_directory_is_made_0700_and_must_stay_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let private = dir.path().join("orbitkv-test");
+        private_dir(&private, uid()).unwrap();
+        let m = std::fs::symlink_metadata(&private).unwrap();
+        assert_eq!(m.mode() & 0o777, 0o700);
+        // Again: it is ours already.
+        private_dir(&private, uid()).unwrap();
+        // Opened up, or someone else's, or a symlink: refused.
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(
+            private_dir(&private, uid())
+                .unwrap_err()
+                .to_string()
+                .contains("0700")
+        );
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let e = private_dir(&private, uid() + 1).unwrap_err().to_string();
+        assert!(e.contains("another user"), "{e}");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&private, &link).unwrap();
+        assert!(
+            private_dir(&link, uid())
+                .unwrap_err()
+                .to_string()
+                .contains("symlink")
+        );
     }
 
     #[test]

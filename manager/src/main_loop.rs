@@ -85,11 +85,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
         if poll_sockets {
             next_socket_poll = now + st.settings.socket_poll_interval;
         }
-        for id in readable {
-            if let Some(c) = st.conns.get_mut(id) {
-                c.read();
-            }
-        }
+        read_sockets(st, readable);
         let from_sockets = take_frames(st);
         let submitted = from_sockets + read_hot(st, &mut incoming);
         let since_tick = now.saturating_duration_since(st.last_tick);
@@ -117,6 +113,32 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             refreshed = st.now;
             refreshed_tick = st.last_tick;
             st.refresh_metrics();
+        }
+    }
+}
+
+/// Reads the ready connections; a connection whose partly received frame
+/// does not fit what `max_partial_frame_bytes` leaves (after the others'
+/// partial frames) is refused and closed before the rest is read.
+fn read_sockets(st: &mut State, readable: &[ConnId]) {
+    let mut partial: usize = st.conns.values().map(|c| c.partial_claim()).sum();
+    let bound = st.settings.max_partial_frame_bytes;
+    for id in readable {
+        let Some(c) = st.conns.get_mut(id) else {
+            continue;
+        };
+        let own = c.partial_claim();
+        let room = bound.saturating_sub(partial - own);
+        match c.read(room) {
+            Ok(()) => partial = partial - own + c.partial_claim(),
+            Err(frame_bytes) => {
+                partial -= own;
+                let why = format!(
+                    "a {frame_bytes}-byte frame does not fit the {room} bytes left of \
+                     max_partial_frame_bytes ({bound}); limit max_partial_frame_bytes"
+                );
+                st.refuse_with(*id, &why, Close::InputBudget);
+            }
         }
     }
 }
@@ -303,5 +325,13 @@ pub fn shutdown(st: &mut State) {
         h.shutdown();
     }
     let _ = std::fs::remove_file(&st.settings.socket);
+    if let Some(path) = st
+        .settings
+        .metrics_addr
+        .as_deref()
+        .and_then(|a| a.strip_prefix("unix:"))
+    {
+        let _ = std::fs::remove_file(path);
+    }
     info!("stopped");
 }

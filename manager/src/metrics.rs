@@ -52,6 +52,7 @@ struct Mirrored {
     bytes_published: Counter,
     bytes_read: Counter,
     checksum_failures: Counter,
+    publish_checksum_refusals: Counter,
     transfers_overdue: Counter,
     commands_rejected: Counter,
     refusals: Family<Refusal, Counter>,
@@ -182,6 +183,11 @@ impl Metrics {
                 &mut r,
                 "checksum_failures",
                 "Pages whose bytes failed verification (never served)",
+            ),
+            publish_checksum_refusals: counter(
+                &mut r,
+                "publish_checksum_refusals",
+                "Published pages whose staged bytes differ from the agent's checksum (never stored)",
             ),
             transfers_overdue: counter(&mut r, "transfers_overdue", "Transfers past their timeout"),
             commands_rejected: counter(&mut r, "commands_rejected", "Commands refused"),
@@ -441,6 +447,11 @@ impl Metrics {
             &x.checksum_failures,
             m.checksum_failures,
             prev.map(|p| p.checksum_failures),
+        );
+        inc(
+            &x.publish_checksum_refusals,
+            m.publish_checksum_refused,
+            prev.map(|p| p.publish_checksum_refused),
         );
         inc(
             &x.transfers_overdue,

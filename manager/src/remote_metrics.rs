@@ -133,6 +133,12 @@ fn encode(s: &RemoteStatsSnapshot, e: &mut DescriptorEncoder) -> Encoded {
     )?;
     counter(
         e,
+        "directory_entries_bad",
+        "Directory entries dropped: malformed, or failing their MAC (forged)",
+        s.directory_entries_bad,
+    )?;
+    counter(
+        e,
         "breaker_opens",
         "Times the tier was declared down",
         s.breaker_opens,

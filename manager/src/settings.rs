@@ -55,11 +55,16 @@ struct ServeFile {
     idle_tick_us: Option<u64>,
     max_connections: Option<usize>,
     max_outbox_bytes: Option<SizeValue>,
+    max_total_outbox_bytes: Option<SizeValue>,
+    max_partial_frame_bytes: Option<SizeValue>,
     stall_timeout_ms: Option<u64>,
     max_sessions_per_connection: Option<usize>,
+    max_sessions_per_uid: Option<usize>,
+    max_sessions_per_process: Option<usize>,
     max_regions_per_connection: Option<usize>,
     max_frames_per_round: Option<usize>,
     max_metrics_connections: Option<usize>,
+    metrics_public: Option<bool>,
     metrics_timeout_ms: Option<u64>,
     hot_path: Option<bool>,
     hot_area: Option<String>,
@@ -96,7 +101,11 @@ struct FileConfig {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub socket: PathBuf,
+    /// `HOST:PORT` (loopback unless `metrics_public`) or `unix:PATH`.
     pub metrics_addr: Option<String>,
+    /// Lets `metrics_addr` be a non-loopback address (readable by every
+    /// host that reaches it).
+    pub metrics_public: bool,
     pub record: Option<PathBuf>,
     /// Tick interval while I/O is in flight.
     pub idle_tick: Duration,
@@ -105,11 +114,27 @@ pub struct Settings {
     /// Bytes queued for one client (frames it has not read); past it the
     /// client is disconnected and its sessions close as on a crash.
     pub max_outbox_bytes: usize,
+    /// Bytes queued for all clients together. Past it the client with the
+    /// most queued is disconnected (`outbox_budget`), as if it crashed.
+    pub max_total_outbox_bytes: usize,
+    /// Bytes of frames partly received, all connections together (a frame
+    /// is held whole until it completes, up to 16 MiB each). A connection
+    /// whose frame does not fit is refused (`Error` frame naming the limit)
+    /// and closed; frames within the per-connection read-ahead always fit.
+    pub max_partial_frame_bytes: usize,
     /// A client with bytes queued that reads none of them for this long is
     /// disconnected the same way.
     pub stall_timeout: Duration,
     /// Sessions one connection may hold open (or have asked for).
     pub max_sessions_per_connection: usize,
+    /// Sessions the connections of one uid may hold together, at most
+    /// `limits.max_sessions`: no uid takes every session.
+    pub max_sessions_per_uid: usize,
+    /// Sessions the connections of one process may hold together, at most
+    /// `max_sessions_per_uid`: engines of the same user share the manager,
+    /// and one process that opens connection after connection does not
+    /// lock the others out.
+    pub max_sessions_per_process: usize,
     /// Device regions one connection may hold (or have asked for).
     pub max_regions_per_connection: usize,
     /// Frames taken from one connection per loop round, so one client's
@@ -156,11 +181,21 @@ pub fn parse_size(s: &str) -> Result<u64, ServeError> {
     n.checked_mul(mult).ok_or_else(|| bad("overflows"))
 }
 
-/// `$XDG_RUNTIME_DIR/orbitkv.sock`, else `/tmp/orbitkv.sock`.
+/// `$XDG_RUNTIME_DIR/orbitkv.sock`, else `/tmp/orbitkv-<uid>/orbitkv.sock`
+/// (in a directory of mode 0700 the manager makes: a socket straight in
+/// `/tmp` could be taken by any user first).
 pub fn default_socket() -> PathBuf {
-    std::env::var_os("XDG_RUNTIME_DIR")
-        .map_or_else(|| PathBuf::from("/tmp"), PathBuf::from)
-        .join("orbitkv.sock")
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("orbitkv.sock"),
+        _ => fallback_socket_dir().join("orbitkv.sock"),
+    }
+}
+
+/// `/tmp/orbitkv-<uid>`: the socket's directory when `XDG_RUNTIME_DIR`
+/// is unset.
+pub fn fallback_socket_dir() -> PathBuf {
+    // SAFETY: getuid has no preconditions.
+    PathBuf::from(format!("/tmp/orbitkv-{}", unsafe { libc::getuid() }))
 }
 
 impl Settings {
@@ -222,11 +257,47 @@ impl Settings {
                 Ok(v)
             }
         };
-        let max_outbox_bytes = match &serve.max_outbox_bytes {
+        let size = |name: &str, v: &Option<SizeValue>, default: usize| match v {
             Some(s) => usize::try_from(s.bytes()?)
-                .map_err(|_| ServeError::Setting("max_outbox_bytes overflows".into()))?,
-            None => 64 << 20,
+                .map_err(|_| ServeError::Setting(format!("[serve] {name} overflows"))),
+            None => Ok(default),
         };
+        let max_outbox_bytes = size("max_outbox_bytes", &serve.max_outbox_bytes, 64 << 20)?;
+        let max_total_outbox_bytes = size(
+            "max_total_outbox_bytes",
+            &serve.max_total_outbox_bytes,
+            1 << 30,
+        )?;
+        let max_partial_frame_bytes = size(
+            "max_partial_frame_bytes",
+            &serve.max_partial_frame_bytes,
+            256 << 20,
+        )?;
+        let max_sessions = runtime.limits.max_sessions;
+        let max_sessions_per_uid = positive(
+            "max_sessions_per_uid",
+            serve
+                .max_sessions_per_uid
+                .unwrap_or(max_sessions - max_sessions / 4),
+        )?;
+        if max_sessions_per_uid > max_sessions {
+            return Err(ServeError::Setting(format!(
+                "[serve] max_sessions_per_uid = {max_sessions_per_uid} is above \
+                 limits.max_sessions = {max_sessions}"
+            )));
+        }
+        let max_sessions_per_process = positive(
+            "max_sessions_per_process",
+            serve
+                .max_sessions_per_process
+                .unwrap_or(DEFAULT_SESSIONS_PER_PROCESS.min(max_sessions_per_uid)),
+        )?;
+        if max_sessions_per_process > max_sessions_per_uid {
+            return Err(ServeError::Setting(format!(
+                "[serve] max_sessions_per_process = {max_sessions_per_process} is above \
+                 max_sessions_per_uid = {max_sessions_per_uid}"
+            )));
+        }
         Ok(Settings {
             socket: args
                 .socket
@@ -234,6 +305,7 @@ impl Settings {
                 .or(serve.socket)
                 .unwrap_or_else(default_socket),
             metrics_addr: args.metrics_addr.clone().or(serve.metrics_addr),
+            metrics_public: serve.metrics_public.unwrap_or(false),
             record: args.record.clone().or(serve.record),
             idle_tick: Duration::from_micros(
                 args.idle_tick_us
@@ -243,6 +315,10 @@ impl Settings {
             ),
             max_connections: positive("max_connections", serve.max_connections.unwrap_or(256))?,
             max_outbox_bytes: positive("max_outbox_bytes", max_outbox_bytes)?,
+            max_total_outbox_bytes: positive("max_total_outbox_bytes", max_total_outbox_bytes)?,
+            max_partial_frame_bytes: positive("max_partial_frame_bytes", max_partial_frame_bytes)?,
+            max_sessions_per_uid,
+            max_sessions_per_process,
             stall_timeout: Duration::from_millis(serve.stall_timeout_ms.unwrap_or(30_000).max(1)),
             max_sessions_per_connection: positive(
                 "max_sessions_per_connection",
@@ -290,6 +366,9 @@ impl Settings {
     }
 }
 
+/// Four connections' worth at the default per-connection quota: an engine
+/// process holds a handful of sessions.
+pub const DEFAULT_SESSIONS_PER_PROCESS: usize = 256;
 pub const DEFAULT_SPIN_AFTER_WORK_US: u64 = 100;
 /// Spinning longer burns a core for little: an engine's next request
 /// comes within microseconds or after a model step (milliseconds).

@@ -54,6 +54,11 @@ pub enum Close {
     PeerClosed,
     Protocol,
     OutboxFull,
+    /// All outboxes together passed `max_total_outbox_bytes`: the largest
+    /// goes.
+    OutboxBudget,
+    /// Its partly received frame did not fit `max_partial_frame_bytes`.
+    InputBudget,
     Stalled,
     WriteFailed,
     Shutdown,
@@ -65,6 +70,8 @@ impl Close {
             Close::PeerClosed => "peer_closed",
             Close::Protocol => "protocol_error",
             Close::OutboxFull => "outbox_full",
+            Close::OutboxBudget => "outbox_budget",
+            Close::InputBudget => "input_budget",
             Close::Stalled => "stalled",
             Close::WriteFailed => "write_failed",
             Close::Shutdown => "shutdown",
@@ -148,17 +155,24 @@ impl State {
         let id = self.next_conn;
         self.next_conn += 1;
         info!(conn = id, pid, "client connected");
-        self.conns.insert(id, Conn::new(id, stream, pid));
+        self.conns.insert(id, Conn::new(id, stream, pid, uid));
     }
 
     /// Sends a protocol error and closes the connection.
     pub fn refuse(&mut self, id: ConnId, why: &str) {
+        self.metrics.counters.protocol_errors.inc();
+        self.refuse_with(id, why, Close::Protocol);
+    }
+
+    /// Sends an `Error` frame saying `why` and closes the connection,
+    /// counted under `close`.
+    pub fn refuse_with(&mut self, id: ConnId, why: &str, close: Close) {
         warn!(
             conn = id,
             error = why,
-            "closing a connection after a protocol error"
+            reason = close.label(),
+            "closing a connection"
         );
-        self.metrics.counters.protocol_errors.inc();
         if let Some(c) = self.conns.get_mut(&id) {
             c.seal_events();
             c.outbox.push(frame::encode(
@@ -170,7 +184,7 @@ impl State {
             // Best effort: what the socket takes now goes; nothing waits.
             let _ = c.outbox.flush(&c.stream);
         }
-        self.disconnect(id, Close::Protocol);
+        self.disconnect(id, close);
     }
 
     /// Forgets a connection. Its sessions close as if the engine crashed:
@@ -304,8 +318,39 @@ impl State {
                 close.push((*id, Close::Stalled));
             }
         }
+        self.over_outbox_budget(&mut close);
         for (id, why) in close {
             self.disconnect(id, why);
+        }
+    }
+
+    /// While the outboxes together hold more than `max_total_outbox_bytes`,
+    /// picks the largest of those not already closing: one client that
+    /// reads slowly over many connections cannot grow the manager past it.
+    fn over_outbox_budget(&self, close: &mut Vec<(ConnId, Close)>) {
+        let closing = |id: &ConnId, close: &[(ConnId, Close)]| close.iter().any(|(c, _)| c == id);
+        let mut total: usize = self
+            .conns
+            .iter()
+            .filter(|(id, _)| !closing(id, close))
+            .map(|(_, c)| c.outbox.bytes())
+            .sum();
+        while total > self.settings.max_total_outbox_bytes {
+            let Some((id, bytes)) = self
+                .conns
+                .iter()
+                .filter(|(id, c)| !closing(id, close) && c.outbox.bytes() > 0)
+                .map(|(id, c)| (*id, c.outbox.bytes()))
+                .max_by_key(|&(_, b)| b)
+            else {
+                break;
+            };
+            warn!(
+                conn = id,
+                bytes, total, "all outboxes past max_total_outbox_bytes; disconnecting the largest"
+            );
+            close.push((id, Close::OutboxBudget));
+            total -= bytes;
         }
     }
 

@@ -187,6 +187,8 @@ enum Timer {
         session: u64,
         copy: u64,
         failure: Option<CopyFailure>,
+        /// A publish's page checksums, taken from the agent's memory.
+        checksums: Vec<u64>,
     },
 }
 
@@ -619,10 +621,15 @@ impl<'o> Replay<'o> {
                     session,
                     copy,
                     failure,
+                    checksums,
                 } => {
                     // A dead engine reports nothing.
                     if self.sessions.contains_key(&session) {
-                        self.submit(Command::CopyDone { copy, failure });
+                        self.submit(Command::CopyDone {
+                            copy,
+                            failure,
+                            checksums,
+                        });
                     }
                 }
             }
@@ -1025,11 +1032,15 @@ impl<'o> Replay<'o> {
                     session,
                     copy,
                     failure: Some(CopyFailure::Executor("injected by the trace".into())),
+                    checksums: Vec::new(),
                 },
             );
             "failed"
         } else {
-            let failure = self.agent_run(direction, pages).err();
+            let (failure, checksums) = match self.agent_run(direction, pages) {
+                Ok(sums) => (None, sums),
+                Err(f) => (Some(f), Vec::new()),
+            };
             let at = self.now() + m.copy_us + if late { m.late_us } else { 0 };
             self.add_timer(
                 at,
@@ -1037,6 +1048,7 @@ impl<'o> Replay<'o> {
                     session,
                     copy,
                     failure,
+                    checksums,
                 },
             );
             if late { "late" } else { "done" }
@@ -1049,12 +1061,13 @@ impl<'o> Replay<'o> {
             .or_default() += 1;
     }
 
-    /// The bytes of one agent copy.
+    /// The bytes of one agent copy; a publish's page checksums, taken from
+    /// the agent's memory as a real agent does.
     fn agent_run(
         &mut self,
         direction: AgentDirection,
         pages: &[AgentPageCopy],
-    ) -> Result<(), CopyFailure> {
+    ) -> Result<Vec<u64>, CopyFailure> {
         use std::os::unix::fs::FileExt;
         let oob = |m: String| CopyFailure::OutOfBounds(m);
         let io = |e: std::io::Error| CopyFailure::Executor(e.to_string());
@@ -1069,6 +1082,7 @@ impl<'o> Replay<'o> {
                 .map(std::fs::File::from),
             AgentDirection::PoolToRegion => None,
         };
+        let mut sums = Vec::new();
         for p in pages {
             let (_, mem) = a
                 .memory
@@ -1095,10 +1109,11 @@ impl<'o> Replay<'o> {
                 AgentDirection::RegionToStaging => {
                     let staging = staging.as_ref().ok_or(CopyFailure::Shutdown)?;
                     staging.write_all_at(span, p.host_offset).map_err(io)?;
+                    sums.push(xxhash_rust::xxh3::xxh3_64(span));
                 }
             }
         }
-        Ok(())
+        Ok(sums)
     }
 
     fn restart(&mut self) -> Result<(), ReplayError> {

@@ -235,5 +235,6 @@ fn source_copy(item: &PublishItem, devices: &Devices) -> PageCopy {
         len: item.bytes,
         // Device -> host: the copy reports the checksum of what landed.
         expect_checksum: None,
+        sum: orbitkv_gpu::SumOf::Destination,
     }
 }

@@ -49,6 +49,12 @@ pub struct Limits {
     pub max_operations: usize,
     /// Page slots in one device region.
     pub max_region_slots: u32,
+    /// Bytes of all manager-owned device regions together. Each is mapped
+    /// in full (sparse, but address space all the same), so without this
+    /// bound clients could fill the manager's address space and the next
+    /// allocation would abort it. Agent-owned regions are the engine's
+    /// memory and do not count.
+    pub max_region_bytes: u64,
     /// Preparation limit: from query to restore submission.
     pub prepare_deadline_us: u64,
     /// Time a publish may wait for DRAM space and copy room; pages not
@@ -92,6 +98,7 @@ impl Default for Limits {
             max_groups: 16,
             max_operations: 1 << 16,
             max_region_slots: 1 << 22,
+            max_region_bytes: 1 << 40,
             prepare_deadline_us: 5_000_000,
             publish_deadline_us: 5_000_000,
             restore_deadline_us: 5_000_000,
@@ -288,8 +295,9 @@ pub struct Agents {
     next_copy: u64,
     /// Sent and not reported, by copy id.
     pub sent: HashMap<u64, AgentCopyEntry>,
-    /// Reported (or failed by the runtime), for the fence to land.
-    pub reported: Vec<(u64, Entity, Result<(), CopyFailure>)>,
+    /// Reported (or failed by the runtime), for the fence to land; a
+    /// success carries the agent's page checksums (publishes).
+    pub reported: Vec<(u64, Entity, Result<Vec<u64>, CopyFailure>)>,
     /// This tick's copy events, moved to the outbox after the copy stages.
     pub events: Vec<Addressed>,
     /// Each origin's staging area, created with its first agent region.
@@ -452,6 +460,10 @@ pub struct Metrics {
     /// Bytes read into DRAM, per lower tier.
     pub bytes_read_by_tier: BTreeMap<String, u64>,
     pub checksum_failures: u64,
+    /// Published pages an agent copied whose staged bytes did not match
+    /// the checksum the agent took from its own memory (or came without
+    /// one): refused, never stored. Counted in `checksum_failures` too.
+    pub publish_checksum_refused: u64,
     pub evictions: BTreeMap<EvictReason, u64>,
     pub commands_rejected: u64,
     /// Refused commands by `"<command>.<reason>"` (`Command::kind`,

@@ -176,5 +176,6 @@ fn page_copy(c: &PlannedCopy) -> PageCopy {
         len: c.len,
         // Verified in the copy's pass: altered bytes are a miss.
         expect_checksum: Some(c.checksum),
+        sum: orbitkv_gpu::SumOf::Destination,
     }
 }

@@ -185,6 +185,9 @@ impl Config {
                 return Err(ConfigError::Invalid(format!("{name} must be positive")));
             }
         }
+        if l.max_region_bytes == 0 {
+            return bad("limits.max_region_bytes must be positive");
+        }
         if l.max_staging_bytes < self.dram.extent_bytes {
             return bad(
                 "limits.max_staging_bytes must hold at least one extent (dram.extent_bytes)",

@@ -254,9 +254,11 @@ fn land_publish(
     let mut map = staging_map(h);
     let at = staged.host_offset as usize;
     map[at..at + bytes.len()].copy_from_slice(bytes);
+    // The checksum a real agent takes from its own memory as it copies.
     h.step(vec![Command::CopyDone {
         copy,
         failure: None,
+        checksums: vec![xxhash_rust::xxh3::xxh3_64(bytes)],
     }])
 }
 
@@ -304,6 +306,7 @@ fn copy_reports_are_refused_from_another_origin_or_for_unknown_copies() {
         Command::CopyDone {
             copy,
             failure: None,
+            checksums: Vec::new(),
         },
     )]);
     assert!(
@@ -321,6 +324,7 @@ fn copy_reports_are_refused_from_another_origin_or_for_unknown_copies() {
     let ev = h.step(vec![Command::CopyDone {
         copy: copy + 1000,
         failure: None,
+        checksums: Vec::new(),
     }]);
     assert_eq!(rejected(&ev), Some(CommandError::UnknownCopy(copy + 1000)));
     let after = h.rt().stats();
@@ -341,6 +345,7 @@ fn copy_reports_are_refused_from_another_origin_or_for_unknown_copies() {
     let ev = h.step(vec![Command::CopyDone {
         copy,
         failure: None,
+        checksums: Vec::new(),
     }]);
     assert_eq!(rejected(&ev), Some(CommandError::UnknownCopy(copy)));
     // The pool holds exactly what the agent staged, under its checksum.
@@ -377,6 +382,7 @@ fn a_failed_agent_copy_drops_the_publish_and_fails_the_restore() {
     h.step(vec![Command::CopyDone {
         copy,
         failure: Some(failure),
+        checksums: Vec::new(),
     }]);
     let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
     assert!(
@@ -414,6 +420,7 @@ fn a_failed_agent_copy_drops_the_publish_and_fails_the_restore() {
     h.step(vec![Command::CopyDone {
         copy,
         failure: Some(CopyFailure::OutOfBounds("slot 1".into())),
+        checksums: Vec::new(),
     }]);
     let miss = h.until("miss", |e| matches!(e, Event::Miss { .. }));
     assert!(
@@ -592,6 +599,7 @@ fn agent_copies_in_flight_per_origin_are_bounded() {
         h.step(vec![Command::CopyDone {
             copy,
             failure: None,
+            checksums: vec![xxhash_rust::xxh3::xxh3_64(&bytes)],
         }]);
     }
     let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
@@ -629,6 +637,7 @@ fn agent_regions_are_refused_when_their_pages_do_not_match() {
     let ev = h.step(vec![Command::CopyDone {
         copy: 1,
         failure: None,
+        checksums: Vec::new(),
     }]);
     assert_eq!(rejected(&ev), Some(CommandError::UnknownCopy(1)));
     h.assert_idle();
@@ -673,5 +682,87 @@ fn one_publish_from_a_manager_region_and_an_agent_region_splits_by_executor() {
     );
     assert_eq!(h.read_slot(engine, 1), ba);
     assert_eq!(mem.read(1), bl);
+    h.assert_idle();
+}
+
+/// Issue 23: a process that could write an engine's staging area between
+/// the agent's copy and the manager's copy-in used to get its bytes
+/// stored and served under a valid checksum. The agent now reports each
+/// page's checksum taken from its own memory; a staged page that differs
+/// is refused (typed, counted), never stored, and a publish report with
+/// no checksums stores nothing.
+#[test]
+fn a_staging_slot_rewritten_after_the_agents_copy_is_refused_never_stored() {
+    let (mut h, s, ns, region) = manual(agent_config());
+    let page = h.alloc(s, region, 0);
+    let honest = payload(&ns, 0, &hash(1, 0, 0));
+    let forged = vec![0xEE; honest.len()];
+    // The agent copies the honest bytes and takes their checksum; the
+    // slot is rewritten before the manager copies it in.
+    h.step(vec![publish_cmd(s, 1, 0, vec![(0, hash(1, 0, 0), page)])]);
+    let (copy, _, staged) = agent_copy(&mut h);
+    let mut map = staging_map(&mut h);
+    let at = staged[0].host_offset as usize;
+    map[at..at + honest.len()].copy_from_slice(&forged);
+    h.step(vec![Command::CopyDone {
+        copy,
+        failure: None,
+        checksums: vec![xxhash_rust::xxh3::xxh3_64(&honest)],
+    }]);
+    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
+    assert!(
+        matches!(
+            done,
+            Event::PublishDone {
+                inserted: 0,
+                dropped: 1,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    let m = h.rt().stats().metrics;
+    assert_eq!((m.publish_checksum_refused, m.checksum_failures), (1, 1));
+    assert_eq!(h.rt().stats().pages, 0, "nothing stored");
+    // A report without checksums: refused the same way.
+    h.step(vec![publish_cmd(s, 2, 0, vec![(0, hash(1, 0, 0), page)])]);
+    let (copy, _, staged) = agent_copy(&mut h);
+    let at = staged[0].host_offset as usize;
+    map[at..at + honest.len()].copy_from_slice(&honest);
+    h.step(vec![Command::CopyDone {
+        copy,
+        failure: None,
+        checksums: Vec::new(),
+    }]);
+    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
+    assert!(
+        matches!(
+            done,
+            Event::PublishDone {
+                inserted: 0,
+                dropped: 1,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    assert_eq!(h.rt().stats().metrics.publish_checksum_refused, 2);
+    // The honest report stores the honest bytes, and only they are served.
+    store_one(&mut h, s, 3, page, &honest);
+    let q =
+        h.d.query(query(s, 4, 1, &[0], 1, PAGE + 1, true))
+            .expect("query");
+    let Event::Ready { leases, .. } = h.d.ready(q.operation).expect("ready") else {
+        panic!("the honest page is a hit");
+    };
+    let pool = h.rt().export_pool().unwrap();
+    let pool = unsafe { memmap2::Mmap::map(&std::fs::File::from(pool)) }.unwrap();
+    let off = leases[0].offset as usize;
+    assert_eq!(&pool[off..off + honest.len()], &honest[..]);
+    h.step(vec![Command::Release {
+        session: s,
+        operation: q.operation,
+    }]);
+    h.until("released", |e| matches!(e, Event::Released { .. }));
     h.assert_idle();
 }

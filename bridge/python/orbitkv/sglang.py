@@ -108,7 +108,10 @@ def _default_socket() -> str:
     if env:
         return env
     run = os.environ.get("XDG_RUNTIME_DIR")
-    return os.path.join(run, "orbitkv.sock") if run else "/tmp/orbitkv.sock"
+    if run:
+        return os.path.join(run, "orbitkv.sock")
+    # As `orbitkv serve` chooses it: a per-uid directory of mode 0700.
+    return f"/tmp/orbitkv-{os.getuid()}/orbitkv.sock"
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ fn page(host_page: u64, region: u32, device_page: u64) -> PageCopy {
         device_offset: device_page * PAGE,
         len: PAGE,
         expect_checksum: None,
+        sum: crate::SumOf::Destination,
     }
 }
 
@@ -369,6 +370,7 @@ fn invalid_batches_are_typed_errors_and_queue_nothing() {
                 device_offset: 0,
                 len: 2,
                 expect_checksum: None,
+                sum: crate::SumOf::Destination,
             }],
             CopyError::OutOfBounds {
                 what: "host pool",
@@ -384,6 +386,7 @@ fn invalid_batches_are_typed_errors_and_queue_nothing() {
                 device_offset: u64::MAX,
                 len: 2,
                 expect_checksum: None,
+                sum: crate::SumOf::Destination,
             }],
             CopyError::OutOfBounds {
                 what: "device region",
@@ -469,6 +472,7 @@ fn large_restores_verify_in_parallel_and_name_the_first_bad_page() {
                 device_offset: (127 - i) * BIG,
                 len: BIG,
                 expect_checksum: Some(crate::page_checksum(&data[at..at + BIG as usize])),
+                sum: crate::SumOf::Destination,
             }
         })
         .collect();
@@ -918,6 +922,7 @@ fn empty_copies_complete_without_touching_a_stream() {
                 device_offset: 0,
                 len: 0,
                 expect_checksum: None,
+                sum: crate::SumOf::Destination,
             }],
         )
         .unwrap();
@@ -1072,7 +1077,7 @@ mod agent_on_cuda {
     fn done(out: &[Command]) -> Vec<(u64, Option<CopyFailure>)> {
         out.iter()
             .map(|c| match c {
-                Command::CopyDone { copy, failure } => (*copy, failure.clone()),
+                Command::CopyDone { copy, failure, .. } => (*copy, failure.clone()),
                 other => panic!("not a copy report: {other:?}"),
             })
             .collect()

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::record::RecordMac;
+
 /// Environment variable holding the Redis password (takes precedence over
 /// `password_file`).
 pub const PASSWORD_ENV: &str = "ORBITKV_REMOTE_PASSWORD";
@@ -65,6 +67,16 @@ pub struct RemoteConfig {
     /// File whose contents (trailing newline removed) are the password;
     /// `ORBITKV_REMOTE_PASSWORD` wins when set.
     pub password_file: Option<PathBuf>,
+    /// File holding the deployment's secret (at least 32 bytes; a trailing
+    /// newline is not part of it), shared by every manager of the
+    /// deployment and distinct from the Redis password: records are
+    /// authenticated with keys derived from it, so a writer of the store
+    /// without it cannot forge one. Required unless `unauthenticated`.
+    pub mac_key_file: Option<PathBuf>,
+    /// Runs without a secret: records carry MACs under public keys, which
+    /// anyone who can write the store can recompute. Whoever can write the
+    /// Redis is then trusted as fully as this manager (docs/remote.md).
+    pub unauthenticated: bool,
     pub write_policy: WritePolicy,
     /// Expiry set on every record and directory stream. Default 1 h.
     pub ttl_ms: u64,
@@ -129,6 +141,8 @@ impl Default for RemoteConfig {
             key_prefix: "okv1:".into(),
             username: None,
             password_file: None,
+            mac_key_file: None,
+            unauthenticated: false,
             write_policy: WritePolicy::WriteThrough,
             ttl_ms: 3_600_000,
             max_page_bytes: 16 << 20,
@@ -162,6 +176,12 @@ pub enum RemoteError {
     InvalidConfig(String),
     #[error("remote password file {path}: {source}")]
     PasswordFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("remote MAC key file {path}: {source}")]
+    MacKeyFile {
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -211,6 +231,21 @@ impl RemoteConfig {
         }
         if self.mode == RemoteMode::Single && self.urls.len() > 1 {
             return bad("mode single takes exactly one URL".into());
+        }
+        match (&self.mac_key_file, self.unauthenticated) {
+            (None, false) => {
+                return bad(
+                    "no mac_key_file: records from the store cannot be authenticated. \
+                     Give every manager of the deployment the same secret file \
+                     (`[remote] mac_key_file`, at least 32 bytes, not the Redis password), \
+                     or set `unauthenticated = true` to trust whoever can write the store"
+                        .into(),
+                );
+            }
+            (Some(_), true) => {
+                return bad("mac_key_file and unauthenticated = true contradict each other".into());
+            }
+            _ => {}
         }
         if self.key_prefix.is_empty() || self.key_prefix.len() > 64 {
             return bad("key_prefix must be 1 to 64 bytes".into());
@@ -262,6 +297,37 @@ impl RemoteConfig {
             return bad("max_page_bytes exceeds 512 MiB, the largest Redis value".into());
         }
         Ok(())
+    }
+
+    /// The record keys: derived from `mac_key_file`'s secret, refused when
+    /// it is short or is the Redis `password`; public keys when
+    /// `unauthenticated`. The secret is never logged.
+    pub fn record_mac(&self, password: Option<&str>) -> Result<RecordMac, RemoteError> {
+        let Some(path) = &self.mac_key_file else {
+            return if self.unauthenticated {
+                Ok(RecordMac::unauthenticated())
+            } else {
+                Err(RemoteError::InvalidConfig("no mac_key_file".into()))
+            };
+        };
+        let bytes = std::fs::read(path).map_err(|source| RemoteError::MacKeyFile {
+            path: path.clone(),
+            source,
+        })?;
+        let secret = bytes
+            .strip_suffix(b"\n")
+            .map_or(&bytes[..], |s| s.strip_suffix(b"\r").unwrap_or(s));
+        let refuse = |why: String| {
+            RemoteError::InvalidConfig(format!("mac_key_file {}: {why}", path.display()))
+        };
+        if password.is_some_and(|p| p.as_bytes() == secret) {
+            return Err(refuse(
+                "the MAC secret is the Redis password; whoever may write the store must not \
+                 hold it"
+                    .into(),
+            ));
+        }
+        RecordMac::from_secret(secret).map_err(refuse)
     }
 
     /// The password: `ORBITKV_REMOTE_PASSWORD`, else `password_file`, else
@@ -342,17 +408,58 @@ mod tests {
     fn parse_and_validate() {
         let urls = RemoteConfig::parse_urls("redis://a:1, redis://b:2,,");
         assert_eq!(urls, ["redis://a:1", "redis://b:2"]);
-        assert!(RemoteConfig::new(urls.clone()).validate().is_ok());
+        // No secret and no explicit trust: refused.
+        let e = RemoteConfig::new(urls.clone()).validate().unwrap_err();
+        assert!(e.to_string().contains("mac_key_file"), "{e}");
+        let mut c = RemoteConfig::new(urls.clone());
+        c.unauthenticated = true;
+        assert!(c.validate().is_ok());
+        c.mac_key_file = Some("/k".into());
+        assert!(c.validate().is_err(), "both is a contradiction");
+        c.unauthenticated = false;
+        assert!(c.validate().is_ok());
         assert!(RemoteConfig::default().validate().is_err());
         let mut c = RemoteConfig::new(urls);
         c.mode = RemoteMode::Single;
         assert!(c.validate().is_err());
         let mut c = RemoteConfig::new(["redis://a:1"]);
+        c.unauthenticated = true;
         c.read_workers = 0;
         assert!(c.validate().is_err());
         let mut c = RemoteConfig::new(["redis://a:1"]);
         c.key_prefix = "{x}".into();
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn the_mac_secret_is_long_and_not_the_password() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("mac");
+        let mut c = RemoteConfig::new(["redis://a:1"]);
+        c.mac_key_file = Some(p.clone());
+        assert!(matches!(
+            c.record_mac(None),
+            Err(RemoteError::MacKeyFile { .. })
+        ));
+        std::fs::write(&p, "short\n").unwrap();
+        assert!(c.record_mac(None).is_err());
+        let secret = "0123456789abcdef0123456789abcdef";
+        std::fs::write(&p, format!("{secret}\n")).unwrap();
+        let mac = c.record_mac(None).unwrap();
+        assert!(mac.is_keyed());
+        // The trailing newline is not part of the secret.
+        std::fs::write(&p, secret).unwrap();
+        let again = c.record_mac(None).unwrap();
+        assert_eq!(mac.payload_mac(b"x"), again.payload_mac(b"x"));
+        let e = c.record_mac(Some(secret)).unwrap_err();
+        assert!(e.to_string().contains("Redis password"), "{e}");
+        assert!(
+            !e.to_string().contains(secret),
+            "the secret is never echoed"
+        );
+        c.mac_key_file = None;
+        c.unauthenticated = true;
+        assert!(!c.record_mac(None).unwrap().is_keyed());
     }
 
     #[test]

@@ -186,6 +186,14 @@ impl redis::ToRedisArgs for RecordArg<'_> {
     }
 }
 
+/// What a bounded read found.
+pub(crate) enum Bounded {
+    Missing,
+    /// The value's length, over the limit; not read.
+    TooLong(u64),
+    Value(Vec<u8>),
+}
+
 /// One directory stream entry: its id and the header bytes it carries.
 pub(crate) type DirEntry = (String, Vec<u8>);
 
@@ -231,8 +239,39 @@ impl Conn {
         }
     }
 
-    pub(crate) fn get(&mut self, key: &str) -> RedisResult<Option<Vec<u8>>> {
-        self.query(redis::cmd("GET").arg(key))
+    /// The value at `key`, if it is at most `limit` bytes: its length
+    /// first, then at most `limit` bytes of it, in one pipeline, so a
+    /// longer value is never read whole. A value whose length changed in
+    /// between is reported too long or comes back short, and fails its
+    /// verification.
+    pub(crate) fn get_bounded(&mut self, key: &str, limit: u64) -> RedisResult<Bounded> {
+        let mut strlen = redis::cmd("STRLEN");
+        strlen.arg(key);
+        let mut range = redis::cmd("GETRANGE");
+        range.arg(key).arg(0).arg(limit.saturating_sub(1));
+        let mut replies = self.pipeline(vec![strlen, range])?.into_iter();
+        let bad = |what: &str| {
+            redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "bounded read",
+                what.to_owned(),
+            ))
+        };
+        let (Some(Value::Int(len)), Some(bytes)) = (replies.next(), replies.next()) else {
+            return Err(bad("STRLEN did not answer an integer"));
+        };
+        let len = u64::try_from(len).map_err(|_| bad("a negative length"))?;
+        if len == 0 {
+            // No such key (a record is never empty).
+            return Ok(Bounded::Missing);
+        }
+        if len > limit {
+            return Ok(Bounded::TooLong(len));
+        }
+        match bytes {
+            Value::BulkString(b) => Ok(Bounded::Value(b)),
+            _ => Err(bad("GETRANGE did not answer bytes")),
+        }
     }
 
     /// Stores a record (`header ‖ payload`, written into the command

@@ -26,8 +26,8 @@
 //! ```text
 //! offset size  field
 //!      0    8  magic             "OKVREM\0\x01"
-//!      8    2  version           1
-//!     10    2  header_len        96 + key_len
+//!      8    2  version           2
+//!     10    2  header_len        152 + key_len
 //!     12    2  key_len           length of StateKey::encode (41..=104)
 //!     14    2  flags             0
 //!     16    8  payload_len       > 0
@@ -36,11 +36,17 @@
 //!     40    8  written_unix_ms   writer's wall clock
 //!     48    8  ttl_ms            expiry the writer set
 //!     56   32  format_digest     StateFormat::digest of the bytes' format
-//!     88    k  key               StateKey::encode (the full key: namespace,
+//!     88   32  payload_mac       keyed BLAKE3 of the payload (payload key)
+//!    120    k  key               StateKey::encode (the full key: namespace,
 //!                                group, native hash)
-//!   88+k    8  header_checksum   XXH3-64 of bytes [0, 88+k)
-//! 96+k    …  payload
+//!  120+k   32  header_mac        keyed BLAKE3 of bytes [0, 120+k) (header key)
+//! 152+k    …  payload
 //! ```
+//!
+//! The two keys are derived (`blake3::derive_key`, one context each) from
+//! the deployment's secret in `mac_key_file` ([`record::RecordMac`]); with
+//! `unauthenticated = true` they are derived from nothing, so anyone can
+//! compute them. Version-1 records (no MACs) are never read.
 //!
 //! # Metadata is a hint
 //!
@@ -56,15 +62,20 @@
 //!
 //! # Never trusted
 //!
-//! A read fetches the record with one `GET` and verifies it on the worker
-//! before any byte reaches the pool: header (magic, version, lengths,
-//! flags, header checksum, key encoding), the full key equal to the one
-//! asked for, the payload length equal to the reserved length, the value
-//! exactly `header_len + payload_len` long (a truncated or padded value
-//! fails), the payload checksum equal to the one the metadata promised (a
-//! record rewritten since the lookup, for instance by an owner that
-//! restarted, fails) and the payload's XXH3-64 equal to the header's. Only
-//! then are the bytes copied into the destination slot. Failures are
+//! A read fetches the record's length and at most the bytes a record of
+//! the promised length can take (`STRLEN` and `GETRANGE` in one pipeline:
+//! a larger value planted under the key is refused by its length, never
+//! read whole) and verifies it on the worker before any byte reaches the
+//! pool: header (magic, version, lengths, flags, header MAC, key
+//! encoding), the full key equal to the one asked for, the payload length
+//! equal to the reserved length, the value exactly `header_len +
+//! payload_len` long (a truncated or padded value fails), the payload
+//! checksum equal to the one the metadata promised (a record rewritten
+//! since the lookup, for instance by an owner that restarted, fails), the
+//! payload MAC, and the payload's XXH3-64 equal to the header's. Only then
+//! are the bytes copied into the destination slot. Directory entries are
+//! verified by their header MAC before they promise anything: a forged
+//! entry is dropped (`directory_entries_bad`). Failures are
 //! reported as typed [`TierError`](crate::tier::TierError)s that the runtime
 //! turns into misses with a reason (`remote_missing`, `remote_corrupt`,
 //! `remote_timeout`, `remote_unavailable`); a missing or corrupt record

@@ -12,9 +12,11 @@ use orbitkv_components::api::MissReason;
 use orbitkv_components::{Namespace, StateKey};
 
 use super::config::{RemoteConfig, RemoteError};
-use super::conn::{Conn, Connector, DirPut, classify};
+use super::conn::{Bounded, Conn, Connector, DirPut, classify};
 use super::meta::{MetaCache, MetaEntry};
-use super::record::{Expect, RecordHeader, data_key, directory_key, shard_of, verify};
+use super::record::{
+    Expect, RecordHeader, RecordMac, data_key, directory_key, max_record_len, shard_of, verify,
+};
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
 use crate::checksum::page_checksum;
 use crate::tier::{
@@ -91,6 +93,9 @@ struct Interest {
 struct Shared {
     cfg: RemoteConfig,
     connector: Connector,
+    /// The deployment's record keys: every record written is authenticated
+    /// with them, every record and directory entry read is verified.
+    mac: RecordMac,
     meta: RwLock<MetaCache>,
     interest: Mutex<Interest>,
     wake: Condvar,
@@ -286,6 +291,13 @@ impl RemoteTier {
     pub fn open(cfg: RemoteConfig, writer_id: u64) -> Result<RemoteTier, RemoteError> {
         cfg.validate()?;
         let password = cfg.password()?;
+        let mac = cfg.record_mac(password.as_deref())?;
+        if !mac.is_keyed() {
+            tracing::warn!(
+                "remote tier without a MAC secret (unauthenticated = true): whoever can write \
+                 the store can inject pages"
+            );
+        }
         let connector = Connector::new(&cfg, password).map_err(RemoteError::InvalidConfig)?;
         let shared = Arc::new(Shared {
             meta: RwLock::new(MetaCache::new(cfg.metadata_max_entries)),
@@ -307,6 +319,7 @@ impl RemoteTier {
             writes_queued: AtomicU64::new(0),
             write_bytes_queued: AtomicU64::new(0),
             connector,
+            mac,
             cfg,
         });
         let cfg = &shared.cfg;
@@ -852,9 +865,12 @@ fn read_one(
         return Err((ErrorKind::Unavailable, "breaker open".into()));
     }
     let c = s.conn(conn, s.cfg.read_timeout())?;
+    // Never more than a record of the promised length can take: a value
+    // planted under the key is not read whole.
+    let limit = max_record_len(job.expect.len);
     let value = c
         .set_read_timeout(job.deadline.saturating_duration_since(now))
-        .and_then(|()| c.get(&job.data_key));
+        .and_then(|()| c.get_bounded(&job.data_key, limit));
     let value = match value {
         Ok(v) => v,
         Err(e) => {
@@ -863,10 +879,16 @@ fn read_one(
         }
     };
     s.breaker.success();
-    let Some(value) = value else {
-        return Err((ErrorKind::Missing, "record is gone".into()));
+    let value = match value {
+        Bounded::Missing => return Err((ErrorKind::Missing, "record is gone".into())),
+        Bounded::TooLong(actual) => {
+            let e = super::record::RecordError::TooLong { limit, actual };
+            return Err((ErrorKind::Corrupt, e.to_string()));
+        }
+        Bounded::Value(v) => v,
     };
-    let start = verify(&value, &job.expect).map_err(|e| (ErrorKind::Corrupt, e.to_string()))?;
+    let start =
+        verify(&value, &job.expect, &s.mac).map_err(|e| (ErrorKind::Corrupt, e.to_string()))?;
     let payload = &value[start..];
     if job
         .state
@@ -960,11 +982,12 @@ fn write_one(
         format_digest: job.format,
         payload_len: job.payload.len() as u64,
         payload_checksum: job.checksum,
+        payload_mac: s.mac.payload_mac(&job.payload),
         writer: s.writer_id,
         written_unix_ms: unix_ms(),
         ttl_ms: cfg.ttl_ms,
     };
-    let entry = header.encode();
+    let entry = header.encode(&s.mac);
     let shards = cfg.directory_shards;
     let dir = directory_key(
         &cfg.key_prefix,
@@ -1133,7 +1156,9 @@ fn refresh(s: &Shared, c: &mut Conn, follows: &mut VecDeque<Follow>) -> redis::R
                     s.stats
                         .directory_entries_read
                         .fetch_add(1, Ordering::Relaxed);
-                    match RecordHeader::decode(&header) {
+                    // A forged entry (no secret) is dropped here, before
+                    // it can promise anything.
+                    match RecordHeader::decode(&header, &s.mac) {
                         Ok((h, _)) if h.key.namespace == f.ns => {
                             let e = MetaEntry::from_header(&h);
                             if e.expires_unix_ms > now {

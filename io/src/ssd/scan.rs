@@ -1,11 +1,15 @@
 //! The open-time scan of one segment file: every header and every payload
 //! checksum is verified; torn, partial or corrupt records are skipped and
 //! counted. It steps [`MIN_BLOCK`] bytes at a time, so it finds records of
-//! every block size (version-1 records, at 4 KiB, included).
+//! every block size (version-1 records, at 4 KiB, included), and jumps over
+//! holes (`SEEK_DATA`), which hold no record. A file larger than the tier
+//! could ever have written, by length or by allocated blocks, is refused
+//! before it is walked.
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::fd::AsRawFd as _;
+use std::os::unix::fs::{FileExt, MetadataExt as _, OpenOptionsExt};
 use std::path::Path;
 
 use super::format::{HeaderError, MIN_BLOCK, RecordHeader};
@@ -71,10 +75,59 @@ pub(crate) fn open_regular(path: &Path, flags: i32) -> io::Result<File> {
     Ok(file)
 }
 
-/// Scans segment `id` at `path` (buffered reads; the file is not written).
-pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
+/// Why a segment file was not scanned.
+#[derive(Debug)]
+pub(crate) enum ScanRefused {
+    Io(io::Error),
+    /// Longer, or holding more allocated bytes, than `max_bytes`: not a
+    /// segment this tier wrote, and walking it would hold up the start.
+    Oversized {
+        len: u64,
+        allocated: u64,
+    },
+}
+
+impl From<io::Error> for ScanRefused {
+    fn from(e: io::Error) -> Self {
+        ScanRefused::Io(e)
+    }
+}
+
+/// Where the data after `pos` starts, and where that data ends (`SEEK_DATA`
+/// and `SEEK_HOLE`); `None` when only a hole is left, or when the
+/// filesystem cannot say (then the caller steps as if all were data).
+fn data_after(file: &File, pos: u64) -> Option<(u64, u64)> {
+    let at = libc::off_t::try_from(pos).ok()?;
+    // SAFETY: lseek on a descriptor we own; it moves only the offset, which
+    // nothing here reads (reads are positioned).
+    let data = unsafe { libc::lseek(file.as_raw_fd(), at, libc::SEEK_DATA) };
+    if data < 0 {
+        let e = io::Error::last_os_error();
+        // ENXIO: no data past `pos`. Anything else: no hole support.
+        return (e.raw_os_error() == Some(libc::ENXIO)).then_some((u64::MAX, u64::MAX));
+    }
+    // SAFETY: as above.
+    let hole = unsafe { libc::lseek(file.as_raw_fd(), data, libc::SEEK_HOLE) };
+    Some((data as u64, if hole < 0 { u64::MAX } else { hole as u64 }))
+}
+
+/// Scans segment `id` at `path` (buffered reads; the file is not written),
+/// refusing it unread when it is larger than `max_bytes`.
+pub(crate) fn scan_segment(
+    path: &Path,
+    id: u64,
+    max_bytes: u64,
+) -> Result<SegmentScan, ScanRefused> {
     let file = open_regular(path, 0)?;
-    let file_len = file.metadata()?.len();
+    let meta = file.metadata()?;
+    let file_len = meta.len();
+    let allocated = meta.blocks().saturating_mul(512);
+    if file_len > max_bytes || allocated > max_bytes {
+        return Err(ScanRefused::Oversized {
+            len: file_len,
+            allocated,
+        });
+    }
     let mut w = Window {
         file: &file,
         file_len,
@@ -88,6 +141,8 @@ pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
     };
     let mut pos = 0u64;
     let mut in_bad_run = false;
+    // Known to be data (not a hole) up to here.
+    let mut data_until = 0u64;
     while pos + MIN_BLOCK <= file_len {
         let parsed = RecordHeader::decode(w.read(pos, MIN_BLOCK as usize)?);
         let header = match parsed {
@@ -96,6 +151,18 @@ pub(crate) fn scan_segment(path: &Path, id: u64) -> io::Result<SegmentScan> {
                 // bad run: a damaged record whose header block is larger
                 // than the step counts once, whatever its padding.
                 pos += MIN_BLOCK;
+                if pos >= data_until {
+                    // A hole holds no record: go to the next data, at the
+                    // step it falls in.
+                    match data_after(&file, pos) {
+                        Some((data, end)) => {
+                            let data = data.min(file_len);
+                            pos = pos.max(data - data % MIN_BLOCK);
+                            data_until = end;
+                        }
+                        None => data_until = u64::MAX,
+                    }
+                }
                 continue;
             }
             Ok(h) if h.segment_id == id && h.record_offset == pos => h,

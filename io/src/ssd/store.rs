@@ -18,7 +18,7 @@ use super::format::{
 use super::meta::{
     self, MAX_SEGMENT_ID, Meta, MetaDone, MetaReq, parse_segment_name, segment_name,
 };
-use super::scan::{open_regular, scan_segment};
+use super::scan::{ScanRefused, open_regular, scan_segment};
 use super::types::*;
 use super::uring::UringEngine;
 use crate::checksum::page_checksum;
@@ -555,9 +555,23 @@ impl SsdStore {
     /// Scans segment `id` and indexes its valid records.
     fn load_segment(&mut self, id: u64) {
         let path = self.segment_path(id);
-        let scan = match scan_segment(&path, id) {
+        // No segment this tier wrote is larger than the tier itself.
+        let scan = match scan_segment(&path, id, self.cfg.capacity_bytes) {
             Ok(s) => s,
-            Err(_) => {
+            Err(ScanRefused::Oversized { len, allocated }) => {
+                tracing::warn!(
+                    path = %path.display(),
+                    len,
+                    allocated,
+                    capacity_bytes = self.cfg.capacity_bytes,
+                    "skipping a segment file larger than the SSD tier's capacity: not one this \
+                     tier wrote (left on disk, not read)"
+                );
+                self.stats.open_scan.oversized_segments += 1;
+                return;
+            }
+            Err(ScanRefused::Io(e)) => {
+                tracing::warn!(path = %path.display(), error = %e, "an SSD segment file could not be read (left on disk)");
                 self.stats.open_scan.unreadable_segments += 1;
                 return;
             }

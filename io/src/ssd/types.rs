@@ -468,6 +468,10 @@ pub struct OpenScan {
     pub empty_segments_removed: u64,
     /// Segment files that could not be read (left on disk, not indexed).
     pub unreadable_segments: u64,
+    /// Segment files longer, or with more allocated bytes, than
+    /// `capacity_bytes`: not written by this tier, refused unread (left
+    /// on disk, with a warning).
+    pub oversized_segments: u64,
     /// Segments evicted at open because they exceeded `capacity_bytes`.
     pub evicted_segments: u64,
     /// Entries named like segment files that are not ours to read: not a

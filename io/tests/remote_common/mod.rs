@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use orbitkv_components::{Namespace, StateKey};
 use orbitkv_io::checksum::page_checksum;
+use orbitkv_io::remote::record::RecordMac;
 use orbitkv_io::remote::{RemoteConfig, RemoteTier};
 use orbitkv_io::tier::{BackingTier, ReadDone, ReadToken, TierEntry, TierError};
 
@@ -83,9 +84,30 @@ pub fn payload(i: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The tests' deployment secret (every tier of a test shares it, as the
+/// managers of a deployment do).
+pub const TEST_SECRET: &[u8; 32] = b"orbitkv-tests-remote-mac-secret!";
+
+/// A file holding [`TEST_SECRET`], written once per test process.
+pub fn test_mac_key() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!("orbitkv-test-mac-{}", std::process::id()));
+        std::fs::write(&path, TEST_SECRET).unwrap();
+        path
+    })
+    .clone()
+}
+
+/// The record keys of [`TEST_SECRET`].
+pub fn test_mac() -> RecordMac {
+    RecordMac::from_secret(TEST_SECRET).unwrap()
+}
+
 /// Config for tests: short timeouts and refresh so faults show quickly.
 pub fn config(urls: Vec<String>) -> RemoteConfig {
     let mut c = RemoteConfig::new(urls);
+    c.mac_key_file = Some(test_mac_key());
     c.read_timeout_ms = 300;
     c.write_timeout_ms = 1_000;
     c.connect_timeout_ms = 300;

@@ -24,7 +24,9 @@ use super::{Landing, Ops, Transfers};
 /// How a batch ended, whoever ran it.
 enum Landed {
     Ok {
-        /// Checksums the copy computed in its pass (local publishes).
+        /// Local publishes: the checksums the copy computed in its pass.
+        /// Agent publishes: the checksums the agent took from its own
+        /// memory, which each staged page must match.
         checksums: Vec<u64>,
     },
     /// A leased page's bytes no longer matched their checksum (a restore;
@@ -59,10 +61,10 @@ pub(super) fn land_copies(
     for (_, entity, result) in std::mem::take(&mut landing.agents.reported) {
         let (transfer, _) = transfers.get(entity).expect("reported transfers are live");
         // Past its deadline a copy has failed, whatever the agent says.
-        let failure = match result {
-            Err(f) => Some(f),
-            Ok(()) if transfer.overdue => Some(CopyFailure::Lost),
-            Ok(()) => None,
+        let (failure, checksums) = match result {
+            Err(f) => (Some(f), Vec::new()),
+            Ok(_) if transfer.overdue => (Some(CopyFailure::Lost), Vec::new()),
+            Ok(sums) => (None, sums),
         };
         let how = match failure {
             Some(f) => {
@@ -73,9 +75,7 @@ pub(super) fn land_copies(
                     _ => Landed::Failed,
                 }
             }
-            None => Landed::Ok {
-                checksums: Vec::new(),
-            },
+            None => Landed::Ok { checksums },
         };
         landed.push((entity, how));
     }
@@ -131,10 +131,15 @@ impl Landing<'_> {
         transfer: &Transfer,
     ) {
         let landed = copied.is_some();
-        let sums: Vec<u64> = match (copied, transfer.executor) {
+        // Per item, the checksum it is indexed under; `None`: refused.
+        let sums: Vec<Option<u64>> = match (copied, transfer.executor) {
             (None, _) => Vec::new(),
-            (Some(_), Executor::Agent(origin)) => self.unstage(job, items, origin),
-            (Some(sums), Executor::Local) if sums.len() == items.len() => sums,
+            (Some(expected), Executor::Agent(origin)) => {
+                self.unstage(job, items, origin, &expected)
+            }
+            (Some(sums), Executor::Local) if sums.len() == items.len() => {
+                sums.into_iter().map(Some).collect()
+            }
             // A backend that did not checksum in its pass (none of ours).
             (Some(_), Executor::Local) => self.checksums(job, items),
         };
@@ -144,19 +149,26 @@ impl Landing<'_> {
         for (n, &i) in items.iter().enumerate() {
             let item = &mut job.items[i];
             let slot = item.dram_slot.take().expect("copying items own a slot");
-            if !landed || self.dram.index.contains_key(&item.key) {
+            let sum = sums.get(n).copied().flatten();
+            if landed && sum.is_none() {
+                // The staged bytes are not what the agent copied from its
+                // memory: never stored.
+                self.metrics.checksum_failures += 1;
+                self.metrics.publish_checksum_refused += 1;
+            }
+            let Some(checksum) = sum.filter(|_| !self.dram.index.contains_key(&item.key)) else {
                 self.dram.free(slot);
-                item.state = if landed {
+                item.state = if sum.is_some() {
                     ItemState::Duplicate
                 } else {
                     ItemState::Dropped
                 };
                 continue;
-            }
+            };
             let page = Page {
                 key: item.key,
                 bytes: item.bytes,
-                checksum: sums[n],
+                checksum,
                 format: item.format,
                 residency: Residency {
                     dram_slot: slot,
@@ -167,7 +179,7 @@ impl Landing<'_> {
             self.dram.index.insert(item.key, entity);
             self.dram.make_evictable(entity, slot);
             self.metrics.bytes_published += item.bytes;
-            self.write_through(item, slot, sums[n]);
+            self.write_through(item, slot, checksum);
             item.state = ItemState::Inserted;
         }
     }
@@ -195,7 +207,7 @@ impl Landing<'_> {
     }
 
     /// Checksums of pages the copy engine wrote into their pool slots.
-    fn checksums(&self, job: &PublishJob, items: &[usize]) -> Vec<u64> {
+    fn checksums(&self, job: &PublishJob, items: &[usize]) -> Vec<Option<u64>> {
         let slices: Vec<&[u8]> = items
             .iter()
             .map(|&i| {
@@ -204,17 +216,23 @@ impl Landing<'_> {
                 self.dram.slot_bytes(slot, item.bytes).expect("live slot")
             })
             .collect();
-        slices.par_iter().map(|b| page_checksum(b)).collect()
+        slices.par_iter().map(|b| Some(page_checksum(b))).collect()
     }
 
     /// Moves pages an agent wrote into `origin`'s staging area into their
-    /// pool slots, checksumming each in the same pass (in parallel).
+    /// pool slots, checksumming each in the same pass (in parallel), and
+    /// verifies each against `expected`, the checksum the agent took from
+    /// its own memory: `None` for a page that differs (its staging slot
+    /// was written after the agent's copy) or that the agent gave none
+    /// for. This runs in the tick that takes the agent's report, before
+    /// `publish_done`: whatever lands in a staging slot later is not read.
     fn unstage(
         &mut self,
         job: &PublishJob,
         items: &[usize],
         origin: orbitkv_components::api::Origin,
-    ) -> Vec<u64> {
+        expected: &[u64],
+    ) -> Vec<Option<u64>> {
         let staging = self
             .agents
             .staging
@@ -243,10 +261,15 @@ impl Landing<'_> {
             .pool
             .slots_mut(&targets)
             .expect("distinct live pool slots");
-        targets
+        let complete = expected.len() == items.len();
+        let sums: Vec<u64> = targets
             .par_iter_mut()
             .zip(sources.par_iter())
             .map(|(dst, src)| copy_with_checksum(dst, src))
+            .collect();
+        sums.into_iter()
+            .enumerate()
+            .map(|(n, sum)| (complete && expected.get(n) == Some(&sum)).then_some(sum))
             .collect()
     }
 

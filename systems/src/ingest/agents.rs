@@ -13,6 +13,7 @@ pub(super) fn copy_done(
     ctx: Ctx,
     copy: u64,
     failure: Option<CopyFailure>,
+    checksums: Vec<u64>,
 ) -> Result<()> {
     // Plan.
     let mut agents = world.resource_mut::<Agents>();
@@ -23,7 +24,7 @@ pub(super) fn copy_done(
     };
     // Apply.
     agents.sent.remove(&copy);
-    let result = failure.map_or(Ok(()), Err);
+    let result = failure.map_or(Ok(checksums), Err);
     agents.reported.push((copy, entry.transfer, result));
     Ok(())
 }

@@ -49,6 +49,9 @@ pub(super) fn register_region(
     let bytes = page_bytes
         .checked_mul(u64::from(slots))
         .ok_or(invalid(InvalidCommand::RegionTooLarge))?;
+    if agent.is_none() {
+        within_region_bytes(world, bytes)?;
+    }
     if let Some(a) = agent
         && a.page_bytes != page_bytes
     {
@@ -104,6 +107,27 @@ pub(super) fn register_region(
         agent: executor != Executor::Local,
     };
     emit(world, ctx.origin, event);
+    Ok(())
+}
+
+/// Refuses a manager-owned region that would take the live ones past
+/// `max_region_bytes`. Summed from the regions themselves (no count kept
+/// by hand): registrations are rare, and a closed session's regions are
+/// unmapped when they despawn.
+fn within_region_bytes(world: &mut World, bytes: u64) -> Result<()> {
+    let max = world.resource::<Limits>().max_region_bytes;
+    let live: u64 = world
+        .query::<&DeviceRegion>()
+        .iter(world)
+        .filter(|r| r.executor == Executor::Local)
+        .map(|r| r.page_bytes.saturating_mul(u64::from(r.slots)))
+        .fold(0, u64::saturating_add);
+    if live.saturating_add(bytes) > max {
+        return Err(CommandError::Limit {
+            name: orbitkv_components::api::LimitName::MaxRegionBytes,
+            limit: max,
+        });
+    }
     Ok(())
 }
 

@@ -134,7 +134,11 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
             recovery::release(world, ctx, session, operation)
         }
         Command::Cancel { session, operation } => recovery::cancel(world, ctx, session, operation),
-        Command::CopyDone { copy, failure } => agents::copy_done(world, ctx, copy, failure),
+        Command::CopyDone {
+            copy,
+            failure,
+            checksums,
+        } => agents::copy_done(world, ctx, copy, failure, checksums),
         Command::AdvanceClock { us } => advance_clock(world, us),
     }
 }

@@ -578,3 +578,42 @@ def test_layerwise_killed_manager_recomputes(model, manager):
         assert promised == 64
         assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
         assert "B" in e.finished
+
+
+class _Counting:
+    """A client that counts the commands submitted through it, by name."""
+
+    def __init__(self, client, seen):
+        self._client, self._seen = client, seen
+
+    def submit(self, command):
+        self._seen.append(command["command"])
+        return self._client.submit(command)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_lookup_is_one_round_trip(model, manager):
+    # The scheduler's lookup of a stored prefix is one `lookup` command and
+    # its answer: nothing is parked in the manager, nothing is released.
+    with engine(model, manager.socket) as e:
+        e.add("A", PROMPT)
+        e.run()
+        assert e.sched.reset_prefix_cache()
+        e.wipe()
+        sched = e.connector.scheduler
+        seen: list = []
+        real = sched.link.get
+
+        def counting_get():
+            client, session = real()
+            return _Counting(client, seen), session
+
+        sched.link.get = counting_get
+        e.add("B", PROMPT + [99, 98])
+        e.run()
+        sched.link.get = real
+        assert e.stats.hit_tokens == 64, e.stats
+        assert seen == ["lookup"], seen
+    no_leaks(manager)

@@ -190,8 +190,47 @@ fn hot_round_trip_moves_exact_bytes() {
         .unwrap();
     }
 
+    // A lookup is one request and one answer, terminal: the hot request
+    // closes with it and no operation is left to release.
+    for _ in 0..300 {
+        let Command::Query {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+            ..
+        } = query(sb, 5, false)
+        else {
+            unreachable!()
+        };
+        let lookup = Command::Lookup {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+        };
+        let qr = b.call(lookup, T).unwrap();
+        assert!(
+            matches!(
+                qr,
+                Event::QueryResult {
+                    selected: Some(64),
+                    miss: None,
+                    ..
+                }
+            ),
+            "{qr:?}"
+        );
+    }
+    assert_eq!(b.poll_events().unwrap(), vec![]);
+    m.wait_metric_until("operations", |v| v == 0);
+
     // Everything went on the hot path; nothing is left open.
-    assert!(m.wait_metric_until("hot_requests_total", |v| v >= 600) >= 600);
+    assert!(m.wait_metric_until("hot_requests_total", |v| v >= 900) >= 900);
     assert_eq!(m.metric("hot_fallbacks_total"), Some(0));
     assert_eq!(m.metric("hot_errors_total"), Some(0));
     m.wait_metric_until("hot_open_requests", |v| v == 0);

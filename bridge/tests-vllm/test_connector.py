@@ -578,3 +578,95 @@ def test_layerwise_killed_manager_recomputes(model, manager):
         assert promised == 64
         assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
         assert "B" in e.finished
+
+
+class _Counting:
+    """A client that counts the commands submitted through it, by name."""
+
+    def __init__(self, client, seen):
+        self._client, self._seen = client, seen
+
+    def submit(self, command):
+        self._seen.append(command["command"])
+        return self._client.submit(command)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_lookup_is_one_round_trip(model, manager):
+    # The scheduler's lookup of a stored prefix is one `lookup` command and
+    # its answer: nothing is parked in the manager, nothing is released.
+    with engine(model, manager.socket) as e:
+        e.add("A", PROMPT)
+        e.run()
+        assert e.sched.reset_prefix_cache()
+        e.wipe()
+        sched = e.connector.scheduler
+        seen: list = []
+        real = sched.link.get
+
+        def counting_get():
+            client, session = real()
+            return _Counting(client, seen), session
+
+        sched.link.get = counting_get
+        e.add("B", PROMPT + [99, 98])
+        e.run()
+        sched.link.get = real
+        assert e.stats.hit_tokens == 64, e.stats
+        assert seen == ["lookup"], seen
+    no_leaks(manager)
+
+
+def test_a_load_is_two_round_trips_on_known_blocks(model, manager):
+    # The worker keeps a device page per (region, block) for its
+    # connection: a load sends its query (with prepare) and its restore,
+    # plus an allocation only for a block it never used, and no frees.
+    # 12 blocks: later loads land in blocks earlier steps used.
+    with engine(model, manager.socket, num_blocks=12) as e:
+        w = e.workers[0].worker
+        e.add("A", PROMPT)
+        e.run()
+        reused = 0
+        seen: list = []
+        real = w.link.get
+
+        def counting_get():
+            client, session = real()
+            return _Counting(client, seen), session
+
+        w.link.get = counting_get
+        for rid in ("B", "C", "D", "E", "F"):
+            assert e.sched.reset_prefix_cache()
+            e.wipe()
+            seen.clear()
+            known = {block for _, block in w.slot_table}
+            loads: list = []
+            sched = e.connector.scheduler
+            real_alloc = sched.update_state_after_alloc
+
+            def record(request, blocks, n, loads=loads, real_alloc=real_alloc):
+                real_alloc(request, blocks, n)
+                if n > 0:
+                    loads.extend(b.block_id for b in blocks.blocks[0][: n // e.bs])
+
+            sched.update_state_after_alloc = record
+            before = e.stats.hit_tokens
+            e.add(rid, PROMPT + [99, 98])
+            e.run()
+            sched.update_state_after_alloc = real_alloc
+            assert e.stats.hit_tokens - before == 64, e.stats
+            assert len(loads) == 4, loads
+            # 72 tokens: no page completes past the loaded 64, so nothing
+            # is published; only blocks never used before are allocated.
+            fresh = len(set(loads) - known)
+            reused += fresh < len(loads)
+            assert "publish" not in seen, seen
+            assert seen.count("query") == 1 and seen.count("restore") == 1, seen
+            assert "device_page_free" not in seen, seen
+            assert seen.count("device_page_alloc") == fresh, (seen, loads, known)
+        assert reused >= 1, "some load should have reused a block"
+        assert len(w.slot_table) <= e.kcc.num_blocks
+        w.link.get = real
+    no_leaks(manager)

@@ -44,6 +44,13 @@ impl std::fmt::Display for Origin {
 pub struct Addressed {
     pub to: Origin,
     pub event: Event,
+    /// The event ends its command (and its operation, if it has one):
+    /// nothing more is addressed to either. Decided by the runtime where
+    /// the outcome is decided (`Event::ends_by_default`, or the stage that
+    /// knows better, such as a `Lookup`'s result), so the hot-path server
+    /// and clients read it instead of deriving it again.
+    #[serde(default)]
+    pub terminal: bool,
 }
 
 /// Why state was not handed back. One enum everywhere: events, reports,
@@ -234,6 +241,19 @@ pub enum Command {
         prepare: bool,
         #[serde(default)]
         speculative: bool,
+    },
+    /// A peek: the same discovery and boundary selection as `Query`
+    /// without `prepare`, but the operation ends with its `QueryResult`
+    /// (terminal): nothing is leased, reserved or parked, and there is
+    /// nothing to release.
+    Lookup {
+        session: SessionHandle,
+        request: u64,
+        groups: Vec<GroupHashes>,
+        origin: u64,
+        prompt_len: u64,
+        #[serde(default)]
+        expect_namespaces: Vec<Namespace>,
     },
     /// read_recovery for the selected boundary of a query.
     Prepare {
@@ -686,6 +706,7 @@ impl Command {
             Command::DevicePageAlloc { .. } => "device_page_alloc",
             Command::DevicePageFree { .. } => "device_page_free",
             Command::Query { .. } => "query",
+            Command::Lookup { .. } => "lookup",
             Command::Prepare { .. } => "prepare",
             Command::Restore { .. } => "restore",
             Command::Publish { .. } => "publish",
@@ -852,6 +873,33 @@ pub enum Event {
 }
 
 impl Event {
+    /// Whether this event ends its command and operation unless the stage
+    /// that sends it knows otherwise (`Addressed::terminal`): a command's
+    /// only reply, a refusal, or an operation's final outcome. A
+    /// `QueryResult` ends its operation only with a miss (a hit goes on to
+    /// prepare or release; a `Lookup`'s hit is marked terminal where it is
+    /// sent).
+    pub fn ends_by_default(&self) -> bool {
+        match self {
+            Event::Rejected { .. }
+            | Event::InstanceRegistered { .. }
+            | Event::SessionOpened { .. }
+            | Event::RegionRegistered { .. }
+            | Event::DevicePageAllocated { .. }
+            | Event::Miss { .. }
+            | Event::RestoreDone { .. }
+            | Event::PublishDone { .. }
+            | Event::Released { .. } => true,
+            Event::QueryResult { miss, .. } => miss.is_some(),
+            Event::SessionClosed { .. }
+            | Event::DevicePageFreed { .. }
+            | Event::Loading { .. }
+            | Event::Ready { .. }
+            | Event::TransferOverdue { .. }
+            | Event::AgentCopy { .. } => false,
+        }
+    }
+
     /// The command this event replies to, for events that are a command's
     /// reply (the other events concern an operation, device page or
     /// session the command created).
@@ -996,11 +1044,12 @@ mod tests {
         let a = Addressed {
             to: Origin(3),
             event: Event::Released { operation: 7 },
+            terminal: true,
         };
         let v = serde_json::to_value(&a).unwrap();
         assert_eq!(
             v,
-            serde_json::json!({"to": 3, "event": {"event": "released", "operation": 7}})
+            serde_json::json!({"to": 3, "event": {"event": "released", "operation": 7}, "terminal": true})
         );
         assert_eq!(serde_json::from_value::<Addressed>(v).unwrap(), a);
         assert_eq!(Origin::EMBEDDED, Origin(0));

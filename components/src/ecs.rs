@@ -314,6 +314,8 @@ pub struct Recovery {
     pub prompt_len: u64,
     pub expect_namespaces: Vec<Namespace>,
     pub prepare: bool,
+    /// A `Lookup`: the operation ends with its `QueryResult`.
+    pub peek: bool,
     /// Page ends found per (rank index, group), ascending.
     pub candidates: Vec<(u32, u32, Vec<u64>)>,
     pub selected: Option<u64>,
@@ -366,6 +368,7 @@ impl Recovery {
             prompt_len,
             expect_namespaces: Vec::new(),
             prepare: false,
+            peek: false,
             candidates: Vec::new(),
             selected: None,
             ranges: Vec::new(),

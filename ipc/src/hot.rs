@@ -126,6 +126,8 @@ pub enum Op {
     Publish = 4,
     Release = 5,
     Cancel = 6,
+    /// `Command::Lookup`: a query's fields, ended by its result.
+    Lookup = 7,
 }
 
 impl Op {
@@ -137,6 +139,7 @@ impl Op {
             4 => Op::Publish,
             5 => Op::Release,
             6 => Op::Cancel,
+            7 => Op::Lookup,
             _ => return None,
         })
     }
@@ -1051,6 +1054,7 @@ pub fn is_hot(command: &Command) -> bool {
     matches!(
         command,
         Command::Query { .. }
+            | Command::Lookup { .. }
             | Command::Prepare { .. }
             | Command::Restore { .. }
             | Command::Publish { .. }
@@ -1095,6 +1099,22 @@ pub fn encode_request(
             r.prompt_len = *prompt_len;
             r.flags = if *prepare { REQ_PREPARE } else { 0 }
                 | if *speculative { REQ_SPECULATIVE } else { 0 };
+            parts.push((part::GROUPS, encode_groups(groups)?));
+            parts.push((part::NAMESPACES, encode_namespaces(expect_namespaces)));
+        }
+        Command::Lookup {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+        } => {
+            r.op = Op::Lookup as u32;
+            r.session = session_words(session);
+            r.a = *request;
+            r.origin = *origin;
+            r.prompt_len = *prompt_len;
             parts.push((part::GROUPS, encode_groups(groups)?));
             parts.push((part::NAMESPACES, encode_namespaces(expect_namespaces)));
         }
@@ -1171,6 +1191,14 @@ pub fn decode_request(r: &HotRequest, area: &Area) -> Result<Command, HotError> 
             expect_namespaces: decode_namespaces(&part(1, part::NAMESPACES)?)?,
             prepare: r.flags & REQ_PREPARE != 0,
             speculative: r.flags & REQ_SPECULATIVE != 0,
+        },
+        Op::Lookup => Command::Lookup {
+            session,
+            request: r.a,
+            groups: decode_groups(&part(0, part::GROUPS)?)?,
+            origin: r.origin,
+            prompt_len: r.prompt_len,
+            expect_namespaces: decode_namespaces(&part(1, part::NAMESPACES)?)?,
         },
         Op::Prepare => Command::Prepare {
             session,

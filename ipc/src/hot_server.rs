@@ -402,7 +402,9 @@ impl HotServer {
     /// open request of that connection answers it. `false`:
     /// the caller sends it on the socket (no open request, or no room);
     /// the request is then still acknowledged and closed as it should be.
-    pub fn deliver(&mut self, conn: ConnId, e: &Event) -> bool {
+    /// `terminal`: the runtime's word that `e` ends its command and
+    /// operation (`Addressed::terminal`); the request closes with it.
+    pub fn deliver(&mut self, conn: ConnId, e: &Event, terminal: bool) -> bool {
         let Some(key) = self.route(e) else {
             return false;
         };
@@ -415,24 +417,17 @@ impl HotServer {
         if owner != Some(conn) {
             return false;
         }
-        let last = match e {
-            Event::Rejected { .. } | Event::PublishDone { .. } => true,
-            Event::QueryResult {
-                operation, miss, ..
-            } => {
-                if miss.is_none() {
-                    self.by_operation.insert(*operation, key);
-                    if let Some(a) = self.active.get_mut(&key) {
-                        a.operation = Some(*operation);
-                    }
-                    false
-                } else {
-                    true
-                }
+        // A result that does not end its operation: the operation's later
+        // events (ready, miss, released) answer the same request.
+        if let Event::QueryResult { operation, .. } = e
+            && !terminal
+        {
+            self.by_operation.insert(*operation, key);
+            if let Some(a) = self.active.get_mut(&key) {
+                a.operation = Some(*operation);
             }
-            Event::Miss { .. } | Event::RestoreDone { .. } | Event::Released { .. } => true,
-            _ => false,
-        };
+        }
+        let last = terminal;
         let sent = self.send_event(key, e, last);
         if last {
             self.close(key);

@@ -221,7 +221,14 @@ impl State {
         }
     }
 
-    fn deliver(&mut self, Addressed { to, event: e }: Addressed) {
+    fn deliver(
+        &mut self,
+        Addressed {
+            to,
+            event: e,
+            terminal,
+        }: Addressed,
+    ) {
         // The addressee may have disconnected since: its sessions are
         // closing, and nobody is left to tell.
         let Some(conn) = conn_of(to).and_then(|id| self.conns.get_mut(&id)) else {
@@ -273,7 +280,7 @@ impl State {
         }
         // Answers to hot requests go back on the hot path.
         if let Some(h) = self.hot.as_mut()
-            && h.deliver(conn.id, &e)
+            && h.deliver(conn.id, &e, terminal)
         {
             return;
         }

@@ -147,9 +147,11 @@ impl Copies<'_> {
             direction,
             pages,
         };
-        self.agents
-            .events
-            .push(orbitkv_components::api::Addressed { to: origin, event });
+        self.agents.events.push(orbitkv_components::api::Addressed {
+            to: origin,
+            event,
+            terminal: false,
+        });
         self.metrics.agent_copies += 1;
     }
 }

@@ -136,8 +136,23 @@ pub struct Inbox(pub VecDeque<Inbound>);
 pub struct Outbox(pub Vec<Addressed>);
 
 impl Outbox {
+    /// Sends `event`, terminal as `Event::ends_by_default` says.
     pub fn push(&mut self, to: Origin, event: Event) {
-        self.0.push(Addressed { to, event });
+        let terminal = event.ends_by_default();
+        self.0.push(Addressed {
+            to,
+            event,
+            terminal,
+        });
+    }
+
+    /// Sends `event`, terminal as the caller decided.
+    pub fn push_ending(&mut self, to: Origin, event: Event, terminal: bool) {
+        self.0.push(Addressed {
+            to,
+            event,
+            terminal,
+        });
     }
 }
 

@@ -28,7 +28,10 @@ pub fn validate(
             (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),
             (None, Ok(instance)) => select(instance, &mut rec, &mut candidates),
         };
-        outbox.push(
+        // A lookup's result ends it whatever it says; a query's only with
+        // a miss (a hit goes on to prepare, or waits for its release).
+        let terminal = rec.peek || miss.is_some();
+        outbox.push_ending(
             op.origin,
             Event::QueryResult {
                 command: op.command,
@@ -46,12 +49,19 @@ pub fn validate(
                 selected,
                 miss,
             },
+            terminal,
         );
         let next = match miss {
             Some(reason) => {
                 metrics.miss(reason);
                 op.reported = true;
                 finish(&mut commands, entity, &mut op, Outcome::Miss(reason));
+                continue;
+            }
+            None if rec.peek => {
+                // Its result was its last word: no `Released` follows.
+                op.reported = true;
+                finish(&mut commands, entity, &mut op, Outcome::Released);
                 continue;
             }
             None if rec.prepare => OpState::Admit,

@@ -128,6 +128,7 @@ fn query_once(s: &mut Setup, check: bool) -> Duration {
                         candidates,
                         ..
                     },
+                terminal: false,
             },
         ] => {
             if check {

@@ -134,7 +134,7 @@ impl Recorder {
     /// `now_us` is the clock when the tick started, before its commands.
     pub fn tick(&mut self, now_us: u64, events: &[Addressed]) {
         self.write(json!({ "t": now_us, "tick": {} }));
-        for Addressed { to, event: e } in events {
+        for Addressed { to, event: e, .. } in events {
             match e {
                 Event::SessionOpened { command, session } => {
                     self.sessions

@@ -224,7 +224,8 @@ fn release_last(h: &mut Harness, e: &Engine, op: u64) {
         h.rt().tick(),
         vec![Addressed {
             to: e.origin,
-            event: Event::Released { operation: op }
+            event: Event::Released { operation: op },
+            terminal: true,
         }]
     );
     h.assert_idle();
@@ -361,7 +362,8 @@ fn every_cross_origin_command_is_refused_without_effect() {
                 event: Event::Rejected {
                     command: id,
                     error: CommandError::NotOwner
-                }
+                },
+                terminal: true,
             }],
             "{what}"
         );
@@ -387,7 +389,8 @@ fn every_cross_origin_command_is_refused_without_effect() {
                 operation: op_a,
                 pages: 1,
                 bytes: PAGE_BYTES
-            }
+            },
+            terminal: true,
         }
     );
     assert_eq!(
@@ -407,7 +410,8 @@ fn every_cross_origin_command_is_refused_without_effect() {
                 event: Event::DevicePageFreed {
                     device_page: dp,
                     deferred: false
-                }
+                },
+                terminal: false,
             }]
         );
     }
@@ -507,7 +511,8 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
             event: Event::Miss {
                 operation: leased,
                 reason: MissReason::Cancelled
-            }
+            },
+            terminal: true,
         }]
     );
     let s = h.rt().stats();
@@ -538,7 +543,8 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
         closed,
         Addressed {
             to: A,
-            event: Event::SessionClosed { session: a.s }
+            event: Event::SessionClosed { session: a.s },
+            terminal: false,
         }
     );
     assert!(
@@ -547,7 +553,8 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
             event: Event::Miss {
                 operation: restoring,
                 reason: MissReason::Cancelled
-            }
+            },
+            terminal: true,
         }),
         "{seen:?}"
     );

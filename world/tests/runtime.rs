@@ -5,7 +5,8 @@ mod common;
 
 use common::*;
 use orbitkv_components::api::{
-    Command, CommandError, Event, InvalidCommand, LoadRefusal, MissReason, Origin, PagePos,
+    Addressed, Command, CommandError, Event, InvalidCommand, LoadRefusal, MissReason, Origin,
+    PagePos, SessionHandle,
 };
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_world::Runtime;
@@ -1679,4 +1680,103 @@ fn a_page_larger_than_a_dram_extent_is_refused_at_registration() {
     // One extent exactly is fine.
     let fits = orbitkv_world::driver::register_command("fits", ID_A, dense(), 1, 16, 64 << 10);
     assert!(matches!(h.one(fits), Event::InstanceRegistered { .. }));
+}
+
+fn lookup(s: SessionHandle, request: u64, seed: u64, pages: u64, prompt_len: u64) -> Command {
+    Command::Lookup {
+        session: s,
+        request,
+        groups: hashes(seed, &[0], pages),
+        origin: 0,
+        prompt_len,
+        expect_namespaces: Vec::new(),
+    }
+}
+
+#[test]
+fn a_lookup_ends_with_its_result_and_leaves_nothing_to_release() {
+    let mut d = dense_setup(16 << 20);
+    d.publish(60, 4, 0);
+    // A hit: the boundary below the last prompt token, and the result is
+    // the operation's last word (terminal); nothing stays behind.
+    let out = d.h.step_from(vec![(
+        Origin::EMBEDDED,
+        lookup(d.s, 7, 60, 4, 4 * PAGE + 1),
+    )]);
+    let (op, terminal) = match out.as_slice() {
+        [
+            Addressed {
+                event:
+                    Event::QueryResult {
+                        operation,
+                        request: 7,
+                        selected: Some(sel),
+                        miss: None,
+                        ..
+                    },
+                terminal,
+                ..
+            },
+        ] if *sel == 4 * PAGE => (*operation, *terminal),
+        other => panic!("lookup: {other:?}"),
+    };
+    assert!(terminal, "a lookup's result ends it");
+    let st = d.h.rt().stats();
+    assert_eq!((st.operations, st.leases, st.bytes_reserved), (0, 0, 0));
+    // Nothing more is addressed to it, and it cannot be released or
+    // prepared: it is gone.
+    for _ in 0..3 {
+        assert_eq!(d.h.step(vec![]), vec![]);
+    }
+    let ev = d.h.step(vec![Command::Release {
+        session: d.s,
+        operation: op,
+    }]);
+    assert!(
+        matches!(
+            ev.as_slice(),
+            [Event::Rejected {
+                error: CommandError::UnknownOperation(_),
+                ..
+            }]
+        ),
+        "{ev:?}"
+    );
+    // A miss ends it the same way.
+    let out = d.h.step_from(vec![(
+        Origin::EMBEDDED,
+        lookup(d.s, 8, 61, 4, 4 * PAGE + 1),
+    )]);
+    assert!(
+        matches!(
+            out.as_slice(),
+            [Addressed {
+                event: Event::QueryResult {
+                    miss: Some(MissReason::NotFound),
+                    ..
+                },
+                terminal: true,
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    // A query without prepare still waits for its release: not terminal.
+    let out = d.h.step_from(vec![(
+        Origin::EMBEDDED,
+        query(d.s, 9, 60, &[0], 4, 4 * PAGE + 1, false),
+    )]);
+    assert!(
+        matches!(
+            out.as_slice(),
+            [Addressed {
+                event: Event::QueryResult { miss: None, .. },
+                terminal: false,
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    assert_eq!(d.h.rt().stats().operations, 1);
+    assert_eq!(d.h.rt().stats().metrics.queries, 3);
 }

@@ -410,7 +410,8 @@ fn read_leases_resident_pages_and_reads_the_rest_from_a_tier() {
             to: ORIGIN,
             event: Event::Loading {
                 operation: op.to_bits()
-            }
+            },
+            terminal: false,
         }]
     );
     b.check();
@@ -557,7 +558,8 @@ fn retire_returns_leases_and_bytes_and_replies() {
             to: ORIGIN,
             event: Event::Released {
                 operation: op.to_bits()
-            }
+            },
+            terminal: true,
         }]
     );
     b.check();

@@ -122,6 +122,8 @@ impl Returns<'_, '_> {
                 self.metrics.miss(reason);
                 Event::Miss { operation, reason }
             }
+            // A lookup ended with its (terminal) result.
+            Outcome::Released if op.reported => return None,
             Outcome::Released => Event::Released { operation },
             Outcome::Restored => {
                 let bytes: u64 = rec

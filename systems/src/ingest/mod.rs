@@ -113,6 +113,27 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
                 expect_namespaces,
                 prepare,
                 speculative,
+                peek: false,
+            };
+            recovery::query(world, ctx, session, q)
+        }
+        Command::Lookup {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+        } => {
+            let q = recovery::QueryArgs {
+                request,
+                groups,
+                origin,
+                prompt_len,
+                expect_namespaces,
+                prepare: false,
+                speculative: false,
+                peek: true,
             };
             recovery::query(world, ctx, session, q)
         }

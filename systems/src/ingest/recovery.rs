@@ -25,6 +25,8 @@ pub(super) struct QueryArgs {
     pub expect_namespaces: Vec<Namespace>,
     pub prepare: bool,
     pub speculative: bool,
+    /// A `Lookup`: ends with its result (`Recovery::peek`).
+    pub peek: bool,
 }
 
 pub(super) fn query(
@@ -52,6 +54,7 @@ pub(super) fn query(
     let recovery = Recovery {
         expect_namespaces: q.expect_namespaces,
         prepare: q.prepare,
+        peek: q.peek,
         ..Recovery::new(q.groups, q.origin, end, q.prompt_len)
     };
     world.spawn((op, at::Discover, OperationOf(owned.session), recovery));

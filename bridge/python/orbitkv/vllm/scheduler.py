@@ -1,9 +1,10 @@
 """The scheduler role: asks the manager which prefix it can restore, tells
 the workers what to load and what to save.
 
-Lookups are metadata only: a query without `prepare` selects the boundary
-(the largest legal one on every rank, below the last prompt token) and is
-released at once; the workers take the leases themselves when they load.
+Lookups are metadata only: a `lookup` selects the boundary (the largest
+legal one on every rank, below the last prompt token) and ends with its
+answer, one round trip with nothing to release; the workers take the
+leases themselves when they load.
 """
 
 from __future__ import annotations
@@ -84,7 +85,6 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self.stats = SchedulerStats()
         self._next_request = 0
-        self._late: Set[int] = set()
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
         self.link.connect_at_startup()
@@ -215,7 +215,7 @@ class SchedulerSide:
         hashes = [bytes(h).hex() for h in request.block_hashes[:pages]]
         self._next_request += 1
         query = {
-            "command": "query",
+            "command": "lookup",
             "session": session,
             "request": self._next_request,
             "groups": [{"group": g.id, "hashes": hashes} for g in self.spec.groups],
@@ -240,37 +240,21 @@ class SchedulerSide:
         if reply.get("miss") is not None:
             self.stats.miss(str(reply["miss"]))
             return None
-        try:
-            client.submit(
-                {"command": "release", "session": session, "operation": reply["operation"]}
-            )
-        except LINK_ERRORS as e:
-            self.link.drop(f"{type(e).__name__}: {e}")
         return reply.get("selected")
 
     def _call(self, client: Any, session: Dict[str, Any], query: Dict[str, Any]) -> Dict[str, Any]:
-        """Submits the query and waits (bounded) for its answer. Other events
-        are answers to releases (nothing to do) and late answers to queries
-        that timed out, whose operations are released then."""
+        """Submits the lookup and waits (bounded) for its answer. Any other
+        event is a late answer to a lookup that timed out: a lookup holds
+        nothing, so it is dropped."""
         deadline = time.monotonic() + self.settings.query_timeout_s
         cid = client.submit(query)
         while True:
             left = deadline - time.monotonic()
             ev = client.wait_event(max(left, 0.0)) if left > 0 else None
             if ev is None:
-                self._late.add(cid)
-                if len(self._late) > 1024:  # answers that never came
-                    self._late.clear()
                 return {"event": "timeout", "error": {"error": "timeout"}}
-            got = ev.get("command")
-            if got == cid:
+            if ev.get("command") == cid:
                 return ev
-            if got in self._late:
-                self._late.discard(got)
-                if ev.get("event") == "query_result" and ev.get("miss") is None:
-                    client.submit(
-                        {"command": "release", "session": session, "operation": ev["operation"]}
-                    )
 
     def _plan_save(self, rid: str, scheduled: int) -> Optional[SaveSpec]:
         state = self.requests.get(rid)

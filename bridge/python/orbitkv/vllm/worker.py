@@ -90,7 +90,8 @@ class _Load:
     selected: int = 0
     pages: int = 0
     release_command: Optional[int] = None
-    #: Agent path: the device pages the restore targets, freed at its end.
+    #: Agent path: the device pages the restore targets (the slot table's:
+    #: they outlive the load).
     device_pages: List[int] = field(default_factory=list)
     restoring: bool = False
 
@@ -176,6 +177,8 @@ class WorkerSide:
         self._saves_queued = False
         self._reported_invalid: Set[int] = set()
         self._io_q: "queue.Queue[Any]" = queue.Queue()
+        #: The I/O thread's slot table (`_IoState.slots`), readable here.
+        self.slot_table: Dict[Tuple[int, int], int] = {}
         self._threads: List[threading.Thread] = []
         self._stopping = False
 
@@ -609,6 +612,14 @@ class _IoState:
         self.publishes: List[_Publish] = []
         #: Events that arrived while a step waited for its own replies.
         self.deferred: List[Dict[str, Any]] = []
+        #: The slot table: the device page of each (agent region, block),
+        #: allocated on the block's first load or save and kept for the
+        #: connection's life (its regions end with it), so loads and saves
+        #: send no allocation or free rounds. Generation fencing is the
+        #: manager's, as before; `slots_of` is the link generation it
+        #: belongs to.
+        self.slots: Dict[Tuple[int, int], int] = w.slot_table
+        self.slots_of = -1
 
     def busy(self) -> bool:
         return bool(self.by_command or self.by_operation or self.deferred)
@@ -698,17 +709,21 @@ class _IoState:
         self.by_command[cid] = ("query", job)
 
     def alloc_pages(self, region: int, blocks: List[int]) -> List[int]:
-        """Device pages for blocks of an agent region, allocated in one
-        pipelined round; other events meanwhile are kept for `pump`.
-        Raises `RuntimeError` on a refusal (the pages it got are freed)."""
+        """Device pages for blocks of an agent region, from the slot table;
+        the blocks not in it yet are allocated in one pipelined round
+        (other events meanwhile are kept for `pump`). Raises
+        `RuntimeError` on a refusal (the pages it got stay in the table)."""
         client, session = self.client()
-        ids = [
+        if self.slots_of != self.w.link.generation:
+            self.slots.clear()
+            self.slots_of = self.w.link.generation
+        missing = sorted({b for b in blocks if (region, b) not in self.slots})
+        ids = {
             client.submit(
                 {"command": "device_page_alloc", "session": session, "region": region, "slot": b}
-            )
-            for b in blocks
-        ]
-        got: Dict[int, int] = {}
+            ): b
+            for b in missing
+        }
         refused: Optional[str] = None
         want = set(ids)
         deadline = time.monotonic() + self.w.settings.timeout_s
@@ -723,20 +738,12 @@ class _IoState:
                 continue
             want.discard(cid)
             if ev.get("event") == "device_page_allocated":
-                got[cid] = ev["device_page"]
+                self.slots[(region, ids[cid])] = ev["device_page"]
             else:
                 refused = (ev.get("error") or {}).get("error", ev.get("event"))
         if refused is not None:
-            self.free_pages(list(got.values()))
             raise RuntimeError(f"device page allocation refused: {refused}")
-        return [got[c] for c in ids]
-
-    def free_pages(self, pages: List[int]) -> None:
-        if not pages:
-            return
-        client, session = self.client()
-        for dp in pages:
-            client.submit({"command": "device_page_free", "session": session, "device_page": dp})
+        return [self.slots[(region, b)] for b in blocks]
 
     def start_agent_publish(self, job: _Publish, mover: AgentPageMover) -> None:
         client, session = self.client()
@@ -824,9 +831,6 @@ class _IoState:
                 ok = kind == "publish_done"
                 if not ok:
                     self.w.stats.fail(f"publish_{(ev.get('error') or {}).get('error', kind)}")
-                # The copies landed (or never started): the pages go.
-                self.free_pages(job.device_pages)
-                job.device_pages = []
                 # A refused publish had no effect: its slots are free again.
                 self.w._publish_done(job, ev if ok else None)
             elif what == "query":
@@ -839,7 +843,6 @@ class _IoState:
             elif what == "restore":
                 # Refused: nothing was copied.
                 self.by_operation.pop(job.operation, None)
-                self.free_pages(job.device_pages)
                 err = (ev.get("error") or {}).get("error", kind)
                 self.w._finish_load(job.spec, None, f"restore_{err}")
             return
@@ -853,14 +856,12 @@ class _IoState:
             del self.by_operation[op]
             if job.release_command is not None:
                 self.by_command.pop(job.release_command, None)
-            self.free_pages(job.device_pages)
             self.w._finish_load(job.spec, None, f"miss_{ev.get('reason')}")
         elif kind == "restore_done":
             # Every byte is in the blocks: the agent reported its copies.
             del self.by_operation[op]
             if job.release_command is not None:
                 self.by_command.pop(job.release_command, None)
-            self.free_pages(job.device_pages)
             self.w.stats.pages_loaded += job.pages
             self.w._finish_load(job.spec, job.selected, None)
         elif kind == "released":
@@ -923,7 +924,6 @@ class _IoState:
                 failure = "restore_alloc"
         if failure is not None:
             del self.by_operation[job.operation]
-            self.free_pages(job.device_pages)
             client.submit({"command": "release", "session": session, "operation": job.operation})
             self.w._finish_load(spec, None, failure)
             return

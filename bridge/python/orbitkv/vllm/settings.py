@@ -22,7 +22,8 @@ def default_socket() -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "orbitkv.sock")
-    return "/tmp/orbitkv.sock"
+    # A per-uid directory of mode 0700, as `orbitkv serve` makes it.
+    return f"/tmp/orbitkv-{os.getuid()}/orbitkv.sock"
 
 
 LOAD_MODES = ("async", "layerwise")

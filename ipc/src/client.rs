@@ -108,10 +108,13 @@ impl Default for ClientOptions {
 }
 
 impl ClientOptions {
-    /// Whether a manager running as `uid` may serve this client.
+    /// Whether a manager running as `uid` may serve this client: this
+    /// process's own uid, root, or one listed. Root because a socket that
+    /// systemd creates (socket activation) reports PID 1's credentials, and
+    /// root can read and write this process's memory anyway.
     pub fn trusts(&self, uid: u32) -> bool {
         // SAFETY: getuid has no preconditions.
-        uid == unsafe { libc::getuid() } || self.trusted_uids.contains(&uid)
+        uid == unsafe { libc::getuid() } || uid == 0 || self.trusted_uids.contains(&uid)
     }
 }
 

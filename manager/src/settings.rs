@@ -96,6 +96,9 @@ struct FileConfig {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub socket: PathBuf,
+    /// Whether the socket path was set (flag, environment or file) rather
+    /// than defaulted: a socket systemd passes must then be at that path.
+    pub socket_explicit: bool,
     pub metrics_addr: Option<String>,
     pub record: Option<PathBuf>,
     /// Tick interval while I/O is in flight.
@@ -227,12 +230,10 @@ impl Settings {
                 .map_err(|_| ServeError::Setting("max_outbox_bytes overflows".into()))?,
             None => 64 << 20,
         };
+        let socket = args.socket.clone().or(serve.socket);
         Ok(Settings {
-            socket: args
-                .socket
-                .clone()
-                .or(serve.socket)
-                .unwrap_or_else(default_socket),
+            socket_explicit: socket.is_some(),
+            socket: socket.unwrap_or_else(default_socket),
             metrics_addr: args.metrics_addr.clone().or(serve.metrics_addr),
             record: args.record.clone().or(serve.record),
             idle_tick: Duration::from_micros(

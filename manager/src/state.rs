@@ -34,6 +34,9 @@ pub struct State {
     pub rt: Runtime,
     pub settings: Settings,
     pub listener: Option<UnixListener>,
+    /// Whether the socket file is the manager's to remove at shutdown (not
+    /// when systemd passed it: its `.socket` unit keeps listening).
+    pub owns_socket: bool,
     pub conns: BTreeMap<ConnId, Conn>,
     pub next_conn: ConnId,
     pub uid: u32,

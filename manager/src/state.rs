@@ -330,6 +330,8 @@ impl State {
         let outbox: usize = self.conns.values().map(|c| c.outbox.bytes()).sum();
         let hot_open = self.hot.as_ref().map_or(0, |h| h.open_requests());
         self.metrics.refresh(&s, self.conns.len(), outbox, hot_open);
+        let lower = self.rt.tier_occupancy();
+        self.metrics.occupancy(&s, &lower);
         if let Some(h) = &self.hot {
             self.metrics.hot(h.stats);
         }

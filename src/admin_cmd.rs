@@ -198,3 +198,84 @@ pub fn lookup(args: LookupArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[derive(clap::Args, Debug)]
+pub struct ClearArgs {
+    /// The manager's socket.
+    #[arg(long, env = "ORBITKV_SOCKET")]
+    socket: Option<PathBuf>,
+    /// A registered instance: every rank's namespace.
+    #[arg(
+        long,
+        conflicts_with = "namespace",
+        required_unless_present = "namespace"
+    )]
+    instance: Option<String>,
+    /// Namespaces (64 hex digits each; repeat the flag for more).
+    #[arg(long)]
+    namespace: Vec<String>,
+    /// Print the reply as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Drops every stored page of an instance's namespaces (or of the ones
+/// named) from DRAM and each lower tier. Refused while one is leased or
+/// being read; a tier that could not clear makes the run exit 1.
+pub fn clear(args: ClearArgs) -> Result<()> {
+    use orbitkv_components::api::{Command, Event};
+    let mut c = connect(args.socket, "orbitkv clear")?;
+    let namespaces: Vec<Namespace> = match &args.instance {
+        Some(name) => {
+            // The instance's namespaces, from a lookup of no pages.
+            let request = LookupRequest {
+                instance: Some(name.clone()),
+                namespace: None,
+                group: 0,
+                hashes: vec![],
+            };
+            let reply = c.lookup(&request, Duration::from_secs(10))?;
+            if let Some(e) = reply.error {
+                bail!("{e}");
+            }
+            reply.namespaces.iter().map(|n| n.namespace).collect()
+        }
+        None => args
+            .namespace
+            .iter()
+            .map(|n| {
+                n.parse()
+                    .map_err(|e| anyhow::anyhow!("--namespace {n:?}: {e}"))
+            })
+            .collect::<Result<_>>()?,
+    };
+    let event = c.call(Command::Clear { namespaces }, Duration::from_secs(30))?;
+    let (dram_pages, tiers) = match &event {
+        Event::Cleared {
+            dram_pages, tiers, ..
+        } => (*dram_pages, tiers),
+        Event::Rejected { error, .. } => bail!("the manager refused the clear: {error}"),
+        other => bail!("unexpected answer {other:?}"),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&event)?);
+    } else {
+        println!("dram: {dram_pages} pages dropped");
+        for t in tiers {
+            match (&t.pages, &t.error) {
+                (Some(n), _) => println!("{}: {n} pages dropped", t.tier),
+                (None, Some(e)) => println!("{}: NOT cleared: {e}", t.tier),
+                (None, None) => println!("{}: NOT cleared", t.tier),
+            }
+        }
+    }
+    let failed: Vec<&str> = tiers
+        .iter()
+        .filter(|t| t.pages.is_none())
+        .map(|t| t.tier.as_str())
+        .collect();
+    if !failed.is_empty() {
+        return Err(crate::Findings(format!("not cleared in: {}", failed.join(", "))).into());
+    }
+    Ok(())
+}

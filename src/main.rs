@@ -50,6 +50,9 @@ enum Command {
     /// Where a prompt's pages are stored (DRAM, SSD, remote) and how many
     /// tokens could be restored; leases nothing.
     Lookup(admin_cmd::LookupArgs),
+    /// Drop every stored page of an instance's (or the named) namespaces
+    /// from DRAM and each lower tier.
+    Clear(admin_cmd::ClearArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +67,7 @@ fn main() -> ExitCode {
         // Its own exit codes (container probes).
         Command::Health(args) => return admin_cmd::health(args),
         Command::Lookup(args) => admin_cmd::lookup(args),
+        Command::Clear(args) => admin_cmd::clear(args),
         Command::Serve(args) => {
             init_logging();
             serve::run(args)

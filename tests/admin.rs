@@ -164,3 +164,111 @@ fn lookup_finds_the_stored_prefix_per_tier_and_leases_nothing() {
     // The manager still serves after them.
     assert!(Client::connect(Path::new(sock(&m)), "after").is_ok());
 }
+
+#[test]
+fn clear_drops_an_instance_from_every_tier_and_waits_for_its_leases() {
+    use orbitkv_components::api::{Command, Event, GroupHashes};
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    std::fs::create_dir(&ssd).unwrap();
+    let m = Manager::start(
+        dir.path(),
+        "orbitkv",
+        "16MiB",
+        BASE_CONFIG,
+        &["--ssd", &format!("{}:256MiB", ssd.display())],
+    );
+    let mut a = Client::connect(&m.socket, "engine").unwrap();
+    publish_four(&mut a, &hashes(4), payload);
+    let hs: Vec<String> = hashes(4).iter().map(hex).collect();
+    let lookup = |extra: &[&str]| {
+        let mut args = vec![
+            "lookup",
+            "--socket",
+            sock(&m),
+            "--instance",
+            "llama",
+            "--json",
+        ];
+        args.extend(extra);
+        let o = orbitkv(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["namespaces"][0]["prefix_pages"].as_u64().unwrap()
+    };
+    let all: Vec<&str> = hs.iter().map(String::as_str).collect();
+    assert_eq!(lookup(&all), 4);
+
+    // A recovery holds leases on the pages: the clear is refused whole.
+    let (s, _region) = open(&mut a);
+    let qr = a
+        .call(
+            Command::Query {
+                session: s,
+                request: 3,
+                groups: vec![GroupHashes {
+                    group: 0,
+                    hashes: hashes(5),
+                }],
+                origin: 0,
+                prompt_len: 5 * PAGE,
+                expect_namespaces: vec![],
+                prepare: true,
+                speculative: false,
+            },
+            T,
+        )
+        .unwrap();
+    let Event::QueryResult { operation, .. } = qr else {
+        panic!("{qr:?}")
+    };
+    a.wait_event(
+        T,
+        |e| matches!(e, Event::Ready { operation: o, .. } if *o == operation),
+    )
+    .unwrap()
+    .expect("ready");
+    let o = orbitkv(&["clear", "--socket", sock(&m), "--instance", "llama"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("4 pages of the namespaces are leased"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(lookup(&all), 4, "a refused clear dropped nothing");
+
+    // Released, the clear drops them from DRAM and asks the SSD tier too.
+    a.submit(Command::Release {
+        session: s,
+        operation,
+    })
+    .unwrap();
+    a.wait_event(
+        T,
+        |e| matches!(e, Event::Released { operation: o } if *o == operation),
+    )
+    .unwrap()
+    .expect("released");
+    let o = orbitkv(&[
+        "clear",
+        "--socket",
+        sock(&m),
+        "--instance",
+        "llama",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["dram_pages"], 4, "{v}");
+    assert_eq!(v["tiers"][0]["tier"], "ssd", "{v}");
+    assert_eq!(v["tiers"][0]["pages"], 0, "nothing was demoted: {v}");
+    assert_eq!(lookup(&all), 0);
+    let s = a.inspect(T).unwrap();
+    assert_eq!((s.pages, s.leases, s.bytes_reserved), (0, 0, 0));
+
+    // Bad input: no such instance, a namespace that is not hex.
+    let o = orbitkv(&["clear", "--socket", sock(&m), "--instance", "nope"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let o = orbitkv(&["clear", "--socket", sock(&m), "--namespace", "zz"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}

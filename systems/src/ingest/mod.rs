@@ -8,6 +8,7 @@
 //! exactly that and cannot fail. One module per command family.
 
 mod agents;
+mod clear;
 mod devices;
 mod instances;
 mod publish;
@@ -135,6 +136,7 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
         Command::Cancel { session, operation } => recovery::cancel(world, ctx, session, operation),
         Command::CopyDone { copy, failure } => agents::copy_done(world, ctx, copy, failure),
         Command::AdvanceClock { us } => advance_clock(world, us),
+        Command::Clear { namespaces } => clear::clear(world, ctx, namespaces),
     }
 }
 

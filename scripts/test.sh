@@ -13,7 +13,8 @@
 #   3. Redis on loopback (scripts/redis.sh: a single node and a 3-master
 #      cluster, on free ports, under target/redis), stopped on exit. With
 #      ORBITKV_TEST_REDIS already set, those servers are used instead.
-#   4. the suites: the Rust workspace, the Python package, the wheel,
+#   4. the suites: the Rust workspace, the Python package, the wheel
+#      (scripts/wheel-tests.sh: built, installed into a fresh venv, served),
 #      output parity with real models, the vLLM and SGLang adapters.
 #
 # Nothing is skipped: ORBITKV_REQUIRE_REDIS, ORBITKV_REQUIRE_SYSTEMD and
@@ -116,6 +117,8 @@ echo "== Rust workspace ($((SECONDS - start)) s so far)"
 cargo test --workspace --locked
 echo "== Python package ($((SECONDS - start)) s so far)"
 scripts/python-tests.sh
+echo "== the wheel ($((SECONDS - start)) s so far)"
+scripts/wheel-tests.sh
 
 echo "== waiting for the venvs ($((SECONDS - start)) s so far)"
 wait "$lane_a" || true

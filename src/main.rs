@@ -1,6 +1,7 @@
 //! `orbitkv`: the command line. Subcommands print JSON on stdout; bad input
 //! exits with status 2 and one line on stderr.
 
+mod admin_cmd;
 mod contract_cmd;
 mod demo;
 mod fuzz_cmd;
@@ -43,6 +44,15 @@ enum Command {
     /// Show a running manager's sessions, operations, leases, occupancy,
     /// hit rate and misses by reason.
     Inspect(inspect_cmd::Args),
+    /// Liveness and readiness of a running manager, for container probes:
+    /// exit 0 ready (with --live: answering), 1 not ready, 3 not answering.
+    Health(admin_cmd::HealthArgs),
+    /// Where a prompt's pages are stored (DRAM, SSD, remote) and how many
+    /// tokens could be restored; leases nothing.
+    Lookup(admin_cmd::LookupArgs),
+    /// Drop every stored page of an instance's (or the named) namespaces
+    /// from DRAM and each lower tier.
+    Clear(admin_cmd::ClearArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +64,10 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay_cmd::run(args),
         Command::Fuzz(args) => fuzz_cmd::run(args),
         Command::Inspect(args) => inspect_cmd::run(args),
+        // Its own exit codes (container probes).
+        Command::Health(args) => return admin_cmd::health(args),
+        Command::Lookup(args) => admin_cmd::lookup(args),
+        Command::Clear(args) => admin_cmd::clear(args),
         Command::Serve(args) => {
             init_logging();
             serve::run(args)

@@ -3,7 +3,7 @@
 //! restored byte for byte through B; another identity never hits; a
 //! corrupted record is a miss with its reason through the manager; a
 //! remote that is down leaves DRAM serving. Skipped, loudly, without
-//! `ORBITKV_TEST_REDIS` (`scripts/redis.sh start`; `.ci/run` sets it).
+//! `ORBITKV_TEST_REDIS` (`scripts/redis.sh start`; `scripts/test.sh` sets it).
 
 mod support;
 use support::*;

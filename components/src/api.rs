@@ -302,6 +302,12 @@ pub enum Command {
     AdvanceClock {
         us: u64,
     },
+    /// Drops every stored page of these namespaces from DRAM and from each
+    /// lower tier (`orbitkv clear`). Refused whole while one of their
+    /// pages is leased or being read.
+    Clear {
+        namespaces: Vec<Namespace>,
+    },
 }
 
 /// An agent-owned device region: the agent's own id for the memory (echoed
@@ -486,6 +492,12 @@ pub enum InvalidCommand {
     SlotOutOfRange { slot: u32, slots: u32 },
     #[error("publish has no pages")]
     EmptyPublish,
+    #[error("a clear names 1..={max} namespaces, got {count}")]
+    ClearNamespaces { count: usize, max: usize },
+    #[error(
+        "{leased} pages of the namespaces are leased and {reading} being read: clear when they are released"
+    )]
+    ClearBusy { leased: u64, reading: u64 },
     #[error(
         "device page {device_page:#x} is in (rank {region_rank}, group {region_group}), not (rank {rank}, group {group})"
     )]
@@ -714,6 +726,7 @@ impl Command {
             Command::Cancel { .. } => "cancel",
             Command::CopyDone { .. } => "copy_done",
             Command::AdvanceClock { .. } => "advance_clock",
+            Command::Clear { .. } => "clear",
         }
     }
 }
@@ -859,6 +872,13 @@ pub enum Event {
         duplicates: u64,
         dropped: u64,
     },
+    /// The answer to `Clear`: pages dropped from DRAM, and per lower tier
+    /// the pages it dropped or why it could not.
+    Cleared {
+        command: CommandId,
+        dram_pages: u64,
+        tiers: Vec<TierCleared>,
+    },
     Released {
         operation: u64,
     },
@@ -889,6 +909,7 @@ impl Event {
             | Event::Miss { .. }
             | Event::RestoreDone { .. }
             | Event::PublishDone { .. }
+            | Event::Cleared { .. }
             | Event::Released { .. } => true,
             Event::QueryResult { miss, .. } => miss.is_some(),
             Event::SessionClosed { .. }
@@ -911,7 +932,8 @@ impl Event {
             | Event::RegionRegistered { command, .. }
             | Event::DevicePageAllocated { command, .. }
             | Event::QueryResult { command, .. }
-            | Event::PublishDone { command, .. } => Some(*command),
+            | Event::PublishDone { command, .. }
+            | Event::Cleared { command, .. } => Some(*command),
             _ => None,
         }
     }
@@ -919,6 +941,15 @@ impl Event {
 
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+/// One lower tier's part of a `Cleared`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierCleared {
+    pub tier: String,
+    /// Pages it dropped; `None` with `error` when it could not.
+    pub pages: Option<u64>,
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

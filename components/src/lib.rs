@@ -35,6 +35,7 @@
 //! vectors in `tests/golden.rs`. Changing any of these is a version bump:
 //! old entries stop matching, which is the intended failure mode.
 
+pub mod admin;
 pub mod api;
 pub mod artifacts;
 pub mod contract;

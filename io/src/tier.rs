@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use orbitkv_components::StateKey;
 use orbitkv_components::api::MissReason;
+use orbitkv_components::{Namespace, StateKey};
 
 use crate::checksum::page_checksum;
 
@@ -175,6 +175,13 @@ pub trait BackingTier: Send {
     /// The miss reason a failed read of this tier becomes.
     fn miss_reason(&self, e: &TierError) -> MissReason {
         local_miss_reason(e)
+    }
+
+    /// Forgets every page of `namespace` (`orbitkv clear`): `lookup` finds
+    /// none of them afterwards. Returns how many it dropped, or why it
+    /// cannot (the caller reports it; nothing is dropped silently).
+    fn clear_namespace(&mut self, _namespace: &Namespace) -> Result<u64, String> {
+        Err(format!("the {} tier cannot clear a namespace", self.name()))
     }
 }
 
@@ -662,6 +669,14 @@ impl Drop for MemoryTier {
 impl BackingTier for MemoryTier {
     fn name(&self) -> &'static str {
         self.name
+    }
+
+    fn clear_namespace(&mut self, namespace: &Namespace) -> Result<u64, String> {
+        let mut p = self.pages();
+        let before = p.pages.len();
+        p.pages.retain(|k, _| k.namespace != *namespace);
+        p.meta.retain(|k, _| k.namespace != *namespace);
+        Ok((before - p.pages.len()) as u64)
     }
 
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {

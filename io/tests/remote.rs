@@ -1,7 +1,7 @@
 //! The remote tier against real Redis: a single node and a 3-master
 //! cluster (shared, from `scripts/redis.sh start`) and private nodes for
 //! destructive faults. Every test is skipped, loudly, when
-//! `ORBITKV_TEST_REDIS` is unset; `.ci/run` always sets it.
+//! `ORBITKV_TEST_REDIS` is unset; `scripts/test.sh` always sets it.
 
 mod remote_common;
 

@@ -108,10 +108,13 @@ impl Default for ClientOptions {
 }
 
 impl ClientOptions {
-    /// Whether a manager running as `uid` may serve this client.
+    /// Whether a manager running as `uid` may serve this client: this
+    /// process's own uid, root, or one listed. Root because a socket that
+    /// systemd creates (socket activation) reports PID 1's credentials, and
+    /// root can read and write this process's memory anyway.
     pub fn trusts(&self, uid: u32) -> bool {
         // SAFETY: getuid has no preconditions.
-        uid == unsafe { libc::getuid() } || self.trusted_uids.contains(&uid)
+        uid == unsafe { libc::getuid() } || uid == 0 || self.trusted_uids.contains(&uid)
     }
 }
 
@@ -352,6 +355,7 @@ pub struct Client {
     adaptive: bool,
     pongs: u64,
     snapshot: Option<Snapshot>,
+    lookup_reply: Option<orbitkv_components::admin::LookupReply>,
     hot: Option<HotPath>,
     hot_error: Option<String>,
 }
@@ -415,6 +419,7 @@ impl Client {
             adaptive: true,
             pongs: 0,
             snapshot: None,
+            lookup_reply: None,
             hot: None,
             hot_error: None,
         };
@@ -739,6 +744,9 @@ impl Client {
             Kind::Snapshot => {
                 self.snapshot = Some(frame::decode(kind, &payload)?);
             }
+            Kind::LookupReply => {
+                self.lookup_reply = Some(frame::decode(kind, &payload)?);
+            }
             Kind::Error => {
                 let e: ProtocolError = frame::decode(kind, &payload)?;
                 return Err(ClientError::Protocol(e.error));
@@ -749,7 +757,8 @@ impl Client {
             | Kind::Hello
             | Kind::Welcome
             | Kind::Submit
-            | Kind::Inspect => {}
+            | Kind::Inspect
+            | Kind::Lookup => {}
         }
         Ok(())
     }
@@ -951,6 +960,26 @@ impl Client {
         loop {
             if let Some(s) = self.snapshot.take() {
                 return Ok(s);
+            }
+            if !self.pump(Some(deadline))? {
+                return Err(ClientError::Timeout(timeout));
+            }
+        }
+    }
+
+    /// Where a prompt's pages are (`orbitkv lookup`): metadata only, the
+    /// manager leases and reads nothing.
+    pub fn lookup(
+        &mut self,
+        request: &orbitkv_components::admin::LookupRequest,
+        timeout: Duration,
+    ) -> Result<orbitkv_components::admin::LookupReply, ClientError> {
+        self.lookup_reply = None;
+        self.send(&frame::encode(Kind::Lookup, request))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(r) = self.lookup_reply.take() {
+                return Ok(r);
             }
             if !self.pump(Some(deadline))? {
                 return Err(ClientError::Timeout(timeout));

@@ -37,6 +37,12 @@ pub enum Kind {
     Inspect = 11,
     /// Manager → client: the answer to `Inspect`.
     Snapshot = 12,
+    /// Client → manager: where a prompt's pages are
+    /// ([`orbitkv_components::admin::LookupRequest`], `orbitkv lookup`).
+    Lookup = 13,
+    /// Manager → client: the answer to `Lookup`
+    /// ([`orbitkv_components::admin::LookupReply`]).
+    LookupReply = 14,
 }
 
 impl Kind {
@@ -54,6 +60,8 @@ impl Kind {
             10 => Kind::Descriptor,
             11 => Kind::Inspect,
             12 => Kind::Snapshot,
+            13 => Kind::Lookup,
+            14 => Kind::LookupReply,
             _ => return None,
         })
     }

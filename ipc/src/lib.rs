@@ -22,6 +22,8 @@
 //! | 10 `Descriptor` | manager → client | [`Descriptor`]: one memfd attached, and the handle it belongs to |
 //! | 11 `Inspect` | client → manager | empty: asks for a [`Snapshot`] |
 //! | 12 `Snapshot` | manager → client | [`Snapshot`]: the manager's live state (`orbitkv inspect`) |
+//! | 13 `Lookup` | client → manager | `LookupRequest` (`components::admin`): where a prompt's pages are |
+//! | 14 `LookupReply` | manager → client | `LookupReply`: per namespace, the tier of each page (`orbitkv lookup`) |
 //!
 //! The hot path ([`hot`]): a client that asks for it in `Hello` gets an
 //! iceoryx2 request/response service name and a descriptor area (a memfd,
@@ -42,7 +44,7 @@ pub mod snapshot;
 
 pub use client::{Agent, Client, ClientError, ClientOptions};
 pub use frame::{FrameError, Kind, MAX_FRAME_BYTES, PROTOCOL_VERSION};
-pub use snapshot::{ConnectionSummary, Snapshot, Window};
+pub use snapshot::{ConnectionSummary, Health, Snapshot, Window};
 
 use orbitkv_components::api::{Command, CommandError};
 use serde::{Deserialize, Serialize};

@@ -66,4 +66,19 @@ pub struct Snapshot {
     pub total: Window,
     /// The last minute (or since start, when younger).
     pub last_minute: Window,
+    /// What `orbitkv health` decides readiness on.
+    #[serde(default)]
+    pub health: Health,
+}
+
+/// Readiness signals (`orbitkv health`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// Lower tiers that say they are down (the remote tier's breaker).
+    pub tiers_down: Vec<String>,
+    /// Live operations holding an overdue transfer: what they pinned stays
+    /// pinned until the late I/O reports (the pool cannot take it back).
+    pub overdue_operations: usize,
+    /// Commands the runtime's inbox still takes (0: the loop is behind).
+    pub inbox_room: usize,
 }

@@ -5,6 +5,7 @@
 
 use std::os::fd::OwnedFd;
 
+use orbitkv_components::admin::{LookupReply, LookupRequest};
 use orbitkv_components::api::{Command, CommandError, LimitName};
 use orbitkv_ipc::frame::{self, FrameError, Kind, MAX_FRAME_BYTES};
 use orbitkv_ipc::{Accepted, Hello, Submit, Welcome};
@@ -46,6 +47,23 @@ pub fn frame(st: &mut State, id: ConnId, kind: Kind, payload: &[u8]) -> Result<u
             frame::decode::<()>(kind, payload)?;
             let snapshot = crate::inspect::snapshot(st);
             push(st, id, frame::encode(Kind::Snapshot, &snapshot));
+            Ok(0)
+        }
+        (Stage::Ready, Kind::Lookup) => {
+            let request: LookupRequest = frame::decode(Kind::Lookup, payload)?;
+            // A request the runtime refuses is answered, not a protocol
+            // error: the connection stays open.
+            let reply = match st.rt.locate(&request) {
+                Ok(namespaces) => LookupReply {
+                    namespaces,
+                    error: None,
+                },
+                Err(e) => LookupReply {
+                    namespaces: vec![],
+                    error: Some(e),
+                },
+            };
+            push(st, id, frame::encode(Kind::LookupReply, &reply));
             Ok(0)
         }
         (Stage::Ready, other) => Err(Refusal::NotClientFrame(other)),

@@ -1,6 +1,6 @@
 //! The answer to an `Inspect` frame: a [`Snapshot`] of the live state.
 
-use orbitkv_ipc::{ConnectionSummary, Snapshot};
+use orbitkv_ipc::{ConnectionSummary, Health, Snapshot};
 
 use crate::state::State;
 
@@ -42,5 +42,24 @@ pub fn snapshot(st: &mut State) -> Snapshot {
         tiers: st.rt.tier_occupancy(),
         total,
         last_minute,
+        health: health(st),
+    }
+}
+
+fn health(st: &mut State) -> Health {
+    let remote_down = st.rt.remote_stats().is_some_and(|r| r.breaker_open);
+    Health {
+        tiers_down: if remote_down {
+            vec!["remote".into()]
+        } else {
+            vec![]
+        },
+        overdue_operations: st
+            .rt
+            .operations()
+            .iter()
+            .filter(|o| o.overdue_transfers > 0)
+            .count(),
+        inbox_room: st.rt.inbox_room(),
     }
 }

@@ -66,6 +66,8 @@ pub enum ServeError {
     },
     #[error("socket {path}: {reason}")]
     Socket { path: PathBuf, reason: String },
+    #[error("socket activation: {0}")]
+    Activation(String),
     #[error("metrics address {addr}: {reason}")]
     Metrics { addr: String, reason: String },
     #[error("starting the runtime: {0}")]
@@ -73,8 +75,17 @@ pub enum ServeError {
 }
 
 /// Runs the manager until `stop` is set (SIGTERM), then drains and
-/// removes its socket and iceoryx2 files.
-pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
+/// removes its socket (unless systemd passed it) and iceoryx2 files.
+///
+/// Socket-activated (systemd passed a listening socket: `LISTEN_FDS`), it
+/// serves on that socket; `--socket`, when given, must name the same path.
+/// Under systemd (`NOTIFY_SOCKET`) it reports `READY=1` once it accepts
+/// connections and `STOPPING=1` when it begins to drain.
+pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    // First: it edits the environment, which no other thread may read yet.
+    let activated = listener::from_systemd(uid)?;
     not_dumpable()?;
     // Everything this process creates is its user's alone (iceoryx2 files,
     // the trace); the socket's mode is set explicitly too.
@@ -95,7 +106,21 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
             source: e,
         })?;
     }
-    let listener = listener::bind(&settings.socket)?;
+    let (listener, owns_socket) = match activated {
+        Some((l, path)) => {
+            if settings.socket_explicit && path != settings.socket {
+                return Err(ServeError::Activation(format!(
+                    "--socket (ORBITKV_SOCKET, [serve] socket) names {} but systemd passed the \
+                     socket {}: leave the setting out or make them equal",
+                    settings.socket.display(),
+                    path.display()
+                )));
+            }
+            settings.socket = path;
+            (l, false)
+        }
+        None => (listener::bind(&settings.socket)?, true),
+    };
     let hot = if settings.hot_path {
         match HotServer::new(
             settings.runtime.incarnation,
@@ -139,6 +164,7 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
         // refuses one that does), and the password is never in the config.
         remote = ?settings.runtime.remote.as_ref().map(|r| &r.urls),
         incarnation = settings.runtime.incarnation,
+        socket_activated = !owns_socket,
         first_touch_s_per_gib = ?rt.first_touch().map(|f| f.seconds_per_gib),
         "orbitkv serving"
     );
@@ -146,17 +172,29 @@ pub fn serve(settings: Settings, stop: &AtomicBool) -> Result<(), ServeError> {
         rt,
         settings,
         listener: Some(listener),
+        owns_socket,
         conns: Default::default(),
         next_conn: 0,
-        // SAFETY: getuid has no preconditions.
-        uid: unsafe { libc::getuid() },
+        uid,
         metrics,
         hot,
         last_tick: Instant::now(),
         started: Instant::now(),
         now: Instant::now(),
     };
+    notify(sd_notify::NotifyState::Ready);
     main_loop::run(&mut st, stop);
+    notify(sd_notify::NotifyState::Stopping);
     main_loop::shutdown(&mut st);
     Ok(())
+}
+
+/// Tells systemd (when `NOTIFY_SOCKET` is set: `Type=notify`) how the
+/// manager is doing. A failure is logged: systemd then reports the unit's
+/// start as timed out, and this line says why.
+fn notify(state: sd_notify::NotifyState) {
+    // The variable stays: STOPPING=1 is sent through it later.
+    if let Err(e) = sd_notify::notify(false, &[state]) {
+        warn!(error = %e, "sd_notify failed (NOTIFY_SOCKET)");
+    }
 }

@@ -7,10 +7,16 @@
 //! already at the path is replaced only when it is ours and not a live
 //! manager's: a stale socket from a crash, or a symlink (dangling or not;
 //! never followed).
+//!
+//! Under systemd socket activation ([`from_systemd`]) the socket is
+//! systemd's: created by the `.socket` unit, handed over as a descriptor,
+//! and never removed or replaced here. It must still be a listening Unix
+//! stream socket at a path, owned by this user, reachable by no one else.
 
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::ServeError;
 
@@ -139,6 +145,116 @@ pub fn bind(path: &Path) -> Result<UnixListener, ServeError> {
         .set_nonblocking(true)
         .map_err(|e| refuse(path, e.to_string()))?;
     Ok(listener)
+}
+
+fn activation(reason: impl Into<String>) -> ServeError {
+    ServeError::Activation(reason.into())
+}
+
+/// One integer socket option of `fd`.
+fn sockopt(fd: &OwnedFd, name: libc::c_int) -> std::io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: an int-sized buffer for an int option of a descriptor we own.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 {
+        Ok(v)
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The listening socket systemd passed to this process (socket activation,
+/// sd_listen_fds(3): `LISTEN_PID` names this process, `LISTEN_FDS` counts
+/// the descriptors from 3 on), and the path it is bound to; `None` when the
+/// process was not socket-activated. Both variables are removed from the
+/// environment, so call it before any thread starts.
+///
+/// Refused, naming what to change in the `.socket` unit: more than one
+/// socket, anything but a listening Unix stream socket bound to a path, a
+/// socket file another uid owns (`SocketUser=`), or one others may connect
+/// to (`SocketMode=0600`, as the manager binds its own sockets).
+pub fn from_systemd(uid: u32) -> Result<Option<(UnixListener, PathBuf)>, ServeError> {
+    let fds: Vec<_> = sd_notify::listen_fds()
+        .map_err(|e| activation(format!("reading LISTEN_FDS: {e}")))?
+        .collect();
+    let fd = match fds[..] {
+        [] => return Ok(None),
+        [fd] => fd,
+        _ => {
+            return Err(activation(format!(
+                "systemd passed {} sockets (LISTEN_FDS); orbitkv serve takes exactly one: \
+                 one ListenStream= in the .socket unit",
+                fds.len()
+            )));
+        }
+    };
+    // SAFETY: sd_listen_fds hands descriptor 3 to this process, which has
+    // not opened anything there itself (the loop is not running yet).
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let opt = |name, what: &str| {
+        sockopt(&owned, name)
+            .map_err(|e| activation(format!("the passed descriptor {fd} ({what}): {e}")))
+    };
+    if opt(libc::SO_DOMAIN, "SO_DOMAIN")? != libc::AF_UNIX
+        || opt(libc::SO_TYPE, "SO_TYPE")? != libc::SOCK_STREAM
+        || opt(libc::SO_ACCEPTCONN, "SO_ACCEPTCONN")? != 1
+    {
+        return Err(activation(format!(
+            "the passed descriptor {fd} is not a listening Unix stream socket: \
+             ListenStream= must name a path, with Accept=no"
+        )));
+    }
+    let listener = UnixListener::from(owned);
+    let path = listener
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_pathname().map(Path::to_path_buf))
+        .ok_or_else(|| {
+            activation("the passed socket has no path (abstract or unnamed): ListenStream= must name a file")
+        })?;
+    let meta = std::fs::symlink_metadata(&path)
+        .map_err(|e| refuse(&path, format!("the socket systemd passed: {e}")))?;
+    if !meta.file_type().is_socket() {
+        return Err(refuse(
+            &path,
+            "the path systemd's socket was bound to is no longer a socket",
+        ));
+    }
+    if meta.uid() != uid {
+        return Err(refuse(
+            &path,
+            format!(
+                "systemd's socket belongs to uid {}, not the manager's ({uid}): set SocketUser= \
+                 in the .socket unit to the service's User=",
+                meta.uid()
+            ),
+        ));
+    }
+    // Connecting takes write permission: a socket others can write to
+    // (systemd's default SocketMode=0666) lets them reach the manager.
+    if meta.mode() & 0o022 != 0 {
+        return Err(refuse(
+            &path,
+            format!(
+                "systemd's socket has mode {:o}, others may connect: set SocketMode=0600 in \
+                 the .socket unit",
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| refuse(&path, e.to_string()))?;
+    Ok(Some((listener, path)))
 }
 
 #[cfg(test)]

@@ -324,7 +324,9 @@ pub fn shutdown(st: &mut State) {
         // can all go.
         h.shutdown();
     }
-    let _ = std::fs::remove_file(&st.settings.socket);
+    if st.owns_socket {
+        let _ = std::fs::remove_file(&st.settings.socket);
+    }
     if let Some(path) = st
         .settings
         .metrics_addr

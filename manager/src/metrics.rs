@@ -41,6 +41,28 @@ pub struct Stage {
     pub stage: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Tier {
+    pub tier: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Source {
+    pub source: String,
+}
+
+/// Per tier (`dram`, and each lower tier by name: `ssd`, `remote`): what
+/// the dashboard's occupancy and bytes-moved panels read.
+struct Tiers {
+    bytes_used: Family<Tier, Gauge>,
+    capacity_bytes: Family<Tier, Gauge>,
+    /// Mirrored from the runtime's `bytes_read_by_tier`.
+    read_bytes: Family<Tier, Counter>,
+    /// Pages leased to recoveries, by where they were when leased: `dram`
+    /// (resident) or `tiers` (read from a lower tier), from `ready` events.
+    leased_pages: Family<Source, Counter>,
+}
+
 /// The runtime's cumulative counters, mirrored into Prometheus counters by
 /// their increase since the last refresh.
 struct Mirrored {
@@ -128,6 +150,7 @@ pub struct Metrics {
     pub registry: Arc<Registry>,
     mirrored: Mirrored,
     gauges: Gauges,
+    tiers: Tiers,
     pub counters: Counters,
     /// Each stage's histogram of `latency_seconds`, looked up once: an
     /// observation is then an atomic add, not a label lookup.
@@ -218,10 +241,55 @@ impl Metrics {
             "Published pages offered to a tier that shares them (write-through), by outcome",
             mirrored.write_through.clone(),
         );
-        // Every reason shows, at 0 until it happens.
+        // Every reason shows, at 0 until it happens: a dashboard's rate()
+        // and an alert's increase() see a series from the first scrape on.
         for reason in MissReason::ALL {
             let _ = mirrored.misses.get_or_create(&Reason {
                 reason: reason.as_str().into(),
+            });
+        }
+        // `EvictReason::Capacity`, the one reason there is.
+        let _ = mirrored.evictions.get_or_create(&Reason {
+            reason: "capacity".into(),
+        });
+        for outcome in ["submitted", "written", "failed"] {
+            let _ = mirrored.demotions.get_or_create(&Outcome {
+                outcome: outcome.into(),
+            });
+        }
+        let _ = mirrored.write_through.get_or_create(&Outcome {
+            outcome: "submitted".into(),
+        });
+        let tiers = Tiers {
+            bytes_used: Family::default(),
+            capacity_bytes: Family::default(),
+            read_bytes: Family::default(),
+            leased_pages: Family::default(),
+        };
+        r.register(
+            "tier_bytes_used",
+            "Bytes stored, by tier (dram, ssd, remote)",
+            tiers.bytes_used.clone(),
+        );
+        r.register(
+            "tier_capacity_bytes",
+            "Capacity, by tier (dram, ssd, remote)",
+            tiers.capacity_bytes.clone(),
+        );
+        r.register(
+            "tier_read_bytes",
+            "Bytes read into DRAM from a lower tier, by tier",
+            tiers.read_bytes.clone(),
+        );
+        r.register(
+            "leased_pages",
+            "Pages leased to recoveries, by source: dram (resident) or tiers (read from a lower \
+             tier)",
+            tiers.leased_pages.clone(),
+        );
+        for source in ["dram", "tiers"] {
+            let _ = tiers.leased_pages.get_or_create(&Source {
+                source: source.into(),
             });
         }
         let gauges = Gauges {
@@ -294,6 +362,7 @@ impl Metrics {
             registry: Arc::new(r),
             mirrored,
             gauges,
+            tiers,
             counters,
             stage_latency,
             last: None,
@@ -398,7 +467,20 @@ impl Metrics {
                     self.observe(t.name(), now - at);
                 }
             }
-            Event::Ready { operation, .. } => {
+            Event::Ready {
+                operation,
+                pages_from_dram,
+                pages_from_tiers,
+                ..
+            } => {
+                let leased = &self.tiers.leased_pages;
+                for (source, n) in [("dram", pages_from_dram), ("tiers", pages_from_tiers)] {
+                    leased
+                        .get_or_create(&Source {
+                            source: source.into(),
+                        })
+                        .inc_by(*n);
+                }
                 if let Some(at) = self.by_operation.remove(&(*operation, Timed::Prepare)) {
                     self.observe(Timed::Prepare.name(), now - at);
                 }
@@ -413,6 +495,24 @@ impl Metrics {
                 self.by_operation.remove(&(*operation, Timed::Restore));
             }
             _ => {}
+        }
+    }
+
+    /// Each tier's bytes used and capacity (`Runtime::tier_occupancy`,
+    /// DRAM from the snapshot).
+    pub fn occupancy(&self, s: &Stats, lower: &BTreeMap<String, (u64, u64)>) {
+        let set = |f: &Family<Tier, Gauge>, tier: &str, v: u64| {
+            f.get_or_create(&Tier { tier: tier.into() })
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
+        };
+        let t = &self.tiers;
+        set(&t.bytes_used, "dram", s.pool_bytes_used);
+        set(&t.capacity_bytes, "dram", s.pool_capacity_bytes);
+        for (tier, (used, capacity)) in lower {
+            set(&t.bytes_used, tier, *used);
+            set(&t.capacity_bytes, tier, *capacity);
+            // At 0 from the start, as the misses are.
+            let _ = t.read_bytes.get_or_create(&Tier { tier: tier.clone() });
         }
     }
 
@@ -494,6 +594,17 @@ impl Metrics {
             let before = prev.and_then(|p| p.demotions.get(k).copied());
             inc(
                 &x.demotions.get_or_create(&Outcome { outcome: k.clone() }),
+                *v,
+                before,
+            );
+        }
+        for (tier, v) in &m.bytes_read_by_tier {
+            let before = prev.and_then(|p| p.bytes_read_by_tier.get(tier).copied());
+            inc(
+                &self
+                    .tiers
+                    .read_bytes
+                    .get_or_create(&Tier { tier: tier.clone() }),
                 *v,
                 before,
             );

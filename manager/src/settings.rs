@@ -101,6 +101,9 @@ struct FileConfig {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub socket: PathBuf,
+    /// Whether the socket path was set (flag, environment or file) rather
+    /// than defaulted: a socket systemd passes must then be at that path.
+    pub socket_explicit: bool,
     /// `HOST:PORT` (loopback unless `metrics_public`) or `unix:PATH`.
     pub metrics_addr: Option<String>,
     /// Lets `metrics_addr` be a non-loopback address (readable by every
@@ -298,12 +301,10 @@ impl Settings {
                  max_sessions_per_uid = {max_sessions_per_uid}"
             )));
         }
+        let socket = args.socket.clone().or(serve.socket);
         Ok(Settings {
-            socket: args
-                .socket
-                .clone()
-                .or(serve.socket)
-                .unwrap_or_else(default_socket),
+            socket_explicit: socket.is_some(),
+            socket: socket.unwrap_or_else(default_socket),
             metrics_addr: args.metrics_addr.clone().or(serve.metrics_addr),
             metrics_public: serve.metrics_public.unwrap_or(false),
             record: args.record.clone().or(serve.record),

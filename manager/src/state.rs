@@ -34,6 +34,9 @@ pub struct State {
     pub rt: Runtime,
     pub settings: Settings,
     pub listener: Option<UnixListener>,
+    /// Whether the socket file is the manager's to remove at shutdown (not
+    /// when systemd passed it: its `.socket` unit keeps listening).
+    pub owns_socket: bool,
     pub conns: BTreeMap<ConnId, Conn>,
     pub next_conn: ConnId,
     pub uid: u32,
@@ -379,6 +382,8 @@ impl State {
         let outbox: usize = self.conns.values().map(|c| c.outbox.bytes()).sum();
         let hot_open = self.hot.as_ref().map_or(0, |h| h.open_requests());
         self.metrics.refresh(&s, self.conns.len(), outbox, hot_open);
+        let lower = self.rt.tier_occupancy();
+        self.metrics.occupancy(&s, &lower);
         if let Some(h) = &self.hot {
             self.metrics.hot(h.stats);
         }

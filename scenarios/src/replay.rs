@@ -1627,7 +1627,8 @@ impl<'o> Replay<'o> {
             Event::InstanceRegistered { .. }
             | Event::SessionOpened { .. }
             | Event::RegionRegistered { .. }
-            | Event::DevicePageAllocated { .. } => {}
+            | Event::DevicePageAllocated { .. }
+            | Event::Cleared { .. } => {}
             Event::DevicePageFreed { device_page, .. } => {
                 if let Some(dp) = self.device_pages.remove(device_page)
                     && let Some(r) = self

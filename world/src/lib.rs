@@ -5,6 +5,7 @@
 pub mod config;
 pub mod driver;
 pub mod invariants;
+mod locate;
 pub mod record;
 pub mod runtime;
 pub mod schedule;

@@ -182,7 +182,7 @@ impl RuntimeWorld {
 }
 
 pub struct Runtime {
-    world: RuntimeWorld,
+    pub(crate) world: RuntimeWorld,
     schedule: Schedule,
     started: Instant,
     simulated: bool,

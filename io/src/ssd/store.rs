@@ -1683,6 +1683,26 @@ impl BackingTier for SsdStore {
         "ssd"
     }
 
+    /// Drops the namespace's records from the index (reads and lookups
+    /// never find them again in this process); their bytes stay in their
+    /// segments until collection reclaims them, and a restart's scan
+    /// indexes them again (nothing on disk marks them cleared yet).
+    fn clear_namespace(
+        &mut self,
+        namespace: &orbitkv_components::Namespace,
+    ) -> Result<u64, String> {
+        let keys: Vec<StateKey> = self
+            .index
+            .keys()
+            .filter(|k| k.namespace == *namespace)
+            .copied()
+            .collect();
+        for k in &keys {
+            self.index_remove(k);
+        }
+        Ok(keys.len() as u64)
+    }
+
     fn occupancy(&self) -> Option<(u64, u64)> {
         let s = self.stats();
         Some((s.bytes, s.capacity_bytes))

@@ -12,7 +12,7 @@ use orbitkv_io::remote::record::RecordMac;
 use orbitkv_io::remote::{RemoteConfig, RemoteTier};
 use orbitkv_io::tier::{BackingTier, ReadDone, ReadToken, TierEntry, TierError};
 
-/// The shared single node (`scripts/redis.sh start` sets it; `.ci/run` runs
+/// The shared single node (`scripts/redis.sh start` sets it; `scripts/test.sh` runs
 /// that). `None` prints a loud skip message.
 pub fn single_url(test: &str) -> Option<String> {
     match std::env::var("ORBITKV_TEST_REDIS") {

@@ -8,6 +8,7 @@
 //! exactly that and cannot fail. One module per command family.
 
 mod agents;
+mod clear;
 mod devices;
 mod instances;
 mod publish;
@@ -161,6 +162,7 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
             checksums,
         } => agents::copy_done(world, ctx, copy, failure, checksums),
         Command::AdvanceClock { us } => advance_clock(world, us),
+        Command::Clear { namespaces } => clear::clear(world, ctx, namespaces),
     }
 }
 

@@ -180,6 +180,19 @@ pub struct Dram {
     /// `demoting`, counted per slot class: slots that will come free
     /// without evicting anything else.
     pub demoting_by_class: BTreeMap<u64, u64>,
+    /// What the evict stage did in the current tick, per slot class
+    /// (cleared when a tick starts): the invariants check it never evicted
+    /// more than the allocations waiting for that class needed.
+    pub evicted: BTreeMap<u64, Evicted>,
+}
+
+/// The evict stage's work on one slot class in one tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    /// Slots the failed allocations of the tick asked for.
+    pub pressure: u64,
+    /// Pages evicted for them.
+    pub pages: u64,
 }
 
 impl Dram {
@@ -192,6 +205,7 @@ impl Dram {
             pressure: BTreeMap::new(),
             demoting: BTreeMap::new(),
             demoting_by_class: BTreeMap::new(),
+            evicted: BTreeMap::new(),
         }
     }
 
@@ -226,6 +240,13 @@ impl Dram {
     /// Slots of `class` that in-place demotions will give back.
     pub fn demoting_in(&self, class: u64) -> u64 {
         self.demoting_by_class.get(&class).copied().unwrap_or(0)
+    }
+
+    /// Slots that will serve an allocation of `class` without evicting
+    /// anything more: free ones (including those freed earlier in the tick)
+    /// and those in-place demotions will give back.
+    pub fn coming_free(&self, class: u64) -> u64 {
+        self.pool.free_slots(class) + self.demoting_in(class)
     }
 
     /// Allocates a slot; on failure records pressure for the evict stage.

@@ -348,6 +348,8 @@ impl Runtime {
             clock.now_us = clock.now_us.max(now);
         }
         let started_at = self.world.resource::<Clock>().now_us;
+        // The evict stage's record is per tick (the invariants read it).
+        self.world.resource_mut::<Dram>().evicted.clear();
         self.schedule.run(&mut self.world);
         // No system reads change or removal trackers; without clearing them
         // every despawn is remembered forever (the manager's RSS grew

@@ -155,6 +155,16 @@ pub trait BackingTier: Send {
     /// `lookup` (and durable per the tier's policy), or why they failed.
     fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), DemoteFailed>>) {}
 
+    /// Shutdown (or a restart), never inside a tick: blocks until every
+    /// demotion the tier accepted has finished, so the next
+    /// [`poll_demotions`](Self::poll_demotions) reports each of them and
+    /// [`poll_released`](Self::poll_released) returns every token. A tier
+    /// whose writes finish on their own when it is dropped would otherwise
+    /// take them out of the counts. The default, for tiers that report
+    /// every accepted write without waiting (or never take writes), does
+    /// nothing.
+    fn finish_demotions(&mut self) {}
+
     /// Write-through: a page was just published into DRAM and stays there;
     /// a tier that shares pages with other hosts copies it now (always a
     /// copy, verified against `checksum`, the one the copy computed as the
@@ -858,6 +868,11 @@ impl BackingTier for MemoryTier {
     fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
         self.release_due(now_us);
         out.extend((0..std::mem::take(&mut self.demoted)).map(|_| Ok(())));
+    }
+
+    /// The held writes "finish" now, as they would at drop.
+    fn finish_demotions(&mut self) {
+        self.release_due(u64::MAX);
     }
 
     fn write_through(

@@ -1102,6 +1102,9 @@ impl<'o> Replay<'o> {
     }
 
     fn restart(&mut self) -> Result<(), ReplayError> {
+        // The old manager's writes finish as it goes; they count in its
+        // totals.
+        self.rt.finish_demotions();
         self.fold_metrics();
         self.incarnation += 1;
         let (rt, arena, copies) =
@@ -1977,8 +1980,21 @@ impl<'o> Replay<'o> {
         self.ready_positions.get(&op).cloned()
     }
 
+    /// Adds this incarnation's counters to the report's totals. Its
+    /// demotions must have finished (`finish_demotions`): every one it
+    /// submitted was then written or failed, which is checked here, so the
+    /// totals across restarts add up as well.
     fn fold_metrics(&mut self) {
-        let m = self.rt.stats().metrics;
+        let m = self.rt.metrics().clone();
+        let count = |k: &str| m.demotions.get(k).copied().unwrap_or(0);
+        let (submitted, written, failed) = (count("submitted"), count("written"), count("failed"));
+        if submitted != written + failed {
+            self.violation(format!(
+                "incarnation {}: {submitted} demotion(s) submitted, {written} written and \
+                 {failed} failed once its writes finished",
+                self.incarnation
+            ));
+        }
         let t = &mut self.report.totals;
         t.queries += m.queries;
         t.hits += m.hits;
@@ -2012,6 +2028,7 @@ impl<'o> Replay<'o> {
     }
 
     fn finish(mut self) -> (Report, Vec<Sample>) {
+        self.rt.finish_demotions();
         self.fold_metrics();
         let s = self.rt.stats();
         self.report.final_occupancy = Occupancy {

@@ -370,3 +370,20 @@ fn copy_agents() {
         ]
     );
 }
+
+/// Issue 22, finding 4: in-place writes the stopping manager finishes are
+/// counted in its totals, so the report's demotions add up.
+#[test]
+fn in_place_writes_across_restart() {
+    let r = run("in_place_writes_across_restart");
+    assert_eq!(outcomes(&r), [restored(4, 64)]);
+    assert_eq!(
+        r.requests[0].pages_from_tiers, 4,
+        "written by the old manager"
+    );
+    let d = |k: &str| r.totals.demotions.get(k).copied().unwrap_or(0);
+    assert_eq!(
+        (d("submitted"), d("in_place"), d("written"), d("failed")),
+        (4, 4, 4, 0)
+    );
+}

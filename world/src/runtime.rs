@@ -367,6 +367,25 @@ impl Runtime {
         events
     }
 
+    /// For shutdown and restarts, never inside a tick: blocks until every
+    /// tier finished the demotions it accepted, counts them (`written` or
+    /// `failed` in `Metrics::demotions`) and frees the slots in-place ones
+    /// held, so the totals of a runtime that is about to go add up
+    /// (dropping it finishes the writes too, but uncounted).
+    pub fn finish_demotions(&mut self) {
+        let now_us = self.world.resource::<Clock>().now_us;
+        self.world.resource_scope(|world, mut tiers: Mut<Tiers>| {
+            let tiers = tiers.0.get_mut();
+            for tier in tiers.iter_mut() {
+                tier.finish_demotions();
+            }
+            world.resource_scope(|world, mut dram: Mut<Dram>| {
+                let mut metrics = world.resource_mut::<Metrics>();
+                orbitkv_systems::fence::settle_demotions(tiers, &mut dram, &mut metrics, now_us);
+            });
+        });
+    }
+
     /// Checks every invariant of the runtime's state.
     pub fn check_invariants(&mut self) -> Result<(), Vec<String>> {
         let v = invariants::check(&mut self.world);
@@ -421,6 +440,11 @@ impl Runtime {
     }
 
     /// Every live operation, in entity order.
+    /// The counters so far (cheap: no walk over the world, unlike `stats`).
+    pub fn metrics(&self) -> &Metrics {
+        self.world.resource::<Metrics>()
+    }
+
     pub fn operations(&mut self) -> Vec<OperationInfo> {
         let w = &mut self.world;
         let mut overdue: std::collections::HashMap<Entity, usize> = Default::default();

@@ -81,6 +81,15 @@ pub trait BackingTier: Send {
     /// Metadata-only lookup.
     fn lookup(&self, key: &StateKey) -> Option<TierEntry>;
 
+    /// Whether the tier cannot be reached now (a remote store down, its
+    /// breaker open). Its lookups answer "absent" meanwhile, so "absent"
+    /// alone does not say the page is gone: a read that finds its page in
+    /// no tier while one is unavailable misses with that tier's reason for
+    /// [`TierError::Unavailable`], not as churn.
+    fn unavailable(&self) -> bool {
+        false
+    }
+
     /// Payload bytes held and the capacity, where the tier knows them
     /// (`orbitkv inspect`).
     fn occupancy(&self) -> Option<(u64, u64)> {
@@ -672,6 +681,10 @@ impl Drop for MemoryTier {
 impl BackingTier for MemoryTier {
     fn name(&self) -> &'static str {
         self.name
+    }
+
+    fn unavailable(&self) -> bool {
+        self.pages().down()
     }
 
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {

@@ -371,6 +371,26 @@ fn copy_agents() {
     );
 }
 
+/// Issue 22, finding 3: a page discovery found in the remote tier, read
+/// while the store is down, misses `remote_unavailable`, not as churn.
+#[test]
+fn remote_outage_before_read() {
+    let r = run("remote_outage_before_read");
+    assert_eq!(
+        outcomes(&r),
+        [
+            missed(2, MissReason::Deadline),
+            missed(3, MissReason::RemoteUnavailable),
+            restored(4, 32),
+        ]
+    );
+    assert_eq!(r.totals.misses.get(&MissReason::EvictedDuringRead), None);
+    assert_eq!(
+        r.requests[2].pages_from_tiers, 2,
+        "read once the store is back"
+    );
+}
+
 /// Issue 22, finding 4: in-place writes the stopping manager finishes are
 /// counted in its totals, so the report's demotions add up.
 #[test]

@@ -242,7 +242,7 @@ impl ReadStep<'_> {
             .enumerate()
             .find_map(|(i, t)| t.lookup(&need.key).map(|e| (i, e)))
         else {
-            return Err(MissReason::EvictedDuringRead); // discovery saw it
+            return Err(vanished(tiers)); // discovery saw it
         };
         if entry.bytes != need.bytes {
             return Err(MissReason::IncompleteGroup);
@@ -292,6 +292,16 @@ impl ReadStep<'_> {
         budget.took(group);
         Ok(())
     }
+}
+
+/// Why a page discovery saw is in no tier now: behind a tier that cannot
+/// be reached (an outage is not churn), or evicted meanwhile.
+fn vanished(tiers: &[Box<dyn BackingTier>]) -> MissReason {
+    let down = TierError::Unavailable("unreachable at read".into());
+    tiers
+        .iter()
+        .find(|t| t.unavailable())
+        .map_or(MissReason::EvictedDuringRead, |t| t.miss_reason(&down))
 }
 
 fn submit(

@@ -59,15 +59,17 @@ pub struct Limits {
     /// misses with `deadline` once the submitted ones drained.
     pub restore_deadline_us: u64,
     pub max_evictions_per_tick: usize,
-    /// A transfer not complete after this long is reported overdue.
+    /// A transfer not complete after this long is reported overdue and has
+    /// failed: its operation replies then (`io_error`), while what the
+    /// transfer may still touch stays held until it completes.
     pub transfer_timeout_us: u64,
     /// Agent copy batches in flight per origin (sent, not yet reported by
     /// `CopyDone`); more wait for room like local copies do.
     pub max_agent_copies_per_origin: usize,
-    /// Time an agent has to report a copy. Past it the copy has failed (its
-    /// operation misses with `deadline`), but its pins, leases and staging
-    /// stay held until the agent reports or its origin closes: a late
-    /// agent may still be touching them.
+    /// Time an agent has to report a copy. Past it the copy has failed and
+    /// its operation replies at once (a restore misses with `deadline`),
+    /// but its pins, leases and staging stay held until the agent reports
+    /// or its origin closes: a late agent may still be touching them.
     pub agent_copy_deadline_us: u64,
     /// Size of each origin's staging area, the only memory an agent writes
     /// for the manager (publishes from agent-owned regions land there

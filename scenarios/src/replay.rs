@@ -133,6 +133,9 @@ enum RawPending {
 
 struct SessionInfo {
     handle: SessionHandle,
+    /// The engine process's connection: every session an `open` line opens
+    /// has its own, closed when the engine crashes.
+    origin: Origin,
     instance: String,
     regions: BTreeMap<(u32, u32), RegionInfo>,
 }
@@ -251,6 +254,13 @@ pub struct Replay<'o> {
     instances: BTreeMap<String, InstanceInfo>,
     sessions: BTreeMap<u64, SessionInfo>,
     session_names: HashMap<String, u64>,
+    /// The origin each session was opened from (kept after a crash, so a
+    /// late command names the session's own origin and is refused as
+    /// stale, not as another origin's).
+    session_origins: HashMap<u64, Origin>,
+    /// The next origin an `open` line gets (`Origin::EMBEDDED` is the raw
+    /// lines' one).
+    next_origin: u64,
     device_pages: HashMap<u64, DevicePageInfo>,
     requests: BTreeMap<CommandId, RequestState>,
     op_requests: HashMap<u64, CommandId>,
@@ -392,6 +402,8 @@ impl<'o> Replay<'o> {
             instances: BTreeMap::new(),
             sessions: BTreeMap::new(),
             session_names: HashMap::new(),
+            session_origins: HashMap::new(),
+            next_origin: 1,
             device_pages: HashMap::new(),
             requests: BTreeMap::new(),
             op_requests: HashMap::new(),
@@ -508,16 +520,22 @@ impl<'o> Replay<'o> {
         events
     }
 
+    /// Submits from the origin of the session the command names (its
+    /// engine's connection), or from the raw lines' origin.
     fn submit(&mut self, command: Command) -> CommandId {
-        // A trace has one origin: the driver owns every session it opens.
-        match self.rt.submit(Origin::EMBEDDED, command.clone()) {
+        let origin = session_of(&command)
+            .and_then(|id| self.session_origins.get(&id).copied())
+            .unwrap_or(Origin::EMBEDDED);
+        self.submit_as(origin, command)
+    }
+
+    fn submit_as(&mut self, origin: Origin, command: Command) -> CommandId {
+        match self.rt.submit(origin, command.clone()) {
             Ok(id) => id,
             Err(_) => {
                 // The inbox is bounded: a tick drains it.
                 self.tick();
-                self.rt
-                    .submit(Origin::EMBEDDED, command)
-                    .unwrap_or(u64::MAX)
+                self.rt.submit(origin, command).unwrap_or(u64::MAX)
             }
         }
     }
@@ -533,7 +551,8 @@ impl<'o> Replay<'o> {
         let events: Vec<Event> = events
             .into_iter()
             .map(|a| {
-                if a.to != Origin::EMBEDDED {
+                // Only to the raw lines' origin or one an `open` line made.
+                if a.to.0 >= self.next_origin {
                     misaddressed.push(format!("event addressed to {}: {:?}", a.to, a.event));
                 }
                 a.event
@@ -621,8 +640,8 @@ impl<'o> Replay<'o> {
                     failure,
                 } => {
                     // A dead engine reports nothing.
-                    if self.sessions.contains_key(&session) {
-                        self.submit(Command::CopyDone { copy, failure });
+                    if let Some(origin) = self.sessions.get(&session).map(|s| s.origin) {
+                        self.submit_as(origin, Command::CopyDone { copy, failure });
                     }
                 }
             }
@@ -809,6 +828,7 @@ impl<'o> Replay<'o> {
                     session.id,
                     SessionInfo {
                         handle: *session,
+                        origin: Origin::EMBEDDED,
                         instance,
                         regions: BTreeMap::new(),
                     },
@@ -965,14 +985,15 @@ impl<'o> Replay<'o> {
         Ok(())
     }
 
-    /// The engine process dies: the manager sees the connection drop and
-    /// closes the session; the dead engine sends nothing more.
+    /// The engine process dies: the manager sees its connection drop
+    /// (`close_origin`: its session closes, the copies its agent had in
+    /// flight fail as lost); the dead engine sends nothing more.
     fn crash(&mut self, id: u64) {
         self.session_names.retain(|_, s| *s != id);
         let Some(s) = self.sessions.remove(&id) else {
             return;
         };
-        self.submit(Command::CloseSession { session: s.handle });
+        self.rt.close_origin(s.origin);
         self.device_pages.retain(|_, d| d.session != id);
         self.restores.retain(|_, r| r.session != id);
         self.sim_agents.agents.remove(&id);
@@ -1004,6 +1025,9 @@ impl<'o> Replay<'o> {
         else {
             return; // not a simulated agent's region
         };
+        let Some(origin) = self.sessions.get(&session).map(|s| s.origin) else {
+            return; // its engine is gone
+        };
         let Some(agent) = self.sim_agents.agents.get_mut(&session) else {
             return;
         };
@@ -1029,7 +1053,7 @@ impl<'o> Replay<'o> {
             );
             "failed"
         } else {
-            let failure = self.agent_run(direction, pages).err();
+            let failure = self.agent_run(origin, direction, pages).err();
             let at = self.now() + m.copy_us + if late { m.late_us } else { 0 };
             self.add_timer(
                 at,
@@ -1052,6 +1076,7 @@ impl<'o> Replay<'o> {
     /// The bytes of one agent copy.
     fn agent_run(
         &mut self,
+        origin: Origin,
         direction: AgentDirection,
         pages: &[AgentPageCopy],
     ) -> Result<(), CopyFailure> {
@@ -1063,10 +1088,9 @@ impl<'o> Replay<'o> {
             a.pool = self.rt.export_pool().map(std::fs::File::from);
         }
         let staging = match direction {
-            AgentDirection::RegionToStaging => self
-                .rt
-                .export_staging(Origin::EMBEDDED)
-                .map(std::fs::File::from),
+            AgentDirection::RegionToStaging => {
+                self.rt.export_staging(origin).map(std::fs::File::from)
+            }
             AgentDirection::PoolToRegion => None,
         };
         for p in pages {
@@ -1116,6 +1140,7 @@ impl<'o> Replay<'o> {
         // The new manager starts at the same simulated time.
         self.tick_with(vec![Command::AdvanceClock { us: now }]);
         self.sessions.clear();
+        self.session_origins.clear();
         self.sim_agents = SimAgents::default();
         self.device_pages.clear();
         self.restores.clear();
@@ -1247,15 +1272,22 @@ impl<'o> Replay<'o> {
                 format!("open: unknown instance {:?}", o.instance),
             ));
         };
-        let id = self.submit(Command::OpenSession {
-            instance: o.instance.clone(),
-        });
+        // A new engine process: its own connection.
+        let origin = Origin(self.next_origin);
+        self.next_origin += 1;
+        let id = self.submit_as(
+            origin,
+            Command::OpenSession {
+                instance: o.instance.clone(),
+            },
+        );
         let events = self.tick_with(Vec::new());
         let Some((_, Event::SessionOpened { session, .. })) = events.iter().find(|(c, _)| *c == id)
         else {
             return Ok(()); // refused (e.g. limits): counted
         };
         let handle = *session;
+        self.session_origins.insert(handle.id, origin);
         self.names.insert(
             o.name.clone(),
             serde_json::to_value(handle).expect("plain data"),
@@ -1325,6 +1357,7 @@ impl<'o> Replay<'o> {
             handle.id,
             SessionInfo {
                 handle,
+                origin,
                 instance: o.instance.clone(),
                 regions,
             },
@@ -1375,6 +1408,11 @@ impl<'o> Replay<'o> {
             }));
         }
         let events = self.tick_with(Vec::new());
+        if !self.sessions.contains_key(&session) {
+            // The engine died during that tick (its agent vanished): what
+            // it allocated went with its session.
+            return vec![None; wants.len()];
+        }
         let mut out = Vec::new();
         for ((want, plan), id) in wants.iter().zip(planned).zip(ids) {
             let got = id.and_then(|id| match events.iter().find(|(c, _)| *c == id) {
@@ -1512,8 +1550,12 @@ impl<'o> Replay<'o> {
         if pages.is_empty() {
             return Ok(());
         }
+        // The allocation ticked: the engine may have died meanwhile (its
+        // agent vanished during that tick), and a dead engine sends nothing.
+        let Some(handle) = self.sessions.get(&session).map(|s| s.handle) else {
+            return Ok(());
+        };
         self.fill_sources(session, &pages);
-        let handle = self.sessions[&session].handle;
         let id = self.submit(Command::Publish {
             session: handle,
             request: p.request,
@@ -1942,6 +1984,9 @@ impl<'o> Replay<'o> {
                 .map(|p| (p.rank, p.group))
                 .collect::<Vec<_>>(),
         );
+        if !self.sessions.contains_key(&session) {
+            return; // the engine died during the allocation's tick
+        }
         if slots.iter().any(Option::is_none) {
             // Out of device pages: the engine gives the recovery up.
             let got: Vec<u64> = slots.iter().flatten().map(|(dp, _)| *dp).collect();
@@ -2053,6 +2098,26 @@ impl<'o> Replay<'o> {
         self.report.ticks = self.ticks;
         self.sample();
         (self.report, self.samples)
+    }
+}
+
+/// The session a command names, if any.
+fn session_of(command: &Command) -> Option<u64> {
+    match command {
+        Command::CloseSession { session }
+        | Command::RegisterDeviceRegion { session, .. }
+        | Command::DevicePageAlloc { session, .. }
+        | Command::DevicePageFree { session, .. }
+        | Command::Query { session, .. }
+        | Command::Prepare { session, .. }
+        | Command::Restore { session, .. }
+        | Command::Publish { session, .. }
+        | Command::Release { session, .. }
+        | Command::Cancel { session, .. } => Some(session.id),
+        Command::RegisterInstance { .. }
+        | Command::OpenSession { .. }
+        | Command::CopyDone { .. }
+        | Command::AdvanceClock { .. } => None,
     }
 }
 

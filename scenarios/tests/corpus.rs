@@ -407,3 +407,49 @@ fn in_place_writes_across_restart() {
         (4, 4, 4, 0)
     );
 }
+
+/// Issue 22, findings 2 and 5: restores whose agents never report miss at
+/// the agent deadline, and the end of each engine's connection (a crash,
+/// a vanished agent) returns what their copies held (`run` asserts that
+/// nothing is left).
+#[test]
+fn agent_crash_returns_holdings() {
+    let r = run("agent_crash_returns_holdings");
+    assert_eq!(
+        outcomes(&r),
+        [
+            missed(2, MissReason::Deadline),
+            (3, "engine_crashed".into(), None, 0),
+            restored(4, 64),
+        ]
+    );
+    let copies = &r.totals.agent_copies;
+    assert_eq!(
+        (copies.get("late"), copies.get("vanished")),
+        (Some(&1), Some(&1))
+    );
+    assert_eq!(
+        r.totals.transfers_overdue, 1,
+        "only the late copy ran out of time"
+    );
+}
+
+/// Issue 22, finding 6: an agent that vanishes in the tick in which its
+/// own engine's next publish allocates does not stop the replay.
+#[test]
+fn agent_vanishes_during_publish() {
+    let r = run("agent_vanishes_during_publish");
+    assert_eq!(
+        outcomes(&r),
+        [
+            missed(3, MissReason::NotFound),
+            missed(4, MissReason::NotFound)
+        ]
+    );
+    assert_eq!(r.totals.agent_copies.get("vanished"), Some(&1));
+    assert_eq!(
+        r.totals.publish_pages.get("inserted"),
+        Some(&0),
+        "nothing was stored"
+    );
+}

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use orbitkv_components::api::{
     Addressed, AgentDirection, AgentPageCopy, AgentRegion, Command, CommandId, CopyFailure, Event,
-    GroupHashes, Origin, PagePos, PublishPage, RestoreTarget, SessionHandle,
+    GroupHashes, MissReason, Origin, PagePos, PublishPage, RestoreTarget, SessionHandle,
 };
 use orbitkv_components::contract::{GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey};
@@ -60,6 +60,31 @@ pub trait Observer {
     /// The engine went quiet and the runtime drained (end of the trace):
     /// the operations still alive.
     fn quiet(&mut self, _now_us: u64, _live: &[OperationInfo]) -> Result<(), String> {
+        Ok(())
+    }
+    /// After every tick: the operations alive. `bound_us` is how long past
+    /// its deadline an operation may take to reply (the longest time a
+    /// transfer may stay in flight before it is overdue).
+    fn operations(
+        &mut self,
+        _now_us: u64,
+        _bound_us: u64,
+        _live: &[OperationInfo],
+    ) -> Result<(), String> {
+        Ok(())
+    }
+    /// Whether `operations` is wanted (it costs a walk over the runtime's
+    /// operations every tick).
+    fn watches_operations(&self) -> bool {
+        false
+    }
+    /// A line the driver is about to run (its faults and requests are what
+    /// can explain a miss).
+    fn line(&mut self, _line: &Line) {}
+    /// A miss the runtime reported (in a query's result or a recovery's
+    /// `miss`), with the pages DRAM evicted so far in this replay (churn
+    /// explains some reasons).
+    fn miss(&mut self, _reason: MissReason, _evictions: u64) -> Result<(), String> {
         Ok(())
     }
 }
@@ -440,6 +465,7 @@ impl<'o> Replay<'o> {
         self.event_log.get_or_insert_with(Vec::new);
         for line in &trace.lines {
             self.advance_to(line.t);
+            self.observer.line(line);
             self.apply(line)?;
         }
         let log = self.event_log.take().unwrap_or_default();
@@ -456,6 +482,7 @@ impl<'o> Replay<'o> {
         let total = trace.lines.len();
         for (i, line) in trace.lines.iter().enumerate() {
             self.advance_to(line.t);
+            self.observer.line(line);
             self.apply(line)?;
             progress(i + 1, total);
         }
@@ -579,13 +606,46 @@ impl<'o> Replay<'o> {
         let mut out = Vec::with_capacity(events.len());
         for e in events {
             let id = e.command();
+            self.observe_miss(&e);
             self.handle(&e, now);
             out.push((id.unwrap_or(u64::MAX), e));
         }
+        self.observe_operations();
         if self.ticks.is_multiple_of(self.sample_stride) {
             self.sample();
         }
         out
+    }
+
+    /// Shows the observer a miss the runtime reported.
+    fn observe_miss(&mut self, e: &Event) {
+        let reason = match e {
+            Event::QueryResult {
+                miss: Some(reason), ..
+            }
+            | Event::Miss { reason, .. } => *reason,
+            _ => return,
+        };
+        let evictions: u64 = self.report.totals.evictions.values().sum::<u64>()
+            + self.rt.metrics().evictions.values().sum::<u64>();
+        if let Err(why) = self.observer.miss(reason, evictions) {
+            self.violation(format!("oracle: {why}"));
+        }
+    }
+
+    /// Shows the observer the live operations, if it watches them.
+    fn observe_operations(&mut self) {
+        if !self.observer.watches_operations() {
+            return;
+        }
+        let limits = &self.config.limits;
+        let bound_us = limits
+            .transfer_timeout_us
+            .max(limits.agent_copy_deadline_us);
+        let (now, live) = (self.now(), self.rt.operations());
+        if let Err(why) = self.observer.operations(now, bound_us, &live) {
+            self.violation(format!("oracle: {why}"));
+        }
     }
 
     fn sample(&mut self) {

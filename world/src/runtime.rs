@@ -80,6 +80,10 @@ pub struct OperationInfo {
     pub overdue_transfers: usize,
     pub leases: usize,
     pub bytes_reserved: u64,
+    /// Its final reply went out (a query's miss, or the outcome once
+    /// nothing in flight could change it); what it still holds waits for
+    /// overdue transfers.
+    pub reported: bool,
 }
 
 /// The runtime's `World`: every resource built from a config, the LRU
@@ -464,6 +468,7 @@ impl Runtime {
                 overdue_transfers: overdue.get(&e).copied().unwrap_or(0),
                 leases: leases.map_or(0, |l| l.len()),
                 bytes_reserved: op.bytes_reserved,
+                reported: op.reported,
             })
             .collect();
         out.sort_by_key(|o| o.operation);

@@ -230,7 +230,7 @@ fn remote_tier_faults() {
             missed(4, MissReason::RemoteTimeout),
             missed(5, MissReason::RemoteUnavailable),
             restored(6, 32),
-            missed(7, MissReason::NotFound),
+            missed(7, MissReason::RemoteUnavailable),
             restored(8, 32),
             restored(10, 48),
             missed(11, MissReason::RemoteMissing),

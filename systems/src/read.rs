@@ -297,11 +297,7 @@ impl ReadStep<'_> {
 /// Why a page discovery saw is in no tier now: behind a tier that cannot
 /// be reached (an outage is not churn), or evicted meanwhile.
 fn vanished(tiers: &[Box<dyn BackingTier>]) -> MissReason {
-    let down = TierError::Unavailable("unreachable at read".into());
-    tiers
-        .iter()
-        .find(|t| t.unavailable())
-        .map_or(MissReason::EvictedDuringRead, |t| t.miss_reason(&down))
+    crate::discover::unreachable(tiers).unwrap_or(MissReason::EvictedDuringRead)
 }
 
 fn submit(

@@ -29,7 +29,10 @@ pub struct Admission<'w, 's> {
 
 /// Admits waiting recoveries, then reads for every admitted one (those
 /// admitted now included: both in one system, so an admitted recovery
-/// starts reading in the same tick).
+/// starts reading in the same tick). A recovery past its deadline starts
+/// nothing more: `expire` ends it in this tick, and every transfer it has
+/// was submitted before its deadline (so it replies by its deadline plus
+/// the transfer timeout).
 pub fn read(
     mut commands: Commands,
     mut ops: Query<Recoveries, AdmitOrRead>,
@@ -38,9 +41,10 @@ pub fn read(
     mut dram: ResMut<Dram>,
     mut reads: Reads,
 ) {
-    admit(&mut commands, &mut ops, &mut admission);
+    let now_us = reads.clock.now_us;
+    admit(&mut commands, &mut ops, &mut admission, now_us);
     for (entity, mut op, mut rec) in &mut ops {
-        if op.state() != OpState::Reading {
+        if op.state() != OpState::Reading || op.deadline_us <= now_us {
             continue;
         }
         let Ok(instance) = admission.instances.get(op.instance) else {
@@ -82,10 +86,11 @@ fn admit(
     commands: &mut Commands,
     ops: &mut Query<Recoveries, AdmitOrRead>,
     admission: &mut Admission,
+    now_us: u64,
 ) {
     let mut waiting: Vec<(u64, Entity)> = ops
         .iter()
-        .filter(|(_, op, _)| op.state() == OpState::Admit)
+        .filter(|(_, op, _)| op.state() == OpState::Admit && op.deadline_us > now_us)
         .map(|(e, op, _)| (op.command, e))
         .collect();
     waiting.sort_unstable();

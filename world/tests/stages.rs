@@ -416,6 +416,55 @@ fn read_leases_resident_pages_and_reads_the_rest_from_a_tier() {
     b.check();
 }
 
+/// A recovery past its deadline starts no read and is not admitted: every
+/// transfer an operation has was submitted before its deadline, so it
+/// replies by its deadline plus the transfer timeout (the fuzzer's
+/// liveness bound). `expire` ends it in the same tick.
+#[test]
+fn read_starts_nothing_for_a_recovery_past_its_deadline() {
+    let mut b = bench(|_| {});
+    b.tier.insert(key(b.ns, 0), vec![7; BYTES as usize]);
+    let mut rec = recovery(1);
+    rec.needs = vec![need(b.ns, 0, NeedState::Pending)];
+    let reading = b.op(1, OpState::Reading, rec);
+    let mut rec = recovery(1);
+    rec.selected = Some(PAGE);
+    rec.ranges = vec![(
+        0,
+        RequiredRange {
+            group: 0,
+            start: 0,
+            end: PAGE,
+        },
+    )];
+    let waiting = b.op(2, OpState::Admit, rec);
+    for op in [reading, waiting] {
+        b.w.get_mut::<Operation>(op).unwrap().deadline_us = 10;
+    }
+    b.w.resource_mut::<Clock>().now_us = 10;
+    b.run(read::read);
+    assert_eq!(
+        b.w.query::<&Transfer>().iter(&b.w).count(),
+        0,
+        "no read started"
+    );
+    assert_eq!(b.state(waiting), OpState::Admit, "not admitted");
+    assert_eq!(b.w.resource::<Budget>().reserved, 0);
+    b.run(fence::expire);
+    for op in [reading, waiting] {
+        let o = b.w.get::<Operation>(op).unwrap();
+        assert_eq!(o.outcome, Some(Outcome::Miss(MissReason::Deadline)));
+    }
+    // A microsecond earlier, both would have gone ahead.
+    b.w.resource_mut::<Clock>().now_us = 9;
+    let mut rec = recovery(1);
+    rec.needs = vec![need(b.ns, 0, NeedState::Pending)];
+    let early = b.op(3, OpState::Reading, rec);
+    b.w.get_mut::<Operation>(early).unwrap().deadline_us = 10;
+    b.run(read::read);
+    assert_eq!(b.w.query::<&Transfer>().iter(&b.w).count(), 1);
+}
+
 /// A ready recovery of 3 resident pages, restoring into a 3-page region.
 fn restoring(b: &mut Bench) -> (Entity, Vec<Entity>) {
     let pages: Vec<Entity> = (0..3).map(|i| b.resident(i)).collect();

@@ -92,14 +92,21 @@ impl Oracle {
                 Fault::TierDelay { tier, us } if remote(tier) && *us > 0 => {
                     vec![M::RemoteTimeout]
                 }
-                Fault::CorruptPage { tier, .. } if remote(tier) => vec![M::RemoteCorrupt],
+                // A remote read that finds its record gone or bad drops the
+                // record's metadata: another operation that discovered the
+                // page then finds it in no tier (`evicted_during_read`).
+                Fault::CorruptPage { tier, .. } if remote(tier) => {
+                    vec![M::RemoteCorrupt, M::EvictedDuringRead]
+                }
                 Fault::CorruptPage { .. } => vec![M::Checksum],
-                Fault::DropPage { tier, .. } if remote(tier) => vec![M::RemoteMissing],
+                Fault::DropPage { tier, .. } if remote(tier) => {
+                    vec![M::RemoteMissing, M::EvictedDuringRead]
+                }
                 Fault::DropPage { .. } => vec![M::EvictedDuringRead],
                 Fault::RemoteDown { .. } => vec![M::RemoteUnavailable],
-                Fault::RemoteFlush { .. } => vec![M::RemoteMissing],
+                Fault::RemoteFlush { .. } => vec![M::RemoteMissing, M::EvictedDuringRead],
                 Fault::RemoteRewrite { .. } | Fault::RemoteTruncate { .. } => {
-                    vec![M::RemoteCorrupt]
+                    vec![M::RemoteCorrupt, M::EvictedDuringRead]
                 }
                 Fault::SessionCrash { .. } => vec![M::Cancelled],
                 Fault::ManagerRestart => vec![M::Namespace],
@@ -156,8 +163,9 @@ impl Observer for Oracle {
 
     /// Each miss's reason is one the scenario so far can explain: always
     /// for limits and what the engine asked; `evicted_during_read` once
-    /// DRAM evicted or a tier lost a page; every other reason only after
-    /// a fault that causes it (a remote outage is never churn).
+    /// DRAM evicted or a tier lost (or dropped a bad) page; every other
+    /// reason only after a fault that causes it (a remote outage is never
+    /// churn).
     fn miss(&mut self, reason: MissReason, evictions: u64) -> Result<(), String> {
         let churn = reason == MissReason::EvictedDuringRead && evictions > 0;
         if ALWAYS_EXPLAINED.contains(&reason) || churn || self.explained.contains(&reason) {

@@ -237,7 +237,8 @@ pub struct Operation {
     pub outcome: Option<Outcome>,
     /// Whether a `Loading` reply was sent.
     pub loading_sent: bool,
-    /// Whether the final reply was already sent (a query that missed).
+    /// Whether the final reply was already sent (a query that missed, a
+    /// lookup's result, or an overdue copy's miss at its deadline).
     pub reported: bool,
 }
 

@@ -535,6 +535,25 @@ impl HostPool {
                 .is_some_and(|c| !c.free.is_empty())
     }
 
+    /// Slots an allocation of `class_bytes` could take now without freeing
+    /// anything: carved free slots of that class, and the slots free extents
+    /// would give it. Zero for a size no slot can hold, or at the live-slot
+    /// bound.
+    pub fn free_slots(&self, class_bytes: u64) -> u64 {
+        let Ok(class_bytes) = self.class_of(class_bytes) else {
+            return 0;
+        };
+        if self.slots.len() >= MAX_LIVE_SLOTS {
+            return 0;
+        }
+        let carved = self
+            .classes
+            .get(&class_bytes)
+            .map_or(0, |c| c.free.len() as u64);
+        let per_extent = self.extent_bytes / class_bytes;
+        carved + self.free_extents.len() as u64 * per_extent
+    }
+
     /// Occupancy figures; classes sorted by size.
     pub fn stats(&self) -> PoolStats {
         let classes: Vec<ClassStats> = self
@@ -828,6 +847,25 @@ mod tests {
             class_bytes: 4096,
         });
         assert!(p.check_invariants().unwrap_err().contains("owned by"));
+    }
+
+    #[test]
+    fn free_slots_counts_carved_slots_and_free_extents() {
+        let mut p = pool();
+        // Two 4 KiB slots used of one extent (16 carved), one 8 KiB of
+        // another (8); the other two extents are free.
+        assert_eq!(p.free_slots(4096), 14 + 2 * 16);
+        assert_eq!(p.free_slots(4000), 14 + 2 * 16, "rounded to its class");
+        assert_eq!(p.free_slots(8192), 7 + 2 * 8);
+        assert_eq!(p.free_slots(65536), 2);
+        assert_eq!(p.free_slots(65537), 0, "no slot holds it");
+        assert_eq!(p.free_slots(0), 0);
+        while p.alloc(65536).is_ok() {}
+        assert_eq!(p.free_slots(4096), 14, "only carved slots are left");
+        let k = p.alloc(4096).unwrap();
+        assert_eq!(p.free_slots(4096), 13);
+        p.free(k).unwrap();
+        assert_eq!(p.free_slots(4096), 14);
     }
 
     #[test]

@@ -81,6 +81,15 @@ pub trait BackingTier: Send {
     /// Metadata-only lookup.
     fn lookup(&self, key: &StateKey) -> Option<TierEntry>;
 
+    /// Whether the tier cannot be reached now (a remote store down, its
+    /// breaker open). Its lookups answer "absent" meanwhile, so "absent"
+    /// alone does not say the page is gone: a read that finds its page in
+    /// no tier while one is unavailable misses with that tier's reason for
+    /// [`TierError::Unavailable`], not as churn.
+    fn unavailable(&self) -> bool {
+        false
+    }
+
     /// Payload bytes held and the capacity, where the tier knows them
     /// (`orbitkv inspect`).
     fn occupancy(&self) -> Option<(u64, u64)> {
@@ -154,6 +163,16 @@ pub trait BackingTier: Send {
     /// Demotions that finished since the last call: `Ok` once visible to
     /// `lookup` (and durable per the tier's policy), or why they failed.
     fn poll_demotions(&mut self, _now_us: u64, _out: &mut Vec<Result<(), DemoteFailed>>) {}
+
+    /// Shutdown (or a restart), never inside a tick: blocks until every
+    /// demotion the tier accepted has finished, so the next
+    /// [`poll_demotions`](Self::poll_demotions) reports each of them and
+    /// [`poll_released`](Self::poll_released) returns every token. A tier
+    /// whose writes finish on their own when it is dropped would otherwise
+    /// take them out of the counts. The default, for tiers that report
+    /// every accepted write without waiting (or never take writes), does
+    /// nothing.
+    fn finish_demotions(&mut self) {}
 
     /// Write-through: a page was just published into DRAM and stays there;
     /// a tier that shares pages with other hosts copies it now (always a
@@ -679,6 +698,10 @@ impl BackingTier for MemoryTier {
         Ok((before - p.pages.len()) as u64)
     }
 
+    fn unavailable(&self) -> bool {
+        self.pages().down()
+    }
+
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {
         let p = self.pages();
         if p.remote.is_some() {
@@ -873,6 +896,11 @@ impl BackingTier for MemoryTier {
     fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
         self.release_due(now_us);
         out.extend((0..std::mem::take(&mut self.demoted)).map(|_| Ok(())));
+    }
+
+    /// The held writes "finish" now, as they would at drop.
+    fn finish_demotions(&mut self) {
+        self.release_due(u64::MAX);
     }
 
     fn write_through(

@@ -7,9 +7,14 @@
 //! arithmetic, knows which keys the scenario made available (their bytes are
 //! a function of the key), that a namespace is never shared by two
 //! registrations that differ in identity or in what they store (model
-//! shape, window, page geometry, rank), and that once the engine goes quiet
-//! nothing is left pending or leased except behind a transfer whose
-//! completion never came. The replay driver checks every restored byte.
+//! shape, window, page geometry, rank), that every miss has a reason the
+//! scenario's faults (or DRAM churn) can explain, that no operation goes
+//! longer than a bound past its deadline without its final reply, and that
+//! once the engine goes quiet nothing is left pending or leased except
+//! behind a transfer whose completion never came. The replay driver checks
+//! every restored byte, and the runtime's invariants (among them that a
+//! tick never evicts beyond the pressure) and its demotion totals after
+//! every restart.
 //!
 //! Scenarios draw their copy limits and batch sizes at random, reuse
 //! identities across instances of different shapes, and re-register
@@ -18,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use orbitkv_components::api::PagePos;
+use orbitkv_components::api::{MissReason, PagePos};
 use orbitkv_components::contract::Rule;
 use orbitkv_components::{Namespace, NativeHash, StateKey};
 use serde_json::json;
@@ -33,12 +38,101 @@ use orbitkv_world::OperationInfo;
 /// Bounds of one fuzz run.
 const MAX_MINIMIZE_REPLAYS: usize = 400;
 
-/// The false-hit and liveness oracle.
+/// The false-hit, miss-reason and liveness oracle.
 #[derive(Default)]
 pub struct Oracle {
     available: HashSet<StateKey>,
     /// Namespace → the one stored representation it may name.
     sealed: BTreeMap<Namespace, String>,
+    /// Tiers with the remote model (their failures have `remote_*` names).
+    remote_tiers: BTreeSet<String>,
+    /// Miss reasons the lines run so far can explain.
+    explained: BTreeSet<MissReason>,
+    /// Instances registered so far (a second registration can retire the
+    /// first's namespaces under a running query).
+    registered: BTreeSet<String>,
+}
+
+/// Reasons any scenario can produce without a fault: what the engine asked
+/// (partial publishes, prompt limits), time limits and budgets.
+const ALWAYS_EXPLAINED: [MissReason; 5] = [
+    MissReason::NotFound,
+    MissReason::NoLegalBoundary,
+    MissReason::IncompleteGroup,
+    MissReason::Budget,
+    MissReason::Deadline,
+];
+
+impl Oracle {
+    /// An oracle for a scenario with this header (which tiers are remote).
+    pub fn for_header(header: &Header) -> Oracle {
+        let remote_tiers = header
+            .latency
+            .tiers
+            .iter()
+            .filter(|t| t.remote.is_some())
+            .map(|t| t.name.clone())
+            .collect();
+        Oracle {
+            remote_tiers,
+            ..Oracle::default()
+        }
+    }
+
+    /// The miss reasons a line makes possible from now on.
+    fn explains(&self, line: &Line) -> Vec<MissReason> {
+        use MissReason as M;
+        let remote = |tier: &String| self.remote_tiers.contains(tier);
+        match &line.body {
+            Body::Fault(f) => match f {
+                Fault::TierReadError { tier, .. } if remote(tier) => vec![M::RemoteUnavailable],
+                Fault::TierReadError { .. } | Fault::CopyError { .. } => vec![M::IoError],
+                // Overdue transfers fail their operations with `io_error`.
+                Fault::TierLoseReads { .. } | Fault::CopyLose { .. } => vec![M::IoError],
+                Fault::TierDelay { tier, us } if remote(tier) && *us > 0 => {
+                    vec![M::RemoteTimeout]
+                }
+                // A remote read that finds its record gone or bad drops the
+                // record's metadata: another operation that discovered the
+                // page then finds it in no tier (`evicted_during_read`).
+                Fault::CorruptPage { tier, .. } if remote(tier) => {
+                    vec![M::RemoteCorrupt, M::EvictedDuringRead]
+                }
+                Fault::CorruptPage { .. } => vec![M::Checksum],
+                Fault::DropPage { tier, .. } if remote(tier) => {
+                    vec![M::RemoteMissing, M::EvictedDuringRead]
+                }
+                Fault::DropPage { .. } => vec![M::EvictedDuringRead],
+                Fault::RemoteDown { .. } => vec![M::RemoteUnavailable],
+                Fault::RemoteFlush { .. } => vec![M::RemoteMissing, M::EvictedDuringRead],
+                Fault::RemoteRewrite { .. } | Fault::RemoteTruncate { .. } => {
+                    vec![M::RemoteCorrupt, M::EvictedDuringRead]
+                }
+                Fault::SessionCrash { .. } => vec![M::Cancelled],
+                Fault::ManagerRestart => vec![M::Namespace],
+                _ => Vec::new(),
+            },
+            Body::Request(r) => {
+                let mut v = Vec::new();
+                if r.cancel_after_us.is_some() {
+                    v.push(M::Cancelled);
+                }
+                if r.free_targets_after_us.is_some() {
+                    v.push(M::StaleGeneration);
+                }
+                v
+            }
+            // An agent that fails copies (`io_error`) or vanishes (its
+            // engine's connection ends: `cancelled`, and its copies fail).
+            Body::Open(o) => match o.agent {
+                Some(a) if a.vanish_per_mille > 0 => vec![M::IoError, M::Cancelled],
+                Some(a) if a.fail_per_mille > 0 => vec![M::IoError],
+                _ => Vec::new(),
+            },
+            Body::Register(r) if self.registered.contains(&r.instance) => vec![M::Namespace],
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// What rank `rank` of a registration stores, in words: two registrations
@@ -59,6 +153,57 @@ impl Observer for Oracle {
         self.available.insert(key);
     }
 
+    fn line(&mut self, line: &Line) {
+        let explained = self.explains(line);
+        self.explained.extend(explained);
+        if let Body::Register(r) = &line.body {
+            self.registered.insert(r.instance.clone());
+        }
+    }
+
+    /// Each miss's reason is one the scenario so far can explain: always
+    /// for limits and what the engine asked; `evicted_during_read` once
+    /// DRAM evicted or a tier lost (or dropped a bad) page; every other
+    /// reason only after a fault that causes it (a remote outage is never
+    /// churn).
+    fn miss(&mut self, reason: MissReason, evictions: u64) -> Result<(), String> {
+        let churn = reason == MissReason::EvictedDuringRead && evictions > 0;
+        if ALWAYS_EXPLAINED.contains(&reason) || churn || self.explained.contains(&reason) {
+            return Ok(());
+        }
+        Err(format!(
+            "a miss with reason {reason}, which nothing in the scenario so far explains \
+             (explained: {:?}; {evictions} eviction(s))",
+            self.explained
+        ))
+    }
+
+    fn watches_operations(&self) -> bool {
+        true
+    }
+
+    /// A deadline is a deadline: by `bound_us` past it (the longest a
+    /// transfer stays in flight before it is overdue), an operation has
+    /// sent its final reply, whatever it still holds.
+    fn operations(
+        &mut self,
+        now_us: u64,
+        bound_us: u64,
+        live: &[OperationInfo],
+    ) -> Result<(), String> {
+        let late = live
+            .iter()
+            .find(|o| !o.reported && now_us >= o.deadline_us.saturating_add(bound_us));
+        match late {
+            Some(o) => Err(format!(
+                "operation {:#x} is still {} at {now_us} µs without its reply, past its \
+                 deadline ({} µs) by more than {bound_us} µs",
+                o.operation, o.state, o.deadline_us
+            )),
+            None => Ok(()),
+        }
+    }
+
     fn registered(&mut self, r: &Register, namespaces: &[Namespace]) -> Result<(), String> {
         for (rank, ns) in namespaces.iter().enumerate() {
             let what = stored_representation(r, rank as u32);
@@ -75,15 +220,25 @@ impl Observer for Oracle {
         Ok(())
     }
 
-    /// Liveness: once quiet, every operation left is held by a transfer
-    /// whose completion never came (it keeps what it owns, by design);
-    /// anything else pending, or leasing pages, is stuck.
+    /// Liveness: once quiet, every operation left has replied and is held
+    /// only by transfers whose completion never came (they keep what they
+    /// own, by design); anything else pending, or leasing pages, is stuck.
     fn quiet(&mut self, now_us: u64, live: &[OperationInfo]) -> Result<(), String> {
-        match live.iter().find(|o| o.overdue_transfers == 0) {
+        let stuck = live.iter().find(|o| {
+            !o.reported || o.in_flight == 0 || o.overdue_transfers < o.in_flight as usize
+        });
+        match stuck {
             Some(o) => Err(format!(
-                "operation {:#x} is still {} at {now_us} µs (deadline {} µs) with {} lease(s), \
-                 {} byte(s) reserved and no overdue transfer to wait for",
-                o.operation, o.state, o.deadline_us, o.leases, o.bytes_reserved
+                "operation {:#x} is still {} at {now_us} µs (deadline {} µs, replied: {}) with \
+                 {} lease(s), {} byte(s) reserved and {} of {} transfer(s) overdue",
+                o.operation,
+                o.state,
+                o.deadline_us,
+                o.reported,
+                o.leases,
+                o.bytes_reserved,
+                o.overdue_transfers,
+                o.in_flight
             )),
             None => Ok(()),
         }
@@ -576,14 +731,24 @@ pub enum Verdict {
     Failed { why: String, ticks: u64 },
 }
 
-/// Replays lines with the oracle; panics in the runtime count as failures.
+/// Replays lines with the oracle; panics (the runtime's or the replay
+/// driver's own) count as failures.
 pub fn check(header: &Header, lines: &[Line]) -> Verdict {
+    check_with(header, lines, &|| Box::new(Oracle::for_header(header)))
+}
+
+/// `check` with another observer (made afresh for every replay).
+pub fn check_with(
+    header: &Header,
+    lines: &[Line],
+    observer: &dyn Fn() -> Box<dyn Observer>,
+) -> Verdict {
     let trace = crate::trace::Trace {
         header: header.clone(),
         lines: lines.to_vec(),
     };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let replay = Replay::with_observer(header, Box::new(Oracle::default()))?;
+        let replay = Replay::with_observer(header, observer())?;
         replay.run(&trace, &mut |_, _| {})
     }));
     match outcome {
@@ -661,11 +826,15 @@ fn renumber(lines: &mut [Line]) {
 }
 
 /// The class of a failure, for minimization: the first violation's text
-/// without its time and handle values.
+/// without its time and handle values (numbers, and `0x` handles).
 fn failure_kind(why: &str) -> String {
     let first = why.split("first: ").nth(1).unwrap_or(why);
     let first = first.split_once(": ").map_or(first, |(_, rest)| rest);
-    first.chars().filter(|c| !c.is_ascii_digit()).collect()
+    first
+        .split(' ')
+        .filter(|word| !word.starts_with("0x"))
+        .flat_map(|word| word.chars().filter(|c| !c.is_ascii_digit()).chain([' ']))
+        .collect()
 }
 
 /// One seed's result.
@@ -678,7 +847,19 @@ pub struct SeedResult {
 
 pub fn run_seed(seed: u64, ticks: u64) -> SeedResult {
     let (header, lines) = generate(seed, ticks);
-    let verdict = check(&header, &lines);
+    let mut result = run_case(&header, lines, &|| Box::new(Oracle::for_header(&header)));
+    result.seed = seed;
+    result
+}
+
+/// Checks one scenario and, when it fails (a panic included), minimizes it
+/// to a trace that fails the same way.
+pub fn run_case(
+    header: &Header,
+    lines: Vec<Line>,
+    observer: &dyn Fn() -> Box<dyn Observer>,
+) -> SeedResult {
+    let verdict = check_with(header, &lines, observer);
     let minimized = match &verdict {
         Verdict::Clean { .. } => None,
         Verdict::Failed { why, .. } => {
@@ -686,15 +867,17 @@ pub fn run_seed(seed: u64, ticks: u64) -> SeedResult {
             // by losing the line that registered an instance) is not smaller
             // evidence of this bug.
             let kind = failure_kind(why);
-            let small = minimize(lines, &mut |candidate| match check(&header, candidate) {
+            let small = minimize(lines, &mut |candidate| match check_with(
+                header, candidate, observer,
+            ) {
                 Verdict::Failed { why, .. } => failure_kind(&why) == kind,
                 Verdict::Clean { .. } => false,
             });
-            Some(crate::trace::render(&header, &small))
+            Some(crate::trace::render(header, &small))
         }
     };
     SeedResult {
-        seed,
+        seed: 0,
         verdict,
         minimized,
     }

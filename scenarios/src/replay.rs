@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use orbitkv_components::api::{
     Addressed, AgentDirection, AgentPageCopy, AgentRegion, Command, CommandId, CopyFailure, Event,
-    GroupHashes, Origin, PagePos, PublishPage, RestoreTarget, SessionHandle,
+    GroupHashes, MissReason, Origin, PagePos, PublishPage, RestoreTarget, SessionHandle,
 };
 use orbitkv_components::contract::{GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey};
@@ -60,6 +60,31 @@ pub trait Observer {
     /// The engine went quiet and the runtime drained (end of the trace):
     /// the operations still alive.
     fn quiet(&mut self, _now_us: u64, _live: &[OperationInfo]) -> Result<(), String> {
+        Ok(())
+    }
+    /// After every tick: the operations alive. `bound_us` is how long past
+    /// its deadline an operation may take to reply (the longest time a
+    /// transfer may stay in flight before it is overdue).
+    fn operations(
+        &mut self,
+        _now_us: u64,
+        _bound_us: u64,
+        _live: &[OperationInfo],
+    ) -> Result<(), String> {
+        Ok(())
+    }
+    /// Whether `operations` is wanted (it costs a walk over the runtime's
+    /// operations every tick).
+    fn watches_operations(&self) -> bool {
+        false
+    }
+    /// A line the driver is about to run (its faults and requests are what
+    /// can explain a miss).
+    fn line(&mut self, _line: &Line) {}
+    /// A miss the runtime reported (in a query's result or a recovery's
+    /// `miss`), with the pages DRAM evicted so far in this replay (churn
+    /// explains some reasons).
+    fn miss(&mut self, _reason: MissReason, _evictions: u64) -> Result<(), String> {
         Ok(())
     }
 }
@@ -133,6 +158,9 @@ enum RawPending {
 
 struct SessionInfo {
     handle: SessionHandle,
+    /// The engine process's connection: every session an `open` line opens
+    /// has its own, closed when the engine crashes.
+    origin: Origin,
     instance: String,
     regions: BTreeMap<(u32, u32), RegionInfo>,
 }
@@ -253,6 +281,13 @@ pub struct Replay<'o> {
     instances: BTreeMap<String, InstanceInfo>,
     sessions: BTreeMap<u64, SessionInfo>,
     session_names: HashMap<String, u64>,
+    /// The origin each session was opened from (kept after a crash, so a
+    /// late command names the session's own origin and is refused as
+    /// stale, not as another origin's).
+    session_origins: HashMap<u64, Origin>,
+    /// The next origin an `open` line gets (`Origin::EMBEDDED` is the raw
+    /// lines' one).
+    next_origin: u64,
     device_pages: HashMap<u64, DevicePageInfo>,
     requests: BTreeMap<CommandId, RequestState>,
     op_requests: HashMap<u64, CommandId>,
@@ -394,6 +429,8 @@ impl<'o> Replay<'o> {
             instances: BTreeMap::new(),
             sessions: BTreeMap::new(),
             session_names: HashMap::new(),
+            session_origins: HashMap::new(),
+            next_origin: 1,
             device_pages: HashMap::new(),
             requests: BTreeMap::new(),
             op_requests: HashMap::new(),
@@ -430,6 +467,7 @@ impl<'o> Replay<'o> {
         self.event_log.get_or_insert_with(Vec::new);
         for line in &trace.lines {
             self.advance_to(line.t);
+            self.observer.line(line);
             self.apply(line)?;
         }
         let log = self.event_log.take().unwrap_or_default();
@@ -446,6 +484,7 @@ impl<'o> Replay<'o> {
         let total = trace.lines.len();
         for (i, line) in trace.lines.iter().enumerate() {
             self.advance_to(line.t);
+            self.observer.line(line);
             self.apply(line)?;
             progress(i + 1, total);
         }
@@ -510,16 +549,22 @@ impl<'o> Replay<'o> {
         events
     }
 
+    /// Submits from the origin of the session the command names (its
+    /// engine's connection), or from the raw lines' origin.
     fn submit(&mut self, command: Command) -> CommandId {
-        // A trace has one origin: the driver owns every session it opens.
-        match self.rt.submit(Origin::EMBEDDED, command.clone()) {
+        let origin = session_of(&command)
+            .and_then(|id| self.session_origins.get(&id).copied())
+            .unwrap_or(Origin::EMBEDDED);
+        self.submit_as(origin, command)
+    }
+
+    fn submit_as(&mut self, origin: Origin, command: Command) -> CommandId {
+        match self.rt.submit(origin, command.clone()) {
             Ok(id) => id,
             Err(_) => {
                 // The inbox is bounded: a tick drains it.
                 self.tick();
-                self.rt
-                    .submit(Origin::EMBEDDED, command)
-                    .unwrap_or(u64::MAX)
+                self.rt.submit(origin, command).unwrap_or(u64::MAX)
             }
         }
     }
@@ -535,7 +580,8 @@ impl<'o> Replay<'o> {
         let events: Vec<Event> = events
             .into_iter()
             .map(|a| {
-                if a.to != Origin::EMBEDDED {
+                // Only to the raw lines' origin or one an `open` line made.
+                if a.to.0 >= self.next_origin {
                     misaddressed.push(format!("event addressed to {}: {:?}", a.to, a.event));
                 }
                 a.event
@@ -562,13 +608,46 @@ impl<'o> Replay<'o> {
         let mut out = Vec::with_capacity(events.len());
         for e in events {
             let id = e.command();
+            self.observe_miss(&e);
             self.handle(&e, now);
             out.push((id.unwrap_or(u64::MAX), e));
         }
+        self.observe_operations();
         if self.ticks.is_multiple_of(self.sample_stride) {
             self.sample();
         }
         out
+    }
+
+    /// Shows the observer a miss the runtime reported.
+    fn observe_miss(&mut self, e: &Event) {
+        let reason = match e {
+            Event::QueryResult {
+                miss: Some(reason), ..
+            }
+            | Event::Miss { reason, .. } => *reason,
+            _ => return,
+        };
+        let evictions: u64 = self.report.totals.evictions.values().sum::<u64>()
+            + self.rt.metrics().evictions.values().sum::<u64>();
+        if let Err(why) = self.observer.miss(reason, evictions) {
+            self.violation(format!("oracle: {why}"));
+        }
+    }
+
+    /// Shows the observer the live operations, if it watches them.
+    fn observe_operations(&mut self) {
+        if !self.observer.watches_operations() {
+            return;
+        }
+        let limits = &self.config.limits;
+        let bound_us = limits
+            .transfer_timeout_us
+            .max(limits.agent_copy_deadline_us);
+        let (now, live) = (self.now(), self.rt.operations());
+        if let Err(why) = self.observer.operations(now, bound_us, &live) {
+            self.violation(format!("oracle: {why}"));
+        }
     }
 
     fn sample(&mut self) {
@@ -624,12 +703,15 @@ impl<'o> Replay<'o> {
                     checksums,
                 } => {
                     // A dead engine reports nothing.
-                    if self.sessions.contains_key(&session) {
-                        self.submit(Command::CopyDone {
-                            copy,
-                            failure,
-                            checksums,
-                        });
+                    if let Some(origin) = self.sessions.get(&session).map(|s| s.origin) {
+                        self.submit_as(
+                            origin,
+                            Command::CopyDone {
+                                copy,
+                                failure,
+                                checksums,
+                            },
+                        );
                     }
                 }
             }
@@ -816,6 +898,7 @@ impl<'o> Replay<'o> {
                     session.id,
                     SessionInfo {
                         handle: *session,
+                        origin: Origin::EMBEDDED,
                         instance,
                         regions: BTreeMap::new(),
                     },
@@ -972,14 +1055,15 @@ impl<'o> Replay<'o> {
         Ok(())
     }
 
-    /// The engine process dies: the manager sees the connection drop and
-    /// closes the session; the dead engine sends nothing more.
+    /// The engine process dies: the manager sees its connection drop
+    /// (`close_origin`: its session closes, the copies its agent had in
+    /// flight fail as lost); the dead engine sends nothing more.
     fn crash(&mut self, id: u64) {
         self.session_names.retain(|_, s| *s != id);
         let Some(s) = self.sessions.remove(&id) else {
             return;
         };
-        self.submit(Command::CloseSession { session: s.handle });
+        self.rt.close_origin(s.origin);
         self.device_pages.retain(|_, d| d.session != id);
         self.restores.retain(|_, r| r.session != id);
         self.sim_agents.agents.remove(&id);
@@ -1011,6 +1095,9 @@ impl<'o> Replay<'o> {
         else {
             return; // not a simulated agent's region
         };
+        let Some(origin) = self.sessions.get(&session).map(|s| s.origin) else {
+            return; // its engine is gone
+        };
         let Some(agent) = self.sim_agents.agents.get_mut(&session) else {
             return;
         };
@@ -1037,7 +1124,7 @@ impl<'o> Replay<'o> {
             );
             "failed"
         } else {
-            let (failure, checksums) = match self.agent_run(direction, pages) {
+            let (failure, checksums) = match self.agent_run(origin, direction, pages) {
                 Ok(sums) => (None, sums),
                 Err(f) => (Some(f), Vec::new()),
             };
@@ -1065,6 +1152,7 @@ impl<'o> Replay<'o> {
     /// the agent's memory as a real agent does.
     fn agent_run(
         &mut self,
+        origin: Origin,
         direction: AgentDirection,
         pages: &[AgentPageCopy],
     ) -> Result<Vec<u64>, CopyFailure> {
@@ -1076,10 +1164,9 @@ impl<'o> Replay<'o> {
             a.pool = self.rt.export_pool().map(std::fs::File::from);
         }
         let staging = match direction {
-            AgentDirection::RegionToStaging => self
-                .rt
-                .export_staging(Origin::EMBEDDED)
-                .map(std::fs::File::from),
+            AgentDirection::RegionToStaging => {
+                self.rt.export_staging(origin).map(std::fs::File::from)
+            }
             AgentDirection::PoolToRegion => None,
         };
         let mut sums = Vec::new();
@@ -1117,6 +1204,9 @@ impl<'o> Replay<'o> {
     }
 
     fn restart(&mut self) -> Result<(), ReplayError> {
+        // The old manager's writes finish as it goes; they count in its
+        // totals.
+        self.rt.finish_demotions();
         self.fold_metrics();
         self.incarnation += 1;
         let (rt, arena, copies) =
@@ -1128,6 +1218,7 @@ impl<'o> Replay<'o> {
         // The new manager starts at the same simulated time.
         self.tick_with(vec![Command::AdvanceClock { us: now }]);
         self.sessions.clear();
+        self.session_origins.clear();
         self.sim_agents = SimAgents::default();
         self.device_pages.clear();
         self.restores.clear();
@@ -1259,15 +1350,22 @@ impl<'o> Replay<'o> {
                 format!("open: unknown instance {:?}", o.instance),
             ));
         };
-        let id = self.submit(Command::OpenSession {
-            instance: o.instance.clone(),
-        });
+        // A new engine process: its own connection.
+        let origin = Origin(self.next_origin);
+        self.next_origin += 1;
+        let id = self.submit_as(
+            origin,
+            Command::OpenSession {
+                instance: o.instance.clone(),
+            },
+        );
         let events = self.tick_with(Vec::new());
         let Some((_, Event::SessionOpened { session, .. })) = events.iter().find(|(c, _)| *c == id)
         else {
             return Ok(()); // refused (e.g. limits): counted
         };
         let handle = *session;
+        self.session_origins.insert(handle.id, origin);
         self.names.insert(
             o.name.clone(),
             serde_json::to_value(handle).expect("plain data"),
@@ -1337,6 +1435,7 @@ impl<'o> Replay<'o> {
             handle.id,
             SessionInfo {
                 handle,
+                origin,
                 instance: o.instance.clone(),
                 regions,
             },
@@ -1387,6 +1486,11 @@ impl<'o> Replay<'o> {
             }));
         }
         let events = self.tick_with(Vec::new());
+        if !self.sessions.contains_key(&session) {
+            // The engine died during that tick (its agent vanished): what
+            // it allocated went with its session.
+            return vec![None; wants.len()];
+        }
         let mut out = Vec::new();
         for ((want, plan), id) in wants.iter().zip(planned).zip(ids) {
             let got = id.and_then(|id| match events.iter().find(|(c, _)| *c == id) {
@@ -1524,8 +1628,12 @@ impl<'o> Replay<'o> {
         if pages.is_empty() {
             return Ok(());
         }
+        // The allocation ticked: the engine may have died meanwhile (its
+        // agent vanished during that tick), and a dead engine sends nothing.
+        let Some(handle) = self.sessions.get(&session).map(|s| s.handle) else {
+            return Ok(());
+        };
         self.fill_sources(session, &pages);
-        let handle = self.sessions[&session].handle;
         let id = self.submit(Command::Publish {
             session: handle,
             request: p.request,
@@ -1955,6 +2063,9 @@ impl<'o> Replay<'o> {
                 .map(|p| (p.rank, p.group))
                 .collect::<Vec<_>>(),
         );
+        if !self.sessions.contains_key(&session) {
+            return; // the engine died during the allocation's tick
+        }
         if slots.iter().any(Option::is_none) {
             // Out of device pages: the engine gives the recovery up.
             let got: Vec<u64> = slots.iter().flatten().map(|(dp, _)| *dp).collect();
@@ -1993,8 +2104,21 @@ impl<'o> Replay<'o> {
         self.ready_positions.get(&op).cloned()
     }
 
+    /// Adds this incarnation's counters to the report's totals. Its
+    /// demotions must have finished (`finish_demotions`): every one it
+    /// submitted was then written or failed, which is checked here, so the
+    /// totals across restarts add up as well.
     fn fold_metrics(&mut self) {
-        let m = self.rt.stats().metrics;
+        let m = self.rt.metrics().clone();
+        let count = |k: &str| m.demotions.get(k).copied().unwrap_or(0);
+        let (submitted, written, failed) = (count("submitted"), count("written"), count("failed"));
+        if submitted != written + failed {
+            self.violation(format!(
+                "incarnation {}: {submitted} demotion(s) submitted, {written} written and \
+                 {failed} failed once its writes finished",
+                self.incarnation
+            ));
+        }
         let t = &mut self.report.totals;
         t.queries += m.queries;
         t.hits += m.hits;
@@ -2028,6 +2152,7 @@ impl<'o> Replay<'o> {
     }
 
     fn finish(mut self) -> (Report, Vec<Sample>) {
+        self.rt.finish_demotions();
         self.fold_metrics();
         let s = self.rt.stats();
         self.report.final_occupancy = Occupancy {
@@ -2052,6 +2177,28 @@ impl<'o> Replay<'o> {
         self.report.ticks = self.ticks;
         self.sample();
         (self.report, self.samples)
+    }
+}
+
+/// The session a command names, if any.
+fn session_of(command: &Command) -> Option<u64> {
+    match command {
+        Command::CloseSession { session }
+        | Command::RegisterDeviceRegion { session, .. }
+        | Command::DevicePageAlloc { session, .. }
+        | Command::DevicePageFree { session, .. }
+        | Command::Query { session, .. }
+        | Command::Lookup { session, .. }
+        | Command::Prepare { session, .. }
+        | Command::Restore { session, .. }
+        | Command::Publish { session, .. }
+        | Command::Release { session, .. }
+        | Command::Cancel { session, .. } => Some(session.id),
+        Command::RegisterInstance { .. }
+        | Command::OpenSession { .. }
+        | Command::CopyDone { .. }
+        | Command::Clear { .. }
+        | Command::AdvanceClock { .. } => None,
     }
 }
 

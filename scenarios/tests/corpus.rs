@@ -230,7 +230,7 @@ fn remote_tier_faults() {
             missed(4, MissReason::RemoteTimeout),
             missed(5, MissReason::RemoteUnavailable),
             restored(6, 32),
-            missed(7, MissReason::NotFound),
+            missed(7, MissReason::RemoteUnavailable),
             restored(8, 32),
             restored(10, 48),
             missed(11, MissReason::RemoteMissing),
@@ -368,5 +368,88 @@ fn copy_agents() {
             ("late", 1),
             ("pages_verified", 10)
         ]
+    );
+}
+
+/// Issue 22, finding 3: a page discovery found in the remote tier, read
+/// while the store is down, misses `remote_unavailable`, not as churn.
+#[test]
+fn remote_outage_before_read() {
+    let r = run("remote_outage_before_read");
+    assert_eq!(
+        outcomes(&r),
+        [
+            missed(2, MissReason::Deadline),
+            missed(3, MissReason::RemoteUnavailable),
+            restored(4, 32),
+        ]
+    );
+    assert_eq!(r.totals.misses.get(&MissReason::EvictedDuringRead), None);
+    assert_eq!(
+        r.requests[2].pages_from_tiers, 2,
+        "read once the store is back"
+    );
+}
+
+/// Issue 22, finding 4: in-place writes the stopping manager finishes are
+/// counted in its totals, so the report's demotions add up.
+#[test]
+fn in_place_writes_across_restart() {
+    let r = run("in_place_writes_across_restart");
+    assert_eq!(outcomes(&r), [restored(4, 64)]);
+    assert_eq!(
+        r.requests[0].pages_from_tiers, 4,
+        "written by the old manager"
+    );
+    let d = |k: &str| r.totals.demotions.get(k).copied().unwrap_or(0);
+    assert_eq!(
+        (d("submitted"), d("in_place"), d("written"), d("failed")),
+        (4, 4, 4, 0)
+    );
+}
+
+/// Issue 22, findings 2 and 5: restores whose agents never report miss at
+/// the agent deadline, and the end of each engine's connection (a crash,
+/// a vanished agent) returns what their copies held (`run` asserts that
+/// nothing is left).
+#[test]
+fn agent_crash_returns_holdings() {
+    let r = run("agent_crash_returns_holdings");
+    assert_eq!(
+        outcomes(&r),
+        [
+            missed(2, MissReason::Deadline),
+            (3, "engine_crashed".into(), None, 0),
+            restored(4, 64),
+        ]
+    );
+    let copies = &r.totals.agent_copies;
+    assert_eq!(
+        (copies.get("late"), copies.get("vanished")),
+        (Some(&1), Some(&1))
+    );
+    assert_eq!(
+        r.totals.transfers_overdue, 1,
+        "only the late copy ran out of time"
+    );
+}
+
+/// Issue 22, finding 6: an agent that vanishes in the tick in which its
+/// own engine's next publish allocates does not stop the replay.
+#[test]
+fn agent_vanishes_during_publish() {
+    let r = run("agent_vanishes_during_publish");
+    assert_eq!(
+        outcomes(&r),
+        [
+            missed(3, MissReason::NotFound),
+            missed(4, MissReason::NotFound)
+        ]
+    );
+    assert_eq!(r.totals.agent_copies.get("vanished"), Some(&1));
+    assert_eq!(
+        r.totals.publish_pages.get("inserted"),
+        Some(&0),
+        "nothing was stored"
     );
 }

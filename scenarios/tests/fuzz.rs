@@ -1,15 +1,14 @@
 //! The fuzzer: a fixed seed set runs clean, the generator covers every fault
 //! kind, the oracle rejects what it must, and minimization shrinks.
 
-use orbitkv_components::api::Origin;
-use orbitkv_components::api::PagePos;
+use orbitkv_components::api::{MissReason, Origin, PagePos};
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_components::{Namespace, NativeHash, StateKey};
 use orbitkv_scenarios::fuzz::{
-    Oracle, Verdict, check, generate, kinds, minimize, stored_representation,
+    Oracle, Verdict, check, generate, kinds, minimize, run_case, stored_representation,
 };
 use orbitkv_scenarios::replay::{Observer, ReadyContext};
-use orbitkv_scenarios::trace::{Body, Line, Model, Register};
+use orbitkv_scenarios::trace::{Body, Fault, Line, Model, Register};
 use orbitkv_world::OperationInfo;
 
 #[test]
@@ -47,7 +46,8 @@ fn agent_seeds_run_clean_and_agents_misbehave_in_every_way() {
             header: header.clone(),
             lines: lines.clone(),
         };
-        let replay = Replay::with_observer(&header, Box::new(Oracle::default())).expect("replay");
+        let replay =
+            Replay::with_observer(&header, Box::new(Oracle::for_header(&header))).expect("replay");
         let (report, _) = replay.run(&trace, &mut |_, _| {}).expect("runs");
         assert_eq!(
             (report.invariant_violations, report.byte_mismatches),
@@ -282,23 +282,151 @@ fn the_oracle_refuses_a_namespace_shared_by_different_representations() {
     );
 }
 
-#[test]
-fn the_liveness_oracle_allows_only_work_behind_an_overdue_transfer() {
-    let op = |overdue_transfers| OperationInfo {
+fn op_info(in_flight: u32, overdue_transfers: usize, reported: bool) -> OperationInfo {
+    OperationInfo {
         operation: 0x42,
         origin: Origin::EMBEDDED,
-        state: "reading",
+        state: "finishing",
         deadline_us: 100,
-        in_flight: 1,
+        in_flight,
         overdue_transfers,
         leases: 2,
         bytes_reserved: 8192,
-    };
+        reported,
+    }
+}
+
+#[test]
+fn the_liveness_oracle_allows_only_replied_work_behind_overdue_transfers() {
     let mut o = Oracle::default();
     assert_eq!(o.quiet(1_000, &[]), Ok(()));
-    assert_eq!(o.quiet(1_000, &[op(1)]), Ok(()));
-    let e = o.quiet(1_000, &[op(1), op(0)]).unwrap_err();
-    assert!(e.contains("0x42 is still reading"), "{e}");
+    assert_eq!(o.quiet(1_000, &[op_info(2, 2, true)]), Ok(()));
+    // Not replied, nothing overdue, or something still in flight that is
+    // not overdue: stuck.
+    for stuck in [
+        op_info(1, 1, false),
+        op_info(0, 0, true),
+        op_info(2, 1, true),
+    ] {
+        let e = o.quiet(1_000, &[op_info(1, 1, true), stuck]).unwrap_err();
+        assert!(e.contains("0x42 is still finishing"), "{e}");
+    }
+}
+
+/// No operation goes more than the bound past its deadline without its
+/// reply, whatever still holds it.
+#[test]
+fn the_liveness_oracle_wants_a_reply_by_the_deadline_plus_the_bound() {
+    let mut o = Oracle::default();
+    assert!(o.watches_operations());
+    // Deadline 100, bound 50: silent until 149 is fine, not at 150.
+    assert_eq!(o.operations(149, 50, &[op_info(1, 0, false)]), Ok(()));
+    assert_eq!(o.operations(150, 50, &[op_info(1, 1, true)]), Ok(()));
+    let e = o.operations(150, 50, &[op_info(1, 1, false)]).unwrap_err();
+    assert!(e.contains("0x42") && e.contains("without its reply"), "{e}");
+}
+
+/// Every miss reason must be one the scenario so far can explain.
+#[test]
+fn the_miss_oracle_wants_a_cause_for_each_reason() {
+    use orbitkv_scenarios::trace::{Request, Then};
+    let (header, _) = generate(1, 10);
+    let line = |body| Line {
+        number: 2,
+        t: 0,
+        body,
+    };
+    let mut o = Oracle::for_header(&header);
+    // Limits and what the engine asked are always possible.
+    for r in [
+        MissReason::NotFound,
+        MissReason::Deadline,
+        MissReason::Budget,
+    ] {
+        assert_eq!(o.miss(r, 0), Ok(()));
+    }
+    // Churn explains a page gone between discovery and read, but only
+    // once something was evicted; a remote outage never does.
+    assert!(o.miss(MissReason::EvictedDuringRead, 0).is_err());
+    assert_eq!(o.miss(MissReason::EvictedDuringRead, 3), Ok(()));
+    let e = o.miss(MissReason::RemoteUnavailable, 3).unwrap_err();
+    assert!(e.contains("remote_unavailable"), "{e}");
+    o.line(&line(Body::Fault(Fault::RemoteDown {
+        tier: "remote".into(),
+        us: 10,
+    })));
+    assert_eq!(o.miss(MissReason::RemoteUnavailable, 0), Ok(()));
+    // A corrupt page: `checksum` on a local tier, `remote_corrupt` on the
+    // remote one.
+    assert!(o.miss(MissReason::Checksum, 0).is_err());
+    o.line(&line(Body::Fault(Fault::CorruptPage {
+        tier: "ssd".into(),
+        instance: "m0".into(),
+        prompt: vec!["a:1".into()],
+        page: 0,
+        rank: 0,
+        group: 0,
+    })));
+    assert_eq!(o.miss(MissReason::Checksum, 0), Ok(()));
+    assert!(o.miss(MissReason::RemoteCorrupt, 0).is_err());
+    // A cancel comes from a request that asks for one (or a crash).
+    assert!(o.miss(MissReason::Cancelled, 0).is_err());
+    o.line(&line(Body::Request(Request {
+        session: "$s".into(),
+        request: 1,
+        prompt: vec!["a:1".into()],
+        origin: 0,
+        prompt_len: None,
+        then: Then::Restore,
+        cancel_after_us: Some(5),
+        speculative: false,
+        name: None,
+        free_targets_after_us: None,
+    })));
+    assert_eq!(o.miss(MissReason::Cancelled, 0), Ok(()));
+    assert!(o.miss(MissReason::IoError, 0).is_err());
+    assert!(o.miss(MissReason::StaleGeneration, 0).is_err());
+}
+
+/// A panic in the replay (the driver's own, or the runtime's) is a failed
+/// verdict, and it is minimized like any other failure into a trace that
+/// still fails the same way.
+#[test]
+fn a_panic_is_a_failure_with_a_minimized_trace() {
+    struct PanicsAtCrash;
+    impl Observer for PanicsAtCrash {
+        fn line(&mut self, line: &Line) {
+            if matches!(&line.body, Body::Fault(Fault::SessionCrash { .. })) {
+                panic!("no entry found for key");
+            }
+        }
+    }
+    let seed = (1..200)
+        .find(|&s| {
+            generate(s, 300)
+                .1
+                .iter()
+                .any(|l| matches!(&l.body, Body::Fault(Fault::SessionCrash { .. })))
+        })
+        .expect("a seed with a crash");
+    let (header, lines) = generate(seed, 300);
+    let n = lines.len();
+    let r = run_case(&header, lines, &|| Box::new(PanicsAtCrash));
+    let Verdict::Failed { why, .. } = &r.verdict else {
+        panic!("{:?}", r.verdict);
+    };
+    assert_eq!(why, "panic: no entry found for key");
+    let small = r.minimized.expect("a minimized trace");
+    let small = orbitkv_scenarios::trace::parse(&small, 20).expect("it parses");
+    assert_eq!(
+        small.lines.len(),
+        1,
+        "only the crash is needed ({n} lines before)"
+    );
+    assert!(matches!(
+        &small.lines[0].body,
+        Body::Fault(Fault::SessionCrash { .. })
+    ));
 }
 
 /// The generator draws the dimensions issue 10 asked for: tight copy limits

@@ -1,13 +1,15 @@
 //! Stage 2, discover: which required pages exist, per rank and group.
 //! Metadata only: the DRAM index and each lower tier's index; no payload
-//! reads and no byte reservations.
+//! reads and no byte reservations. A query that finds nothing while a tier
+//! cannot be reached misses with that tier's reason (`remote_unavailable`):
+//! its pages may be there, and an outage is not `not_found`.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::MissReason;
 use orbitkv_components::contract::Rule;
 use orbitkv_components::ecs::{Instance, OpState, Operation, RankState, Recovery, at};
 use orbitkv_components::{KeyRef, StateKey};
-use orbitkv_io::tier::BackingTier;
+use orbitkv_io::tier::{BackingTier, TierError};
 
 use crate::lifecycle::set_state;
 use crate::resources::{Dram, Tiers};
@@ -38,8 +40,20 @@ pub fn discover(
             let found = rank_candidates(&rec, instance.page_tokens, rank, &dram, tiers);
             candidates.extend(found.into_iter().map(|(g, ends)| (index as u32, g, ends)));
         }
+        if candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
+            rec.miss = unreachable(tiers);
+        }
         rec.candidates = candidates;
     }
+}
+
+/// The reason of the first tier that cannot be reached now, if one cannot.
+pub(crate) fn unreachable(tiers: &[Box<dyn BackingTier>]) -> Option<MissReason> {
+    let down = TierError::Unavailable("unreachable at discovery".into());
+    tiers
+        .iter()
+        .find(|t| t.unavailable())
+        .map(|t| t.miss_reason(&down))
 }
 
 /// Page ends present for each group of one rank, ascending.

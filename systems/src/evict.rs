@@ -10,15 +10,20 @@
 //! store) keeps the victim's slot allocated until it releases the token
 //! (`Dram::demoting`, freed by the fence stage's `land`); the page itself
 //! leaves the index at once, so nothing can lease or alter it meanwhile.
-//! Slots on their way back count against a class's pressure, so a tick
-//! never evicts again for an allocation that a pending release will serve.
+//!
+//! A class's pressure is the slots its failed allocations asked for; every
+//! slot that will serve them without another eviction counts against it
+//! (`Dram::coming_free`): free slots, including those the fence stage freed
+//! earlier in this tick, and slots held for in-place demotions. So a tick
+//! never evicts twice for one shortage; `Dram::evicted` records what it did
+//! for the invariants to check.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::ecs::{Leases, Page};
 
-use orbitkv_io::tier::{DemoteRefused, Demoted};
+use orbitkv_io::tier::{BackingTier, DemoteRefused, Demoted};
 
-use crate::resources::{Clock, Dram, EvictReason, Limits, Metrics, Tiers};
+use crate::resources::{Clock, Dram, EvictReason, Evicted, Limits, Metrics, Tiers};
 
 pub fn evict(
     mut commands: Commands,
@@ -32,8 +37,8 @@ pub fn evict(
     let tiers = tiers.0.get_mut();
     let pressure = std::mem::take(&mut dram.pressure);
     let mut budget = limits.max_evictions_per_tick;
-    for (class, wanted) in pressure {
-        let wanted = wanted.saturating_sub(dram.demoting_in(class));
+    for (class, asked) in pressure {
+        let wanted = asked.saturating_sub(dram.coming_free(class));
         let mut freed = 0;
         while freed < wanted && budget > 0 {
             let Some(victim) = dram.lru.get_mut(&class).and_then(|lru| lru.pop_oldest()) else {
@@ -41,30 +46,8 @@ pub fn evict(
             };
             let (page, leased) = pages.get(victim).expect("the LRU holds live pages");
             assert!(!leased, "a leased page was evictable");
+            let held = demote(page, &dram, tiers, &mut metrics, clock.now_us);
             let slot = page.residency.dram_slot;
-            let mut held = None;
-            if let Some(bytes) = dram.slot_bytes(slot, page.bytes) {
-                let outcome = tiers
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(i, t)| {
-                        let r =
-                            t.demote(&page.key, page.format, bytes, page.checksum, clock.now_us);
-                        (i, r)
-                    })
-                    .find(|(_, r)| *r != Err(DemoteRefused::NotWritable));
-                let key = match outcome {
-                    Some((_, Ok(Demoted::Copied))) => "submitted",
-                    Some((tier, Ok(Demoted::InPlace(token)))) => {
-                        held = Some((tier, token.0));
-                        *metrics.demotions.entry("in_place".to_owned()).or_default() += 1;
-                        "submitted"
-                    }
-                    Some((_, Err(reason))) => reason.as_str(),
-                    None => "no_writable_tier",
-                };
-                *metrics.demotions.entry(key.to_owned()).or_default() += 1;
-            }
             dram.index.remove(&page.key);
             match held {
                 Some((tier, token)) => dram.hold_for_demotion(tier, token, slot),
@@ -75,5 +58,46 @@ pub fn evict(
             freed += 1;
             budget -= 1;
         }
+        let tally = Evicted {
+            pressure: asked,
+            pages: freed,
+        };
+        dram.evicted.insert(class, tally);
     }
+}
+
+/// Offers a victim to the first tier that takes writes; counted by outcome.
+/// Returns the (tier, token) of an in-place demotion, whose slot stays
+/// held until the tier releases it.
+fn demote(
+    page: &Page,
+    dram: &Dram,
+    tiers: &mut [Box<dyn BackingTier>],
+    metrics: &mut Metrics,
+    now_us: u64,
+) -> Option<(usize, u64)> {
+    let bytes = dram.slot_bytes(page.residency.dram_slot, page.bytes)?;
+    let outcome = tiers
+        .iter_mut()
+        .enumerate()
+        .map(|(i, t)| {
+            (
+                i,
+                t.demote(&page.key, page.format, bytes, page.checksum, now_us),
+            )
+        })
+        .find(|(_, r)| *r != Err(DemoteRefused::NotWritable));
+    let mut held = None;
+    let key = match outcome {
+        Some((_, Ok(Demoted::Copied))) => "submitted",
+        Some((tier, Ok(Demoted::InPlace(token)))) => {
+            held = Some((tier, token.0));
+            *metrics.demotions.entry("in_place".to_owned()).or_default() += 1;
+            "submitted"
+        }
+        Some((_, Err(reason))) => reason.as_str(),
+        None => "no_writable_tier",
+    };
+    *metrics.demotions.entry(key.to_owned()).or_default() += 1;
+    held
 }

@@ -109,18 +109,20 @@ fn allocate(job: &mut PublishJob, dram: &mut Dram) -> Allocated {
     Allocated::All
 }
 
-/// Frees this tick's slots, and asks the evict stage for everything still
-/// missing at once, not one slot per tick.
+/// Frees this tick's slots, and asks the evict stage at once for every
+/// slot the job needs, not one slot per tick: the ones still missing and
+/// the ones given back (free again, they count against the pressure, so
+/// the eviction covers exactly the shortfall).
 fn give_back(job: &mut PublishJob, fresh: Vec<usize>, dram: &mut Dram) {
     let align = dram.pool.slot_align();
-    let missing: Vec<u64> = job
+    let needed: Vec<u64> = job
         .items
         .iter()
-        .filter(|i| i.state == ItemState::Waiting && i.dram_slot.is_none())
+        .filter(|i| i.state == ItemState::Waiting)
         .map(|i| i.bytes.next_multiple_of(align))
         .collect();
-    // The failed allocation already recorded the first.
-    for class in missing.into_iter().skip(1) {
+    // The failed allocation already recorded one.
+    for class in needed.into_iter().skip(1) {
         *dram.pressure.entry(class).or_default() += 1;
     }
     for index in fresh {

@@ -29,7 +29,10 @@ pub struct Admission<'w, 's> {
 
 /// Admits waiting recoveries, then reads for every admitted one (those
 /// admitted now included: both in one system, so an admitted recovery
-/// starts reading in the same tick).
+/// starts reading in the same tick). A recovery past its deadline starts
+/// nothing more: `expire` ends it in this tick, and every transfer it has
+/// was submitted before its deadline (so it replies by its deadline plus
+/// the transfer timeout).
 pub fn read(
     mut commands: Commands,
     mut ops: Query<Recoveries, AdmitOrRead>,
@@ -38,9 +41,10 @@ pub fn read(
     mut dram: ResMut<Dram>,
     mut reads: Reads,
 ) {
-    admit(&mut commands, &mut ops, &mut admission);
+    let now_us = reads.clock.now_us;
+    admit(&mut commands, &mut ops, &mut admission, now_us);
     for (entity, mut op, mut rec) in &mut ops {
-        if op.state() != OpState::Reading {
+        if op.state() != OpState::Reading || op.deadline_us <= now_us {
             continue;
         }
         let Ok(instance) = admission.instances.get(op.instance) else {
@@ -82,10 +86,11 @@ fn admit(
     commands: &mut Commands,
     ops: &mut Query<Recoveries, AdmitOrRead>,
     admission: &mut Admission,
+    now_us: u64,
 ) {
     let mut waiting: Vec<(u64, Entity)> = ops
         .iter()
-        .filter(|(_, op, _)| op.state() == OpState::Admit)
+        .filter(|(_, op, _)| op.state() == OpState::Admit && op.deadline_us > now_us)
         .map(|(e, op, _)| (op.command, e))
         .collect();
     waiting.sort_unstable();
@@ -242,7 +247,7 @@ impl ReadStep<'_> {
             .enumerate()
             .find_map(|(i, t)| t.lookup(&need.key).map(|e| (i, e)))
         else {
-            return Err(MissReason::EvictedDuringRead); // discovery saw it
+            return Err(vanished(tiers)); // discovery saw it
         };
         if entry.bytes != need.bytes {
             return Err(MissReason::IncompleteGroup);
@@ -292,6 +297,12 @@ impl ReadStep<'_> {
         budget.took(group);
         Ok(())
     }
+}
+
+/// Why a page discovery saw is in no tier now: behind a tier that cannot
+/// be reached (an outage is not churn), or evicted meanwhile.
+fn vanished(tiers: &[Box<dyn BackingTier>]) -> MissReason {
+    crate::discover::unreachable(tiers).unwrap_or(MissReason::EvictedDuringRead)
 }
 
 fn submit(

@@ -65,15 +65,17 @@ pub struct Limits {
     /// misses with `deadline` once the submitted ones drained.
     pub restore_deadline_us: u64,
     pub max_evictions_per_tick: usize,
-    /// A transfer not complete after this long is reported overdue.
+    /// A transfer not complete after this long is reported overdue and has
+    /// failed: its operation replies then (`io_error`), while what the
+    /// transfer may still touch stays held until it completes.
     pub transfer_timeout_us: u64,
     /// Agent copy batches in flight per origin (sent, not yet reported by
     /// `CopyDone`); more wait for room like local copies do.
     pub max_agent_copies_per_origin: usize,
-    /// Time an agent has to report a copy. Past it the copy has failed (its
-    /// operation misses with `deadline`), but its pins, leases and staging
-    /// stay held until the agent reports or its origin closes: a late
-    /// agent may still be touching them.
+    /// Time an agent has to report a copy. Past it the copy has failed and
+    /// its operation replies at once (a restore misses with `deadline`),
+    /// but its pins, leases and staging stay held until the agent reports
+    /// or its origin closes: a late agent may still be touching them.
     pub agent_copy_deadline_us: u64,
     /// Size of each origin's staging area, the only memory an agent writes
     /// for the manager (publishes from agent-owned regions land there
@@ -202,6 +204,19 @@ pub struct Dram {
     /// `demoting`, counted per slot class: slots that will come free
     /// without evicting anything else.
     pub demoting_by_class: BTreeMap<u64, u64>,
+    /// What the evict stage did in the current tick, per slot class
+    /// (cleared when a tick starts): the invariants check it never evicted
+    /// more than the allocations waiting for that class needed.
+    pub evicted: BTreeMap<u64, Evicted>,
+}
+
+/// The evict stage's work on one slot class in one tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    /// Slots the failed allocations of the tick asked for.
+    pub pressure: u64,
+    /// Pages evicted for them.
+    pub pages: u64,
 }
 
 impl Dram {
@@ -214,6 +229,7 @@ impl Dram {
             pressure: BTreeMap::new(),
             demoting: BTreeMap::new(),
             demoting_by_class: BTreeMap::new(),
+            evicted: BTreeMap::new(),
         }
     }
 
@@ -248,6 +264,13 @@ impl Dram {
     /// Slots of `class` that in-place demotions will give back.
     pub fn demoting_in(&self, class: u64) -> u64 {
         self.demoting_by_class.get(&class).copied().unwrap_or(0)
+    }
+
+    /// Slots that will serve an allocation of `class` without evicting
+    /// anything more: free ones (including those freed earlier in the tick)
+    /// and those in-place demotions will give back.
+    pub fn coming_free(&self, class: u64) -> u64 {
+        self.pool.free_slots(class) + self.demoting_in(class)
     }
 
     /// Allocates a slot; on failure records pressure for the evict stage.

@@ -32,7 +32,26 @@ pub fn check(world: &mut World) -> Vec<String> {
     counts(world, &mut v);
     agents(world, &mut v);
     demotions(world, &mut v);
+    evictions(world, &mut v);
     v
+}
+
+/// A tick evicts for a slot class at most what its failed allocations
+/// still lacked: after evicting, the class's free slots and the slots held
+/// for in-place demotions (every victim's slot is one or the other) never
+/// exceed the pressure. More would be pages evicted for nothing.
+fn evictions(world: &mut World, v: &mut Vec<String>) {
+    let dram = world.resource::<Dram>();
+    for (&class, e) in &dram.evicted {
+        let (free, held) = (dram.pool.free_slots(class), dram.demoting_in(class));
+        if e.pages > 0 && free + held > e.pressure {
+            v.push(format!(
+                "evicted {} page(s) of class {class} for a pressure of {}, \
+                 leaving {free} slot(s) free and {held} held",
+                e.pages, e.pressure
+            ));
+        }
+    }
 }
 
 /// Slots held for in-place demotions are live, owned by no page, counted

@@ -80,6 +80,10 @@ pub struct OperationInfo {
     pub overdue_transfers: usize,
     pub leases: usize,
     pub bytes_reserved: u64,
+    /// Its final reply went out (a query's miss, or the outcome once
+    /// nothing in flight could change it); what it still holds waits for
+    /// overdue transfers.
+    pub reported: bool,
 }
 
 /// The runtime's `World`: every resource built from a config, the LRU
@@ -348,6 +352,8 @@ impl Runtime {
             clock.now_us = clock.now_us.max(now);
         }
         let started_at = self.world.resource::<Clock>().now_us;
+        // The evict stage's record is per tick (the invariants read it).
+        self.world.resource_mut::<Dram>().evicted.clear();
         self.schedule.run(&mut self.world);
         // No system reads change or removal trackers; without clearing them
         // every despawn is remembered forever (the manager's RSS grew
@@ -363,6 +369,25 @@ impl Runtime {
             r.tick(started_at, &events);
         }
         events
+    }
+
+    /// For shutdown and restarts, never inside a tick: blocks until every
+    /// tier finished the demotions it accepted, counts them (`written` or
+    /// `failed` in `Metrics::demotions`) and frees the slots in-place ones
+    /// held, so the totals of a runtime that is about to go add up
+    /// (dropping it finishes the writes too, but uncounted).
+    pub fn finish_demotions(&mut self) {
+        let now_us = self.world.resource::<Clock>().now_us;
+        self.world.resource_scope(|world, mut tiers: Mut<Tiers>| {
+            let tiers = tiers.0.get_mut();
+            for tier in tiers.iter_mut() {
+                tier.finish_demotions();
+            }
+            world.resource_scope(|world, mut dram: Mut<Dram>| {
+                let mut metrics = world.resource_mut::<Metrics>();
+                orbitkv_systems::fence::settle_demotions(tiers, &mut dram, &mut metrics, now_us);
+            });
+        });
     }
 
     /// Checks every invariant of the runtime's state.
@@ -419,6 +444,11 @@ impl Runtime {
     }
 
     /// Every live operation, in entity order.
+    /// The counters so far (cheap: no walk over the world, unlike `stats`).
+    pub fn metrics(&self) -> &Metrics {
+        self.world.resource::<Metrics>()
+    }
+
     pub fn operations(&mut self) -> Vec<OperationInfo> {
         let w = &mut self.world;
         let mut overdue: std::collections::HashMap<Entity, usize> = Default::default();
@@ -438,6 +468,7 @@ impl Runtime {
                 overdue_transfers: overdue.get(&e).copied().unwrap_or(0),
                 leases: leases.map_or(0, |l| l.len()),
                 bytes_reserved: op.bytes_reserved,
+                reported: op.reported,
             })
             .collect();
         out.sort_by_key(|o| o.operation);

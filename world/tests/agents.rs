@@ -498,6 +498,17 @@ fn a_lost_agent_fails_its_copies_and_everything_returns() {
     h.rt().check_invariants().unwrap();
 }
 
+/// Advances until a tick has an event matching `pred`; that tick's events.
+fn tick_of(h: &mut Harness, pred: impl Fn(&Event) -> bool) -> Vec<Event> {
+    for _ in 0..10_000 {
+        let tick = h.advance();
+        if tick.iter().any(&pred) {
+            return tick;
+        }
+    }
+    panic!("no such event in 10000 ticks");
+}
+
 #[test]
 fn an_agent_past_its_deadline_fails_the_copy_but_holds_everything_until_it_reports() {
     let mut c = agent_config();
@@ -512,8 +523,25 @@ fn an_agent_past_its_deadline_fails_the_copy_but_holds_everything_until_it_repor
         vec![(0, hash(1, 0, 0), pages[0])],
     )]);
     let (copy, _, staged) = agent_copy(&mut h);
-    let overdue = h.until("overdue", |e| matches!(e, Event::TransferOverdue { .. }));
-    assert!(matches!(overdue, Event::TransferOverdue { ref kind, .. } if kind == "publish_copy"));
+    let tick = tick_of(&mut h, |e| matches!(e, Event::TransferOverdue { .. }));
+    assert!(
+        tick.iter()
+            .any(|e| matches!(e, Event::TransferOverdue { kind, .. } if kind == "publish_copy")),
+        "{tick:?}"
+    );
+    // The reply goes out at the deadline, in the same tick: the page the
+    // overdue batch was copying counts as dropped.
+    assert!(
+        tick.iter().any(|e| matches!(
+            e,
+            Event::PublishDone {
+                inserted: 0,
+                dropped: 1,
+                ..
+            }
+        )),
+        "{tick:?}"
+    );
     for _ in 0..5 {
         h.advance();
     }
@@ -534,38 +562,116 @@ fn an_agent_past_its_deadline_fails_the_copy_but_holds_everything_until_it_repor
         "{ev:?}"
     );
     let bytes = payload(&ns, 0, &hash(1, 0, 0));
-    land_publish(&mut h, copy, &staged[0], &bytes);
-    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
+    let ev = land_publish(&mut h, copy, &staged[0], &bytes);
+    // No second reply; the deferred free is reported now.
     assert!(
-        matches!(
-            done,
-            Event::PublishDone {
-                inserted: 0,
-                dropped: 1,
-                ..
-            }
-        ),
-        "{done:?}"
+        !ev.iter().any(|e| matches!(e, Event::PublishDone { .. })),
+        "{ev:?}"
     );
-    // The deferred free is reported after the reply.
-    let n = h.events.len();
-    let reply = h
-        .events
-        .iter()
-        .rposition(|e| matches!(e, Event::PublishDone { .. }));
-    let freed = h.events.iter().rposition(|e| {
-        matches!(e, Event::DevicePageFreed { device_page, deferred: true } if *device_page == pages[0])
-    });
-    assert!(
-        reply < freed && freed < Some(n),
-        "{:?}",
-        &h.events[n.saturating_sub(4)..]
+    let freed = h.until("freed", |e| matches!(e, Event::DevicePageFreed { .. }));
+    assert_eq!(
+        freed,
+        Event::DevicePageFreed {
+            device_page: pages[0],
+            deferred: true
+        }
     );
     assert_eq!(h.rt().stats().pages, 0);
+    let m = h.rt().stats().metrics;
+    assert_eq!(m.agent_copy_failures.get("lost"), Some(&1));
     assert_eq!(
-        h.rt().stats().metrics.agent_copy_failures.get("lost"),
+        (m.publish_dropped, m.pages_published),
+        (1, 0),
+        "counted once"
+    );
+    h.assert_idle();
+}
+
+/// Issue 22, finding 2: a restore whose agent hangs misses (`deadline`) at
+/// the agent deadline, not whenever the agent reports (which may be never);
+/// its leases, reserved bytes and destination pins stay with the operation
+/// until the report, and nothing more is sent then.
+#[test]
+fn a_hung_agent_restore_misses_at_the_deadline_and_holds_until_it_reports() {
+    let mut c = agent_config();
+    c.limits.agent_copy_deadline_us = 200;
+    let (mut h, s, ns, region) = manual(c);
+    let pages: Vec<u64> = (0..2).map(|slot| h.alloc(s, region, slot)).collect();
+    let bytes = payload(&ns, 0, &hash(1, 0, 0));
+    store_one(&mut h, s, 1, pages[0], &bytes);
+    let q =
+        h.d.query(query(s, 2, 1, &[0], 1, PAGE + 1, true))
+            .expect("query");
+    h.d.ready(q.operation).expect("ready");
+    h.step(vec![Command::Restore {
+        session: s,
+        operation: q.operation,
+        targets: vec![target(0, 0, PAGE, pages[1])],
+        retained: vec![],
+    }]);
+    let (copy, direction, _) = agent_copy(&mut h);
+    assert_eq!(direction, AgentDirection::PoolToRegion);
+    let sent_us = h.rt().now_us();
+    let tick = tick_of(&mut h, |e| matches!(e, Event::TransferOverdue { .. }));
+    let waited = h.rt().now_us() - sent_us;
+    assert!(
+        (200..200 + 2 * TICK_US).contains(&waited),
+        "overdue {waited} µs after the copy was sent"
+    );
+    let miss = Event::Miss {
+        operation: q.operation,
+        reason: MissReason::Deadline,
+    };
+    assert!(tick.contains(&miss), "missed in the same tick: {tick:?}");
+    assert_eq!(
+        h.rt().stats().metrics.misses.get(&MissReason::Deadline),
         Some(&1)
     );
+    for _ in 0..20 {
+        h.advance();
+    }
+    let st = h.rt().stats();
+    assert_eq!(
+        (st.operations, st.transfers, st.leases, st.bytes_reserved),
+        (1, 1, 1, PAGE_BYTES),
+        "everything the copy may touch is held until the agent reports"
+    );
+    // The engine frees the destination meanwhile: deferred.
+    let ev = h.step(vec![Command::DevicePageFree {
+        session: s,
+        device_page: pages[1],
+    }]);
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::DevicePageFreed { .. })),
+        "{ev:?}"
+    );
+    // The agent reports at last: the operation goes, without a second reply.
+    let ev = h.step(vec![Command::CopyDone {
+        copy,
+        failure: None,
+        checksums: Vec::new(),
+    }]);
+    assert!(
+        !ev.iter()
+            .any(|e| matches!(e, Event::Miss { .. } | Event::RestoreDone { .. })),
+        "{ev:?}"
+    );
+    let freed = h.until("freed", |e| matches!(e, Event::DevicePageFreed { .. }));
+    assert_eq!(
+        freed,
+        Event::DevicePageFreed {
+            device_page: pages[1],
+            deferred: true
+        }
+    );
+    let m = h.rt().stats().metrics;
+    assert_eq!(
+        m.misses.get(&MissReason::Deadline),
+        Some(&1),
+        "counted once"
+    );
+    assert_eq!(m.agent_copy_failures.get("lost"), Some(&1));
     h.assert_idle();
 }
 

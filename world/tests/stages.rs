@@ -19,7 +19,7 @@ use orbitkv_gpu::sim::{SimCopyConfig, SimCopyEngine};
 use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::tier::{MemoryTier, MemoryTierHandle};
 use orbitkv_systems::resources::{
-    Budget, Clock, Copier, Dram, Inbound, Inbox, Metrics, Outbox, Registry, decrement,
+    Budget, Clock, Copier, Dram, Evicted, Inbound, Inbox, Metrics, Outbox, Registry, decrement,
 };
 use orbitkv_systems::{discover, evict, fence, ingest, read, restore, validate};
 use orbitkv_world::{Backends, Config, RuntimeWorld};
@@ -417,6 +417,55 @@ fn read_leases_resident_pages_and_reads_the_rest_from_a_tier() {
     b.check();
 }
 
+/// A recovery past its deadline starts no read and is not admitted: every
+/// transfer an operation has was submitted before its deadline, so it
+/// replies by its deadline plus the transfer timeout (the fuzzer's
+/// liveness bound). `expire` ends it in the same tick.
+#[test]
+fn read_starts_nothing_for_a_recovery_past_its_deadline() {
+    let mut b = bench(|_| {});
+    b.tier.insert(key(b.ns, 0), vec![7; BYTES as usize]);
+    let mut rec = recovery(1);
+    rec.needs = vec![need(b.ns, 0, NeedState::Pending)];
+    let reading = b.op(1, OpState::Reading, rec);
+    let mut rec = recovery(1);
+    rec.selected = Some(PAGE);
+    rec.ranges = vec![(
+        0,
+        RequiredRange {
+            group: 0,
+            start: 0,
+            end: PAGE,
+        },
+    )];
+    let waiting = b.op(2, OpState::Admit, rec);
+    for op in [reading, waiting] {
+        b.w.get_mut::<Operation>(op).unwrap().deadline_us = 10;
+    }
+    b.w.resource_mut::<Clock>().now_us = 10;
+    b.run(read::read);
+    assert_eq!(
+        b.w.query::<&Transfer>().iter(&b.w).count(),
+        0,
+        "no read started"
+    );
+    assert_eq!(b.state(waiting), OpState::Admit, "not admitted");
+    assert_eq!(b.w.resource::<Budget>().reserved, 0);
+    b.run(fence::expire);
+    for op in [reading, waiting] {
+        let o = b.w.get::<Operation>(op).unwrap();
+        assert_eq!(o.outcome, Some(Outcome::Miss(MissReason::Deadline)));
+    }
+    // A microsecond earlier, both would have gone ahead.
+    b.w.resource_mut::<Clock>().now_us = 9;
+    let mut rec = recovery(1);
+    rec.needs = vec![need(b.ns, 0, NeedState::Pending)];
+    let early = b.op(3, OpState::Reading, rec);
+    b.w.get_mut::<Operation>(early).unwrap().deadline_us = 10;
+    b.run(read::read);
+    assert_eq!(b.w.query::<&Transfer>().iter(&b.w).count(), 1);
+}
+
 /// A ready recovery of 3 resident pages, restoring into a 3-page region.
 fn restoring(b: &mut Bench) -> (Entity, Vec<Entity>) {
     let pages: Vec<Entity> = (0..3).map(|i| b.resident(i)).collect();
@@ -580,12 +629,34 @@ fn a_closed_session_goes_with_its_regions_and_device_pages() {
     b.check();
 }
 
+/// A bench whose DRAM holds `pages` pages, all resident (0 the oldest):
+/// no slot is free, so an allocation's pressure must be met by eviction.
+fn full(pages: u64) -> (Bench, Vec<Entity>) {
+    let mut b = bench(|c| {
+        c.dram.capacity_bytes = pages * BYTES;
+        c.dram.extent_bytes = pages * BYTES;
+    });
+    let resident = (0..pages).map(|i| b.resident(i)).collect();
+    assert_eq!(b.w.resource::<Dram>().pool.free_slots(BYTES), 0);
+    (b, resident)
+}
+
+/// Allocations of `n` pages that fail (a full pool), as a stage records
+/// them.
+fn short_by(b: &mut Bench, n: u64) {
+    for _ in 0..n {
+        assert!(b.w.resource_mut::<Dram>().alloc(BYTES).is_none());
+    }
+}
+
+fn alive(b: &Bench, pages: &[Entity]) -> usize {
+    pages.iter().filter(|p| b.w.get_entity(**p).is_ok()).count()
+}
+
 #[test]
 fn evict_demotes_the_least_recent_unleased_page() {
-    let mut b = bench(|_| {});
-    let old = b.resident(0);
-    let leased = b.resident(1);
-    let young = b.resident(2);
+    let (mut b, pages) = full(4);
+    let (old, leased, young) = (pages[0], pages[1], pages[2]);
     let op = b.op(1, OpState::Ready, recovery(1));
     b.lease(leased, op);
     b.w.resource_mut::<Dram>().pressure.insert(BYTES, 2);
@@ -596,10 +667,98 @@ fn evict_demotes_the_least_recent_unleased_page() {
         b.w.get_entity(leased).is_ok(),
         "a leased page is never evicted"
     );
+    assert!(b.w.get_entity(pages[3]).is_ok(), "the youngest stays");
     let m = b.w.resource::<Metrics>();
     assert_eq!(m.demotions.get("submitted"), Some(&2));
     assert!(b.tier.contains(&key(b.ns, 0)));
     b.check();
+}
+
+/// Issue 22, finding 1: slots an in-place demotion gives back earlier in
+/// the tick (the fence stage runs before evict) serve the allocation that
+/// is still waiting; the tick evicts nothing more for the same shortage.
+#[test]
+fn evict_counts_slots_freed_earlier_in_the_tick_and_slots_held() {
+    let (mut b, pages) = full(8);
+    b.tier.set_in_place(Some(50));
+    // Tick 1: four slots are missing; four pages go to the tier in place,
+    // their slots held until it releases them.
+    short_by(&mut b, 4);
+    b.run(evict::evict);
+    assert_eq!(alive(&b, &pages), 4);
+    assert_eq!(b.w.resource::<Dram>().demoting_in(BYTES), 4);
+    b.check();
+    // Tick 2: still short by four, before the release: the held slots
+    // will serve it.
+    b.w.resource_mut::<Dram>().evicted.clear();
+    short_by(&mut b, 4);
+    b.run(evict::evict);
+    assert_eq!(
+        alive(&b, &pages),
+        4,
+        "held slots count against the pressure"
+    );
+    b.check();
+    // Tick 3: the allocation fails once more, then the fence sees the tier
+    // release the four slots; they are free when evict runs.
+    b.w.resource_mut::<Dram>().evicted.clear();
+    short_by(&mut b, 4);
+    b.w.resource_mut::<Clock>().now_us = 100;
+    b.run(fence::land);
+    let dram = b.w.resource::<Dram>();
+    assert_eq!(
+        (dram.demoting_in(BYTES), dram.pool.free_slots(BYTES)),
+        (0, 4)
+    );
+    b.run(evict::evict);
+    assert_eq!(
+        alive(&b, &pages),
+        4,
+        "one shortage of four evicts four pages"
+    );
+    let m = b.w.resource::<Metrics>();
+    assert_eq!(m.evictions.values().sum::<u64>(), 4);
+    assert_eq!(
+        (m.demotions.get("in_place"), m.demotions.get("written")),
+        (Some(&4), Some(&4))
+    );
+    b.check();
+}
+
+/// The invariant the fuzzer relies on: eviction beyond what the failed
+/// allocations lacked is reported.
+#[test]
+fn the_invariants_catch_an_eviction_beyond_the_pressure() {
+    let (mut b, _) = full(4);
+    short_by(&mut b, 1);
+    b.run(evict::evict);
+    b.check();
+    // Evicting one more page than the shortage leaves a slot free for
+    // nothing.
+    let extra = Evicted {
+        pressure: 1,
+        pages: 2,
+    };
+    let victim =
+        b.w.resource_mut::<Dram>()
+            .lru
+            .get_mut(&BYTES)
+            .unwrap()
+            .pop_oldest()
+            .unwrap();
+    let page = b.w.get::<Page>(victim).unwrap().clone();
+    let mut dram = b.w.resource_mut::<Dram>();
+    dram.index.remove(&page.key);
+    dram.free(page.residency.dram_slot);
+    dram.evicted.insert(BYTES, extra);
+    b.w.despawn(victim);
+    let v = orbitkv_world::invariants::check(&mut b.w);
+    assert_eq!(
+        v,
+        vec![format!(
+            "evicted 2 page(s) of class {BYTES} for a pressure of 1, leaving 2 slot(s) free and 0 held"
+        )]
+    );
 }
 
 #[test]
@@ -632,8 +791,8 @@ fn a_restore_of_a_page_altered_since_it_landed_is_a_checksum_miss() {
 
 #[test]
 fn evict_refuses_to_demote_bytes_that_changed_since_they_landed() {
-    let mut b = bench(|_| {});
-    let page = b.resident(0);
+    let (mut b, pages) = full(1);
+    let page = pages[0];
     b.w.get_mut::<Page>(page).unwrap().checksum ^= 1;
     b.w.resource_mut::<Dram>().pressure.insert(BYTES, 1);
     b.run(evict::evict);

@@ -32,6 +32,15 @@ _Event = Dict[str, _JSON]
 ``device_page_allocated``, ``device_page_freed``, ``query_result``,
 ``loading``, ``ready``, ``transfer_overdue``, ``miss``, ``restore_done``,
 ``publish_done``, ``released`` (``orbitkv_components::api::Event``).
+
+Deadlines (``docs/serve.md``): when an operation's copy or read passes its
+limit (``transfer_timeout_us``, ``agent_copy_deadline_us`` for a copy
+agent), ``transfer_overdue`` arrives and, in the same tick, the operation's
+final reply (``miss``, or ``publish_done`` counting the overdue pages
+``dropped``). What the overdue copy may still touch stays held after that
+reply: a device page freed meanwhile is reported by ``device_page_freed``
+with ``deferred: true`` only when the copy ends or the connection closes,
+and its memory must not be reused before.
 """
 _Contract = Mapping[str, _JSON]
 """``{"namespace": HEX64, "page_tokens": int, "groups": [{"id": int, "rule":

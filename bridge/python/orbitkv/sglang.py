@@ -994,7 +994,10 @@ class _Conn:
             if kind == "miss":
                 return e["reason"]
             if kind == "transfer_overdue":
-                continue
+                # Its miss comes next, but the agent may still be copying
+                # into the destination slots: the connection is closed (the
+                # agent drains first) before anything reuses them.
+                raise _Broken(f"restore {op}: a copy passed its deadline", reason="timeout")
             raise _Broken(f"unexpected event for restore {op}: {kind}")
 
     # -- the two moves -----------------------------------------------------

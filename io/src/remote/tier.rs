@@ -591,6 +591,11 @@ impl BackingTier for RemoteTier {
         "remote"
     }
 
+    /// While the breaker is open, lookups answer "absent" without asking.
+    fn unavailable(&self) -> bool {
+        self.shared.breaker.is_open()
+    }
+
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {
         let s = &self.shared;
         s.stats.lookups.fetch_add(1, Ordering::Relaxed);

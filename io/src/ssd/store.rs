@@ -1872,6 +1872,13 @@ impl BackingTier for SsdStore {
         self.holding
     }
 
+    /// Waits for every accepted write (in place or copied); their reports
+    /// wait for the next `poll_demotions`.
+    fn finish_demotions(&mut self) {
+        let done = self.wait_writes(self.now_us);
+        self.done_writes = done;
+    }
+
     fn poll_demotions(&mut self, now_us: u64, out: &mut Vec<Result<(), DemoteFailed>>) {
         let mut done = Vec::new();
         self.poll_writes(now_us, &mut done);

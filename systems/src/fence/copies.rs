@@ -82,6 +82,12 @@ pub(super) fn land_copies(
     for (entity, how) in landed {
         let (transfer, of) = transfers.get(entity).expect("indexed transfers are live");
         commands.entity(entity).despawn();
+        // Past its timeout a copy has failed (its operation replied so),
+        // whatever it reports now.
+        let how = match how {
+            Landed::Ok { .. } if transfer.overdue => Landed::Failed,
+            how => how,
+        };
         let (mut op, _, job) = ops
             .get_mut(of.0)
             .expect("an operation retires only after its transfers");

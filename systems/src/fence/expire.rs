@@ -1,6 +1,6 @@
 //! Time: `expire` reports overdue transfers (and agent copies past
-//! `agent_copy_deadline_us`) and ends operations whose deadline passed
-//! before their copies started.
+//! `agent_copy_deadline_us`), which finishes their operations, and ends
+//! operations whose deadline passed before their copies started.
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Event, MissReason};
@@ -11,10 +11,11 @@ use orbitkv_components::ecs::{
 use crate::lifecycle::finish;
 use crate::resources::{Clock, Limits, Metrics, Outbox};
 
-/// An overdue transfer fails its operation but keeps every buffer it owns:
-/// a logical timeout is not proof the hardware stopped. A preparation past
-/// its deadline misses; a publish still waiting for DRAM space is done
-/// with what it has (nothing).
+/// An overdue transfer fails and finishes its operation, whose reply then
+/// goes out (`retire`) without waiting for it, but it keeps every buffer it
+/// owns: a logical timeout is not proof the hardware stopped. A
+/// preparation past its deadline misses; a publish still waiting for DRAM
+/// space is done with what it has (nothing).
 pub fn expire(
     mut commands: Commands,
     mut ops: Query<(Entity, &mut Operation)>,
@@ -36,10 +37,10 @@ pub fn expire(
         }
         t.overdue = true;
         metrics.transfers_overdue += 1;
-        let (_, mut op) = ops
+        let (entity, mut op) = ops
             .get_mut(of.0)
             .expect("an operation retires only after its transfers");
-        op.outcome.get_or_insert(Outcome::Miss(reason));
+        finish(&mut commands, entity, &mut op, Outcome::Miss(reason));
         let event = Event::TransferOverdue {
             operation: of.0.to_bits(),
             kind: t.kind.name().to_owned(),

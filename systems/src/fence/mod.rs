@@ -18,6 +18,7 @@ use bevy_ecs::system::SystemParam;
 use orbitkv_components::ecs::{Operation, PublishJob, Recovery, Transfer, TransferOf};
 
 pub use expire::expire;
+pub use reads::settle_demotions;
 pub use retire::{close_sessions, retire};
 
 use crate::resources::{Agents, Clock, Copier, Dram, Metrics, Tiers, TransferIndex};

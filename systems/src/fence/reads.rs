@@ -10,10 +10,11 @@ use orbitkv_components::ecs::{
     NeedState, OpState, Outcome, Page, Recovery, Residency, Transfer, TransferKind,
 };
 use orbitkv_io::checksum::page_checksum;
-use orbitkv_io::tier::{ReadDone, TierError, local_miss_reason};
+use orbitkv_io::tier::{BackingTier, ReadDone, TierError, local_miss_reason};
 
 use super::{Landing, Ops, Transfers};
 use crate::lifecycle::{finish, take_lease};
+use crate::resources::{Dram, Metrics};
 
 /// One landed page: what the read was for.
 struct Landed {
@@ -94,28 +95,13 @@ impl Landing<'_> {
     fn poll(&mut self) -> Vec<(usize, ReadDone)> {
         let now_us = self.clock.now_us;
         let mut reads = Vec::new();
-        let mut demoted = Vec::new();
-        let mut released = Vec::new();
-        for (i, tier) in self.tiers.0.get_mut().iter_mut().enumerate() {
+        let tiers = self.tiers.0.get_mut();
+        for (i, tier) in tiers.iter_mut().enumerate() {
             let mut done = Vec::new();
             tier.poll(now_us, &mut done);
             reads.extend(done.into_iter().map(|d| (i, d)));
-            tier.poll_demotions(now_us, &mut demoted);
-            tier.poll_released(&mut released);
-            for token in released.drain(..) {
-                if !self.dram.release_demotion(i, token.0) {
-                    // A tier bug, never a double free: counted, and the
-                    // invariants compare each tier's holding count with
-                    // the runtime's.
-                    let key = "release_of_unknown_token".to_owned();
-                    *self.metrics.demotions.entry(key).or_default() += 1;
-                }
-            }
         }
-        for d in demoted {
-            let key = if d.is_ok() { "written" } else { "failed" };
-            *self.metrics.demotions.entry(key.to_owned()).or_default() += 1;
-        }
+        settle_demotions(tiers, &mut self.dram, &mut self.metrics, now_us);
         reads
     }
 
@@ -193,5 +179,36 @@ impl Landing<'_> {
             }
             None => self.dram.make_evictable(page, slot),
         }
+    }
+}
+
+/// Counts the demotions each tier finished (`written` or `failed`) and
+/// frees the slots of in-place demotions it released. The fence stage runs
+/// it every tick; `Runtime::finish_demotions` once more at shutdown, after
+/// the tiers finished everything they accepted.
+pub fn settle_demotions(
+    tiers: &mut [Box<dyn BackingTier>],
+    dram: &mut Dram,
+    metrics: &mut Metrics,
+    now_us: u64,
+) {
+    let mut demoted = Vec::new();
+    let mut released = Vec::new();
+    for (i, tier) in tiers.iter_mut().enumerate() {
+        tier.poll_demotions(now_us, &mut demoted);
+        tier.poll_released(&mut released);
+        for token in released.drain(..) {
+            if !dram.release_demotion(i, token.0) {
+                // A tier bug, never a double free: counted, and the
+                // invariants compare each tier's holding count with the
+                // runtime's.
+                let key = "release_of_unknown_token".to_owned();
+                *metrics.demotions.entry(key).or_default() += 1;
+            }
+        }
+    }
+    for d in demoted {
+        let key = if d.is_ok() { "written" } else { "failed" };
+        *metrics.demotions.entry(key.to_owned()).or_default() += 1;
     }
 }

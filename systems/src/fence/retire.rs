@@ -1,16 +1,19 @@
-//! Retiring: a restore or publish with nothing left to send or drain is
-//! finished (settled); a finished operation whose I/O drained sends its
-//! final reply, returns its bytes, unpins its device pages, and is
-//! despawned (its leases with it, and the pages they held become
-//! evictable). A closing
-//! session with no operation left goes, with its regions and device pages.
+//! Retiring, in two steps. An operation's final reply goes out once its
+//! outcome is decided and nothing it has in flight can still change it:
+//! its transfers drained, or every one left is overdue (a deadline is a
+//! deadline: the engine hears the outcome then, not whenever a hung copy
+//! reports). What it holds (leases, reserved bytes, device pins, staging
+//! slots) is returned only once its transfers are gone (drained, or failed
+//! by the origin's end), and then it is despawned (its leases with it, and
+//! the pages they held become evictable). A closing session with no
+//! operation left goes, with its regions and device pages.
 
 use bevy_ecs::prelude::*;
 use bevy_ecs::system::SystemParam;
 use orbitkv_components::api::{Event, Origin};
 use orbitkv_components::ecs::{
     DeviceRegion, Executor, Instance, ItemState, NeedState, OpState, Operation, Operations,
-    Outcome, PublishJob, Recovery, Regions, Session, SessionOf, Sessions, Transfers, at,
+    Outcome, PublishJob, Recovery, Regions, Session, SessionOf, Sessions, Transfer, Transfers, at,
     session_handle,
 };
 
@@ -33,53 +36,67 @@ type Retiring<'a> = (
     &'a mut Operation,
     Option<&'a Recovery>,
     Option<&'a mut PublishJob>,
+    Option<&'a Transfers>,
 );
 
-/// Finished, restoring or publishing, with nothing in flight.
-type Drained = (
-    Or<(
-        With<at::Finishing>,
-        With<at::Restoring>,
-        With<at::Publishing>,
-    )>,
-    Without<Transfers>,
-);
+/// Finished, restoring or publishing.
+type Settling = Or<(
+    With<at::Finishing>,
+    With<at::Restoring>,
+    With<at::Publishing>,
+)>;
 
 pub fn retire(
     mut commands: Commands,
-    mut ops: Query<Retiring, Drained>,
+    mut ops: Query<Retiring, Settling>,
+    transfers: Query<&Transfer>,
     mut devices: Devices,
     mut returns: Returns,
 ) {
-    for (entity, mut op, rec, job) in &mut ops {
+    for (entity, mut op, rec, mut job, in_flight) in &mut ops {
+        let drained = in_flight.is_none();
+        let hung =
+            in_flight.is_some_and(|t| t.iter().all(|t| transfers.get(t).is_ok_and(|t| t.overdue)));
+        if !(drained || hung) {
+            continue; // what is in flight may still change the outcome
+        }
         if op.state() != OpState::Finishing {
-            let Some(outcome) = settled(rec, job.as_deref()) else {
+            // A failure recorded earlier (an overdue copy, a cancel) is the
+            // outcome; else the operation must have nothing left to send.
+            let Some(outcome) = op.outcome.or_else(|| settled(rec, job.as_deref())) else {
                 continue; // the copy stages send it, or abandon it
             };
-            // A restore keeps an earlier failure as its outcome.
             finish(&mut commands, entity, &mut op, outcome);
         }
-        let op = &*op;
-        let event = match (rec, job) {
+        if !op.reported {
+            op.reported = true;
+            let reply = match (rec, job.as_deref_mut()) {
+                (Some(rec), _) => returns.recovery_reply(entity, &op, rec),
+                (None, Some(job)) => returns.publish_reply(&op, job),
+                (None, None) => unreachable!("an operation is a recovery or a publish"),
+            };
+            devices.outbox().push(op.origin, reply);
+        }
+        if !drained {
+            continue; // held until its transfers are gone
+        }
+        let pages: Vec<Entity> = match (rec, job.as_deref_mut()) {
             (Some(rec), _) => {
                 return_leases(&mut commands, rec);
-                let reply = returns.recovery_reply(entity, op, rec);
-                let pages = rec.copies.iter().map(|c| c.device_page);
-                devices.reply_then_unpin(&mut commands, op.origin, reply, pages);
-                None
+                rec.copies.iter().map(|c| c.device_page).collect()
             }
-            (None, Some(mut job)) => {
-                let reply = Some(returns.publish_reply(op, &mut job));
-                let sources = job.items.iter().map(|i| i.device_page);
-                devices.reply_then_unpin(&mut commands, op.origin, reply, sources);
-                None
+            (None, Some(job)) => {
+                returns.free_slots(job);
+                job.items.iter().map(|i| i.device_page).collect()
             }
             (None, None) => unreachable!("an operation is a recovery or a publish"),
         };
-        if let Some(event) = event {
-            devices.outbox().push(op.origin, event);
+        // Restore destinations and publish sources stay pinned until now:
+        // a deferred free is reported after the reply.
+        for page in pages {
+            devices.unpin(&mut commands, page);
         }
-        returns.bytes(op);
+        returns.bytes(&op);
         decrement(&mut returns.registry.operations, 1, "registry.operations");
         // Its leases go with it (`HeldLeases` despawns them).
         commands.entity(entity).despawn();
@@ -110,20 +127,14 @@ fn return_leases(commands: &mut Commands, rec: &Recovery) {
 }
 
 impl Returns<'_, '_> {
-    /// The recovery's final reply (none if its query already reported a
-    /// miss), counted in the metrics.
-    fn recovery_reply(&mut self, entity: Entity, op: &Operation, rec: &Recovery) -> Option<Event> {
+    /// The recovery's final reply, counted in the metrics.
+    fn recovery_reply(&mut self, entity: Entity, op: &Operation, rec: &Recovery) -> Event {
         let operation = entity.to_bits();
-        let event = match op.outcome.expect("finishing operations have an outcome") {
+        match op.outcome.expect("finishing operations have an outcome") {
             Outcome::Miss(reason) => {
-                if op.reported {
-                    return None;
-                }
                 self.metrics.miss(reason);
                 Event::Miss { operation, reason }
             }
-            // A lookup ended with its (terminal) result.
-            Outcome::Released if op.reported => return None,
             Outcome::Released => Event::Released { operation },
             Outcome::Restored => {
                 let bytes: u64 = rec
@@ -144,24 +155,17 @@ impl Returns<'_, '_> {
                 }
             }
             Outcome::Published => unreachable!("recoveries do not publish"),
-        };
-        Some(event)
+        }
     }
 
-    /// Frees slots never copied into, and counts the publish's pages.
+    /// Frees slots never copied into, and counts the publish's pages;
+    /// pages still copying (an overdue batch: it failed, whatever it
+    /// reports later) count as dropped.
     fn publish_reply(&mut self, op: &Operation, job: &mut PublishJob) -> Event {
-        for item in job.items.iter_mut() {
-            if let Some(slot) = item.dram_slot.take() {
-                self.dram.free(slot); // allocated, never copied
-                item.state = ItemState::Dropped;
-            }
-            if item.state == ItemState::Waiting {
-                item.state = ItemState::Dropped;
-            }
-        }
+        self.free_slots(job);
         let inserted = job.count(ItemState::Inserted);
         let duplicates = job.count(ItemState::Duplicate);
-        let dropped = job.count(ItemState::Dropped);
+        let dropped = job.count(ItemState::Dropped) + job.count(ItemState::Copying);
         let m = &mut *self.metrics;
         m.pages_published += inserted;
         m.publish_duplicates += duplicates;
@@ -172,6 +176,24 @@ impl Returns<'_, '_> {
             inserted,
             duplicates,
             dropped,
+        }
+    }
+
+    /// Frees the slots of pages that will never be copied (allocated, not
+    /// sent) and drops what still waits; a copying page keeps its slot
+    /// until its batch lands.
+    fn free_slots(&mut self, job: &mut PublishJob) {
+        for item in job.items.iter_mut() {
+            if matches!(item.state, ItemState::Copying | ItemState::Inserted) {
+                continue;
+            }
+            if let Some(slot) = item.dram_slot.take() {
+                self.dram.free(slot); // allocated, never copied
+                item.state = ItemState::Dropped;
+            }
+            if item.state == ItemState::Waiting {
+                item.state = ItemState::Dropped;
+            }
         }
     }
 
@@ -187,25 +209,6 @@ impl Returns<'_, '_> {
                 op.bytes_reserved,
                 "instance.bytes_reserved",
             );
-        }
-    }
-}
-
-impl Devices<'_, '_> {
-    /// Restore destinations and publish sources stay pinned until the
-    /// reply: a deferred free is reported after it.
-    fn reply_then_unpin(
-        &mut self,
-        commands: &mut Commands,
-        to: orbitkv_components::api::Origin,
-        reply: Option<Event>,
-        pages: impl Iterator<Item = Entity>,
-    ) {
-        if let Some(reply) = reply {
-            self.outbox().push(to, reply);
-        }
-        for page in pages {
-            self.unpin(commands, page);
         }
     }
 }

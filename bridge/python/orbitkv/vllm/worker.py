@@ -852,6 +852,12 @@ class _IoState:
             return
         if kind == "ready":
             self.on_ready(job, ev)
+        elif kind == "transfer_overdue" and ev.get("kind") == "restore_copy":
+            # The miss follows at once, but the agent may still be copying
+            # into the request's blocks: the connection goes (its agent
+            # waits for running copies) before vLLM reuses them, as at this
+            # worker's own deadline.
+            self.lost("an agent copy passed its deadline")
         elif kind == "miss":
             del self.by_operation[op]
             if job.release_command is not None:

@@ -71,13 +71,8 @@ fn health_exit_codes_follow_liveness_and_readiness() {
     // A manager whose remote tier is down answers but is not ready; as a
     // liveness probe it passes.
     let dead = format!("redis://127.0.0.1:{}", free_port());
-    let r = Manager::start(
-        dir.path(),
-        "remote",
-        "16MiB",
-        BASE_CONFIG,
-        &["--remote", &dead],
-    );
+    let config = remote_config(dir.path(), "");
+    let r = Manager::start(dir.path(), "remote", "16MiB", &config, &["--remote", &dead]);
     let deadline = std::time::Instant::now() + T;
     let o = loop {
         // The breaker opens after the first failed attempts.

@@ -279,7 +279,7 @@ fn prometheus_scrapes_every_series_the_dashboard_uses_and_loads_the_rules() {
         dir.path(),
         "orbitkv",
         "16MiB",
-        BASE_CONFIG,
+        &remote_config(dir.path(), ""),
         &[
             "--ssd",
             &format!("{}:256MiB", ssd.display()),

@@ -21,14 +21,12 @@ use orbitkv_world::driver::{DriverError, target};
 /// with short refresh and breaker timings; `prefix` keeps tests apart.
 /// The managers of one `dir` share its MAC secret, as a deployment does.
 fn start(dir: &Path, name: &str, remote: &str, prefix: &str) -> Manager {
-    let secret = dir.join("mac.key");
-    if !secret.exists() {
-        std::fs::write(&secret, "a deployment secret of 32+ bytes, for tests\n").unwrap();
-    }
-    let config = format!(
-        "{BASE_CONFIG}[remote]\nkey_prefix = \"{prefix}\"\nrefresh_interval_ms = 20\n\
-         validate_every_rounds = 5\nread_timeout_ms = 1000\nbreaker_failures = 2\n\
-         breaker_cooldown_ms = 200\nmac_key_file = {secret:?}\n"
+    let config = remote_config(
+        dir,
+        &format!(
+            "key_prefix = \"{prefix}\"\nrefresh_interval_ms = 20\nvalidate_every_rounds = 5\n\
+             read_timeout_ms = 1000\nbreaker_failures = 2\nbreaker_cooldown_ms = 200\n"
+        ),
     );
     Manager::start(dir, name, "16MiB", &config, &["--remote", remote])
 }

@@ -16,6 +16,17 @@ use super::{T, free_port};
 pub const BASE_CONFIG: &str =
     "[serve]\nidle_tick_us = 100\n[dram]\nfirst_touch = false\nextent_bytes = 65536\n";
 
+/// `BASE_CONFIG` with a `[remote]` table naming a MAC secret in `dir`
+/// (written once, shared by the managers of `dir` as by a deployment's),
+/// then `remote` (more `[remote]` settings, one per line).
+pub fn remote_config(dir: &Path, remote: &str) -> String {
+    let secret = dir.join("mac.key");
+    if !secret.exists() {
+        std::fs::write(&secret, "a deployment secret of 32+ bytes, for tests\n").unwrap();
+    }
+    format!("{BASE_CONFIG}[remote]\nmac_key_file = {secret:?}\n{remote}")
+}
+
 pub struct Manager {
     pub child: Child,
     pub socket: PathBuf,

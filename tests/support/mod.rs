@@ -12,7 +12,7 @@ use orbitkv_world::driver;
 mod manager;
 mod port;
 #[allow(unused_imports)]
-pub use manager::{BASE_CONFIG, Manager};
+pub use manager::{BASE_CONFIG, Manager, remote_config};
 #[allow(unused_imports)]
 pub use port::{ClientPort, with_driver};
 

@@ -26,10 +26,7 @@ torch_site=$("$TORCH_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_
 echo "$torch_site" >"$site/orbitkv-torch-venv.pth"
 
 echo "== maturin develop ($PROFILE) into $VENV" >&2
-release=()
-[ "$PROFILE" = release ] && release=(--release)
 start=$SECONDS
-VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" \
-    "$TORCH_VENV/bin/maturin" develop "${release[@]}" -m bridge/Cargo.toml >&2
+MATURIN="$TORCH_VENV/bin/maturin" scripts/develop.sh "$VENV" "$PROFILE" >&2
 echo "maturin develop took $((SECONDS - start))s" >&2
 echo "$VENV"

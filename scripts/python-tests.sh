@@ -24,13 +24,12 @@ echo "== installing maturin, pytest, numpy"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.9,<2" pytest numpy
 
 echo "== maturin develop ($PROFILE)"
-release=()
-[ "$PROFILE" = release ] && release=(--release)
 start=$SECONDS
-VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" \
-    "$VENV/bin/maturin" develop "${release[@]}" -m bridge/Cargo.toml
+scripts/develop.sh "$VENV" "$PROFILE"
 echo "maturin develop took $((SECONDS - start))s"
 
+release=()
+[ "$PROFILE" = release ] && release=(--release)
 echo "== cargo build --bin orbitkv ($PROFILE): the manager test_serve.py starts"
 cargo build -q --bin orbitkv "${release[@]}"
 export ORBITKV_BIN="${ORBITKV_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/$PROFILE/orbitkv}"

@@ -18,7 +18,7 @@ export PATH="$VENV/bin:$PATH"
 
 echo "== maturin develop into $VENV"
 start=$SECONDS
-VIRTUAL_ENV="$VENV" "$VENV/bin/maturin" develop -q -m bridge/Cargo.toml
+scripts/develop.sh "$VENV" debug -q
 echo "maturin develop took $((SECONDS - start))s"
 
 echo "== cargo build --bin orbitkv"

@@ -34,8 +34,7 @@ export ORBITKV_BIN="${ORBITKV_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/$PROFILE/orb
 for suite in "${suites[@]}"; do
     venv=$(scripts/venv.sh "$suite")
     echo "== maturin develop into $venv ($PROFILE)"
-    VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
-        "$venv/bin/maturin" develop -q "${release[@]}" -m bridge/Cargo.toml
+    scripts/develop.sh "$venv" "$PROFILE" -q
     echo "== pytest bridge/tests-$suite"
     # Engines spawn processes and read the environment; keep it predictable.
     VLLM_CPU_KVCACHE_SPACE=1 PYTHONHASHSEED=0 PATH="$venv/bin:$PATH" \

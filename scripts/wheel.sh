@@ -30,8 +30,8 @@ cargo build -q --locked --bin orbitkv "${flags[@]}" >&2
 bin="${CARGO_TARGET_DIR:-$PWD/target}/$PROFILE/orbitkv"
 
 data=bridge/wheel-data
-trap 'rm -rf "$data"' EXIT
-rm -rf "$data"
+trap 'rm -rf "$data/scripts"' EXIT
+rm -rf "$data/scripts"
 mkdir -p "$data/scripts"
 cp "$bin" "$data/scripts/orbitkv"
 # Debug info is not shipped: the wheel is what every engine host downloads.

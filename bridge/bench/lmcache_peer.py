@@ -37,7 +37,7 @@ Run (release builds of the manager and of the extension in the venv):
 
     V=$(scripts/venv.sh lmcache)
     cargo build --release --bin orbitkv
-    VIRTUAL_ENV=$V PATH=$V/bin:$PATH $V/bin/maturin develop --release -m bridge/Cargo.toml
+    scripts/develop.sh $V release
     $V/bin/python bridge/bench/lmcache_peer.py --total 2GiB --page-bytes 256KiB --repeat 2
 
 Not a test: the figures depend on the machine; compare the ratios.

@@ -3,7 +3,7 @@ baselines measured in the same run. Not a test: it asserts nothing about
 time.
 
     scripts/python-tests.sh                    # creates .venv
-    VIRTUAL_ENV=$PWD/.venv .venv/bin/maturin develop --release -m bridge/Cargo.toml
+    scripts/develop.sh .venv release
     .venv/bin/python bridge/bench/query_roundtrip.py [--iterations 10000]
 
 (A debug extension is several times slower: it says so in the output.)
@@ -180,7 +180,7 @@ def main() -> int:
     print(f"  {n} timed iterations after {warmup} warm-up, {PAGES} published pages of {ss.PAGE_BYTES} B")
     if orbitkv._orbitkv._debug_build:
         print("  WARNING: the extension is a debug build; numbers are not representative")
-        print("           (PROFILE=release scripts/python-tests.sh, or maturin develop --release)")
+        print("           (PROFILE=release scripts/python-tests.sh, or scripts/develop.sh .venv release)")
     print()
     print(
         f"  {'':46s} {'p50 us':>9s} {'p99 us':>9s} {'p50/(e)':>8s} {'p99/(e)':>8s} "

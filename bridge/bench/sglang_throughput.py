@@ -15,7 +15,7 @@ Run (release builds: the manager and the Python extension):
 
     V=$(scripts/venv.sh sglang)
     cargo build --release --bin orbitkv
-    VIRTUAL_ENV=$V $V/bin/maturin develop --release -m bridge/Cargo.toml
+    scripts/develop.sh $V release
     PATH=$V/bin:$PATH $V/bin/python bridge/bench/sglang_throughput.py \\
         --pages 2048 --repeat 3 [--file-dir /tmp/hicache-bench]
 

@@ -4,7 +4,7 @@ asserts nothing about time.
 
     scripts/venv.sh vllm                       # the vLLM 0.33 venv
     V=~/.cache/orbitkv/venvs/vllm
-    VIRTUAL_ENV=$V $V/bin/maturin develop --release -m bridge/Cargo.toml
+    scripts/develop.sh $V release
     cargo build --release --bin orbitkv
     $V/bin/python bridge/bench/vllm_scheduler_overhead.py [--requests 400]
 

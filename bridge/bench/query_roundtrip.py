@@ -18,6 +18,8 @@ then measures, from Python:
   (a) `Client.call(query)` with `prepare: false`, for a query that hits
       (its operation released with a `release` command outside the timed
       region) and for one that misses (nothing to release);
+  (a') `Client.lookup(...)`, the typed lookup (hashes as bytes, only the
+      answer back, nothing to release), for the same hit and miss;
   (b) `Client.ping()`: an empty frame through the manager's loop (also
       timed inside Rust, without Python per iteration);
   (c) a raw Unix-socket ping-pong between two Python processes (16 bytes);
@@ -146,6 +148,28 @@ def main() -> int:
         rows.append(
             ("(a) Client.call(query), miss", timed(lambda: c.call(miss), n, warmup, missed))
         )
+        hashes = [bytes.fromhex(h) for h in ss.hashes(PAGES + 1)]
+        cold = [bytes.fromhex(h) for h in ss.hashes(PAGES + 1, seed=77)]
+        prompt = (PAGES + 1) * ss.PAGE
+
+        def hit_answer(r):
+            assert r == (PAGES * ss.PAGE, None), r
+
+        def miss_answer(r):
+            assert r[0] is None and r[1] is not None, r
+
+        rows.append(
+            (
+                "(a') Client.lookup(...), hit",
+                timed(lambda: c.lookup(s, 1, [0], hashes, 0, prompt), n, warmup, hit_answer),
+            )
+        )
+        rows.append(
+            (
+                "(a') Client.lookup(...), miss",
+                timed(lambda: c.lookup(s, 1, [0], cold, 0, prompt), n, warmup, miss_answer),
+            )
+        )
         rows.append(("(b) Client.ping()", timed(c.ping, n, warmup)))
         c._ping_many(warmup)
         rows.append(("(b) ping timed in Rust, no Python", sorted(c._ping_many(n))))
@@ -206,6 +230,8 @@ def main() -> int:
         )
         hit = percentile(rows[0][1], 0.5) * 1e6
         print(f"  query hit / raw iceoryx2, p50: {hit / iox_p50:.2f}x (goal <= 3x)")
+        typed = percentile(rows[2][1], 0.5) * 1e6
+        print(f"  typed lookup hit / raw iceoryx2, p50: {typed / iox_p50:.2f}x (goal <= 3x)")
     return 0
 
 

@@ -29,6 +29,7 @@ calls, per request).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -134,6 +135,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--no-gc",
+        action="store_true",
+        help="disable Python's cyclic garbage collector in the timed loops "
+        "(its pauses land on whichever request triggers them)",
+    )
+    ap.add_argument(
+        "--spin-after-work-us",
+        type=int,
+        help="the manager's spin_after_work_us (default: the manager's own, 100): "
+        "how long it polls without sleeping after a command, so a lookup "
+        "arriving within it pays no wake-up",
+    )
     args = ap.parse_args()
 
     import orbitkv
@@ -147,7 +161,10 @@ def main() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    manager = ss.Manager(Path(os.environ["ORBITKV_BIN"]), dram="1GiB")
+    config = ss.CONFIG
+    if args.spin_after_work_us is not None:
+        config = config.replace("[serve]\n", f"[serve]\nspin_after_work_us = {args.spin_after_work_us}\n")
+    manager = ss.Manager(Path(os.environ["ORBITKV_BIN"]), dram="1GiB", config=config)
     tmp = Path(manager.dir)
     model = harness.make_model(tmp / "model")
     init_none_hash(sha256)
@@ -157,6 +174,8 @@ def main() -> None:
         "prompt_tokens": PROMPT,
         "debug_extension": orbitkv._orbitkv._debug_build,
         "manager": os.environ["ORBITKV_BIN"],
+        "spin_after_work_us": args.spin_after_work_us,
+        "gc": not args.no_gc,
     }
     try:
         manager.start()
@@ -202,7 +221,13 @@ def main() -> None:
             if connector:
                 lookup = Timed(sched.connector, "get_num_new_matched_tokens")
                 meta = Timed(sched.connector, "build_connector_meta")
-            seconds = loop(sched, hasher, reqs, name)
+            if args.no_gc:
+                gc.collect()
+                gc.disable()
+            try:
+                seconds = loop(sched, hasher, reqs, name)
+            finally:
+                gc.enable()
             row = {"us_per_request": seconds / len(reqs) * 1e6}
             if connector:
                 st = sched.connector.scheduler.stats
@@ -226,8 +251,11 @@ def main() -> None:
 
     if results["debug_extension"]:
         print("WARNING: the orbitkv extension is a debug build; build it with --release")
+    spin = args.spin_after_work_us
     print(
         f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}"
+        f" (spin_after_work_us {'default' if spin is None else spin}), load {os.getloadavg()[0]:.2f},"
+        f" garbage collector {'off' if args.no_gc else 'on'} in the timed loops"
     )
     print(
         f"{'loop':9} {'us/req':>8} {'ratio':>6} {'lookup us/req':>13} {'p50':>7} {'p99':>7} "

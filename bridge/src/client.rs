@@ -12,17 +12,19 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use orbitkv_components::api::{Command, Event, LeaseInfo};
+use orbitkv_components::api::{Command, Event, GroupHashes, LeaseInfo, SessionHandle};
+use orbitkv_components::key::NativeHash;
+use orbitkv_components::namespace::Namespace;
 
 use orbitkv_ipc::{Client, ClientError};
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::agent::{AgentSetup, SharedAgent, check_kind, chunks_of, memory_kind};
 use crate::buffer::{Mapping, memoryview};
-use crate::convert::{deserialize_dict, serialize};
-use crate::{ConnectionError, QueueFull};
+use crate::convert::{deserialize, deserialize_dict, serialize};
+use crate::{ConnectionError, QueueFull, Rejected};
 
 /// The longest stretch a call blocks without checking for signals.
 const SLICE: Duration = Duration::from_millis(100);
@@ -290,6 +292,106 @@ impl PyClient {
             None => Err(PyTimeoutError::new_err(format!(
                 "no reply to command {id} within {timeout:?}"
             ))),
+        }
+    }
+
+    /// A lookup, typed: a peek at the boundary the manager would select
+    /// for a request whose page hashes (`bytes`, in page order) are
+    /// `hashes` in every group of `groups`, past `origin` tokens of a
+    /// `prompt_len`-token prompt. It holds nothing, so there is nothing to
+    /// release. Returns `(selected, None)`, or `(None, reason)` for a miss
+    /// (`MissReason`'s name). A refused lookup raises `Rejected` (`args`:
+    /// the error's kind, its reason label, the message). The command is
+    /// built here from the bytes (no dict, no hex), and only the answer
+    /// comes back; replies to earlier lookups that timed out are dropped.
+    #[pyo3(signature = (session, request, groups, hashes, origin, prompt_len, expect_namespaces=None, timeout=10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        session: &Bound<'_, PyAny>,
+        request: u64,
+        groups: Vec<u32>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+        prompt_len: u64,
+        expect_namespaces: Option<&Bound<'_, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<(Option<u64>, Option<&'static str>)> {
+        let timeout = duration(timeout, "timeout")?;
+        let session: SessionHandle = deserialize_dict(session)
+            .map_err(|e| PyValueError::new_err(format!("invalid session: {e}")))?;
+        let expect_namespaces: Vec<Namespace> = match expect_namespaces {
+            Some(ns) => deserialize(ns)
+                .map_err(|e| PyValueError::new_err(format!("invalid namespaces: {e}")))?,
+            None => Vec::new(),
+        };
+        let mut page_hashes = Vec::with_capacity(hashes.len().unwrap_or(0));
+        for (i, h) in hashes.try_iter()?.enumerate() {
+            let h = h?;
+            let bytes = h.cast::<PyBytes>().map_err(|_| {
+                PyValueError::new_err(format!("hash {i} is not bytes but {}", h.get_type()))
+            })?;
+            let hash = NativeHash::new(bytes.as_bytes())
+                .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))?;
+            page_hashes.push(hash);
+        }
+        let groups = groups
+            .into_iter()
+            .map(|group| GroupHashes {
+                group,
+                hashes: page_hashes.clone(),
+            })
+            .collect();
+        let command = Command::Lookup {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+        };
+        let deadline = Instant::now() + timeout;
+        // A lookup's reply, or a late reply of an earlier one (dropped).
+        let reply = move |id: u64| move |e: &Event| e.command().is_some_and(|c| c <= id);
+        let (id, mut found) = py.detach(|| -> Result<(u64, Option<Event>), Failure> {
+            let mut st = self.lock();
+            let c = st.client()?;
+            let id = c.submit(command)?;
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(SLICE);
+            Ok((id, c.wait_event(slice, reply(id))?))
+        })?;
+        loop {
+            match found {
+                Some(e) if e.command() == Some(id) => {
+                    return match e {
+                        Event::QueryResult { selected, miss, .. } => match miss {
+                            Some(m) => Ok((None, Some(m.as_str()))),
+                            None => Ok((selected, None)),
+                        },
+                        Event::Rejected { error, .. } => Err(Rejected::new_err((
+                            error.kind(),
+                            error.reason(),
+                            error.to_string(),
+                        ))),
+                        other => Err(PyRuntimeError::new_err(format!(
+                            "unexpected reply to a lookup: {other:?}"
+                        ))),
+                    };
+                }
+                _ => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if found.is_none() && left.is_zero() {
+                        return Err(PyTimeoutError::new_err(format!(
+                            "no reply to lookup {id} within {timeout:?}"
+                        )));
+                    }
+                    py.check_signals()?;
+                    found = self.wait_matching(py, left, reply(id))?;
+                }
+            }
         }
     }
 

@@ -66,6 +66,13 @@ create_exception!(
     "The runtime's inbox is full; tick to drain it, then submit again."
 );
 
+create_exception!(
+    orbitkv,
+    Rejected,
+    PyException,
+    "The manager refused a command: `args` are the error's kind (`stale_session`, `invalid`, `limit`, ...), its reason label (the kind, the malformation's kind for `invalid`, `limit_<name>` for a limit: what `orbitkv_refusals_total` counts) and the message."
+);
+
 /// OrbitKV's native module; import `orbitkv` instead.
 #[pymodule]
 fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -80,6 +87,7 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("IdentityError", py.get_type::<IdentityError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("QueueFull", py.get_type::<QueueFull>())?;
+    m.add("Rejected", py.get_type::<Rejected>())?;
     m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<client::PyClient>()?;

@@ -590,6 +590,10 @@ class _Counting:
         self._seen.append(command["command"])
         return self._client.submit(command)
 
+    def lookup(self, *args, **kwargs):
+        self._seen.append("lookup")
+        return self._client.lookup(*args, **kwargs)
+
     def __getattr__(self, name):
         return getattr(self._client, name)
 

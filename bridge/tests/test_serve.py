@@ -208,6 +208,57 @@ def test_client_api(manager):
     assert c2.closed
 
 
+def test_typed_lookup(manager):
+    # `Client.lookup`: hashes as bytes, typed answers, nothing to release.
+    c = orbitkv.Client(manager.socket, "lookup")
+    ss.register(c)
+    s = ss.open_session(c)
+    as_bytes = [bytes.fromhex(h) for h in ss.hashes(3, seed=7)]
+    assert c.lookup(s, 1, [0], as_bytes, 0, 3 * PAGE) == (None, "not_found")
+    ss.publish(c, 2, seed=7)
+    # Two pages stored, a three-page prompt: the boundary below its last
+    # token is page 2's end; a subclass of bytes (vLLM's BlockHash) works.
+    class BlockHash(bytes):
+        pass
+
+    hit = c.lookup(s, 2, [0], [BlockHash(h) for h in as_bytes], 0, 3 * PAGE)
+    assert hit == (2 * PAGE, None)
+    # Past what the engine holds (origin) nothing more is stored.
+    assert c.lookup(s, 3, [0], as_bytes, 2 * PAGE, 3 * PAGE) == (None, "not_found")
+    # The same answer as a `query` without prepare, which must be released.
+    q = c.call(ss.query_cmd(s, 3, prepare=False, seed=7))
+    assert q["selected"] == 2 * PAGE, q
+    ss.release(c, s, q["operation"])
+    # Bad input: typed errors, nothing sent.
+    with pytest.raises(ValueError, match="hash 1 is not bytes"):
+        c.lookup(s, 4, [0], [as_bytes[0], "00ff"], 0, 3 * PAGE)
+    with pytest.raises(ValueError, match="hash 0"):
+        c.lookup(s, 4, [0], [b""], 0, 3 * PAGE)
+    with pytest.raises(ValueError, match="hash 0"):
+        c.lookup(s, 4, [0], [bytes(65)], 0, 3 * PAGE)
+    with pytest.raises(ValueError, match="invalid session"):
+        c.lookup({"id": 1}, 4, [0], as_bytes, 0, 3 * PAGE)
+    # Refusals are typed: a group the instance does not have, a session of
+    # another incarnation.
+    with pytest.raises(orbitkv.Rejected) as e:
+        c.lookup(s, 5, [9], as_bytes, 0, 3 * PAGE)
+    assert e.value.args[0] == "invalid", e.value.args
+    stale = dict(s, incarnation=s["incarnation"] + 1)
+    with pytest.raises(orbitkv.Rejected) as e:
+        c.lookup(stale, 6, [0], as_bytes, 0, 3 * PAGE)
+    assert e.value.args[:2] == ("stale_session", "stale_session"), e.value.args
+    # A reply nobody waited for (as after a lookup that timed out) is
+    # dropped by the next lookup.
+    late = dict(ss.query_cmd(s, 3, prepare=False, seed=7), command="lookup")
+    del late["prepare"]
+    c.submit(late)
+    assert c.lookup(s, 8, [0], as_bytes, 0, 3 * PAGE) == (2 * PAGE, None)
+    assert c.poll_events() == []
+    manager.wait_metric("operations", 0)
+    manager.wait_metric("leases", 0)
+    c.close()
+
+
 class Interrupted(Exception):
     pass
 

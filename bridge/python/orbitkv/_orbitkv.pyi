@@ -64,6 +64,7 @@ __all__ = [
     "IdentityError",
     "InvariantError",
     "QueueFull",
+    "Rejected",
     "Runtime",
     "required_ranges",
     "restorable_boundaries",
@@ -98,6 +99,15 @@ class QueueFull(Exception):
     """The runtime's inbox holds ``limits.max_inbox`` commands: call
     :meth:`Runtime.tick` to drain it, then submit again. From a
     :class:`Client`: the manager's inbox was full; submit again later."""
+
+class Rejected(Exception):
+    """The manager refused a command (it had no effect). ``args`` are the
+    error's kind (``stale_session``, ``invalid``, ``limit``, ...), its
+    reason label (what ``orbitkv_refusals_total{reason}`` counts: the kind,
+    the malformation's kind for ``invalid``, ``limit_<name>`` for a limit)
+    and the manager's message. Raised by the typed verbs
+    (:meth:`Client.lookup`); :meth:`Client.call` returns the ``rejected``
+    event instead."""
 
 class ConnectionError(builtins.ConnectionError):
     """The connection to the manager failed: it could not be made, the
@@ -347,6 +357,35 @@ class Client:
 
         :raises TimeoutError: no reply within ``timeout`` seconds.
         :raises ValueError: not a command, or a bad ``timeout``.
+        :raises QueueFull: the manager's inbox was full.
+        :raises ConnectionError: the connection failed.
+        """
+
+    def lookup(
+        self,
+        session: Dict[str, int],
+        request: int,
+        groups: Sequence[int],
+        hashes: Sequence[bytes],
+        origin: int,
+        prompt_len: int,
+        expect_namespaces: Optional[Sequence[str]] = None,
+        timeout: float = 10.0,
+    ) -> Tuple[Optional[int], Optional[str]]:
+        """A lookup, typed: the boundary the manager would select for a
+        request whose page hashes (``bytes``, in page order) are ``hashes``
+        in every group of ``groups``, past ``origin`` tokens of a
+        ``prompt_len``-token prompt. It holds nothing: nothing to release.
+        The command is built from the bytes (no dict, no hex) and only the
+        answer comes back; replies of earlier lookups that timed out are
+        dropped.
+
+        :returns: ``(selected, None)``, or ``(None, reason)`` for a miss
+            (``MissReason``'s name, e.g. ``"not_found"``).
+        :raises Rejected: the manager refused the lookup.
+        :raises TimeoutError: no answer within ``timeout`` seconds.
+        :raises ValueError: a hash that is not 1 to 64 bytes, a bad session
+            or namespace.
         :raises QueueFull: the manager's inbox was full.
         :raises ConnectionError: the connection failed.
         """

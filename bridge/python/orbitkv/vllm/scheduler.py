@@ -10,9 +10,10 @@ leases themselves when they load.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
+
+import orbitkv
 
 from .engine import EngineSpec
 from .link import LINK_ERRORS, ManagerLink, Refused, Unavailable
@@ -85,6 +86,7 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self.stats = SchedulerStats()
         self._next_request = 0
+        self._group_ids = [g.id for g in spec.groups]
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
         self.link.connect_at_startup()
@@ -212,49 +214,38 @@ class SchedulerSide:
             self.stats.miss("unavailable")
             return None
         page = self.spec.page_tokens
-        hashes = [bytes(h).hex() for h in request.block_hashes[:pages]]
         self._next_request += 1
-        query = {
-            "command": "lookup",
-            "session": session,
-            "request": self._next_request,
-            "groups": [{"group": g.id, "hashes": hashes} for g in self.spec.groups],
-            "origin": origin,
-            "prompt_len": request.num_tokens,
-            "expect_namespaces": self.link.namespaces,
-        }
         self.stats.queries += 1
         self.stats.queried_tokens += pages * page - origin
         try:
-            reply = self._call(client, session, query)
+            selected, miss = client.lookup(
+                session,
+                self._next_request,
+                self._group_ids,
+                request.block_hashes[:pages],
+                origin,
+                request.num_tokens,
+                self.link.namespaces,
+                self.settings.query_timeout_s,
+            )
+        except orbitkv.Rejected as e:
+            kind = str(e.args[0])
+            if kind == "stale_session":
+                self.link.drop("stale session")
+            self.stats.miss(kind)
+            return None
+        except TimeoutError:
+            # A lookup holds nothing: a late answer is dropped by the next.
+            self.stats.miss("timeout")
+            return None
         except LINK_ERRORS as e:
             self.link.drop(f"{type(e).__name__}: {e}")
             self.stats.miss("unavailable")
             return None
-        if reply.get("event") != "query_result":
-            error = (reply.get("error") or {}).get("error", "rejected")
-            if error == "stale_session":
-                self.link.drop("stale session")
-            self.stats.miss(str(error))
+        if miss is not None:
+            self.stats.miss(miss)
             return None
-        if reply.get("miss") is not None:
-            self.stats.miss(str(reply["miss"]))
-            return None
-        return reply.get("selected")
-
-    def _call(self, client: Any, session: Dict[str, Any], query: Dict[str, Any]) -> Dict[str, Any]:
-        """Submits the lookup and waits (bounded) for its answer. Any other
-        event is a late answer to a lookup that timed out: a lookup holds
-        nothing, so it is dropped."""
-        deadline = time.monotonic() + self.settings.query_timeout_s
-        cid = client.submit(query)
-        while True:
-            left = deadline - time.monotonic()
-            ev = client.wait_event(max(left, 0.0)) if left > 0 else None
-            if ev is None:
-                return {"event": "timeout", "error": {"error": "timeout"}}
-            if ev.get("command") == cid:
-                return ev
+        return selected
 
     def _plan_save(self, rid: str, scheduled: int) -> Optional[SaveSpec]:
         state = self.requests.get(rid)

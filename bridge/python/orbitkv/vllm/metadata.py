@@ -5,7 +5,7 @@ worker processes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, NamedTuple, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -30,8 +30,10 @@ class LoadSpec:
     `NULL_BLOCK`), for pages [0, boundary / page_tokens)."""
 
 
-@dataclass
-class SaveItem:
+class SaveItem(NamedTuple):
+    """One page to save (a tuple: the scheduler builds one per page of
+    every scheduled request, every step)."""
+
     page: int
     """Page index: tokens [page * page_tokens, (page + 1) * page_tokens)."""
     hash: bytes

@@ -260,18 +260,22 @@ class SchedulerSide:
         done = min((request.num_computed_tokens + scheduled) // page, len(request.block_hashes))
         if done <= state.saved_pages or self.kv_cache_manager is None:
             return None
-        blocks = self.kv_cache_manager.get_blocks(rid).blocks
-        items = []
-        for p in range(state.saved_pages, done):
-            ids = []
-            for group_blocks in blocks:
-                b = group_blocks[p] if p < len(group_blocks) else None
-                ids.append(NULL_BLOCK if b is None or b.is_null else b.block_id)
-            if all(i == NULL_BLOCK for i in ids):
-                continue
-            items.append(
-                SaveItem(page=p, hash=bytes(request.block_hashes[p]), block_ids=tuple(ids))
-            )
+        saved = state.saved_pages
+        # Column by column (one list per group), then a tuple per page: the
+        # scheduler's thread runs this for every scheduled request, every
+        # step, so no Python loop runs per page and group.
+        columns = []
+        for group_blocks in self.kv_cache_manager.get_blocks(rid).blocks:
+            column = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[saved:done]]
+            column += [NULL_BLOCK] * (done - saved - len(column))
+            columns.append(column)
+        nowhere = (NULL_BLOCK,) * len(columns)
+        hashes = request.block_hashes
+        items = [
+            SaveItem(p, bytes(hashes[p]), ids)
+            for p, ids in zip(range(saved, done), zip(*columns))
+            if ids != nowhere
+        ]
         state.saved_pages = done
         if not items:
             return None

@@ -180,6 +180,37 @@ impl PyClient {
         }
     }
 
+    /// Submits `command` and waits until `deadline` for the first event
+    /// `reply(id)` accepts (`id`: the command's id). The common case runs
+    /// in one GIL release: the submit, and the reply within the first
+    /// slice.
+    fn submit_then_wait<P>(
+        &self,
+        py: Python<'_>,
+        command: Command,
+        deadline: Instant,
+        reply: impl Fn(u64) -> P + Send + Sync,
+    ) -> PyResult<(u64, Option<Event>)>
+    where
+        P: Fn(&Event) -> bool + Send + Sync,
+    {
+        let (id, found) = py.detach(|| -> Result<(u64, Option<Event>), Failure> {
+            let mut st = self.lock();
+            let c = st.client()?;
+            let id = c.submit(command)?;
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(SLICE);
+            Ok((id, c.wait_event(slice, reply(id))?))
+        })?;
+        if found.is_some() {
+            return Ok((id, found));
+        }
+        py.check_signals()?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        Ok((id, self.wait_matching(py, left, reply(id))?))
+    }
+
     fn events<'py>(py: Python<'py>, events: &[Event]) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
         for e in events {
@@ -267,26 +298,9 @@ impl PyClient {
         let command: Command = deserialize_dict(command)
             .map_err(|e| PyValueError::new_err(format!("invalid command: {e}")))?;
         let deadline = Instant::now() + timeout;
-        // The common case in one GIL release: submit, and the reply within
-        // the first slice.
-        let (id, reply) = py.detach(|| -> Result<(u64, Option<Event>), Failure> {
-            let mut st = self.lock();
-            let c = st.client()?;
-            let id = c.submit(command)?;
-            let slice = deadline
-                .saturating_duration_since(Instant::now())
-                .min(SLICE);
-            let reply = c.wait_event(slice, |e| e.command() == Some(id))?;
-            Ok((id, reply))
+        let (id, reply) = self.submit_then_wait(py, command, deadline, |id| {
+            move |e: &Event| e.command() == Some(id)
         })?;
-        let reply = match reply {
-            Some(e) => Some(e),
-            None => {
-                py.check_signals()?;
-                let left = deadline.saturating_duration_since(Instant::now());
-                self.wait_matching(py, left, move |e| e.command() == Some(id))?
-            }
-        };
         match reply {
             Some(e) => serialize(py, &e),
             None => Err(PyTimeoutError::new_err(format!(
@@ -354,15 +368,7 @@ impl PyClient {
         let deadline = Instant::now() + timeout;
         // A lookup's reply, or a late reply of an earlier one (dropped).
         let reply = move |id: u64| move |e: &Event| e.command().is_some_and(|c| c <= id);
-        let (id, mut found) = py.detach(|| -> Result<(u64, Option<Event>), Failure> {
-            let mut st = self.lock();
-            let c = st.client()?;
-            let id = c.submit(command)?;
-            let slice = deadline
-                .saturating_duration_since(Instant::now())
-                .min(SLICE);
-            Ok((id, c.wait_event(slice, reply(id))?))
-        })?;
+        let (id, mut found) = self.submit_then_wait(py, command, deadline, reply)?;
         loop {
             match found {
                 Some(e) if e.command() == Some(id) => {
@@ -381,15 +387,16 @@ impl PyClient {
                         ))),
                     };
                 }
-                _ => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if found.is_none() && left.is_zero() {
-                        return Err(PyTimeoutError::new_err(format!(
-                            "no reply to lookup {id} within {timeout:?}"
-                        )));
-                    }
+                // A late reply of an earlier lookup: dropped.
+                Some(_) => {
                     py.check_signals()?;
+                    let left = deadline.saturating_duration_since(Instant::now());
                     found = self.wait_matching(py, left, reply(id))?;
+                }
+                None => {
+                    return Err(PyTimeoutError::new_err(format!(
+                        "no reply to lookup {id} within {timeout:?}"
+                    )));
                 }
             }
         }

@@ -12,7 +12,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use orbitkv_components::api::{Command, Event, GroupHashes, LeaseInfo, SessionHandle};
+use orbitkv_components::api::{
+    Command, CommandError, Event, GroupHashes, LeaseInfo, LimitName, SessionHandle,
+};
 use orbitkv_components::key::NativeHash;
 use orbitkv_components::namespace::Namespace;
 
@@ -101,17 +103,29 @@ impl From<Failure> for PyErr {
             Failure::Client(ClientError::Timeout(d)) => {
                 PyTimeoutError::new_err(format!("no reply from the manager within {d:?}"))
             }
-            // `Accepted` carries an error only when the manager's inbox is
-            // full; anything a command does wrong is a `rejected` event.
-            Failure::Client(ClientError::Command(e)) => {
-                QueueFull::new_err(format!("the manager did not queue the command: {e}"))
-            }
+            // `Accepted` carries an error when the manager did not queue
+            // the command: its inbox is full (try again), or a quota of
+            // the connection, uid or process is reached (a refusal).
+            Failure::Client(ClientError::Command(e)) => match e {
+                CommandError::Limit {
+                    name: LimitName::MaxInbox,
+                    ..
+                } => QueueFull::new_err(format!("the manager did not queue the command: {e}")),
+                e => rejected(&e),
+            },
             Failure::Client(e) => ConnectionError::new_err(e.to_string()),
             Failure::Closed => ConnectionError::new_err("the client is closed"),
             Failure::Value(m) => PyValueError::new_err(m),
             Failure::Os(m) => PyRuntimeError::new_err(m),
         }
     }
+}
+
+/// `Rejected`: the error's kind, its reason label, the message, and the
+/// error as a `rejected` event carries it (a dict).
+fn rejected(e: &CommandError) -> PyErr {
+    let error = Python::attach(|py| serialize(py, e).map(Bound::unbind).ok());
+    Rejected::new_err((e.kind(), e.reason(), e.to_string(), error))
 }
 
 fn duration(secs: f64, what: &str) -> PyResult<Duration> {
@@ -377,11 +391,7 @@ impl PyClient {
                             Some(m) => Ok((None, Some(m.as_str()))),
                             None => Ok((selected, None)),
                         },
-                        Event::Rejected { error, .. } => Err(Rejected::new_err((
-                            error.kind(),
-                            error.reason(),
-                            error.to_string(),
-                        ))),
+                        Event::Rejected { error, .. } => Err(rejected(&error)),
                         other => Err(PyRuntimeError::new_err(format!(
                             "unexpected reply to a lookup: {other:?}"
                         ))),

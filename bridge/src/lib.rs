@@ -63,14 +63,14 @@ create_exception!(
     orbitkv,
     QueueFull,
     PyException,
-    "The runtime's inbox is full; tick to drain it, then submit again."
+    "The runtime's (or the manager's) inbox is full: nothing was queued; tick to drain it, or submit again later."
 );
 
 create_exception!(
     orbitkv,
     Rejected,
     PyException,
-    "The manager refused a command: `args` are the error's kind (`stale_session`, `invalid`, `limit`, ...), its reason label (the kind, the malformation's kind for `invalid`, `limit_<name>` for a limit: what `orbitkv_refusals_total` counts) and the message."
+    "The manager refused a command: `args` are the error's kind (`stale_session`, `invalid`, `limit`, ...), its reason label (the kind, the malformation's kind for `invalid`, `limit_<name>` for a limit: what `orbitkv_refusals_total` counts), the message, and the error as a `rejected` event carries it (a dict)."
 );
 
 /// OrbitKV's native module; import `orbitkv` instead.

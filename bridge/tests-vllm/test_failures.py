@@ -284,6 +284,32 @@ def test_instance_name_taken_by_another_model_stops_the_engine(models, manager):
     wait_refusals(manager, "register_instance", "instance_conflict")
 
 
+def test_a_session_quota_of_the_manager_stops_the_engine(model, orbitkv_bin):
+    # The manager allows one session per process: the scheduler takes it,
+    # and the worker's open_session is refused before it is queued. The
+    # engine stops at startup naming the manager's setting, and the manager
+    # counts the refusal. (It used to reach Python as QueueFull, "inbox
+    # full", which no hook expected.)
+    m = ss.Manager(
+        orbitkv_bin,
+        dram="64MiB",
+        config="[serve]\nidle_tick_us = 100\nmax_sessions_per_process = 1\n"
+        "[dram]\nfirst_touch = false\nextent_bytes = 65536\n",
+    )
+    m.start()
+    try:
+        with pytest.raises(ov.ConfigError) as err:
+            with engine(model, m.socket):
+                pass
+        msg = str(err.value)
+        assert "open_session" in msg and "limit_max_sessions_per_process" in msg, msg
+        assert "raise [serve] max_sessions_per_process" in msg, msg
+        wait_refusals(m, "open_session", "limit_max_sessions_per_process")
+        m.wait_metric("sessions", 0)
+    finally:
+        m.stop()
+
+
 def test_refusal_after_a_manager_restart_is_loud(model, manager, orbitkv_bin, caplog):
     # The engine starts against a manager that serves it; a manager started
     # in its place with an extent smaller than a page refuses the instance.

@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 
+import orbitkv
 import pytest
 import torch
 
@@ -453,6 +454,28 @@ def test_refused_registration_fails_the_attach(orbitkv_bin):
         m.start()
         with pytest.raises(ValueError, match=r"refused register_instance \(page_exceeds_extent\).*dram.extent_bytes"):
             backend(host_pool("page_first"), m.socket)
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
+
+
+def test_a_session_quota_fails_the_attach(orbitkv_bin):
+    """The manager allows one session per process and this process holds
+    it: the backend's open_session is refused before it is queued, and the
+    attach fails naming the limit (it used to surface as QueueFull, "inbox
+    full")."""
+    config = ss.CONFIG.replace("[serve]\n", "[serve]\nmax_sessions_per_process = 1\n")
+    m = ss.Manager(orbitkv_bin, dram="64MiB", config=config)
+    try:
+        m.start()
+        holder = orbitkv.Client(m.socket, "holder")
+        ss.register(holder)
+        ss.open_session(holder)
+        with pytest.raises(
+            ValueError, match=r"refused open_session \(limit_max_sessions_per_process\)"
+        ):
+            backend(host_pool("page_first"), m.socket)
+        holder.close()
     finally:
         m.stop()
         shutil.rmtree(m.dir, ignore_errors=True)

@@ -131,10 +131,14 @@ fn submit(st: &mut State, id: ConnId, payload: &[u8]) -> Result<usize, Refusal> 
         _ => None,
     };
     let refused = quota.and_then(|q| over_quota(st, id, q));
+    let kind = command.kind();
     let result = match refused {
         Some(e) => Err(e),
         None => st.submit(id, command),
     };
+    if let Err(e) = &result {
+        st.metrics.refused_at_submit(kind, e);
+    }
     let submitted = usize::from(result.is_ok());
     if let (Ok(cid), Some(q)) = (&result, quota)
         && let Some(c) = st.conns.get_mut(&id)

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orbitkv_components::api::{Command, CommandId, Event, MissReason};
+use orbitkv_components::api::{Command, CommandError, CommandId, Event, MissReason};
 use orbitkv_io::remote::RemoteStatsHandle;
 use orbitkv_ipc::Window;
 use orbitkv_world::Stats;
@@ -423,6 +423,19 @@ impl Metrics {
 
     /// A command was queued (in the round whose clock read `now`): start
     /// the clock of what answers it.
+    /// A command refused before it was queued (a per-connection, per-uid
+    /// or per-process quota, a full inbox): counted with the runtime's
+    /// refusals, by command and reason.
+    pub fn refused_at_submit(&mut self, command: &str, error: &CommandError) {
+        self.mirrored
+            .refusals
+            .get_or_create(&Refusal {
+                command: command.to_owned(),
+                reason: error.reason(),
+            })
+            .inc();
+    }
+
     pub fn submitted(&mut self, cid: CommandId, clock: StartClock, now: Instant) {
         match clock {
             StartClock::Operation(op, t) => {

@@ -104,10 +104,13 @@ class Rejected(Exception):
     """The manager refused a command (it had no effect). ``args`` are the
     error's kind (``stale_session``, ``invalid``, ``limit``, ...), its
     reason label (what ``orbitkv_refusals_total{reason}`` counts: the kind,
-    the malformation's kind for ``invalid``, ``limit_<name>`` for a limit)
-    and the manager's message. Raised by the typed verbs
-    (:meth:`Client.lookup`); :meth:`Client.call` returns the ``rejected``
-    event instead."""
+    the malformation's kind for ``invalid``, ``limit_<name>`` for a limit),
+    the manager's message, and the error as a ``rejected`` event carries
+    it (``{"error": kind, "detail": ...}``). Raised by the typed verbs
+    (:meth:`Client.lookup`), and by every call when the manager refuses to
+    queue a command (a session or region quota of the connection, uid or
+    process); :meth:`Client.call` returns a ``rejected`` event for what the
+    runtime refuses."""
 
 class ConnectionError(builtins.ConnectionError):
     """The connection to the manager failed: it could not be made, the
@@ -340,6 +343,7 @@ class Client:
         :returns: the command id; replies carry it as ``"command"``.
         :raises ValueError: the dict is not a command (serde's message).
         :raises QueueFull: the manager's inbox was full (nothing queued).
+        :raises Rejected: the manager refused to queue it (a quota).
         :raises ConnectionError: the connection failed.
         """
 
@@ -358,6 +362,7 @@ class Client:
         :raises TimeoutError: no reply within ``timeout`` seconds.
         :raises ValueError: not a command, or a bad ``timeout``.
         :raises QueueFull: the manager's inbox was full.
+        :raises Rejected: the manager refused to queue it (a quota).
         :raises ConnectionError: the connection failed.
         """
 

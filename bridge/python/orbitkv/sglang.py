@@ -789,10 +789,16 @@ class _Conn:
                     f"orbitkv: the manager sealed namespace {r['namespaces']}, we computed "
                     f"{reg.namespace}"
                 )
-            self.session = self._reply(
-                self.client.call({"command": "open_session", "instance": reg.instance}, cfg.timeout_s),
-                "session_opened",
-            )["session"]
+            try:
+                opened = self.client.call(
+                    {"command": "open_session", "instance": reg.instance}, cfg.timeout_s
+                )
+            except orbitkv.Rejected as e:
+                # Refused before it was queued: a session quota of the
+                # manager (per connection, uid or process).
+                error = e.args[3] if len(e.args) > 3 else {"error": e.args[0]}
+                raise _Refused("open_session", error) from e
+            self.session = self._reply(opened, "session_opened")["session"]
         except BaseException:
             self.close()
             raise

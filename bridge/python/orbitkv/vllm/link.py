@@ -76,6 +76,16 @@ def refusal_reason(error: Dict[str, Any]) -> str:
     return kind
 
 
+_SERVE_QUOTAS = (
+    "max_sessions_per_connection",
+    "max_regions_per_connection",
+    "max_sessions_per_uid",
+    "max_sessions_per_process",
+)
+"""The manager's quotas (`orbitkv serve` settings), refused before a
+command is queued."""
+
+
 def _setting_for(reason: str, detail: Any, spec: EngineSpec, rank: Optional[int]) -> str:
     """The setting an operator changes to end a refusal, in words."""
     d = detail if isinstance(detail, dict) else {}
@@ -109,7 +119,14 @@ def _setting_for(reason: str, detail: Any, spec: EngineSpec, rank: Optional[int]
             "empty to derive it from the identity"
         )
     if reason.startswith("limit_"):
-        return f"the manager's limit {reason[len('limit_'):]} ({d.get('limit')}) is reached"
+        name = reason[len("limit_") :]
+        where = ""
+        if name in _SERVE_QUOTAS:
+            where = (
+                f": raise [serve] {name} in the manager's configuration, or run fewer "
+                "engine processes against it"
+            )
+        return f"the manager's limit {name} ({d.get('limit')}) is reached{where}"
     return f"the manager refused it ({reason}: {d})"
 
 
@@ -185,9 +202,11 @@ class ManagerLink:
             raise Unavailable(f"manager unavailable: {self.last_error}")
         self._retry_at = now + self.settings.reconnect_interval_s
         client = None
+        step = "connect"
         try:
             client = orbitkv.Client(self.settings.socket, self.name)
             t = self.settings.timeout_s
+            step = "register_instance"
             reg = expect(
                 "register_instance",
                 client.call(self.spec.register_command, t),
@@ -195,6 +214,7 @@ class ManagerLink:
                 self.spec,
                 self.rank,
             )
+            step = "open_session"
             opened = expect(
                 "open_session",
                 client.call({"command": "open_session", "instance": self.spec.instance}, t),
@@ -204,12 +224,19 @@ class ManagerLink:
             )
             session = opened["session"]
             if self.on_connect is not None:
+                step = "register_device_region"
                 self.on_connect(client, session)
-        except Refused as e:
+        except (Refused, orbitkv.Rejected) as e:
             if client is not None:
                 client.close()
-            self._refused(e)
-            raise
+            if isinstance(e, Refused):
+                self._refused(e)
+                raise
+            # Refused before it was queued: a session or region quota of
+            # the manager (per connection, uid or process).
+            r = refused(step, {"error": e.args[3] if len(e.args) > 3 else {"error": e.args[0]}}, self.spec, self.rank)
+            self._refused(r)
+            raise r from e
         except (Unavailable, *LINK_ERRORS) as e:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"

@@ -189,3 +189,25 @@ def test_a_refused_registration_is_a_typed_error(saved):
             assert not isinstance(err.value, orbitkv.ConnectionError)
     finally:
         manager.stop()
+
+
+def test_a_session_quota_is_a_typed_error(saved):
+    """The manager allows one session per process and this process holds
+    it: the store's open_session is refused before it is queued, and
+    raises `OrbitKVError` with the limit (not `QueueFull`)."""
+    import serve_support as ss
+    from orbitkv.transformers import OrbitKVError
+
+    config = ss.CONFIG.replace("[serve]\n", "[serve]\nmax_sessions_per_process = 1\n")
+    manager = ss.Manager(ss.orbitkv_binary(), dram="64MiB", config=config).start()
+    try:
+        with orbitkv.Client(manager.socket, "holder") as holder:
+            ss.register(holder)
+            ss.open_session(holder)
+            with orbitkv.Client(manager.socket, "transformers") as client:
+                with pytest.raises(OrbitKVError) as err:
+                    store_for(saved, "llama", client)
+                assert err.value.kind == "limit", err.value
+                assert err.value.detail["name"] == "max_sessions_per_process", err.value
+    finally:
+        manager.stop()

@@ -583,7 +583,12 @@ class Store:
         return self._driver
 
     def _reply(self, cmd: dict, want: str) -> dict:
-        e = self._d().call(cmd)
+        try:
+            e = self._d().call(cmd)
+        except orbitkv.Rejected as r:
+            # Refused before it was queued (a session or region quota).
+            err = r.args[3] if len(r.args) > 3 else {"error": r.args[0]}
+            raise OrbitKVError(err["error"], err.get("detail"), cmd) from r
         if e["event"] == "rejected":
             err = e["error"]
             raise OrbitKVError(err["error"], err.get("detail"), cmd)

@@ -234,7 +234,8 @@ class ManagerLink:
                 raise
             # Refused before it was queued: a session or region quota of
             # the manager (per connection, uid or process).
-            r = refused(step, {"error": e.args[3] if len(e.args) > 3 else {"error": e.args[0]}}, self.spec, self.rank)
+            error = e.args[3] if len(e.args) > 3 else {"error": e.args[0]}
+            r = refused(step, {"error": error}, self.spec, self.rank)
             self._refused(r)
             raise r from e
         except (Unavailable, *LINK_ERRORS) as e:

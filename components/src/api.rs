@@ -255,6 +255,30 @@ pub enum Command {
         #[serde(default)]
         expect_namespaces: Vec<Namespace>,
     },
+    /// A query with `prepare` that goes on to restore by itself: once
+    /// every required page is leased (`Ready`, still sent), the pages of
+    /// the ranges of `ranks` that `targets` name are restored into their
+    /// device pages and the rest must be in `retained`, exactly as a
+    /// `Restore` would be checked (a load whose targets and retained
+    /// positions do not cover the ranges ends with `Rejected`, and nothing
+    /// is copied). Targets and retained positions outside the selected
+    /// ranges are ignored: the engine names every page it could take, the
+    /// runtime picks the boundary. Pages of ranks not in `ranks` are
+    /// restored by their own ranks' loads. One round trip for a hit:
+    /// `QueryResult`, `Ready`, then `RestoreDone` or `Miss`.
+    Load {
+        session: SessionHandle,
+        request: u64,
+        groups: Vec<GroupHashes>,
+        origin: u64,
+        prompt_len: u64,
+        #[serde(default)]
+        expect_namespaces: Vec<Namespace>,
+        ranks: Vec<u32>,
+        targets: Vec<RestoreTarget>,
+        #[serde(default)]
+        retained: Vec<PagePos>,
+    },
     /// read_recovery for the selected boundary of a query.
     Prepare {
         session: SessionHandle,
@@ -719,6 +743,7 @@ impl Command {
             Command::DevicePageFree { .. } => "device_page_free",
             Command::Query { .. } => "query",
             Command::Lookup { .. } => "lookup",
+            Command::Load { .. } => "load",
             Command::Prepare { .. } => "prepare",
             Command::Restore { .. } => "restore",
             Command::Publish { .. } => "publish",

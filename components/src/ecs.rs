@@ -317,6 +317,8 @@ pub struct Recovery {
     pub prepare: bool,
     /// A `Lookup`: the operation ends with its `QueryResult`.
     pub peek: bool,
+    /// A `Load`: restores by itself once ready (taken then).
+    pub load: Option<LoadPlan>,
     /// Page ends found per (rank index, group), ascending.
     pub candidates: Vec<(u32, u32, Vec<u64>)>,
     pub selected: Option<u64>,
@@ -330,6 +332,15 @@ pub struct Recovery {
     pub copies: Vec<PlannedCopy>,
     /// How many of `copies` were submitted (or abandoned).
     pub copies_sent: usize,
+}
+
+/// What a `Load` restores once its operation is ready: the engine's
+/// destinations and attested positions, for the ranges of `ranks`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadPlan {
+    pub ranks: Vec<u32>,
+    pub targets: Vec<RestoreTarget>,
+    pub retained: Vec<PagePos>,
 }
 
 /// One page copy of a restore: a leased DRAM page into a pinned device page.
@@ -370,6 +381,7 @@ impl Recovery {
             expect_namespaces: Vec::new(),
             prepare: false,
             peek: false,
+            load: None,
             candidates: Vec::new(),
             selected: None,
             ranges: Vec::new(),

@@ -112,6 +112,8 @@ pub mod part {
     pub const RANGES: u32 = 8;
     pub const LEASES: u32 = 9;
     pub const JSON: u32 = 10;
+    /// A load's plan: ranks, targets, retained positions.
+    pub const LOAD: u32 = 11;
     /// Padding at a ring's end (never in a descriptor).
     pub const PAD: u32 = 0xffff;
 }
@@ -128,6 +130,8 @@ pub enum Op {
     Cancel = 6,
     /// `Command::Lookup`: a query's fields, ended by its result.
     Lookup = 7,
+    /// `Command::Load`: a query's fields and its restore plan.
+    Load = 8,
 }
 
 impl Op {
@@ -140,6 +144,7 @@ impl Op {
             5 => Op::Release,
             6 => Op::Cancel,
             7 => Op::Lookup,
+            8 => Op::Load,
             _ => return None,
         })
     }
@@ -153,7 +158,8 @@ pub const REQ_SPECULATIVE: u32 = 2;
 ///
 /// | op | `a` | parts |
 /// | --- | --- | --- |
-/// | query | request | 0 groups, 1 namespaces |
+/// | query, lookup | request | 0 groups, 1 namespaces |
+/// | load | request | 0 groups, 1 namespaces, 2 plan |
 /// | prepare, release, cancel | operation | |
 /// | restore | operation | 0 targets, 1 retained |
 /// | publish | request | 0 pages |
@@ -859,6 +865,45 @@ fn decode_targets(b: &[u8]) -> Result<Vec<RestoreTarget>, HotError> {
         .collect()
 }
 
+/// A load's plan: rank and target counts (u32 each), the ranks, padding
+/// to 8, the targets, then the retained positions to the part's end.
+fn encode_load(ranks: &[u32], targets: &[RestoreTarget], retained: &[PagePos]) -> Option<Vec<u8>> {
+    let n_ranks = u32::try_from(ranks.len()).ok()?;
+    let n_targets = u32::try_from(targets.len()).ok()?;
+    let bytes =
+        8 + (4 * ranks.len()).next_multiple_of(8) + 24 * targets.len() + 16 * retained.len();
+    let mut p = Put::with_capacity(bytes);
+    p.u32(n_ranks).u32(n_targets);
+    for r in ranks {
+        p.u32(*r);
+    }
+    p.pad8();
+    p.bytes(&encode_targets(targets));
+    p.bytes(&encode_positions(retained));
+    Some(p.0)
+}
+
+type LoadParts = (Vec<u32>, Vec<RestoreTarget>, Vec<PagePos>);
+
+fn decode_load(b: &[u8]) -> Result<LoadParts, HotError> {
+    let mut g = Get::new(b);
+    let n_ranks = g.u32()? as usize;
+    let n_targets = g.u32()? as usize;
+    let ranks = (0..n_ranks.min(b.len() / 4))
+        .map(|_| g.u32())
+        .collect::<Result<Vec<_>, _>>()?;
+    if ranks.len() != n_ranks {
+        return Err(bad_part(n_ranks as u64));
+    }
+    g.pad8()?;
+    let target_bytes = n_targets
+        .checked_mul(24)
+        .ok_or_else(|| bad_part(n_targets as u64))?;
+    let targets = decode_targets(g.take(target_bytes)?)?;
+    let retained = decode_positions(g.take(b.len() - g.at)?)?;
+    Ok((ranks, targets, retained))
+}
+
 fn encode_positions(pos: &[PagePos]) -> Vec<u8> {
     let mut p = Put::with_capacity(16 * pos.len());
     for x in pos {
@@ -1027,17 +1072,17 @@ fn session_of(w: [u64; 3]) -> SessionHandle {
     }
 }
 
-/// A message's encoded parts (at most two per message, the most any
+/// A message's encoded parts (at most three per message, the most any
 /// encoding fills; the list lives on the stack, not in an allocation).
 #[derive(Default)]
 struct Parts {
     n: usize,
-    p: [(u32, Vec<u8>); 2],
+    p: [(u32, Vec<u8>); 3],
 }
 
 impl Parts {
     fn push(&mut self, part: (u32, Vec<u8>)) {
-        debug_assert!(self.n < self.p.len(), "a message has at most two parts");
+        debug_assert!(self.n < self.p.len(), "a message has at most three parts");
         if let Some(slot) = self.p.get_mut(self.n) {
             *slot = part;
             self.n += 1;
@@ -1055,6 +1100,7 @@ pub fn is_hot(command: &Command) -> bool {
         command,
         Command::Query { .. }
             | Command::Lookup { .. }
+            | Command::Load { .. }
             | Command::Prepare { .. }
             | Command::Restore { .. }
             | Command::Publish { .. }
@@ -1117,6 +1163,26 @@ pub fn encode_request(
             r.prompt_len = *prompt_len;
             parts.push((part::GROUPS, encode_groups(groups)?));
             parts.push((part::NAMESPACES, encode_namespaces(expect_namespaces)));
+        }
+        Command::Load {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+            ranks,
+            targets,
+            retained,
+        } => {
+            r.op = Op::Load as u32;
+            r.session = session_words(session);
+            r.a = *request;
+            r.origin = *origin;
+            r.prompt_len = *prompt_len;
+            parts.push((part::GROUPS, encode_groups(groups)?));
+            parts.push((part::NAMESPACES, encode_namespaces(expect_namespaces)));
+            parts.push((part::LOAD, encode_load(ranks, targets, retained)?));
         }
         Command::Prepare { session, operation }
         | Command::Release { session, operation }
@@ -1200,6 +1266,20 @@ pub fn decode_request(r: &HotRequest, area: &Area) -> Result<Command, HotError> 
             prompt_len: r.prompt_len,
             expect_namespaces: decode_namespaces(&part(1, part::NAMESPACES)?)?,
         },
+        Op::Load => {
+            let (ranks, targets, retained) = decode_load(&part(2, part::LOAD)?)?;
+            Command::Load {
+                session,
+                request: r.a,
+                groups: decode_groups(&part(0, part::GROUPS)?)?,
+                origin: r.origin,
+                prompt_len: r.prompt_len,
+                expect_namespaces: decode_namespaces(&part(1, part::NAMESPACES)?)?,
+                ranks,
+                targets,
+                retained,
+            }
+        }
         Op::Prepare => Command::Prepare {
             session,
             operation: r.a,
@@ -1643,6 +1723,48 @@ mod tests {
                 session: s,
                 operation: 11,
             },
+            Command::Load {
+                session: s,
+                request: 4,
+                groups: vec![GroupHashes {
+                    group: 0,
+                    hashes: (0..3).map(NativeHash::from_u64).collect(),
+                }],
+                origin: 0,
+                prompt_len: 48,
+                expect_namespaces: vec![],
+                // An odd count of ranks: the targets start after padding.
+                ranks: vec![1, 0, 3],
+                targets: (0..2)
+                    .map(|i| RestoreTarget {
+                        pos: PagePos {
+                            rank: 1,
+                            group: 0,
+                            page_end: 16 * (i + 1),
+                        },
+                        device_page: 0xbeef + i,
+                    })
+                    .collect(),
+                retained: vec![PagePos {
+                    rank: 0,
+                    group: 0,
+                    page_end: 48,
+                }],
+            },
+            Command::Load {
+                session: s,
+                request: 5,
+                groups: vec![GroupHashes {
+                    group: 0,
+                    hashes: vec![NativeHash::from_u64(9)],
+                }],
+                origin: 0,
+                prompt_len: 16,
+                expect_namespaces: vec![],
+                ranks: vec![],
+                targets: vec![],
+                retained: vec![],
+            },
             Command::Restore {
                 session: s,
                 operation: 12,
@@ -1689,6 +1811,30 @@ mod tests {
             }
         }
         assert!(encode_request(&Command::AdvanceClock { us: 1 }, 1, 2, &a, &mut w).is_none());
+    }
+
+    #[test]
+    fn a_load_plan_that_lies_about_its_counts_is_a_bad_part() {
+        let targets = [RestoreTarget {
+            pos: PagePos {
+                rank: 0,
+                group: 0,
+                page_end: 16,
+            },
+            device_page: 1,
+        }];
+        let good = encode_load(&[0], &targets, &[]).unwrap();
+        assert!(decode_load(&good).is_ok());
+        for (at, value) in [(0, u32::MAX), (0, 3), (4, u32::MAX), (4, 2)] {
+            let mut b = good.clone();
+            b[at..at + 4].copy_from_slice(&value.to_le_bytes());
+            assert!(decode_load(&b).is_err(), "count at {at} = {value}");
+        }
+        // Retained bytes that are not whole positions.
+        let mut b = good.clone();
+        b.extend_from_slice(&[0; 5]);
+        assert!(decode_load(&b).is_err());
+        assert!(decode_load(&good[..6]).is_err());
     }
 
     #[test]

@@ -413,7 +413,8 @@ impl Metrics {
     /// into the runtime, so nothing of it is copied).
     pub fn clock_of(command: &Command) -> Option<StartClock> {
         Some(match command {
-            Command::Query { .. } => StartClock::Command(Timed::Query),
+            // A load's query part: until its result.
+            Command::Query { .. } | Command::Load { .. } => StartClock::Command(Timed::Query),
             Command::Publish { .. } => StartClock::Command(Timed::Publish),
             Command::Prepare { operation, .. } => StartClock::Operation(*operation, Timed::Prepare),
             Command::Restore { operation, .. } => StartClock::Operation(*operation, Timed::Restore),

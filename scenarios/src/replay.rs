@@ -2189,6 +2189,7 @@ fn session_of(command: &Command) -> Option<u64> {
         | Command::DevicePageFree { session, .. }
         | Command::Query { session, .. }
         | Command::Lookup { session, .. }
+        | Command::Load { session, .. }
         | Command::Prepare { session, .. }
         | Command::Restore { session, .. }
         | Command::Publish { session, .. }

@@ -10,6 +10,7 @@ pub mod evict;
 pub mod fence;
 pub mod ingest;
 pub mod lifecycle;
+mod load;
 pub mod publish;
 pub mod read;
 pub mod resources;

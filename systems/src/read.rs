@@ -9,8 +9,8 @@ use bevy_ecs::system::SystemParam;
 use orbitkv_components::StateKey;
 use orbitkv_components::api::{Event, LeaseInfo, MissReason, PagePos};
 use orbitkv_components::ecs::{
-    Executor, Instance, NeedState, OpState, Operation, Outcome, Page, PageNeed, Recovery, Transfer,
-    TransferKind, TransferOf, at,
+    Executor, Instance, LoadPlan, NeedState, OpState, Operation, Outcome, Page, PageNeed, Recovery,
+    Transfer, TransferKind, TransferOf, at,
 };
 use orbitkv_io::tier::{BackingTier, TierError};
 
@@ -68,8 +68,13 @@ pub fn read(
             .iter()
             .all(|n| matches!(n.state, NeedState::Leased(_)))
         {
-            set_state(&mut commands, entity, &mut op, OpState::Ready);
             reads.outbox.push(op.origin, ready_event(entity, &rec));
+            match rec.load.take() {
+                None => set_state(&mut commands, entity, &mut op, OpState::Ready),
+                Some(plan) => {
+                    step.go_on_to_restore(&mut commands, &mut op, &mut rec, plan, &mut reads)
+                }
+            }
         } else if !op.loading_sent {
             op.loading_sent = true;
             let event = Event::Loading {
@@ -201,6 +206,39 @@ struct ReadStep<'a> {
 }
 
 impl ReadStep<'_> {
+    /// A ready `Load` restores in this tick's restore stage, as an accepted
+    /// `Restore` would; a plan that does not cover its ranges is refused
+    /// (`Rejected`, its final reply) and the operation released.
+    fn go_on_to_restore(
+        &self,
+        commands: &mut Commands,
+        op: &mut Operation,
+        rec: &mut Recovery,
+        plan: LoadPlan,
+        reads: &mut Reads,
+    ) {
+        match crate::load::accept(self.instance, rec, plan) {
+            Ok((targets, retained)) => {
+                rec.restore = targets;
+                rec.retained = retained;
+                op.deadline_us = reads
+                    .clock
+                    .now_us
+                    .saturating_add(reads.limits.restore_deadline_us);
+                set_state(commands, self.entity, op, OpState::RestorePending);
+            }
+            Err(error) => {
+                let refusal = Event::Rejected {
+                    command: op.command,
+                    error,
+                };
+                reads.outbox.push_ending(op.origin, refusal, true);
+                op.reported = true;
+                finish(commands, self.entity, op, Outcome::Released);
+            }
+        }
+    }
+
     /// Leases resident pages and starts the reads that fit; a page that
     /// vanished or changed size since discovery is a miss.
     fn run(

@@ -103,6 +103,7 @@ impl Recorder {
                 | Command::RegisterDeviceRegion { .. }
                 | Command::DevicePageAlloc { .. }
                 | Command::Query { .. }
+                | Command::Load { .. }
         );
         let mut line = json!({ "t": now_us, "cmd": v });
         if creates {

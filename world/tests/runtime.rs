@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use orbitkv_components::api::{
     Addressed, Command, CommandError, Event, InvalidCommand, LoadRefusal, MissReason, Origin,
-    PagePos, SessionHandle,
+    PagePos, RestoreTarget, SessionHandle,
 };
 use orbitkv_components::contract::{ComponentKind, GroupSpec, Rule};
 use orbitkv_world::Runtime;
@@ -1779,4 +1779,321 @@ fn a_lookup_ends_with_its_result_and_leaves_nothing_to_release() {
     );
     assert_eq!(d.h.rt().stats().operations, 1);
     assert_eq!(d.h.rt().stats().metrics.queries, 3);
+}
+
+/// A `Load` of pages `0..pages` of prompt `seed` into slots from
+/// `first_slot` (every page named), as an engine sends it.
+fn load_cmd(d: &mut Dense, seed: u64, pages: u64, first_slot: u32, prompt_len: u64) -> Command {
+    let targets = (0..pages)
+        .map(|i| {
+            let dp = d.h.alloc(d.s, d.region, first_slot + i as u32);
+            orbitkv_world::driver::target(0, 0, (i + 1) * PAGE, dp)
+        })
+        .collect();
+    Command::Load {
+        session: d.s,
+        request: seed,
+        groups: hashes(seed, &[0], pages),
+        origin: 0,
+        prompt_len,
+        expect_namespaces: Vec::new(),
+        ranks: vec![0],
+        targets,
+        retained: Vec::new(),
+    }
+}
+
+/// Ticks until the load's last word (terminal); returns every event it got.
+fn load_events(d: &mut Dense, load: Command) -> Vec<Addressed> {
+    let mut out = d.h.step_from(vec![(Origin::EMBEDDED, load)]);
+    for _ in 0..1000 {
+        if out.iter().any(|a| a.terminal) {
+            return out;
+        }
+        out.extend(d.h.step_from(vec![(
+            Origin::EMBEDDED,
+            Command::AdvanceClock { us: 1_000 },
+        )]));
+    }
+    panic!("a load never ended: {out:?}");
+}
+
+#[test]
+fn a_load_restores_exact_bytes_in_one_round_trip() {
+    let mut d = dense_setup(16 << 20);
+    let sources = d.publish(70, 4, 0);
+    d.free(&sources);
+    let load = load_cmd(&mut d, 70, 4, 10, 4 * PAGE + 1);
+    let out = load_events(&mut d, load);
+    // The result, the leases, then the restore's end: one command, and the
+    // only event that ends it is the last.
+    let kinds: Vec<(&str, bool)> = out
+        .iter()
+        .map(|a| {
+            let kind = match a.event {
+                Event::QueryResult { .. } => "query_result",
+                Event::Loading { .. } => "loading",
+                Event::Ready { .. } => "ready",
+                Event::RestoreDone { .. } => "restore_done",
+                _ => "other",
+            };
+            (kind, a.terminal)
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("query_result", false),
+            ("ready", false),
+            ("restore_done", true)
+        ],
+        "{out:?}"
+    );
+    assert!(matches!(
+        out[2].event,
+        Event::RestoreDone {
+            pages: 4,
+            bytes,
+            ..
+        } if bytes == 4 * PAGE_BYTES
+    ));
+    d.assert_restored(70, &[10, 11, 12, 13]);
+    let st = d.h.rt().stats();
+    assert_eq!((st.operations, st.leases, st.bytes_reserved), (0, 0, 0));
+    d.h.rt().check_invariants().unwrap();
+}
+
+#[test]
+fn a_load_restores_only_the_boundary_the_runtime_selected() {
+    let mut d = dense_setup(16 << 20);
+    // Three of four pages are stored: the engine names four destinations,
+    // the runtime selects three pages and copies only those.
+    let sources = d.publish(71, 3, 0);
+    d.free(&sources);
+    let load = load_cmd(&mut d, 71, 4, 20, 4 * PAGE + 1);
+    let out = load_events(&mut d, load);
+    assert!(
+        out.iter().any(|a| matches!(
+            a.event,
+            Event::QueryResult {
+                selected: Some(s),
+                ..
+            } if s == 3 * PAGE
+        )),
+        "{out:?}"
+    );
+    assert!(
+        matches!(
+            out.last().map(|a| &a.event),
+            Some(Event::RestoreDone { pages: 3, .. })
+        ),
+        "{out:?}"
+    );
+    d.assert_restored(71, &[20, 21, 22]);
+    assert_eq!(
+        d.h.read_slot(d.engine_region, 23),
+        vec![0; PAGE_BYTES as usize]
+    );
+    d.h.rt().check_invariants().unwrap();
+}
+
+#[test]
+fn a_load_that_does_not_cover_its_range_is_refused_and_copies_nothing() {
+    let mut d = dense_setup(16 << 20);
+    let sources = d.publish(72, 4, 0);
+    d.free(&sources);
+    let Command::Load {
+        session,
+        request,
+        groups,
+        origin,
+        prompt_len,
+        expect_namespaces,
+        ranks,
+        mut targets,
+        retained,
+    } = load_cmd(&mut d, 72, 4, 30, 4 * PAGE + 1)
+    else {
+        unreachable!()
+    };
+    // The second page has neither a destination nor the engine's word.
+    targets.remove(1);
+    let load = Command::Load {
+        session,
+        request,
+        groups,
+        origin,
+        prompt_len,
+        expect_namespaces,
+        ranks,
+        targets,
+        retained,
+    };
+    let out = load_events(&mut d, load);
+    match out.last() {
+        Some(Addressed {
+            event:
+                Event::Rejected {
+                    error: CommandError::LoadInvalid(LoadRefusal::Missing { .. }),
+                    ..
+                },
+            terminal: true,
+            ..
+        }) => {}
+        other => panic!("{other:?} in {out:?}"),
+    }
+    assert_eq!(out.iter().filter(|a| a.terminal).count(), 1, "{out:?}");
+    for slot in [30, 32, 33] {
+        assert_eq!(
+            d.h.read_slot(d.engine_region, slot),
+            vec![0; PAGE_BYTES as usize]
+        );
+    }
+    // Nothing is left behind, and no late reply follows.
+    for _ in 0..3 {
+        assert_eq!(d.h.step(vec![]), vec![]);
+    }
+    let st = d.h.rt().stats();
+    assert_eq!((st.operations, st.leases, st.bytes_reserved), (0, 0, 0));
+    d.h.rt().check_invariants().unwrap();
+}
+
+#[test]
+fn a_bad_load_plan_is_refused_before_anything_runs() {
+    let mut d = dense_setup(16 << 20);
+    d.publish(73, 2, 0);
+    type Edit = Box<dyn Fn(&mut Vec<u32>, &mut Vec<RestoreTarget>, &mut Vec<PagePos>)>;
+    let pos = |page_end| PagePos {
+        rank: 0,
+        group: 0,
+        page_end,
+    };
+    let cases: Vec<(&str, Edit, CommandError)> = vec![
+        (
+            "unknown rank",
+            Box::new(|r, _, _| r.push(5)),
+            CommandError::Invalid(InvalidCommand::UnknownRank { rank: 5 }),
+        ),
+        (
+            "rank twice",
+            Box::new(|r, _, _| r.push(0)),
+            CommandError::Invalid(InvalidCommand::DuplicateRank),
+        ),
+        (
+            "a target of a rank the load does not name",
+            Box::new(|r, _, _| r.clear()),
+            CommandError::Invalid(InvalidCommand::UnknownRank { rank: 0 }),
+        ),
+        (
+            "a page past the hashes",
+            Box::new(move |_, _, k| k.push(pos(3 * PAGE))),
+            CommandError::Invalid(InvalidCommand::NoHash { page_end: 3 * PAGE }),
+        ),
+        (
+            "a misaligned page",
+            Box::new(move |_, _, k| k.push(pos(PAGE + 1))),
+            CommandError::Invalid(InvalidCommand::NoHash { page_end: PAGE + 1 }),
+        ),
+        (
+            "an unknown group",
+            Box::new(|_, t, _| t[0].pos.group = 9),
+            CommandError::Invalid(InvalidCommand::UnknownGroup { group: 9 }),
+        ),
+    ];
+    for (i, (what, edit, want)) in cases.into_iter().enumerate() {
+        let Command::Load {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+            mut ranks,
+            mut targets,
+            mut retained,
+        } = load_cmd(&mut d, 73, 2, 40 + 2 * i as u32, 2 * PAGE + 1)
+        else {
+            unreachable!()
+        };
+        edit(&mut ranks, &mut targets, &mut retained);
+        let e = d.h.one(Command::Load {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+            ranks,
+            targets,
+            retained,
+        });
+        match &e {
+            Event::Rejected { error, .. } => assert_eq!(error, &want, "{what}"),
+            other => panic!("{what}: {other:?}"),
+        }
+        let st = d.h.rt().stats();
+        assert_eq!((st.operations, st.leases), (0, 0), "{what}");
+    }
+    // A destination twice.
+    let Command::Load {
+        session,
+        request,
+        groups,
+        mut targets,
+        ..
+    } = load_cmd(&mut d, 73, 2, 60, 2 * PAGE + 1)
+    else {
+        unreachable!()
+    };
+    let twice = targets[0].device_page;
+    targets[1].device_page = twice;
+    let e = d.h.one(Command::Load {
+        session,
+        request,
+        groups: groups.clone(),
+        origin: 0,
+        prompt_len: 2 * PAGE + 1,
+        expect_namespaces: vec![],
+        ranks: vec![0],
+        targets,
+        retained: vec![],
+    });
+    assert!(
+        matches!(
+            &e,
+            Event::Rejected {
+                error: CommandError::Invalid(InvalidCommand::DuplicateTarget { device_page }),
+                ..
+            } if *device_page == twice
+        ),
+        "{e:?}"
+    );
+    // Another session's destination.
+    let s2 = d.h.open("llama");
+    let (region2, _) = d.h.region(s2, 0, 0, 8);
+    let theirs = d.h.alloc(s2, region2, 0);
+    let e = d.h.one(Command::Load {
+        session,
+        request,
+        groups,
+        origin: 0,
+        prompt_len: 2 * PAGE + 1,
+        expect_namespaces: vec![],
+        ranks: vec![0],
+        targets: vec![orbitkv_world::driver::target(0, 0, PAGE, theirs)],
+        retained: vec![pos(2 * PAGE)],
+    });
+    assert!(
+        matches!(
+            e,
+            Event::Rejected {
+                error: CommandError::NotOwner,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let st = d.h.rt().stats();
+    assert_eq!((st.operations, st.leases), (0, 0));
+    d.h.rt().check_invariants().unwrap();
 }

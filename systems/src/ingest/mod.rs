@@ -18,6 +18,7 @@ mod sessions;
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Command, CommandError, CommandId, Event, Origin};
+use orbitkv_components::ecs::LoadPlan;
 
 use crate::resources::{Clock, Inbound, Inbox, Limits, Metrics, Outbox, SimulatedClock};
 
@@ -115,6 +116,7 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
                 prepare,
                 speculative,
                 peek: false,
+                load: None,
             };
             recovery::query(world, ctx, session, q)
         }
@@ -135,6 +137,35 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
                 prepare: false,
                 speculative: false,
                 peek: true,
+                load: None,
+            };
+            recovery::query(world, ctx, session, q)
+        }
+        Command::Load {
+            session,
+            request,
+            groups,
+            origin,
+            prompt_len,
+            expect_namespaces,
+            ranks,
+            targets,
+            retained,
+        } => {
+            let q = recovery::QueryArgs {
+                request,
+                groups,
+                origin,
+                prompt_len,
+                expect_namespaces,
+                prepare: true,
+                speculative: false,
+                peek: false,
+                load: Some(LoadPlan {
+                    ranks,
+                    targets,
+                    retained,
+                }),
             };
             recovery::query(world, ctx, session, q)
         }

@@ -4,12 +4,13 @@
 use std::collections::HashSet;
 
 use bevy_ecs::prelude::*;
+use orbitkv_components::Namespace;
 use orbitkv_components::api::{
-    CommandError, GroupHashes, InvalidCommand, LimitName, LoadRefusal, PagePos, RestoreTarget,
-    SessionHandle,
+    CommandError, GroupHashes, InvalidCommand, LimitName, PagePos, RestoreTarget, SessionHandle,
 };
-use orbitkv_components::ecs::{Instance, OpState, Operation, OperationOf, Outcome, Recovery, at};
-use orbitkv_components::{Namespace, StateKey};
+use orbitkv_components::ecs::{
+    Instance, LoadPlan, OpState, Operation, OperationOf, Outcome, Recovery, at,
+};
 
 use super::resolve::{self, Owned, invalid, limit, wrong_state};
 use super::sessions::{self, finish_now};
@@ -27,6 +28,8 @@ pub(super) struct QueryArgs {
     pub speculative: bool,
     /// A `Lookup`: ends with its result (`Recovery::peek`).
     pub peek: bool,
+    /// A `Load`: restores by itself once ready.
+    pub load: Option<LoadPlan>,
 }
 
 pub(super) fn query(
@@ -36,7 +39,10 @@ pub(super) fn query(
     q: QueryArgs,
 ) -> Result<()> {
     let owned = resolve::session(world, ctx.origin, handle)?;
-    let (q, end) = plan_query(world, owned, q)?;
+    let (mut q, end) = plan_query(world, owned, q)?;
+    if let Some(plan) = &q.load {
+        check_plan(world, owned, plan, end)?;
+    }
     // Apply.
     let now = world.resource::<Clock>().now_us;
     let deadline = now.saturating_add(world.resource::<Limits>().prepare_deadline_us);
@@ -55,6 +61,7 @@ pub(super) fn query(
         expect_namespaces: q.expect_namespaces,
         prepare: q.prepare,
         peek: q.peek,
+        load: q.load.take(),
         ..Recovery::new(q.groups, q.origin, end, q.prompt_len)
     };
     world.spawn((op, at::Discover, OperationOf(owned.session), recovery));
@@ -103,6 +110,54 @@ fn plan_query(world: &World, owned: Owned, mut q: QueryArgs) -> Result<(QueryArg
     Ok((q, end))
 }
 
+/// A `Load`'s plan, before anything runs: known ranks, each named once;
+/// every position one the query hashed, of a named rank and a declared
+/// group; destinations this session's (as a `Restore`'s), none twice.
+fn check_plan(world: &World, owned: Owned, plan: &LoadPlan, end: u64) -> Result<()> {
+    let instance = world
+        .get::<Instance>(owned.instance)
+        .expect("sessions point at live instances");
+    let ranks = instance.ranks.len();
+    let mut named = HashSet::new();
+    for &rank in &plan.ranks {
+        if rank as usize >= ranks {
+            return Err(invalid(InvalidCommand::UnknownRank { rank }));
+        }
+        if !named.insert(rank) {
+            return Err(invalid(InvalidCommand::DuplicateRank));
+        }
+    }
+    let page = instance.page_tokens;
+    let groups = instance.ranks[0].contract.groups();
+    for pos in plan.targets.iter().map(|t| &t.pos).chain(&plan.retained) {
+        if !named.contains(&pos.rank) {
+            return Err(invalid(InvalidCommand::UnknownRank { rank: pos.rank }));
+        }
+        if !groups.iter().any(|g| g.id == pos.group) {
+            return Err(invalid(InvalidCommand::UnknownGroup { group: pos.group }));
+        }
+        if pos.page_end == 0 || pos.page_end > end || !pos.page_end.is_multiple_of(page) {
+            return Err(invalid(InvalidCommand::NoHash {
+                page_end: pos.page_end,
+            }));
+        }
+    }
+    let mut seen = HashSet::new();
+    for t in &plan.targets {
+        if !seen.insert(t.device_page) {
+            return Err(invalid(InvalidCommand::DuplicateTarget {
+                device_page: t.device_page,
+            }));
+        }
+        if let Err(CommandError::NotOwner) =
+            resolve::device_page(world, owned.session, t.device_page)
+        {
+            return Err(CommandError::NotOwner);
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn prepare(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64) -> Result<()> {
     let owned = resolve::session(world, ctx.origin, handle)?;
     let op = resolve::operation(world, owned.session, bits)?;
@@ -144,7 +199,7 @@ pub(super) fn restore(
     let instance = world
         .get::<Instance>(owned.instance)
         .expect("sessions point at live instances");
-    check_load(instance, rec, &targets, &retained)?;
+    crate::load::check(instance, rec, &targets, &retained, |_| true)?;
     // Apply.
     let deadline = world
         .resource::<Clock>()
@@ -156,80 +211,6 @@ pub(super) fn restore(
     world.get_mut::<Operation>(op).expect("checked").deadline_us = deadline;
     set_state_now(world, op, OpState::RestorePending);
     Ok(())
-}
-
-/// The transferred and retained keys must exactly cover every required
-/// range (`validate_load`), no target twice, nothing outside the ranges.
-fn check_load(
-    instance: &Instance,
-    rec: &Recovery,
-    targets: &[RestoreTarget],
-    retained: &[PagePos],
-) -> Result<()> {
-    let mut seen = HashSet::new();
-    if let Some(t) = targets.iter().find(|t| !seen.insert(t.device_page)) {
-        return Err(invalid(InvalidCommand::DuplicateTarget {
-            device_page: t.device_page,
-        }));
-    }
-    let page = instance.page_tokens;
-    for (rank, range) in &rec.ranges {
-        let state = &instance.ranks[*rank as usize];
-        let key_at = |p: &PagePos| -> Result<StateKey> {
-            let native =
-                rec.hash_at(p.group, p.page_end, page)
-                    .ok_or(invalid(InvalidCommand::NoHash {
-                        page_end: p.page_end,
-                    }))?;
-            Ok(StateKey {
-                namespace: state.namespace,
-                group: p.group,
-                native,
-            })
-        };
-        let in_range = |p: &&PagePos| p.rank == *rank && p.group == range.group;
-        let range_keys = (range.start / page..range.end / page)
-            .map(|i| {
-                key_at(&PagePos {
-                    rank: *rank,
-                    group: range.group,
-                    page_end: (i + 1) * page,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let moved: Vec<StateKey> = targets
-            .iter()
-            .map(|t| &t.pos)
-            .filter(in_range)
-            .map(key_at)
-            .collect::<Result<_>>()?;
-        let kept: Vec<StateKey> = retained
-            .iter()
-            .filter(in_range)
-            .map(key_at)
-            .collect::<Result<_>>()?;
-        state
-            .contract
-            .validate_load(range, &range_keys, &moved, &kept)
-            .map_err(|e| CommandError::LoadInvalid(e.into()))?;
-    }
-    // Positions outside every range were not counted above.
-    let covered = |p: &PagePos| {
-        rec.ranges.iter().any(|(r, g)| {
-            *r == p.rank && g.group == p.group && p.page_end > g.start && p.page_end <= g.end
-        })
-    };
-    match targets
-        .iter()
-        .map(|t| &t.pos)
-        .chain(retained)
-        .find(|p| !covered(p))
-    {
-        Some(p) => Err(CommandError::LoadInvalid(LoadRefusal::OutsideRanges {
-            pos: *p,
-        })),
-        None => Ok(()),
-    }
 }
 
 pub(super) fn release(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64) -> Result<()> {

@@ -94,6 +94,10 @@ class _Load:
     #: they outlive the load).
     device_pages: List[int] = field(default_factory=list)
     restoring: bool = False
+    #: Agent path: one `load` command (query, prepare and restore in one
+    #: round trip); the block of each (group, page end) it names.
+    load: bool = False
+    targets: Dict[Tuple[int, int], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -691,6 +695,10 @@ class _IoState:
         if spec.boundary % page or spec.origin % page or spec.boundary <= spec.origin:
             self.w._finish_load(spec, None, "misaligned")
             return
+        mover = self.w.mover
+        if isinstance(mover, AgentPageMover):
+            self.start_agent_load(spec, mover)
+            return
         hashes = [h.hex() for h in spec.hashes]
         cid = client.submit(
             {
@@ -706,6 +714,57 @@ class _IoState:
             }
         )
         job = _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s)
+        self.by_command[cid] = ("query", job)
+
+    def start_agent_load(self, spec: LoadSpec, mover: AgentPageMover) -> None:
+        """One `load`: every page of this rank up to the boundary names its
+        block's device page (the slot table's) or, with no block (vLLM's
+        null block), is attested held; the runtime restores the ranges it
+        selects and answers `restore_done` or `miss`."""
+        client, session = self.client()
+        page = self.w.spec.page_tokens
+        rank = self.w.rank
+        pages = min(spec.boundary // page, len(spec.hashes))
+        job = _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s, load=True)
+        retained: List[Dict[str, int]] = []
+        per_group: Dict[int, List[Tuple[int, int]]] = {}
+        for g in self.w.spec.groups:
+            blocks = spec.block_ids[g.vllm_group]
+            for idx in range(min(pages, len(blocks))):
+                if blocks[idx] == NULL_BLOCK:
+                    retained.append({"rank": rank, "group": g.id, "page_end": (idx + 1) * page})
+                else:
+                    per_group.setdefault(g.id, []).append((idx, blocks[idx]))
+        targets: List[Dict[str, Any]] = []
+        try:
+            mover.blocks.check_blocks([b for ps in per_group.values() for _, b in ps])
+            for gid, ps in per_group.items():
+                dps = self.alloc_pages(mover.region(gid), [b for _, b in ps])
+                job.device_pages += dps
+                for (idx, block), dp in zip(ps, dps):
+                    pos = {"rank": rank, "group": gid, "page_end": (idx + 1) * page}
+                    targets.append({"pos": pos, "device_page": dp})
+                    job.targets[(gid, (idx + 1) * page)] = block
+        except (RuntimeError, ValueError) as e:
+            log.info("OrbitKV: load of %s: %s", spec.req_id, e)
+            self.w._finish_load(spec, None, "restore_alloc")
+            return
+        hashes = [h.hex() for h in spec.hashes]
+        cid = client.submit(
+            {
+                "command": "load",
+                "session": session,
+                "request": hash(spec.req_id) & 0x7FFF_FFFF_FFFF_FFFF,
+                "groups": [{"group": g.id, "hashes": hashes} for g in self.w.spec.groups],
+                "origin": spec.origin,
+                # The scheduler counted on `boundary`: select nothing beyond.
+                "prompt_len": spec.boundary + 1,
+                "expect_namespaces": self.w.link.namespaces,
+                "ranks": [rank],
+                "targets": targets,
+                "retained": retained,
+            }
+        )
         self.by_command[cid] = ("query", job)
 
     def alloc_pages(self, region: int, blocks: List[int]) -> List[int]:
@@ -840,17 +899,21 @@ class _IoState:
                 # so the copy may have read reused slots.
                 self.by_operation.pop(job.operation, None)
                 self.w._finish_load(job.spec, None, "lease_lost")
-            elif what == "restore":
-                # Refused: nothing was copied.
+            elif what == "load":
+                # The runtime refused the load's plan once it was ready
+                # (its pages did not cover the ranges): nothing was copied.
                 self.by_operation.pop(job.operation, None)
                 err = (ev.get("error") or {}).get("error", kind)
-                self.w._finish_load(job.spec, None, f"restore_{err}")
+                log.error("OrbitKV: load of %s refused: %s", job.spec.req_id, ev.get("error"))
+                self.w._finish_load(job.spec, None, f"load_{err}")
             return
         op = ev.get("operation")
         job = self.by_operation.get(op) if op is not None else None
         if job is None:
             return
-        if kind == "ready":
+        if kind == "ready" and job.load:
+            self.on_load_ready(job, ev)
+        elif kind == "ready":
             self.on_ready(job, ev)
         elif kind == "transfer_overdue" and ev.get("kind") == "restore_copy":
             # The miss follows at once, but the agent may still be copying
@@ -890,74 +953,31 @@ class _IoState:
         job.operation = ev["operation"]
         job.selected = int(ev["selected"])
         self.by_operation[job.operation] = job
+        if job.load:
+            # A load's plan can still be refused, in reply to its command.
+            job.release_command = ev["command"]
+            self.by_command[ev["command"]] = ("load", job)
 
-    def on_ready_agent(self, job: _Load, ev: Dict[str, Any], mover: AgentPageMover) -> None:
-        """Restores this rank's leased pages straight into the request's
-        blocks; the pages of other ranks (their workers restore them) and
-        those with no block (vLLM holds them) are attested as retained."""
-        spec = job.spec
-        page = self.w.spec.page_tokens
-        client, session = self.client()
-        gindex = self.w.spec.vllm_index
-        per_group: Dict[int, List[Tuple[Dict[str, Any], int]]] = {}
-        retained: List[Dict[str, Any]] = []
-        failure = None
+    def on_load_ready(self, job: _Load, ev: Dict[str, Any]) -> None:
+        """A load's pages are leased and its restore is under way: the
+        engine thread learns how many pages of each group to wait for
+        (layer-wise), those of this rank the runtime restores into a block."""
+        per_group: Dict[int, int] = {}
+        rank = self.w.rank
         for lease in ev.get("leases", []):
             pos = lease["pos"]
-            gi = gindex.get(pos["group"])
-            idx = pos["page_end"] // page - 1
-            if pos["rank"] != self.w.rank:
-                retained.append(pos)
-                continue
-            if gi is None or not 0 <= idx < len(spec.block_ids[gi]):
-                failure = "lease_outside_load"
-                break
-            block = spec.block_ids[gi][idx]
-            if block == NULL_BLOCK:
-                retained.append(pos)
-                continue
-            per_group.setdefault(pos["group"], []).append((pos, block))
-        targets: List[Dict[str, Any]] = []
-        if failure is None:
-            try:
-                mover.blocks.check_blocks([b for ps in per_group.values() for _, b in ps])
-                for gid, ps in per_group.items():
-                    dps = self.alloc_pages(mover.region(gid), [b for _, b in ps])
-                    job.device_pages += dps
-                    targets += [{"pos": p, "device_page": dp} for (p, _), dp in zip(ps, dps)]
-            except (RuntimeError, ValueError) as e:
-                log.info("OrbitKV: load of %s: %s", spec.req_id, e)
-                failure = "restore_alloc"
-        if failure is not None:
-            del self.by_operation[job.operation]
-            client.submit({"command": "release", "session": session, "operation": job.operation})
-            self.w._finish_load(spec, None, failure)
-            return
-        job.pages = len(targets)
+            if pos["rank"] == rank and (pos["group"], pos["page_end"]) in job.targets:
+                per_group[pos["group"]] = per_group.get(pos["group"], 0) + 1
+        job.pages = sum(per_group.values())
         job.restoring = True
-        # Layer-wise: what the engine thread now waits for, per group.
-        self.w._mark(spec, "copying", {gid: len(ps) for gid, ps in per_group.items()})
         job.deadline = time.monotonic() + self.w.settings.timeout_s
-        cid = client.submit(
-            {
-                "command": "restore",
-                "session": session,
-                "operation": job.operation,
-                "targets": targets,
-                "retained": retained,
-            }
-        )
-        job.release_command = cid
-        self.by_command[cid] = ("restore", job)
+        self.w._mark(job.spec, "copying", per_group)
 
     def on_ready(self, job: _Load, ev: Dict[str, Any]) -> None:
         spec = job.spec
         page = self.w.spec.page_tokens
         mover = self.w.mover
         assert mover is not None
-        if isinstance(mover, AgentPageMover):
-            self.on_ready_agent(job, ev, mover)
-            return
         client, session = self.client()
         per_group: Dict[int, List[Tuple[int, int, int]]] = {}
         gindex = self.w.spec.vllm_index
@@ -999,10 +1019,9 @@ class _IoState:
         late_ops = [(op, job) for op, job in self.by_operation.items() if job.deadline < now]
         if not late and not late_ops:
             return
-        agent_late = any(
-            (what == "publish" and job.done is not None) or (what == "restore")
-            for _, what, job in late
-        ) or any(job.restoring for _, job in late_ops)
+        agent_late = any(what == "publish" and job.done is not None for _, what, job in late) or any(
+            job.restoring for _, job in late_ops
+        )
         if agent_late:
             # The agent may still be copying engine blocks: the connection
             # goes (its agent waits for running copies), then everything in
@@ -1010,6 +1029,8 @@ class _IoState:
             self.lost("an agent copy passed its deadline")
             return
         for cid, what, job in late:
+            if what == "load":
+                continue  # its operation is late too: cancelled below
             del self.by_command[cid]
             if what == "publish":
                 # The runtime may still copy from these slots: never reuse them.
@@ -1020,6 +1041,8 @@ class _IoState:
         for op, job in late_ops:
             if op in self.by_operation:
                 del self.by_operation[op]
+                if job.release_command is not None:
+                    self.by_command.pop(job.release_command, None)
                 self.w._finish_load(job.spec, None, "timeout")
                 try:
                     client, session = self.client()

@@ -165,31 +165,33 @@ def test_random_failure_injection_never_yields_a_wrong_byte(manager, monkeypatch
 
 
 def test_manager_killed_mid_prefetch(manager, monkeypatch):
-    """The manager dies (SIGKILL) while the prefetch I/O thread copies
-    leased pages: the call reports misses, nothing raises into SGLang, no
-    thread is stuck; a restarted manager is reconnected to and serves."""
+    """The manager dies (SIGKILL) while the prefetch I/O thread loads
+    pages: the call reports misses, nothing raises into SGLang, no thread
+    is stuck; a restarted manager is reconnected to and serves."""
     host = host_pool("page_first", size=1024)
     cc = controller(host, manager.socket, reconnect_interval_s=0.1)
     be = orbit(cc)
     tokens = list(range(300, 300 + 4 * PAGE))
     kills = []
-    # The host pool is an agent region: the restore into it is where the
-    # leases are held and the copy agent is about to write the host pool.
-    real = okv._Conn.restore
+    # The host pool is an agent region: the load's device pages are named,
+    # and the load (leases, then the agent's copy into the host pool) is
+    # about to be sent when the manager dies.
+    real = okv._Conn.device_pages
 
-    def dying(conn, op, targets, retained):
+    def dying(conn, region, slots):
+        pages = real(conn, region, slots)
         if not kills:
             kills.append(threading.current_thread().name)
             manager.proc.kill()
             manager.proc.wait(10)
-        return real(conn, op, targets, retained)
+        return pages
 
     try:
         _, exp, written = backup(cc, host, tokens, seed=21)
         assert written == len(tokens)
-        monkeypatch.setattr(okv._Conn, "restore", dying)
+        monkeypatch.setattr(okv._Conn, "device_pages", dying)
         hit, done, idx = prefetch(cc, host, tokens, "k1")
-        # Killed from SGLang's prefetch I/O thread, while it held the leases.
+        # Killed from SGLang's prefetch I/O thread, as it sent the load.
         assert len(kills) == 1 and kills[0] != threading.main_thread().name
         assert hit == len(tokens) and done == 0
         stats = be.get_stats()

@@ -779,9 +779,6 @@ class _Conn:
         #: copies share a slot; an allocation round per call would cost
         #: more than the copy).
         self.pages: Dict[Tuple[int, int], int] = {}
-        #: The operation `leased` holds, and whether a restore ended it.
-        self.operation: Optional[int] = None
-        self.finished = False
         try:
             r = self._reply(self.client.call(reg.command, cfg.timeout_s), "instance_registered")
             if r["namespaces"] != [reg.namespace]:
@@ -833,7 +830,7 @@ class _Conn:
 
     # -- discovery -------------------------------------------------------
 
-    def _query_cmd(self, hashes: List[str], prepare: bool) -> Dict[str, Any]:
+    def _query_cmd(self, hashes: List[str]) -> Dict[str, Any]:
         n = len(hashes)
         return {
             "command": "query",
@@ -847,55 +844,14 @@ class _Conn:
             # every page of the call as a boundary.
             "prompt_len": n * self.reg.page_tokens + 1,
             "expect_namespaces": [self.reg.namespace],
-            "prepare": prepare,
         }
 
     def query(self, hashes: List[str]) -> Dict[str, Any]:
-        """Metadata-only discovery. Returns the ``query_result``."""
-        qr = self._reply(self.client.call(self._query_cmd(hashes, False), self.cfg.timeout_s), "query_result")
-        if qr["miss"] is None:
-            # A selected operation waits for prepare; we only wanted to know.
-            self.client.submit({"command": "release", "session": self.session, "operation": qr["operation"]})
-        return qr
-
-    # -- reads -----------------------------------------------------------
-
-    @contextlib.contextmanager
-    def leased(self, hashes: List[str]) -> Iterator[Tuple[Optional[str], List[Dict[str, Any]]]]:
-        """Queries with prepare and yields (miss reason, leases) while the
-        leases are held; releases them afterwards (unless a restore ended
-        the operation: ``self.finished``). ``self.operation`` names it."""
-        qr = self._reply(self.client.call(self._query_cmd(hashes, True), self.cfg.timeout_s), "query_result")
-        if qr["miss"] is not None:
-            yield qr["miss"], []
-            return
-        op = qr["operation"]
-        self.operation, self.finished = op, False
-        deadline = time.monotonic() + self.cfg.timeout_s
-        leases: Optional[List[Dict[str, Any]]] = None
-        while leases is None:
-            left = deadline - time.monotonic()
-            e = self.client.wait_event(max(left, 0.0), operation=op) if left > 0 else None
-            if e is None:
-                # The manager may still be reading for this operation; a
-                # cancel alone would leave us guessing. Closing the
-                # connection returns everything once its I/O drained.
-                raise _Broken(f"no ready or miss within {self.cfg.timeout_s}s", reason="timeout")
-            kind = e.get("event")
-            if kind == "ready":
-                leases = e["leases"]
-            elif kind == "miss":
-                yield e["reason"], []
-                return
-            elif kind in ("loading", "transfer_overdue"):
-                continue
-            else:
-                raise _Broken(f"unexpected event for operation {op}: {kind}")
-        try:
-            yield None, leases
-        finally:
-            if not self.finished:
-                self.client.submit({"command": "release", "session": self.session, "operation": op})
+        """Metadata-only discovery (a ``lookup``: it holds nothing, so
+        there is nothing to release). Returns the ``query_result``."""
+        cmd = self._query_cmd(hashes)
+        cmd["command"] = "lookup"
+        return self._reply(self.client.call(cmd, self.cfg.timeout_s), "query_result")
 
     # -- agent regions -----------------------------------------------------
 
@@ -974,80 +930,77 @@ class _Conn:
                 self.pages[(region, slot)] = self._reply(e, "device_page_allocated")["device_page"]
         return [self.pages[(region, s)] for s in slots]
 
-    def restore(self, op: int, targets: List[Dict[str, Any]], retained: List[Dict[str, Any]]) -> Optional[str]:
-        """Restores leased pages into device pages; None when every byte
-        landed, else the miss reason. The operation is over either way."""
-        self.client.submit(
-            {
-                "command": "restore",
-                "session": self.session,
-                "operation": op,
-                "targets": targets,
-                "retained": retained,
-            }
-        )
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            e = self.client.wait_event(left, operation=op) if left > 0 else None
-            if e is None:
-                # The agent may still be copying into the host pool: the
-                # connection is closed (the agent drains first).
-                raise _Broken(f"no restore_done within {self.cfg.timeout_s}s", reason="timeout")
-            kind = e.get("event")
-            if kind == "restore_done":
-                return None
-            if kind == "miss":
-                return e["reason"]
-            if kind == "transfer_overdue":
-                # Its miss comes next, but the agent may still be copying
-                # into the destination slots: the connection is closed (the
-                # agent drains first) before anything reuses them.
-                raise _Broken(f"restore {op}: a copy passed its deadline", reason="timeout")
-            raise _Broken(f"unexpected event for restore {op}: {kind}")
-
     # -- the two moves -----------------------------------------------------
 
     def restore_slots(
         self, pool: _Pool, region: int, hashes: List[str], slot_of: Callable[[int], int]
     ) -> Tuple[Optional[str], List[int]]:
-        """Leases the pages of ``hashes`` at the largest legal boundary
-        (every registered group under its rule) and has the agent restore
-        the pool's pages into ``region`` (page i into slot ``slot_of(i)``).
-        The other groups' pages of that boundary are loaded by their own
-        SGLang calls (KV first, then each side pool), so this restore names
-        them ``retained``: the manager checks that the two sets cover every
+        """One ``load``: the manager selects the largest legal boundary of
+        ``hashes`` (every registered group under its rule), leases its
+        pages and has the agent restore the pool's pages into ``region``
+        (page i into slot ``slot_of(i)``), all in one round trip. The other
+        groups' pages of that boundary are loaded by their own SGLang calls
+        (KV first, then each side pool), so the load names them
+        ``retained``: the manager checks that the two sets cover every
         required page, holds every lease until the copy landed, and then
         returns them all. Returns (miss reason, indices restored)."""
         n = len(hashes)
         page = self.reg.page_tokens
-        with self.leased(hashes) as (miss, leases):
-            if miss is not None:
-                return miss, []
-            index: List[int] = []
-            mine: List[Dict[str, Any]] = []
-            retained: List[Dict[str, Any]] = []
-            for lease in leases:
-                pos = lease["pos"]
-                i = pos["page_end"] // page - 1
-                if not (0 <= i < n) or pos["page_end"] % page:
-                    raise _Broken(f"lease {pos} does not fit a {n}-page call")
-                if pos["group"] != pool.group:
-                    retained.append(pos)
+        pages = self.device_pages(region, [slot_of(i) for i in range(n)])
+        cmd = self._query_cmd(hashes)
+        cmd.update(
+            command="load",
+            ranks=[0],
+            targets=[
+                {"pos": {"rank": 0, "group": pool.group, "page_end": (i + 1) * page}, "device_page": dp}
+                for i, dp in enumerate(pages)
+            ],
+            retained=[
+                {"rank": 0, "group": g, "page_end": (i + 1) * page}
+                for g in self.reg.groups()
+                if g != pool.group
+                for i in range(n)
+            ],
+        )
+        cid = self.client.submit(cmd)
+        op: Optional[int] = None
+        index: List[int] = []
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            e = self.client.wait_event(left) if left > 0 else None
+            if e is None:
+                # The manager may still be reading, or the agent copying
+                # into the slots: the connection is closed (its agent
+                # drains first) before anything reuses them.
+                raise _Broken(f"load: no outcome within {self.cfg.timeout_s}s", reason="timeout")
+            kind = e.get("event")
+            if e.get("command") == cid:
+                if kind == "query_result" and e.get("miss") is None:
+                    op = e["operation"]
                     continue
-                if lease["bytes"] != pool.page_bytes:
-                    raise _Broken(f"lease {pos} of {lease['bytes']} bytes, the pool's pages {pool.page_bytes}")
-                index.append(i)
-                mine.append(pos)
-            if not index:
-                return "incomplete_group", []
-            pages = self.device_pages(region, [slot_of(i) for i in index])
-            targets = [{"pos": pos, "device_page": dp} for pos, dp in zip(mine, pages)]
-            self.finished = True
-            reason = self.restore(self.operation, targets, retained)
-            if reason is not None:
-                return reason, []
-        return None, index
+                if kind == "rejected" and op is not None:
+                    # The plan did not cover the selected ranges (a bug of
+                    # ours): nothing was copied.
+                    raise _Miss(f"the manager refused the load: {e.get('error')}", reason="load_refused")
+                return self._reply(e, "query_result")["miss"], []
+            if op is None or e.get("operation") != op:
+                continue  # a leftover of an earlier call
+            if kind == "ready":
+                index = sorted(
+                    l["pos"]["page_end"] // page - 1 for l in e["leases"] if l["pos"]["group"] == pool.group
+                )
+            elif kind == "restore_done":
+                return (None, index) if index else ("incomplete_group", [])
+            elif kind == "miss":
+                return e["reason"], []
+            elif kind == "transfer_overdue":
+                # Its miss comes next, but the agent may still be copying
+                # into the slots: the connection is closed (the agent
+                # drains first) before anything reuses them.
+                raise _Broken(f"load {op}: a copy passed its deadline", reason="timeout")
+            elif kind != "loading":
+                raise _Broken(f"unexpected event for load {op}: {kind}")
 
     def publish_slots(self, pool: _Pool, region: int, hashes: List[str], slots: Sequence[int]) -> int:
         """Publishes page i from ``region``'s slot ``slots[i]``: the agent

@@ -62,7 +62,20 @@ pub fn config(dir: &Path, backend: IoBackend) -> SsdConfig {
 }
 
 pub fn open(dir: &Path, backend: IoBackend) -> SsdStore {
-    let s = SsdStore::open(config(dir, backend)).expect("open");
+    // A reopen right after a drop can find the directory's `flock` still
+    // held for a moment: another test of this binary forking `mount`
+    // copies every descriptor, the lock's included, until its exec closes
+    // them (O_CLOEXEC). That child is not a store; wait it out, bounded.
+    let mut tries = 0;
+    let s = loop {
+        match SsdStore::open(config(dir, backend)) {
+            Err(orbitkv_io::ssd::SsdError::Locked { .. }) if tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => break other.expect("open"),
+        }
+    };
     let want = match backend {
         IoBackend::Blocking => BackendKind::Blocking,
         _ => BackendKind::IoUring,

@@ -1138,15 +1138,10 @@ pub fn encode_request(
             prepare,
             speculative,
         } => {
-            r.op = Op::Query as u32;
-            r.session = session_words(session);
-            r.a = *request;
-            r.origin = *origin;
-            r.prompt_len = *prompt_len;
+            let q = (session, *request, groups.as_slice(), *origin, *prompt_len);
+            query_head(&mut r, &mut parts, Op::Query, q, expect_namespaces)?;
             r.flags = if *prepare { REQ_PREPARE } else { 0 }
                 | if *speculative { REQ_SPECULATIVE } else { 0 };
-            parts.push((part::GROUPS, encode_groups(groups)?));
-            parts.push((part::NAMESPACES, encode_namespaces(expect_namespaces)));
         }
         Command::Lookup {
             session,
@@ -1156,13 +1151,8 @@ pub fn encode_request(
             prompt_len,
             expect_namespaces,
         } => {
-            r.op = Op::Lookup as u32;
-            r.session = session_words(session);
-            r.a = *request;
-            r.origin = *origin;
-            r.prompt_len = *prompt_len;
-            parts.push((part::GROUPS, encode_groups(groups)?));
-            parts.push((part::NAMESPACES, encode_namespaces(expect_namespaces)));
+            let q = (session, *request, groups.as_slice(), *origin, *prompt_len);
+            query_head(&mut r, &mut parts, Op::Lookup, q, expect_namespaces)?;
         }
         Command::Load {
             session,
@@ -1175,13 +1165,8 @@ pub fn encode_request(
             targets,
             retained,
         } => {
-            r.op = Op::Load as u32;
-            r.session = session_words(session);
-            r.a = *request;
-            r.origin = *origin;
-            r.prompt_len = *prompt_len;
-            parts.push((part::GROUPS, encode_groups(groups)?));
-            parts.push((part::NAMESPACES, encode_namespaces(expect_namespaces)));
+            let q = (session, *request, groups.as_slice(), *origin, *prompt_len);
+            query_head(&mut r, &mut parts, Op::Load, q, expect_namespaces)?;
             parts.push((part::LOAD, encode_load(ranks, targets, retained)?));
         }
         Command::Prepare { session, operation }
@@ -1231,6 +1216,28 @@ pub fn encode_request(
         }
     }
     Some(r)
+}
+
+/// A query's session, request, groups, origin and prompt length.
+type QueryFields<'a> = (&'a SessionHandle, u64, &'a [GroupHashes], u64, u64);
+
+/// The fields every query-like command (query, lookup, load) shares: the
+/// message's words and its first two parts (groups, namespaces).
+fn query_head(
+    r: &mut HotRequest,
+    parts: &mut Parts,
+    op: Op,
+    (session, request, groups, origin, prompt_len): QueryFields,
+    namespaces: &[Namespace],
+) -> Option<()> {
+    r.op = op as u32;
+    r.session = session_words(session);
+    r.a = request;
+    r.origin = origin;
+    r.prompt_len = prompt_len;
+    parts.push((part::GROUPS, encode_groups(groups)?));
+    parts.push((part::NAMESPACES, encode_namespaces(namespaces)));
+    Some(())
 }
 
 /// The manager's side: a hot request back into a command, validating every

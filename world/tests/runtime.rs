@@ -1781,26 +1781,35 @@ fn a_lookup_ends_with_its_result_and_leaves_nothing_to_release() {
     assert_eq!(d.h.rt().stats().metrics.queries, 3);
 }
 
+/// The parts of a `Load` plan a test may edit before it is sent.
+type Plan<'a> = &'a mut dyn FnMut(&mut Vec<u32>, &mut Vec<RestoreTarget>, &mut Vec<PagePos>);
+
 /// A `Load` of pages `0..pages` of prompt `seed` into slots from
-/// `first_slot` (every page named), as an engine sends it.
-fn load_cmd(d: &mut Dense, seed: u64, pages: u64, first_slot: u32, prompt_len: u64) -> Command {
-    let targets = (0..pages)
+/// `first_slot` (every page named), as an engine sends it, after `edit`.
+fn load_with(d: &mut Dense, seed: u64, pages: u64, first_slot: u32, edit: Plan) -> Command {
+    let mut targets = (0..pages)
         .map(|i| {
             let dp = d.h.alloc(d.s, d.region, first_slot + i as u32);
             orbitkv_world::driver::target(0, 0, (i + 1) * PAGE, dp)
         })
         .collect();
+    let (mut ranks, mut retained) = (vec![0], Vec::new());
+    edit(&mut ranks, &mut targets, &mut retained);
     Command::Load {
         session: d.s,
         request: seed,
         groups: hashes(seed, &[0], pages),
         origin: 0,
-        prompt_len,
+        prompt_len: pages * PAGE + 1,
         expect_namespaces: Vec::new(),
-        ranks: vec![0],
+        ranks,
         targets,
-        retained: Vec::new(),
+        retained,
     }
+}
+
+fn load_cmd(d: &mut Dense, seed: u64, pages: u64, first_slot: u32) -> Command {
+    load_with(d, seed, pages, first_slot, &mut |_, _, _| {})
 }
 
 /// Ticks until the load's last word (terminal); returns every event it got.
@@ -1823,7 +1832,7 @@ fn a_load_restores_exact_bytes_in_one_round_trip() {
     let mut d = dense_setup(16 << 20);
     let sources = d.publish(70, 4, 0);
     d.free(&sources);
-    let load = load_cmd(&mut d, 70, 4, 10, 4 * PAGE + 1);
+    let load = load_cmd(&mut d, 70, 4, 10);
     let out = load_events(&mut d, load);
     // The result, the leases, then the restore's end: one command, and the
     // only event that ends it is the last.
@@ -1870,7 +1879,7 @@ fn a_load_restores_only_the_boundary_the_runtime_selected() {
     // the runtime selects three pages and copies only those.
     let sources = d.publish(71, 3, 0);
     d.free(&sources);
-    let load = load_cmd(&mut d, 71, 4, 20, 4 * PAGE + 1);
+    let load = load_cmd(&mut d, 71, 4, 20);
     let out = load_events(&mut d, load);
     assert!(
         out.iter().any(|a| matches!(
@@ -1902,33 +1911,10 @@ fn a_load_that_does_not_cover_its_range_is_refused_and_copies_nothing() {
     let mut d = dense_setup(16 << 20);
     let sources = d.publish(72, 4, 0);
     d.free(&sources);
-    let Command::Load {
-        session,
-        request,
-        groups,
-        origin,
-        prompt_len,
-        expect_namespaces,
-        ranks,
-        mut targets,
-        retained,
-    } = load_cmd(&mut d, 72, 4, 30, 4 * PAGE + 1)
-    else {
-        unreachable!()
-    };
     // The second page has neither a destination nor the engine's word.
-    targets.remove(1);
-    let load = Command::Load {
-        session,
-        request,
-        groups,
-        origin,
-        prompt_len,
-        expect_namespaces,
-        ranks,
-        targets,
-        retained,
-    };
+    let load = load_with(&mut d, 72, 4, 30, &mut |_, t, _| {
+        t.remove(1);
+    });
     let out = load_events(&mut d, load);
     match out.last() {
         Some(Addressed {
@@ -1962,7 +1948,7 @@ fn a_load_that_does_not_cover_its_range_is_refused_and_copies_nothing() {
 fn a_bad_load_plan_is_refused_before_anything_runs() {
     let mut d = dense_setup(16 << 20);
     d.publish(73, 2, 0);
-    type Edit = Box<dyn Fn(&mut Vec<u32>, &mut Vec<RestoreTarget>, &mut Vec<PagePos>)>;
+    type Edit = Box<dyn FnMut(&mut Vec<u32>, &mut Vec<RestoreTarget>, &mut Vec<PagePos>)>;
     let pos = |page_end| PagePos {
         rank: 0,
         group: 0,
@@ -2000,64 +1986,22 @@ fn a_bad_load_plan_is_refused_before_anything_runs() {
             CommandError::Invalid(InvalidCommand::UnknownGroup { group: 9 }),
         ),
     ];
-    for (i, (what, edit, want)) in cases.into_iter().enumerate() {
-        let Command::Load {
-            session,
-            request,
-            groups,
-            origin,
-            prompt_len,
-            expect_namespaces,
-            mut ranks,
-            mut targets,
-            mut retained,
-        } = load_cmd(&mut d, 73, 2, 40 + 2 * i as u32, 2 * PAGE + 1)
-        else {
-            unreachable!()
-        };
-        edit(&mut ranks, &mut targets, &mut retained);
-        let e = d.h.one(Command::Load {
-            session,
-            request,
-            groups,
-            origin,
-            prompt_len,
-            expect_namespaces,
-            ranks,
-            targets,
-            retained,
-        });
-        match &e {
-            Event::Rejected { error, .. } => assert_eq!(error, &want, "{what}"),
+    for (i, (what, mut edit, want)) in cases.into_iter().enumerate() {
+        let load = load_with(&mut d, 73, 2, 40 + 2 * i as u32, &mut *edit);
+        match d.h.one(load) {
+            Event::Rejected { error, .. } => assert_eq!(error, want, "{what}"),
             other => panic!("{what}: {other:?}"),
         }
         let st = d.h.rt().stats();
         assert_eq!((st.operations, st.leases), (0, 0), "{what}");
     }
     // A destination twice.
-    let Command::Load {
-        session,
-        request,
-        groups,
-        mut targets,
-        ..
-    } = load_cmd(&mut d, 73, 2, 60, 2 * PAGE + 1)
-    else {
-        unreachable!()
-    };
-    let twice = targets[0].device_page;
-    targets[1].device_page = twice;
-    let e = d.h.one(Command::Load {
-        session,
-        request,
-        groups: groups.clone(),
-        origin: 0,
-        prompt_len: 2 * PAGE + 1,
-        expect_namespaces: vec![],
-        ranks: vec![0],
-        targets,
-        retained: vec![],
+    let mut twice = 0;
+    let load = load_with(&mut d, 73, 2, 60, &mut |_, t, _| {
+        twice = t[0].device_page;
+        t[1].device_page = twice;
     });
+    let e = d.h.one(load);
     assert!(
         matches!(
             &e,
@@ -2072,17 +2016,8 @@ fn a_bad_load_plan_is_refused_before_anything_runs() {
     let s2 = d.h.open("llama");
     let (region2, _) = d.h.region(s2, 0, 0, 8);
     let theirs = d.h.alloc(s2, region2, 0);
-    let e = d.h.one(Command::Load {
-        session,
-        request,
-        groups,
-        origin: 0,
-        prompt_len: 2 * PAGE + 1,
-        expect_namespaces: vec![],
-        ranks: vec![0],
-        targets: vec![orbitkv_world::driver::target(0, 0, PAGE, theirs)],
-        retained: vec![pos(2 * PAGE)],
-    });
+    let load = load_with(&mut d, 73, 2, 62, &mut |_, t, _| t[0].device_page = theirs);
+    let e = d.h.one(load);
     assert!(
         matches!(
             e,

@@ -699,22 +699,24 @@ class _IoState:
         if isinstance(mover, AgentPageMover):
             self.start_agent_load(spec, mover)
             return
-        hashes = [h.hex() for h in spec.hashes]
-        cid = client.submit(
-            {
-                "command": "query",
-                "session": session,
-                "request": hash(spec.req_id) & 0x7FFF_FFFF_FFFF_FFFF,
-                "groups": [{"group": g.id, "hashes": hashes} for g in self.w.spec.groups],
-                "origin": spec.origin,
-                # The scheduler counted on `boundary`: select nothing beyond.
-                "prompt_len": spec.boundary + 1,
-                "expect_namespaces": self.w.link.namespaces,
-                "prepare": True,
-            }
-        )
+        cid = client.submit(self.query_fields("query", session, spec, prepare=True))
         job = _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s)
         self.by_command[cid] = ("query", job)
+
+    def query_fields(self, command: str, session: Dict[str, Any], spec: LoadSpec, **more: Any) -> Dict[str, Any]:
+        """A `query` or `load` of `spec`'s pages, with `more` fields."""
+        hashes = [h.hex() for h in spec.hashes]
+        return {
+            "command": command,
+            "session": session,
+            "request": hash(spec.req_id) & 0x7FFF_FFFF_FFFF_FFFF,
+            "groups": [{"group": g.id, "hashes": hashes} for g in self.w.spec.groups],
+            "origin": spec.origin,
+            # The scheduler counted on `boundary`: select nothing beyond.
+            "prompt_len": spec.boundary + 1,
+            "expect_namespaces": self.w.link.namespaces,
+            **more,
+        }
 
     def start_agent_load(self, spec: LoadSpec, mover: AgentPageMover) -> None:
         """One `load`: every page of this rank up to the boundary names its
@@ -749,22 +751,8 @@ class _IoState:
             log.info("OrbitKV: load of %s: %s", spec.req_id, e)
             self.w._finish_load(spec, None, "restore_alloc")
             return
-        hashes = [h.hex() for h in spec.hashes]
-        cid = client.submit(
-            {
-                "command": "load",
-                "session": session,
-                "request": hash(spec.req_id) & 0x7FFF_FFFF_FFFF_FFFF,
-                "groups": [{"group": g.id, "hashes": hashes} for g in self.w.spec.groups],
-                "origin": spec.origin,
-                # The scheduler counted on `boundary`: select nothing beyond.
-                "prompt_len": spec.boundary + 1,
-                "expect_namespaces": self.w.link.namespaces,
-                "ranks": [rank],
-                "targets": targets,
-                "retained": retained,
-            }
-        )
+        cmd = self.query_fields("load", session, spec, ranks=[rank], targets=targets, retained=retained)
+        cid = client.submit(cmd)
         self.by_command[cid] = ("query", job)
 
     def alloc_pages(self, region: int, blocks: List[int]) -> List[int]:

@@ -115,6 +115,9 @@ struct Part {
     layer: Option<LayerPart>,
     /// A publish's pages, in order: what their checksums are taken from.
     pages: Vec<StagedPage>,
+    /// A restore's pages the executor verifies as it copies them: each
+    /// page's pool range, to name the page whose checksum failed.
+    verified: Vec<(u64, u64)>,
 }
 
 /// One page a publish writes into the staging area.
@@ -133,6 +136,7 @@ struct Running {
     copy: u64,
     layer: Option<LayerPart>,
     pages: Vec<StagedPage>,
+    verified: Vec<(u64, u64)>,
     copies: usize,
 }
 
@@ -480,9 +484,13 @@ impl CopyAgent {
     /// Translates a batch into executor batches (one per layer of a
     /// layered region's restore, in layer order; one for the rest),
     /// checking every page against the region, the pool and the staging
-    /// area, and a restore's pool pages against their checksums (the pool
-    /// is read-only here and its pages leased until the copy is reported:
-    /// bytes that match now are the bytes copied).
+    /// area, and a restore's pool pages against their checksums: in the
+    /// copy's own pass where the executor verifies chains of source-hashed
+    /// copies (the host engine; a page that fails is named by its pool
+    /// offset, and the destination is the engine's to recompute), else
+    /// before anything is copied (the pool is read-only here and its pages
+    /// leased until the copy is reported: bytes that match now are the
+    /// bytes copied).
     fn plan(
         &self,
         copy: u64,
@@ -505,6 +513,8 @@ impl CopyAgent {
         let mut layered: std::collections::BTreeMap<(u32, u32), (Vec<PageCopy>, u64)> =
             std::collections::BTreeMap::new();
         let mut verify = Vec::new();
+        let mut verified = Vec::new();
+        let fused = self.executor.verifies_source_chains();
         let mut staged = Vec::new();
         for p in pages {
             let r = self
@@ -533,15 +543,30 @@ impl CopyAgent {
                     p.host_offset, p.len
                 )));
             }
-            if let (true, Some(sum)) = (restore, p.checksum) {
-                verify.push((p.host_offset, p.len, sum));
-            }
+            // A restored page's checksum covers all its chunks. Copied
+            // whole by an executor that verifies chains, it is verified in
+            // the copy's pass (one pass over the pool page); else (a
+            // layered region's per-layer parts, CUDA) before, below.
+            let in_pass = restore && fused && r.chunks.iter().all(|c| c.4.is_none());
+            let expect = match (restore, p.checksum) {
+                (true, Some(sum)) if in_pass => {
+                    verified.push((host_base + p.host_offset, p.len));
+                    Some(sum)
+                }
+                (true, Some(sum)) => {
+                    verify.push((p.host_offset, p.len, sum));
+                    None
+                }
+                _ => None,
+            };
+            let last = r.chunks.len() - 1;
             let mut counted: Vec<u32> = Vec::new();
             for (n, &(id, at, stride, len, layer)) in r.chunks.iter().enumerate() {
                 // A publish's page checksum is taken from the engine's own
                 // memory as it is read, chunk after chunk (end to end: the
-                // manager verifies the staged page against it).
-                let sum = match (restore, n) {
+                // manager verifies the staged page against it); a restore
+                // verified in the pass hashes the pool page the same way.
+                let sum = match (restore && !in_pass, n) {
                     (true, _) => crate::SumOf::Destination,
                     (false, 0) => crate::SumOf::SourceStart,
                     (false, _) => crate::SumOf::SourceContinue,
@@ -551,9 +576,7 @@ impl CopyAgent {
                     region: id,
                     device_offset: slot * stride,
                     len,
-                    // A page's checksum covers all its chunks: verified
-                    // whole, below.
-                    expect_checksum: None,
+                    expect_checksum: expect.filter(|_| n == last),
                     sum,
                 };
                 match layer {
@@ -590,6 +613,7 @@ impl CopyAgent {
                 copies: whole,
                 layer: None,
                 pages: staged,
+                verified,
             });
         }
         for ((layer, region), (copies, pages)) in layered {
@@ -599,6 +623,7 @@ impl CopyAgent {
                 copies,
                 layer: Some((region, layer, pages)),
                 pages: Vec::new(),
+                verified: Vec::new(),
             });
         }
         Ok(parts)
@@ -630,6 +655,7 @@ impl CopyAgent {
                         layer: part.layer,
                         copies: part.copies.len(),
                         pages: part.pages,
+                        verified: part.verified,
                     };
                     self.running.insert(token, running);
                 }
@@ -704,6 +730,20 @@ impl CopyAgent {
             if let Some(r) = self.running.remove(&c.token) {
                 let result = match c.result {
                     Ok(()) => Ok(self.page_sums(&r, &c.checksums)),
+                    // A page verified in the copy's pass: named by its
+                    // pool offset, as a page verified before it.
+                    Err(CopyError::Checksum { host_offset }) => {
+                        match r
+                            .verified
+                            .iter()
+                            .find(|(at, len)| host_offset >= *at && host_offset - at < *len)
+                        {
+                            Some(&(at, _)) => Err(CopyFailure::Checksum(at)),
+                            None => Err(CopyFailure::Executor(
+                                CopyError::Checksum { host_offset }.to_string(),
+                            )),
+                        }
+                    }
                     Err(e) => Err(CopyFailure::Executor(e.to_string())),
                 };
                 self.part_done(r.copy, r.layer, result);

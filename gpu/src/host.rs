@@ -557,6 +557,10 @@ impl CopyEngine for HostCopyEngine {
         "host"
     }
 
+    fn verifies_source_chains(&self) -> bool {
+        true
+    }
+
     fn unregister_device_region(&mut self, region: RegionId) -> Result<(), CopyError> {
         self.arena.unregister(region)
     }

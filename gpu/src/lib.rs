@@ -198,6 +198,15 @@ pub trait CopyEngine: Send {
     /// Short backend name for reports (`host`, `sim`, `cuda`).
     fn name(&self) -> &'static str;
 
+    /// Whether a batch's `expect_checksum` is checked against a chain of
+    /// source-hashed copies (`SumOf::SourceStart` then `SourceContinue`,
+    /// the expectation on the chain's last copy) in the copy's own pass.
+    /// A copy agent then verifies a restored page while copying it, not in
+    /// a pass of its own before.
+    fn verifies_source_chains(&self) -> bool {
+        false
+    }
+
     /// Registers a device region of `bytes` bytes. The host and simulated
     /// backends allocate it themselves.
     fn register_device_region(&mut self, bytes: u64) -> Result<RegionId, CopyError>;

@@ -125,6 +125,42 @@ fn restored_pool_pages_are_verified_against_their_checksums() {
 }
 
 #[test]
+fn a_page_verified_in_the_copy_pass_is_named_by_its_pool_offset() {
+    // The host engine verifies each restored page while it copies it, its
+    // two runs hashed as one chain: a byte altered in either run of the
+    // middle page fails the copy, named by that page's pool offset.
+    for (which, at) in [("first", 10), ("second", 1024 + 2000)] {
+        let mut a = agent();
+        let (mut pool, _staging) = window(&mut a);
+        let mut mem = Memory::new();
+        let (region, _) = unsafe { a.attach(SLOTS, &mem.chunks()) }.unwrap();
+        let sum = |pool: &[u8], n: u64| {
+            xxhash_rust::xxh3::xxh3_64(&pool[(n * PAGE) as usize..((n + 1) * PAGE) as usize])
+        };
+        let pages: Vec<AgentPageCopy> = [3, 5, 7]
+            .iter()
+            .enumerate()
+            .map(|(slot, &n)| AgentPageCopy {
+                checksum: Some(sum(&pool, n)),
+                ..page(n * PAGE, region, slot as u64)
+            })
+            .collect();
+        assert_eq!(
+            run(&mut a, 1, AgentDirection::PoolToRegion, pages.clone()),
+            None,
+            "{which}"
+        );
+        for (slot, n) in [3u64, 5, 7].iter().enumerate() {
+            let want = &pool[(n * PAGE) as usize..((n + 1) * PAGE) as usize];
+            assert_eq!(mem.page(slot as u64), want, "{which}: page {n}");
+        }
+        pool[(5 * PAGE) as usize + at] ^= 0x40;
+        let f = run(&mut a, 2, AgentDirection::PoolToRegion, pages);
+        assert_eq!(f, Some(CopyFailure::Checksum(5 * PAGE)), "{which} run");
+    }
+}
+
+#[test]
 fn pages_move_exactly_through_chunked_regions() {
     let mut a = agent();
     let (pool, staging) = window(&mut a);

@@ -24,13 +24,12 @@ layers are ``DynamicLayer``, ``DynamicSlidingWindowLayer``,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import transformers
@@ -552,6 +551,9 @@ class Store:
         self._request = 0
         self._session: Optional[dict] = None
         self._regions: Dict[int, Tuple[dict, torch.Tensor]] = {}
+        #: The slot table: the device page of each (group, slot), kept for
+        #: the session (its close frees them).
+        self._pages: Dict[Tuple[int, int], int] = {}
         self._driver: Optional[_Driver] = _Driver(backend, timeout_s)
         try:
             self._open(layout, contract_groups)
@@ -829,72 +831,57 @@ class Store:
                 self._stage_kv_pages(self.prefix, staged.cache, first, count, first * self.page_tokens)
         inserted = 0
         keys = sorted(staged.pages)
-        with self._device_pages(keys) as handles:
-            self._request += 1
-            limit = 4096  # the runtime's default max_publish_pages
-            for i in range(0, len(keys), limit):
-                batch = keys[i : i + limit]
-                e = self._reply(
-                    {
-                        "command": "publish",
-                        "session": self._session,
-                        "request": self._request,
-                        "pages": [
-                            {"rank": 0, "group": g, "hash": staged.hashes[k], "device_page": handles[(g, k)]}
-                            for g, k in batch
-                        ],
-                    },
-                    "publish_done",
-                )
-                inserted += e["inserted"]
+        handles = self._device_pages(keys)
+        self._request += 1
+        limit = 4096  # the runtime's default max_publish_pages
+        for i in range(0, len(keys), limit):
+            batch = keys[i : i + limit]
+            e = self._reply(
+                {
+                    "command": "publish",
+                    "session": self._session,
+                    "request": self._request,
+                    "pages": [
+                        {"rank": 0, "group": g, "hash": staged.hashes[k], "device_page": handles[(g, k)]}
+                        for g, k in batch
+                    ],
+                },
+                "publish_done",
+            )
+            inserted += e["inserted"]
         staged.inserted = inserted
         return inserted
 
     # -- device pages -------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _device_pages(self, keys: List[Tuple[int, int]]) -> Iterator[Dict[Tuple[int, int], int]]:
+    def _device_pages(self, keys: List[Tuple[int, int]]) -> Dict[Tuple[int, int], int]:
         """Device page handles for slots ``(group, page index)`` of the
-        regions, freed on exit (after the copies that used them finished:
-        callers wait for ``publish_done`` / ``restore_done`` first)."""
-        handles: Dict[Tuple[int, int], int] = {}
-        try:
-            # All submitted first: the runtime answers them in one tick.
-            sent = []
-            for g, k in keys:
-                cmd = {
-                    "command": "device_page_alloc",
-                    "session": self._session,
-                    "region": self._regions[g][0]["region"],
-                    "slot": k,
-                }
-                sent.append(((g, k), cmd, self._d().submit(cmd)))
-            failure = None
-            for key, cmd, cid in sent:
-                e = self._d().next(match=lambda e: e.get("command") == cid and "event" in e, what="device_page_alloc")
-                if e["event"] == "device_page_allocated":
-                    handles[key] = e["device_page"]
-                elif failure is None:
-                    err = e.get("error") or {}
-                    failure = OrbitKVError(err.get("error", e["event"]), err.get("detail"), cmd)
-            if failure is not None:
-                raise failure
-            yield handles
-        finally:
-            self._free(list(handles.values()))
-
-    def _free(self, handles: List[int]) -> None:
-        if not handles or self._session is None:
-            return
-        for h in handles:
-            self._d().submit({"command": "device_page_free", "session": self._session, "device_page": h})
-        left = set(handles)
-        while left:
-            e = self._d().next(
-                match=lambda e: e.get("event") == "device_page_freed" and e["device_page"] in left,
-                what="device_page_free",
-            )
-            left.discard(e["device_page"])
+        regions: the session's slot table, each allocated on its first use
+        (the missing ones in one round) and kept until the session closes.
+        One store runs one operation at a time, so no two copies share a
+        slot."""
+        missing = sorted({k for k in keys if k not in self._pages})
+        # All submitted first: the runtime answers them in one tick.
+        sent = []
+        for g, k in missing:
+            cmd = {
+                "command": "device_page_alloc",
+                "session": self._session,
+                "region": self._regions[g][0]["region"],
+                "slot": k,
+            }
+            sent.append(((g, k), cmd, self._d().submit(cmd)))
+        failure = None
+        for key, cmd, cid in sent:
+            e = self._d().next(match=lambda e: e.get("command") == cid and "event" in e, what="device_page_alloc")
+            if e["event"] == "device_page_allocated":
+                self._pages[key] = e["device_page"]
+            elif failure is None:
+                err = e.get("error") or {}
+                failure = OrbitKVError(err.get("error", e["event"]), err.get("detail"), cmd)
+        if failure is not None:
+            raise failure
+        return {k: self._pages[k] for k in keys}
 
     # -- restore ----------------------------------------------------------
 
@@ -911,56 +898,42 @@ class Store:
         if pages == 0:
             return Restored(None, 0, "prompt_too_short")
         hashes = page_hashes(ids[0, : pages * p], p)
+        # One `load`: every slot of every group up to the hashed pages is a
+        # destination; the runtime selects the boundary, leases its pages
+        # and restores the ones the contract needs.
+        handles = self._device_pages([(g.id, k) for g in self.groups for k in range(pages)])
         self._request += 1
         q = self._reply(
             {
-                "command": "query",
+                "command": "load",
                 "session": self._session,
                 "request": self._request,
                 "groups": [{"group": g.id, "hashes": hashes} for g in self.groups],
                 "origin": 0,
                 "prompt_len": total,
                 "expect_namespaces": [self.namespace],
-                "prepare": True,
+                "ranks": [0],
+                "targets": [
+                    {"pos": {"rank": 0, "group": g, "page_end": (k + 1) * p}, "device_page": dp}
+                    for (g, k), dp in handles.items()
+                ],
             },
             "query_result",
         )
-        op = q["operation"]
         if q["miss"] is not None:
             return Restored(None, 0, q["miss"])
-        finished = False
-        try:
-            ready = self._operation_event(op, ("ready", "miss"))
-            t_ready = time.perf_counter()
-            if ready["event"] == "miss":
-                finished = True
-                return Restored(None, 0, ready["reason"])
-            boundary = ready["boundary"]
-            keys = sorted((lease["pos"]["group"], lease["pos"]["page_end"] // p - 1) for lease in ready["leases"])
-            with self._device_pages(keys) as handles:
-                self._d().submit(
-                    {
-                        "command": "restore",
-                        "session": self._session,
-                        "operation": op,
-                        "targets": [
-                            {"pos": {"rank": 0, "group": g, "page_end": (k + 1) * p}, "device_page": handles[(g, k)]}
-                            for g, k in keys
-                        ],
-                        "retained": [],
-                    }
-                )
-                done = self._operation_event(op, ("restore_done", "miss"))
-                finished = True
-                t_copied = time.perf_counter()
-                if done["event"] == "miss":
-                    return Restored(None, 0, done["reason"])
-                cache = self._build_cache(boundary, keys)
-        finally:
-            if not finished:
-                # Leases and reserved bytes go back; a copy in flight keeps
-                # its device pages until it drains.
-                self._release(op)
+        op, cid = q["operation"], q["command"]
+        ready = self._operation_event(op, cid, ("ready", "miss"))
+        t_ready = time.perf_counter()
+        if ready["event"] == "miss":
+            return Restored(None, 0, ready["reason"])
+        boundary = ready["boundary"]
+        keys = sorted((lease["pos"]["group"], lease["pos"]["page_end"] // p - 1) for lease in ready["leases"])
+        done = self._operation_event(op, cid, ("restore_done", "miss"))
+        t_copied = time.perf_counter()
+        if done["event"] == "miss":
+            return Restored(None, 0, done["reason"])
+        cache = self._build_cache(boundary, keys)
         t_built = time.perf_counter()
         return Restored(
             cache,
@@ -976,19 +949,21 @@ class Store:
             },
         )
 
-    def _operation_event(self, op: int, kinds: Tuple[str, ...]) -> dict:
+    def _operation_event(self, op: int, command: int, kinds: Tuple[str, ...]) -> dict:
+        """The load's next event of ``kinds``; its plan refused once ready
+        (a bug of ours: every slot was named) is an ``OrbitKVError``."""
+
+        def ours(e: dict) -> bool:
+            return e.get("operation") == op or (e.get("command") == command and e.get("event") == "rejected")
+
         while True:
-            e = self._d().next(match=lambda e: e.get("operation") == op, what=f"operation {op}")
+            e = self._d().next(match=ours, what=f"operation {op}")
             if e["event"] in kinds:
                 return e
+            if e["event"] == "rejected":
+                raise OrbitKVError(e["error"]["error"], e["error"].get("detail"))
             if e["event"] == "transfer_overdue":
                 raise OrbitKVError("transfer_overdue", e)
-
-    def _release(self, op: int) -> None:
-        try:
-            self._d().submit({"command": "release", "session": self._session, "operation": op})
-        except (orbitkv.QueueFull, orbitkv.ConnectionError, ValueError):
-            pass  # the session's close returns them
 
     def _build_cache(self, boundary: int, keys: List[Tuple[int, int]]) -> DynamicCache:
         """A fresh cache holding the restored pages' state at ``boundary``."""

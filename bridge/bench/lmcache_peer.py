@@ -18,8 +18,8 @@ back is compared after its timing.
   the client's copy agent copies on its instruction), as the vLLM and
   SGLang adapters use it. Save = `publish` in batches of `--batch` pages,
   up to `--inflight` (default 4) outstanding at once as an engine saving
-  several requests has them, each checked at its `publish_done`; retrieve = `query` with prepare until `ready`, then
-  `restore` until `restore_done`. Checksums are always on: the publish copy
+  several requests has them, each checked at its `publish_done`; retrieve = one `load`
+  (query, prepare and restore in one command) until `restore_done`. Checksums are always on: the publish copy
   computes each page's XXH3-64, the restore copy verifies it.
 
 What is not equal, on purpose or not (printed with the results):
@@ -251,32 +251,34 @@ def run_orbitkv(
     save = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    # One `load`: every page names its destination; the manager leases the
+    # pages and has the agent restore them (verified in the copy's pass).
     qr = ss.expect(
         c.call(
             {
-                "command": "query",
+                "command": "load",
                 "session": s,
                 "request": pages,
                 "groups": [{"group": 0, "hashes": hs}],
                 "origin": 0,
                 "prompt_len": pages * PAGE_TOKENS + 1,
-                "prepare": True,
+                "ranks": [0],
+                "targets": [
+                    {"pos": {"rank": 0, "group": 0, "page_end": (i + 1) * PAGE_TOKENS}, "device_page": dps_dst[i]}
+                    for i in range(pages)
+                ],
             },
             long_wait,
         ),
         "query_result",
     )
     if qr["miss"] is not None or qr["selected"] != pages * PAGE_TOKENS:
-        sys.exit(f"OrbitKV query: {qr}")
-    ready = c.wait_event(long_wait, operation=qr["operation"])
-    if ready is None or ready["event"] != "ready":
-        sys.exit(f"OrbitKV prepare: {ready}")
-    targets = [
-        {"pos": lease["pos"], "device_page": dps_dst[lease["pos"]["page_end"] // PAGE_TOKENS - 1]}
-        for lease in ready["leases"]
-    ]
-    c.submit({"command": "restore", "session": s, "operation": qr["operation"], "targets": targets, "retained": []})
-    done = ss.expect(c.wait_event(long_wait, operation=qr["operation"]), "restore_done")
+        sys.exit(f"OrbitKV load: {qr}")
+    while True:
+        done = c.wait_event(long_wait, operation=qr["operation"])
+        if done is None or done["event"] not in ("loading", "ready"):
+            break
+    done = ss.expect(done, "restore_done")
     retrieve = time.perf_counter() - t0
     if done["pages"] != pages:
         sys.exit(f"OrbitKV restore: {done}")

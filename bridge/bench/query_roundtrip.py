@@ -19,7 +19,9 @@ then measures, from Python:
       (its operation released with a `release` command outside the timed
       region) and for one that misses (nothing to release);
   (a') `Client.lookup(...)`, the typed lookup (hashes as bytes, only the
-      answer back, nothing to release), for the same hit and miss;
+      answer back, nothing to release), for the same hit and miss; with
+      `--gap-us G` (repeatable) also the hit with G us of busy work before
+      each call, as a scheduler's lookups come;
   (b) `Client.ping()`: an empty frame through the manager's loop (also
       timed inside Rust, without Python per iteration);
   (c) a raw Unix-socket ping-pong between two Python processes (16 bytes);
@@ -63,16 +65,29 @@ def percentile(sorted_xs: List[float], q: float) -> float:
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
 
-def timed(fn: Callable[[], object], n: int, warmup: int, after: Callable[[object], None] = None):
+def timed(
+    fn: Callable[[], object],
+    n: int,
+    warmup: int,
+    after: Callable[[object], None] = None,
+    gap_us: float = 0.0,
+):
     """Seconds per call of `fn`, `n` timed calls after `warmup`; `after`
-    runs on each result outside the timed region."""
+    runs on each result outside the timed region. With `gap_us`, the
+    caller busy-works that long before each call (outside the timed
+    region), as a scheduler does between two requests' lookups."""
     clock = time.perf_counter_ns
     for _ in range(warmup):
         r = fn()
         if after:
             after(r)
     xs = []
+    gap_ns = int(gap_us * 1000)
     for _ in range(n):
+        if gap_ns:
+            until = clock() + gap_ns
+            while clock() < until:
+                pass
         t0 = clock()
         r = fn()
         xs.append((clock() - t0) * 1e-9)
@@ -117,6 +132,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=10_000)
     ap.add_argument("--warmup", type=int, default=1_000)
+    ap.add_argument(
+        "--gap-us",
+        type=float,
+        action="append",
+        default=[],
+        help="also time the typed lookup hit after this much busy work before each call "
+        "(repeatable): the scheduler's case, where lookups do not come back to back",
+    )
     args = ap.parse_args()
     n, warmup = args.iterations, args.warmup
     assert n >= 5000, "at least 5000 iterations"
@@ -170,6 +193,13 @@ def main() -> int:
                 timed(lambda: c.lookup(s, 1, [0], cold, 0, prompt), n, warmup, miss_answer),
             )
         )
+        for gap in args.gap_us:
+            rows.append(
+                (
+                    f"(a') Client.lookup(...), hit, {gap:g} us apart",
+                    timed(lambda: c.lookup(s, 1, [0], hashes, 0, prompt), n // 2, 0, hit_answer, gap),
+                )
+            )
         rows.append(("(b) Client.ping()", timed(c.ping, n, warmup)))
         c._ping_many(warmup)
         rows.append(("(b) ping timed in Rust, no Python", sorted(c._ping_many(n))))

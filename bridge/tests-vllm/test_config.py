@@ -43,6 +43,8 @@ def test_unknown_extra_config_key_is_named(model):
     refused(model, "unknown kv_connector_extra_config key.*'sockett'", extra={"sockett": "/x"})
     refused(model, "staging_pages must be a int", extra={"staging_pages": "many"})
     refused(model, "timeout_s must be > 0", extra={"timeout_s": 0})
+    refused(model, "lookup_spin_us must be in 0..=10000, got 10001", extra={"lookup_spin_us": 10001})
+    refused(model, "lookup_spin_us must be in 0..=10000, got -1", extra={"lookup_spin_us": -1})
 
 
 def test_load_mode_is_checked(model):

@@ -519,3 +519,16 @@ def test_many_concurrent_clients(manager, workers):
         [r["releases"] for r in results],
         f"max ping {max(pings) * 1e3:.2f} ms",
     )
+
+
+def test_the_spin_budget_is_bounded_and_waits_still_answer(manager):
+    c = orbitkv.Client(manager.socket, "spin")
+    try:
+        with pytest.raises(ValueError, match="at most 10000"):
+            c.set_spin_us(10_001)
+        # Spinning long or not at all, a round trip still completes.
+        for us in (0, 300, 10_000):
+            c.set_spin_us(us)
+            assert c.ping() > 0
+    finally:
+        c.close()

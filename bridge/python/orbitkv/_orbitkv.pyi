@@ -412,6 +412,12 @@ class Client:
     def poll_events(self) -> List[_Event]:
         """Every queued and already arrived event, without blocking."""
 
+    def set_spin_us(self, us: int) -> None:
+        """How long this client's waits spin before they block, in
+        microseconds (default 20; 0 blocks at once; at most 10000, else
+        ``ValueError``). Spinning turns itself off for a while when it is
+        preempted or when most replies outlast it."""
+
     def ping(self) -> float:
         """Round trip of an empty frame through the manager's loop, in
         seconds.

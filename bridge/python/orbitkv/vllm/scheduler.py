@@ -80,7 +80,12 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, spec: EngineSpec):
         self.settings = settings
         self.spec = spec
-        self.link = ManagerLink(settings, spec, "vllm-scheduler")
+        self.link = ManagerLink(
+            settings,
+            spec,
+            "vllm-scheduler",
+            on_connect=lambda client, _session: client.set_spin_us(settings.lookup_spin_us),
+        )
         self.requests: Dict[str, _Request] = {}
         self.pending_loads: List[LoadSpec] = []
         self.kv_cache_manager: Any = None

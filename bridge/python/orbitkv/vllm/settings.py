@@ -59,6 +59,15 @@ class ConnectorSettings:
     past it fails: the request recomputes, the page is not saved)."""
     query_timeout_s: float = 1.0
     """Bound on the scheduler's lookup: past it, the request is a miss."""
+    lookup_spin_us: int = 300
+    """How long the scheduler's wait for a lookup's answer spins before it
+    blocks (0..=10000; the client's own default is 20). The scheduler's
+    thread is on every step's critical path, and a blocking wait costs a
+    kernel wake-up (about 95 us on a small VM); an answer normally comes in
+    15-50 us, or in 100-200 us when the manager slept. Spinning turns
+    itself off while the machine is oversubscribed. Pair it with the
+    manager's ``[serve] spin_after_work_us`` (docs/vllm.md, "Lookup
+    latency")."""
     reconnect_interval_s: float = 1.0
     """How often a process retries a manager that is down; in between,
     lookups miss at once and saves are dropped."""
@@ -96,6 +105,10 @@ class ConnectorSettings:
         for key in ("timeout_s", "query_timeout_s", "reconnect_interval_s"):
             if not getattr(s, key) > 0:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0")
+        if not 0 <= s.lookup_spin_us <= 10_000:
+            raise ConfigError(
+                f"kv_connector_extra_config.lookup_spin_us must be in 0..=10000, got {s.lookup_spin_us}"
+            )
         if not s.socket:
             raise ConfigError("kv_connector_extra_config.socket is empty")
         if s.load_mode not in LOAD_MODES:

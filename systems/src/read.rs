@@ -228,6 +228,8 @@ impl ReadStep<'_> {
                 set_state(commands, self.entity, op, OpState::RestorePending);
             }
             Err(error) => {
+                // Counted with the refusals at ingest, under its command.
+                reads.metrics.refused("load", &error);
                 let refusal = Event::Rejected {
                     command: op.command,
                     error,

@@ -1929,6 +1929,9 @@ fn a_load_that_does_not_cover_its_range_is_refused_and_copies_nothing() {
         other => panic!("{other:?} in {out:?}"),
     }
     assert_eq!(out.iter().filter(|a| a.terminal).count(), 1, "{out:?}");
+    // Counted with the refusals, under its command and reason.
+    let refusals = d.h.rt().stats().metrics.refusals;
+    assert_eq!(refusals.get("load.load_invalid"), Some(&1), "{refusals:?}");
     for slot in [30, 32, 33] {
         assert_eq!(
             d.h.read_slot(d.engine_region, slot),

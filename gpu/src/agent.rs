@@ -116,8 +116,9 @@ struct Part {
     /// A publish's pages, in order: what their checksums are taken from.
     pages: Vec<StagedPage>,
     /// A restore's pages the executor verifies as it copies them: each
-    /// page's pool range, to name the page whose checksum failed.
-    verified: Vec<(u64, u64)>,
+    /// page's range in the executor's host window and its pool offset, to
+    /// name the page whose checksum failed.
+    verified: Vec<(u64, u64, u64)>,
 }
 
 /// One page a publish writes into the staging area.
@@ -136,7 +137,7 @@ struct Running {
     copy: u64,
     layer: Option<LayerPart>,
     pages: Vec<StagedPage>,
-    verified: Vec<(u64, u64)>,
+    verified: Vec<(u64, u64, u64)>,
     copies: usize,
 }
 
@@ -550,7 +551,7 @@ impl CopyAgent {
             let in_pass = restore && fused && r.chunks.iter().all(|c| c.4.is_none());
             let expect = match (restore, p.checksum) {
                 (true, Some(sum)) if in_pass => {
-                    verified.push((host_base + p.host_offset, p.len));
+                    verified.push((host_base + p.host_offset, p.len, p.host_offset));
                     Some(sum)
                 }
                 (true, Some(sum)) => {
@@ -559,7 +560,7 @@ impl CopyAgent {
                 }
                 _ => None,
             };
-            let last = r.chunks.len() - 1;
+            let last = r.chunks.len().saturating_sub(1);
             let mut counted: Vec<u32> = Vec::new();
             for (n, &(id, at, stride, len, layer)) in r.chunks.iter().enumerate() {
                 // A publish's page checksum is taken from the engine's own
@@ -736,9 +737,9 @@ impl CopyAgent {
                         match r
                             .verified
                             .iter()
-                            .find(|(at, len)| host_offset >= *at && host_offset - at < *len)
+                            .find(|(at, len, _)| host_offset >= *at && host_offset - at < *len)
                         {
-                            Some(&(at, _)) => Err(CopyFailure::Checksum(at)),
+                            Some(&(_, _, pool_offset)) => Err(CopyFailure::Checksum(pool_offset)),
                             None => Err(CopyFailure::Executor(
                                 CopyError::Checksum { host_offset }.to_string(),
                             )),

@@ -1007,9 +1007,12 @@ class _IoState:
         late_ops = [(op, job) for op, job in self.by_operation.items() if job.deadline < now]
         if not late and not late_ops:
             return
-        agent_late = any(what == "publish" and job.done is not None for _, what, job in late) or any(
-            job.restoring for _, job in late_ops
-        )
+        # A load's copies may start in the tick its pages are ready, before
+        # this thread has read its result: a late load may be copying too.
+        agent_late = any(
+            (what == "publish" and job.done is not None) or (what != "publish" and job.load)
+            for _, what, job in late
+        ) or any(job.restoring or job.load for _, job in late_ops)
         if agent_late:
             # The agent may still be copying engine blocks: the connection
             # goes (its agent waits for running copies), then everything in
@@ -1017,8 +1020,6 @@ class _IoState:
             self.lost("an agent copy passed its deadline")
             return
         for cid, what, job in late:
-            if what == "load":
-                continue  # its operation is late too: cancelled below
             del self.by_command[cid]
             if what == "publish":
                 # The runtime may still copy from these slots: never reuse them.

@@ -365,3 +365,87 @@ def test_refusal_after_a_manager_restart_is_loud(model, manager, orbitkv_bin, ca
         finally:
             small.stop()
             shutil.rmtree(small.dir, ignore_errors=True)
+
+
+class _StubLink:
+    """The worker's link, as `_IoState` uses it: records drops and submits."""
+
+    def __init__(self):
+        self.drops: list = []
+        self.submitted: list = []
+        self.up = True
+        self.generation = 0
+
+    def drop(self, why):
+        self.drops.append(why)
+        self.up = False
+
+    def get(self):
+        link = self
+
+        class _Client:
+            def submit(self, command):
+                link.submitted.append(command["command"])
+                return 1
+
+        return _Client(), {"id": 1, "epoch": 0, "incarnation": 0}
+
+
+def _io_state():
+    import threading
+    from types import SimpleNamespace
+
+    from orbitkv.vllm.worker import _IoState
+
+    finished: list = []
+    w = SimpleNamespace(
+        slot_table={},
+        link=_StubLink(),
+        settings=SimpleNamespace(timeout_s=5.0),
+        _lock=threading.Lock(),
+        _connected=True,
+        _finish_load=lambda spec, selected, failure: finished.append((spec.req_id, selected, failure)),
+        _publish_done=lambda *a, **k: None,
+    )
+    return _IoState(w), w, finished
+
+
+def test_a_late_load_drops_the_connection_and_never_just_cancels():
+    # A `load`'s copies may start in the tick its pages are ready, before
+    # the worker's I/O thread read its result: past the worker's deadline
+    # the connection goes (its agent waits for running copies before vLLM
+    # reuses the blocks), whether the result was read or not. A late
+    # staged-copy query (no agent writes the blocks) is only cancelled.
+    from orbitkv.vllm.metadata import LoadSpec
+    from orbitkv.vllm.worker import _Load
+
+    late = time.monotonic() - 1.0
+
+    def spec(rid):
+        return LoadSpec(req_id=rid, origin=0, boundary=64, hashes=[], block_ids=([],))
+
+    # Before its result: the load is still the command's.
+    io, w, finished = _io_state()
+    io.by_command[7] = ("query", _Load(spec=spec("A"), deadline=late, load=True))
+    io.expire()
+    assert w.link.drops == ["an agent copy passed its deadline"], w.link.drops
+    assert finished == [("A", None, "an agent copy passed its deadline")]
+    assert "cancel" not in w.link.submitted and not io.by_command
+
+    # After its result: the operation's.
+    io, w, finished = _io_state()
+    job = _Load(spec=spec("B"), deadline=late, load=True, operation=11, release_command=7)
+    io.by_command[7] = ("load", job)
+    io.by_operation[11] = job
+    io.expire()
+    assert w.link.drops == ["an agent copy passed its deadline"], w.link.drops
+    assert finished == [("B", None, "an agent copy passed its deadline")]
+    assert "cancel" not in w.link.submitted and not io.by_operation
+
+    # A staged-copy load past its deadline: cancelled, the connection kept.
+    io, w, finished = _io_state()
+    job = _Load(spec=spec("C"), deadline=late, operation=12)
+    io.by_operation[12] = job
+    io.expire()
+    assert w.link.drops == [] and w.link.submitted == ["cancel"]
+    assert finished == [("C", None, "timeout")]

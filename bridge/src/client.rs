@@ -147,20 +147,6 @@ fn event_kind(e: &Event) -> Option<String> {
     }
 }
 
-/// The operation an event is about, if any.
-fn event_operation(e: &Event) -> Option<u64> {
-    match e {
-        Event::QueryResult { operation, .. }
-        | Event::Loading { operation }
-        | Event::Ready { operation, .. }
-        | Event::TransferOverdue { operation, .. }
-        | Event::Miss { operation, .. }
-        | Event::RestoreDone { operation, .. }
-        | Event::Released { operation } => Some(*operation),
-        _ => None,
-    }
-}
-
 impl PyClient {
     /// Locks the state without holding the GIL (another thread may hold the
     /// lock for up to a [`SLICE`] while it waits).
@@ -425,7 +411,7 @@ impl PyClient {
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let timeout = duration(timeout, "timeout")?;
         let pred = move |e: &Event| {
-            operation.is_none_or(|op| event_operation(e) == Some(op))
+            operation.is_none_or(|op| e.operation() == Some(op))
                 && kind
                     .as_deref()
                     .is_none_or(|k| event_kind(e).as_deref() == Some(k))

@@ -962,6 +962,21 @@ impl Event {
             _ => None,
         }
     }
+
+    /// The operation this event is about, for the events of a query's
+    /// operation (its `query_result` included).
+    pub fn operation(&self) -> Option<u64> {
+        match self {
+            Event::QueryResult { operation, .. }
+            | Event::Loading { operation }
+            | Event::Ready { operation, .. }
+            | Event::TransferOverdue { operation, .. }
+            | Event::Miss { operation, .. }
+            | Event::RestoreDone { operation, .. }
+            | Event::Released { operation } => Some(*operation),
+            _ => None,
+        }
+    }
 }
 
 fn is_false(b: &bool) -> bool {

@@ -811,6 +811,65 @@ impl Client {
         }
     }
 
+    /// Queues several commands in one round trip: every one is sent
+    /// before any acknowledgement is awaited (a scheduler step's lookups, a
+    /// load's device-page allocations). Each gets its id, or the error the
+    /// manager refused to queue it with (a quota, a full inbox); a failure
+    /// of the connection fails the whole batch.
+    pub fn submit_many(
+        &mut self,
+        commands: Vec<Command>,
+    ) -> Result<Vec<Result<CommandId, CommandError>>, ClientError> {
+        let mut sent = Vec::with_capacity(commands.len());
+        for command in commands {
+            if let Some(tag) = self.send_hot(&command) {
+                sent.push((tag, true));
+                continue;
+            }
+            let tag = self.next_tag;
+            self.next_tag += 1;
+            self.send(&frame::encode(Kind::Submit, &Submit { tag, command }))?;
+            sent.push((tag, false));
+        }
+        let deadline = Instant::now() + ACK_TIMEOUT;
+        let mut out = Vec::with_capacity(sent.len());
+        let mut blocked = false;
+        for (tag, hot) in sent {
+            loop {
+                let got = if hot {
+                    self.hot.as_mut().and_then(|h| h.first.remove(&tag))
+                } else {
+                    self.accepted
+                        .remove(&tag)
+                        .map(|r| r.map_err(ClientError::Command))
+                };
+                match got {
+                    Some(Ok(id)) => {
+                        out.push(Ok(id));
+                        break;
+                    }
+                    Some(Err(ClientError::Command(e))) => {
+                        out.push(Err(e));
+                        break;
+                    }
+                    Some(Err(e)) => return Err(e),
+                    None => {}
+                }
+                if !self.pump(Some(deadline))? {
+                    return Err(ClientError::Timeout(ACK_TIMEOUT));
+                }
+                blocked |= self.blocked;
+            }
+        }
+        self.adapt_spin(blocked);
+        Ok(out)
+    }
+
+    /// How many events are queued, not yet taken.
+    pub fn queued(&self) -> usize {
+        self.events.len()
+    }
+
     /// Learns from an acknowledgement (the manager answers every command
     /// in its next tick, so these waits are all alike): when many outlast
     /// the spin, the manager is losing its core to the spinning itself or

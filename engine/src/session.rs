@@ -1,0 +1,528 @@
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use orbitkv_components::api::{
+    AgentRegion, Candidates, Command, CommandId, Event, GroupHashes, LeaseInfo, MissReason,
+    PagePos, PublishPage, RestoreTarget, SessionHandle,
+};
+use orbitkv_components::contract::RequiredRange;
+use orbitkv_components::key::NativeHash;
+use orbitkv_components::namespace::Namespace;
+use orbitkv_ipc::Client;
+
+use crate::EngineError;
+
+/// The most queries [`Session::lookup_many`] sends in one round; larger
+/// batches go in rounds of this many (the manager's hot path keeps a
+/// bounded number of requests open per connection).
+pub const MAX_BATCH: usize = 64;
+
+/// How a session waits.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// Longest wait for any one reply or outcome.
+    pub timeout: Duration,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// One prompt's question: its page hashes (page order, the same in every
+/// group of `groups`) past `origin` tokens of a `prompt_len`-token prompt.
+#[derive(Debug, Clone)]
+pub struct Query {
+    pub groups: Vec<u32>,
+    pub hashes: Vec<NativeHash>,
+    pub origin: u64,
+    pub prompt_len: u64,
+}
+
+/// What a lookup found. It holds nothing: there is nothing to release.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lookup {
+    /// The boundary (in tokens) a load would restore to; `None` on a miss.
+    pub selected: Option<u64>,
+    pub miss: Option<MissReason>,
+    pub candidates: Vec<Candidates>,
+    /// Boundaries every group could resume at.
+    pub common: Vec<u64>,
+}
+
+/// Where a load's pages go: the ranks it loads, the device page of every
+/// page it could take, the pages the engine already holds.
+#[derive(Debug, Clone, Default)]
+pub struct LoadPlan {
+    pub ranks: Vec<u32>,
+    pub targets: Vec<RestoreTarget>,
+    pub retained: Vec<PagePos>,
+}
+
+/// A load's outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Loaded {
+    /// Every required page of `boundary` is in the device pages named for
+    /// it (the copies landed and were verified).
+    Hit {
+        boundary: u64,
+        ranges: Vec<(u32, RequiredRange)>,
+        leases: Vec<LeaseInfo>,
+        pages: u64,
+        bytes: u64,
+    },
+    /// Nothing usable was loaded; the engine recomputes. Device pages the
+    /// load named may have been partly written.
+    Miss(MissReason),
+}
+
+/// A save's outcome: pages stored now, already stored, dropped (no room
+/// within the publish deadline, or their copy failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Saved {
+    pub inserted: u64,
+    pub duplicates: u64,
+    pub dropped: u64,
+}
+
+/// A device region registered by this session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    pub region: u64,
+    pub engine_region: u32,
+    pub page_bytes: u64,
+    pub rank: u32,
+    pub group: u32,
+    pub slots: u32,
+}
+
+/// One session with the manager, over one connection (the caller's
+/// [`Client`], passed to every verb so the connection can stay shared
+/// with its copy agent and memory views).
+#[derive(Debug)]
+pub struct Session {
+    handle: SessionHandle,
+    instance: String,
+    namespaces: Vec<Namespace>,
+    options: SessionOptions,
+    next_request: u64,
+    regions: HashMap<u64, Region>,
+    /// Device pages by (region, slot): allocated on a slot's first use,
+    /// kept until the session closes.
+    slots: HashMap<(u64, u32), u64>,
+}
+
+impl Session {
+    /// Registers the instance (`register`, a `RegisterInstance`) and opens
+    /// a session of it.
+    pub fn open(
+        c: &mut Client,
+        register: Command,
+        options: SessionOptions,
+    ) -> Result<Session, EngineError> {
+        let Command::RegisterInstance { instance, .. } = &register else {
+            return Err(EngineError::Invalid(format!(
+                "a session starts with register_instance, not {}",
+                register.kind()
+            )));
+        };
+        let instance = instance.clone();
+        let t = options.timeout;
+        let namespaces = match call(c, "register_instance", register, t)? {
+            Event::InstanceRegistered { namespaces, .. } => namespaces,
+            other => return Err(unexpected("register_instance", &other)),
+        };
+        let handle = match call(
+            c,
+            "open_session",
+            Command::OpenSession {
+                instance: instance.clone(),
+            },
+            t,
+        )? {
+            Event::SessionOpened { session, .. } => session,
+            other => return Err(unexpected("open_session", &other)),
+        };
+        Ok(Session {
+            handle,
+            instance,
+            namespaces,
+            options,
+            next_request: 0,
+            regions: HashMap::new(),
+            slots: HashMap::new(),
+        })
+    }
+
+    pub fn handle(&self) -> SessionHandle {
+        self.handle
+    }
+
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    /// The namespaces the manager sealed for the instance.
+    pub fn namespaces(&self) -> &[Namespace] {
+        &self.namespaces
+    }
+
+    pub fn regions(&self) -> impl Iterator<Item = &Region> {
+        self.regions.values()
+    }
+
+    /// Device pages held in the slot table.
+    pub fn device_page_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn request(&mut self) -> u64 {
+        self.next_request += 1;
+        self.next_request
+    }
+
+    /// Registers a device region of `slots` page slots for one rank's
+    /// group; `agent` names memory attached to the connection's copy agent.
+    pub fn register_region(
+        &mut self,
+        c: &mut Client,
+        rank: u32,
+        group: u32,
+        slots: u32,
+        agent: Option<AgentRegion>,
+    ) -> Result<Region, EngineError> {
+        let command = Command::RegisterDeviceRegion {
+            session: self.handle,
+            rank,
+            group,
+            slots,
+            agent,
+        };
+        match call(c, "register_device_region", command, self.options.timeout)? {
+            Event::RegionRegistered {
+                region,
+                engine_region,
+                page_bytes,
+                ..
+            } => {
+                let r = Region {
+                    region,
+                    engine_region,
+                    page_bytes,
+                    rank,
+                    group,
+                    slots,
+                };
+                self.regions.insert(region, r);
+                Ok(r)
+            }
+            other => Err(unexpected("register_device_region", &other)),
+        }
+    }
+
+    /// The device pages of `slots` of `region`, in order: from the slot
+    /// table, the missing ones allocated in one round trip.
+    pub fn device_pages(
+        &mut self,
+        c: &mut Client,
+        region: u64,
+        slots: &[u32],
+    ) -> Result<Vec<u64>, EngineError> {
+        let Some(r) = self.regions.get(&region) else {
+            return Err(EngineError::Invalid(format!(
+                "region {region:#x} is not one this session registered"
+            )));
+        };
+        if let Some(s) = slots.iter().find(|&&s| s >= r.slots) {
+            return Err(EngineError::Invalid(format!(
+                "slot {s} is outside region {region:#x} ({} slots)",
+                r.slots
+            )));
+        }
+        let mut missing: Vec<u32> = slots
+            .iter()
+            .copied()
+            .filter(|s| !self.slots.contains_key(&(region, *s)))
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        for chunk in missing.chunks(MAX_BATCH) {
+            let commands = chunk
+                .iter()
+                .map(|&slot| Command::DevicePageAlloc {
+                    session: self.handle,
+                    region,
+                    slot,
+                })
+                .collect();
+            let ids = submit_many(c, "device_page_alloc", commands)?;
+            for (&slot, id) in chunk.iter().zip(ids) {
+                match reply(c, "device_page_alloc", id, self.options.timeout)? {
+                    Event::DevicePageAllocated { device_page, .. } => {
+                        self.slots.insert((region, slot), device_page);
+                    }
+                    other => return Err(unexpected("device_page_alloc", &other)),
+                }
+            }
+        }
+        slots
+            .iter()
+            .map(|s| {
+                self.slots.get(&(region, *s)).copied().ok_or_else(|| {
+                    EngineError::Unavailable(format!("slot {s} of region {region:#x} has no page"))
+                })
+            })
+            .collect()
+    }
+
+    fn groups(q: &Query) -> Vec<GroupHashes> {
+        q.groups
+            .iter()
+            .map(|&group| GroupHashes {
+                group,
+                hashes: q.hashes.clone(),
+            })
+            .collect()
+    }
+
+    fn lookup_command(&mut self, q: &Query) -> Command {
+        Command::Lookup {
+            session: self.handle,
+            request: self.request(),
+            groups: Self::groups(q),
+            origin: q.origin,
+            prompt_len: q.prompt_len,
+            expect_namespaces: self.namespaces.clone(),
+        }
+    }
+
+    /// Where the manager would resume `q`: one round trip, nothing held.
+    pub fn lookup(&mut self, c: &mut Client, q: &Query) -> Result<Lookup, EngineError> {
+        let command = self.lookup_command(q);
+        lookup_result(call(c, "lookup", command, self.options.timeout)?)
+    }
+
+    /// Many lookups in one round trip per [`MAX_BATCH`] queries: all are
+    /// sent before any answer is awaited.
+    pub fn lookup_many(
+        &mut self,
+        c: &mut Client,
+        queries: &[Query],
+    ) -> Result<Vec<Lookup>, EngineError> {
+        let mut out = Vec::with_capacity(queries.len());
+        for chunk in queries.chunks(MAX_BATCH) {
+            let commands = chunk.iter().map(|q| self.lookup_command(q)).collect();
+            let ids = submit_many(c, "lookup", commands)?;
+            for id in ids {
+                out.push(lookup_result(reply(
+                    c,
+                    "lookup",
+                    id,
+                    self.options.timeout,
+                )?)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Loads `q` into the plan's device pages in one command: the manager
+    /// selects the boundary, leases and reads its pages, and has them
+    /// copied; returns after the last event. A plan that does not cover
+    /// the selected ranges is refused (nothing is copied).
+    pub fn load(
+        &mut self,
+        c: &mut Client,
+        q: &Query,
+        plan: LoadPlan,
+    ) -> Result<Loaded, EngineError> {
+        let command = Command::Load {
+            session: self.handle,
+            request: self.request(),
+            groups: Self::groups(q),
+            origin: q.origin,
+            prompt_len: q.prompt_len,
+            expect_namespaces: self.namespaces.clone(),
+            ranks: plan.ranks,
+            targets: plan.targets,
+            retained: plan.retained,
+        };
+        let t = self.options.timeout;
+        let id = submit(c, "load", command)?;
+        let op = match reply(c, "load", id, t)? {
+            Event::QueryResult {
+                miss: Some(reason), ..
+            } => return Ok(Loaded::Miss(reason)),
+            Event::QueryResult { operation, .. } => operation,
+            Event::Rejected { error, .. } => return Err(EngineError::refused("load", error)),
+            other => return Err(unexpected("load", &other)),
+        };
+        let deadline = Instant::now() + t;
+        let mut ready = None;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let e = c
+                .wait_event(left, |e| {
+                    e.operation() == Some(op) || e.command() == Some(id)
+                })
+                .map_err(|e| EngineError::client("load", e))?
+                .ok_or_else(|| {
+                    EngineError::Unavailable(format!("load {op:#x}: no outcome within {t:?}"))
+                })?;
+            match e {
+                Event::Loading { .. } => {}
+                Event::Ready {
+                    boundary,
+                    ranges,
+                    leases,
+                    ..
+                } => ready = Some((boundary, ranges, leases)),
+                Event::RestoreDone { pages, bytes, .. } => {
+                    let Some((boundary, ranges, leases)) = ready else {
+                        return Err(EngineError::Unavailable(format!(
+                            "load {op:#x}: restore_done without ready"
+                        )));
+                    };
+                    return Ok(Loaded::Hit {
+                        boundary,
+                        ranges,
+                        leases,
+                        pages,
+                        bytes,
+                    });
+                }
+                Event::Miss { reason, .. } => return Ok(Loaded::Miss(reason)),
+                // The agent may still be copying into the device pages:
+                // the connection is given up (its agent drains first).
+                Event::TransferOverdue { kind, .. } => {
+                    return Err(EngineError::Unavailable(format!(
+                        "load {op:#x}: a {kind} passed its deadline"
+                    )));
+                }
+                Event::Rejected { error, .. } => return Err(EngineError::refused("load", error)),
+                other => return Err(unexpected("load", &other)),
+            }
+        }
+    }
+
+    /// Saves pages from device pages of this session.
+    pub fn save(&mut self, c: &mut Client, pages: Vec<PublishPage>) -> Result<Saved, EngineError> {
+        let command = Command::Publish {
+            session: self.handle,
+            request: self.request(),
+            pages,
+        };
+        match call(c, "publish", command, self.options.timeout)? {
+            Event::PublishDone {
+                inserted,
+                duplicates,
+                dropped,
+                ..
+            } => Ok(Saved {
+                inserted,
+                duplicates,
+                dropped,
+            }),
+            other => Err(unexpected("publish", &other)),
+        }
+    }
+
+    /// Closes the session: the manager frees its device pages and regions
+    /// once nothing in flight uses them.
+    pub fn close(self, c: &mut Client) -> Result<(), EngineError> {
+        let id = submit(
+            c,
+            "close_session",
+            Command::CloseSession {
+                session: self.handle,
+            },
+        )?;
+        let t = self.options.timeout;
+        let handle = self.handle;
+        match c
+            .wait_event(t, |e| {
+                e.command() == Some(id)
+                    || matches!(e, Event::SessionClosed { session } if *session == handle)
+            })
+            .map_err(|e| EngineError::client("close_session", e))?
+        {
+            Some(Event::SessionClosed { .. }) => Ok(()),
+            Some(Event::Rejected { error, .. }) => {
+                Err(EngineError::refused("close_session", error))
+            }
+            Some(other) => Err(unexpected("close_session", &other)),
+            None => Err(EngineError::Unavailable(format!(
+                "close_session: no reply within {t:?}"
+            ))),
+        }
+    }
+}
+
+fn unexpected(command: &'static str, e: &Event) -> EngineError {
+    EngineError::Unavailable(format!("{command}: unexpected reply {e:?}"))
+}
+
+fn submit(c: &mut Client, what: &'static str, command: Command) -> Result<CommandId, EngineError> {
+    c.submit(command).map_err(|e| EngineError::client(what, e))
+}
+
+fn submit_many(
+    c: &mut Client,
+    what: &'static str,
+    commands: Vec<Command>,
+) -> Result<Vec<CommandId>, EngineError> {
+    c.submit_many(commands)
+        .map_err(|e| EngineError::client(what, e))?
+        .into_iter()
+        .map(|r| r.map_err(|e| EngineError::client(what, orbitkv_ipc::ClientError::Command(e))))
+        .collect()
+}
+
+/// The reply to command `id`; a `rejected` one is [`EngineError::Refused`].
+fn reply(
+    c: &mut Client,
+    what: &'static str,
+    id: CommandId,
+    timeout: Duration,
+) -> Result<Event, EngineError> {
+    match c
+        .wait_event(timeout, |e| e.command() == Some(id))
+        .map_err(|e| EngineError::client(what, e))?
+    {
+        Some(Event::Rejected { error, .. }) => Err(EngineError::refused(what, error)),
+        Some(e) => Ok(e),
+        None => Err(EngineError::Unavailable(format!(
+            "{what}: no reply within {timeout:?}"
+        ))),
+    }
+}
+
+fn call(
+    c: &mut Client,
+    what: &'static str,
+    command: Command,
+    timeout: Duration,
+) -> Result<Event, EngineError> {
+    let id = submit(c, what, command)?;
+    reply(c, what, id, timeout)
+}
+
+fn lookup_result(e: Event) -> Result<Lookup, EngineError> {
+    match e {
+        Event::QueryResult {
+            selected,
+            miss,
+            candidates,
+            common,
+            ..
+        } => Ok(Lookup {
+            selected: if miss.is_some() { None } else { selected },
+            miss,
+            candidates,
+            common,
+        }),
+        other => Err(unexpected("lookup", &other)),
+    }
+}

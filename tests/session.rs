@@ -1,0 +1,277 @@
+//! The engine side (`orbitkv_engine::Session`) against a real `orbitkv
+//! serve`: exact bytes through save and load, the slot table (one
+//! allocation per slot, across loads and saves), batch lookups equal to
+//! single ones in one round, typed refusals never confused with
+//! unavailability, a session of a restarted manager, and a load plan the
+//! manager refuses.
+
+mod support;
+use support::*;
+
+use orbitkv_components::NativeHash;
+use orbitkv_components::api::{CommandError, MissReason, PagePos, PublishPage, RestoreTarget};
+use orbitkv_engine::{EngineError, LoadPlan, Loaded, Query, Session, SessionOptions};
+use orbitkv_ipc::Client;
+use orbitkv_world::driver;
+
+fn hashes(seed: u64, n: u64) -> Vec<NativeHash> {
+    (0..n).map(|i| NativeHash::from_u64(seed + i)).collect()
+}
+
+fn payload(i: u64) -> Vec<u8> {
+    (0..BYTES)
+        .map(|b| (b as u8).wrapping_mul(31).wrapping_add(i as u8 * 7 + 1))
+        .collect()
+}
+
+fn query(hashes: &[NativeHash]) -> Query {
+    Query {
+        groups: vec![0],
+        hashes: hashes.to_vec(),
+        origin: 0,
+        prompt_len: hashes.len() as u64 * PAGE + 1,
+    }
+}
+
+fn open(c: &mut Client) -> Session {
+    Session::open(c, register_command(), SessionOptions::default()).unwrap()
+}
+
+/// Saves `payload(i)` for page `i` of `h` from slots `0..n` of `region`.
+fn save_pages(c: &mut Client, s: &mut Session, region: u64, h: &[NativeHash]) {
+    let slots: Vec<u32> = (0..h.len() as u32).collect();
+    let dps = s.device_pages(c, region, &slots).unwrap();
+    for (i, _) in h.iter().enumerate() {
+        let b = BYTES as usize;
+        c.region_mut(region).unwrap()[i * b..(i + 1) * b].copy_from_slice(&payload(i as u64));
+    }
+    let pages = h
+        .iter()
+        .zip(dps)
+        .map(|(&hash, device_page)| PublishPage {
+            rank: 0,
+            group: 0,
+            hash,
+            device_page,
+        })
+        .collect();
+    let saved = s.save(c, pages).unwrap();
+    assert_eq!(
+        (saved.inserted, saved.dropped),
+        (h.len() as u64, 0),
+        "{saved:?}"
+    );
+}
+
+fn plan(s: &mut Session, c: &mut Client, region: u64, first_slot: u32, n: u64) -> LoadPlan {
+    let slots: Vec<u32> = (0..n as u32).map(|i| first_slot + i).collect();
+    let dps = s.device_pages(c, region, &slots).unwrap();
+    LoadPlan {
+        ranks: vec![0],
+        targets: dps
+            .into_iter()
+            .enumerate()
+            .map(|(i, device_page)| RestoreTarget {
+                pos: PagePos {
+                    rank: 0,
+                    group: 0,
+                    page_end: (i as u64 + 1) * PAGE,
+                },
+                device_page,
+            })
+            .collect(),
+        retained: vec![],
+    }
+}
+
+#[test]
+fn a_saved_prefix_loads_back_byte_for_byte_through_the_slot_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let region = s.register_region(&mut c, 0, 0, 64, None).unwrap().region;
+    let h = hashes(0x100, 4);
+
+    let before = s.lookup(&mut c, &query(&h)).unwrap();
+    assert_eq!(
+        (before.selected, before.miss),
+        (None, Some(MissReason::NotFound))
+    );
+
+    save_pages(&mut c, &mut s, region, &h);
+    let found = s.lookup(&mut c, &query(&h)).unwrap();
+    assert_eq!(found.selected, Some(4 * PAGE), "{found:?}");
+    assert_eq!(found.miss, None);
+
+    // Two loads into slots 8..12: the second allocates nothing new.
+    for round in 0..2 {
+        c.region_mut(region).unwrap().fill(0);
+        let p = plan(&mut s, &mut c, region, 8, 4);
+        assert_eq!(
+            s.device_page_count(),
+            8,
+            "round {round}: one page per slot, once"
+        );
+        match s.load(&mut c, &query(&h), p).unwrap() {
+            Loaded::Hit {
+                boundary, pages, ..
+            } => assert_eq!((boundary, pages), (4 * PAGE, 4)),
+            other => panic!("round {round}: {other:?}"),
+        }
+        let b = BYTES as usize;
+        let mem = c.region_mut(region).unwrap();
+        for i in 0..4 {
+            assert_eq!(
+                mem[(8 + i) * b..(9 + i) * b],
+                payload(i as u64)[..],
+                "page {i}"
+            );
+        }
+    }
+
+    // Nothing is left leased or parked once the verbs return.
+    let snap = c.inspect(T).unwrap();
+    assert_eq!(snap.leases, 0, "{snap:?}");
+    assert_eq!(snap.operations, 0, "{snap:?}");
+    s.close(&mut c).unwrap();
+    let snap = c.inspect(T).unwrap();
+    assert_eq!((snap.sessions, snap.device_pages), (0, 0), "{snap:?}");
+}
+
+#[test]
+fn a_batch_of_lookups_answers_as_the_single_ones_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let region = s.register_region(&mut c, 0, 0, 64, None).unwrap().region;
+    let stored = hashes(0x200, 4);
+    save_pages(&mut c, &mut s, region, &stored);
+    // 150 queries (three rounds of `MAX_BATCH`): the whole prefix, a
+    // shorter one, one that diverges after two pages, one never stored.
+    let mut queries = Vec::new();
+    for i in 0..150u64 {
+        let q = match i % 4 {
+            0 => query(&stored),
+            1 => query(&stored[..3]),
+            2 => {
+                let mut h = stored[..2].to_vec();
+                h.extend(hashes(0x9000 + i * 8, 2));
+                query(&h)
+            }
+            _ => query(&hashes(0x7000 + i * 8, 4)),
+        };
+        queries.push(q);
+    }
+    let batch = s.lookup_many(&mut c, &queries).unwrap();
+    assert_eq!(batch.len(), queries.len());
+    for (i, (q, got)) in queries.iter().zip(&batch).enumerate() {
+        assert_eq!(*got, s.lookup(&mut c, q).unwrap(), "query {i}");
+        let want = match i % 4 {
+            0 => Some(4 * PAGE),
+            1 => Some(3 * PAGE),
+            2 => Some(2 * PAGE),
+            _ => None,
+        };
+        assert_eq!(got.selected, want, "query {i}: {got:?}");
+    }
+    let snap = c.inspect(T).unwrap();
+    assert_eq!(
+        (snap.operations, snap.leases),
+        (0, 0),
+        "a lookup holds nothing: {snap:?}"
+    );
+}
+
+#[test]
+fn refusals_are_typed_and_never_unavailability() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+
+    // The same instance name with another identity.
+    let mut other = Client::connect(&m.socket, "other").unwrap();
+    let conflict = driver::register_command("llama", [7; 32], driver::dense(), 1, PAGE, BYTES);
+    match Session::open(&mut other, conflict, SessionOptions::default()) {
+        Err(EngineError::Refused {
+            command,
+            reason,
+            error,
+        }) => {
+            assert_eq!(
+                (command, reason.as_str()),
+                ("register_instance", "instance_conflict")
+            );
+            assert!(
+                matches!(error, CommandError::InstanceConflict(_)),
+                "{error:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // A region of a rank the instance does not have.
+    match s.register_region(&mut c, 5, 0, 8, None) {
+        Err(EngineError::Refused { command, .. }) => assert_eq!(command, "register_device_region"),
+        other => panic!("{other:?}"),
+    }
+    // A slot outside the region, and an unknown region: the caller's
+    // mistakes, refused before anything is sent.
+    let region = s.register_region(&mut c, 0, 0, 8, None).unwrap().region;
+    assert!(matches!(
+        s.device_pages(&mut c, region, &[8]),
+        Err(EngineError::Invalid(_))
+    ));
+    assert!(matches!(
+        s.device_pages(&mut c, region + 99, &[0]),
+        Err(EngineError::Invalid(_))
+    ));
+
+    // A load plan that names no page for what the manager selects: refused
+    // as the load's coverage check refuses it, nothing copied.
+    let h = hashes(0x300, 2);
+    save_pages(&mut c, &mut s, region, &h);
+    match s.load(
+        &mut c,
+        &query(&h),
+        LoadPlan {
+            ranks: vec![0],
+            ..LoadPlan::default()
+        },
+    ) {
+        Err(EngineError::Refused {
+            command, reason, ..
+        }) => {
+            assert_eq!((command, reason.as_str()), ("load", "load_invalid"))
+        }
+        other => panic!("{other:?}"),
+    }
+    let snap = c.inspect(T).unwrap();
+    assert_eq!((snap.operations, snap.leases), (0, 0), "{snap:?}");
+}
+
+#[test]
+fn a_manager_gone_is_unavailable_and_a_new_session_serves_after_its_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let region = s.register_region(&mut c, 0, 0, 64, None).unwrap().region;
+    let h = hashes(0x400, 3);
+    save_pages(&mut c, &mut s, region, &h);
+    m.stop();
+
+    let e = s.lookup(&mut c, &query(&h)).unwrap_err();
+    assert!(e.is_unavailable(), "{e:?}");
+    assert!(Client::connect(dir.path().join("orbitkv.sock"), "engine").is_err());
+
+    // A new manager: the old connection is gone, a new session works and
+    // finds nothing of the old incarnation's DRAM.
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let got = s.lookup(&mut c, &query(&h)).unwrap();
+    assert_eq!(got.miss, Some(MissReason::NotFound), "{got:?}");
+}

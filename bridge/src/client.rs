@@ -211,6 +211,55 @@ impl PyClient {
         Ok((id, self.wait_matching(py, left, reply(id))?))
     }
 
+    /// A `Client` over a connection made in Rust (`orbitkv.Session`).
+    pub(crate) fn wrap(client: Client, socket: &std::path::Path, name: &str) -> PyClient {
+        let incarnation = client.incarnation();
+        let pool_bytes = client.pool().map_or(0, |p| p.len() as u64);
+        PyClient {
+            state: Mutex::new(State {
+                client: Some(client),
+                pool: None,
+                regions: HashMap::new(),
+            }),
+            agent: Mutex::new(None),
+            keep: Mutex::new(HashMap::new()),
+            socket: socket.display().to_string(),
+            name: name.to_owned(),
+            incarnation,
+            pool_bytes,
+        }
+    }
+
+    /// Runs `f` on the connection (call without the GIL); `None` once the
+    /// client is closed.
+    pub(crate) fn with_client<R>(&self, f: impl FnOnce(&mut Client) -> R) -> Option<R> {
+        let mut st = self.lock();
+        st.client.as_mut().map(f)
+    }
+
+    /// Closes the connection without the GIL (see `close`).
+    pub(crate) fn close_detached(&self) {
+        let client = {
+            let mut st = self.lock();
+            st.pool = None;
+            st.regions.clear();
+            st.client.take()
+        };
+        drop(client);
+        // The manager fails the copies it sent; none may still write
+        // engine memory once close returns. The agent goes with the
+        // connection (the client held the only other reference): its
+        // executor waits for its streams and unpins the host window,
+        // then the window is unmapped. The memory's owners stay until
+        // this object goes.
+        let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(agent) = agent {
+            let mut discard = Vec::new();
+            agent.lock().agent.drain(crate::agent::DRAIN, &mut discard);
+            drop(agent);
+        }
+    }
+
     fn events<'py>(py: Python<'py>, events: &[Event]) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
         for e in events {
@@ -230,21 +279,7 @@ impl PyClient {
         let client = py
             .detach(|| Client::connect(&socket, name))
             .map_err(Failure::from)?;
-        let incarnation = client.incarnation();
-        let pool_bytes = client.pool().map_or(0, |p| p.len() as u64);
-        Ok(PyClient {
-            state: Mutex::new(State {
-                client: Some(client),
-                pool: None,
-                regions: HashMap::new(),
-            }),
-            agent: Mutex::new(None),
-            keep: Mutex::new(HashMap::new()),
-            socket: socket.display().to_string(),
-            name: name.to_owned(),
-            incarnation,
-            pool_bytes,
-        })
+        Ok(PyClient::wrap(client, &socket, name))
     }
 
     /// The manager's incarnation: changes at every manager start; session
@@ -635,27 +670,7 @@ impl PyClient {
     /// (their leases and reservations return). Views already handed out stay
     /// valid memory. Idempotent.
     fn close(&self, py: Python<'_>) {
-        py.detach(|| {
-            let client = {
-                let mut st = self.lock();
-                st.pool = None;
-                st.regions.clear();
-                st.client.take()
-            };
-            drop(client);
-            // The manager fails the copies it sent; none may still write
-            // engine memory once close returns. The agent goes with the
-            // connection (the client held the only other reference): its
-            // executor waits for its streams and unpins the host window,
-            // then the window is unmapped. The memory's owners stay until
-            // this object goes.
-            let agent = self.agent.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(agent) = agent {
-                let mut discard = Vec::new();
-                agent.lock().agent.drain(crate::agent::DRAIN, &mut discard);
-                drop(agent);
-            }
-        });
+        py.detach(|| self.close_detached());
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

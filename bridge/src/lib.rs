@@ -28,6 +28,7 @@ pub mod contract;
 pub mod convert;
 pub mod identity;
 pub mod runtime;
+pub mod session;
 
 create_exception!(
     orbitkv,
@@ -73,6 +74,19 @@ create_exception!(
     "The manager refused a command: `args` are the error's kind (`stale_session`, `invalid`, `limit`, ...), its reason label (the kind, the malformation's kind for `invalid`, `limit_<name>` for a limit: what `orbitkv_refusals_total` counts), the message, and the error as a `rejected` event carries it (a dict)."
 );
 
+create_exception!(
+    orbitkv,
+    Refused,
+    Rejected,
+    "The manager answered and refused (`orbitkv.Session`): not unavailability. `args` are as for `Rejected`; `command` names the refused command."
+);
+create_exception!(
+    orbitkv,
+    Unavailable,
+    ConnectionError,
+    "The manager does not answer (down, restarting, too slow), or the session's connection can no longer be trusted and was given up; the next call reconnects (at most once per `reconnect_interval`)."
+);
+
 /// OrbitKV's native module; import `orbitkv` instead.
 #[pymodule]
 fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -89,6 +103,13 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("QueueFull", py.get_type::<QueueFull>())?;
     m.add("Rejected", py.get_type::<Rejected>())?;
     m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
+    m.add("Refused", py.get_type::<Refused>())?;
+    m.add("Unavailable", py.get_type::<Unavailable>())?;
+    m.add("MissReason", session::miss_reason_type(py)?)?;
+    m.add_class::<session::PySession>()?;
+    m.add_class::<session::PyLookup>()?;
+    m.add_class::<session::PyLoaded>()?;
+    m.add_class::<session::PySaved>()?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<client::PyClient>()?;
     m.add("SharedBuffer", buffer::shared_buffer_type(py)?)?;

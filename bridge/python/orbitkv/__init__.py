@@ -14,6 +14,13 @@ hands it back only when it is provably complete and from the same computation.
   (:meth:`Client.page`) and the client's device regions
   (:meth:`Client.region`). Failures of the connection raise
   :class:`ConnectionError` (a subclass of the builtin one).
+- :class:`Session`: the engine side, the one way engines talk to a manager:
+  register, open, reconnect (at most once per interval), a slot table of
+  device pages, and typed verbs (:meth:`Session.lookup`,
+  :meth:`Session.lookup_many`, :meth:`Session.load`, :meth:`Session.save`)
+  returning :class:`Lookup`, :class:`Loaded`, :class:`Saved` with a
+  :class:`MissReason`; failures are :class:`Refused` (the manager said no,
+  with its reason) or :class:`Unavailable` (it did not answer).
 - Copy agents (``attach_agent_memory``): engine memory on ``"cpu"`` or
   ``"cuda:N"``; CUDA memory where this process cannot use CUDA raises
   :class:`CudaUnavailable`.
@@ -26,10 +33,17 @@ from ._orbitkv import (
     CudaUnavailable,
     IdentityError,
     InvariantError,
+    Loaded,
+    Lookup,
+    MissReason,
     QueueFull,
+    Refused,
     Rejected,
     Runtime,
+    Saved,
+    Session,
     SharedBuffer,
+    Unavailable,
     __version__,
     common_boundaries,
     compute_identity,
@@ -46,10 +60,17 @@ __all__ = [
     "CudaUnavailable",
     "IdentityError",
     "InvariantError",
+    "Loaded",
+    "Lookup",
+    "MissReason",
     "QueueFull",
+    "Refused",
     "Rejected",
     "Runtime",
+    "Saved",
+    "Session",
     "SharedBuffer",
+    "Unavailable",
     "__version__",
     "common_boundaries",
     "compute_identity",

@@ -1,0 +1,689 @@
+//! `orbitkv.Session`: the engine side (`orbitkv_engine::Session`) for
+//! Python engines. One session lifecycle (connect, register, open, the
+//! engine's `on_connect` setup, reconnect at most once per interval), the
+//! slot table, and the verbs with typed results: `Lookup`, `Loaded`,
+//! `Saved`, `MissReason`; failures as `Refused` (the manager said no, with
+//! its reason) or `Unavailable` (it did not answer), never one for the
+//! other.
+//!
+//! Hashes cross as `bytes`; commands are built in Rust, never as dicts.
+//! Every verb runs without the GIL. Calls are serialized.
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use orbitkv_components::api::{
+    AgentRegion, Command, MissReason, PagePos, PublishPage, RestoreTarget,
+};
+use orbitkv_components::key::NativeHash;
+use orbitkv_engine::{
+    Backoff, EngineError, LoadPlan, Loaded, Lookup, Query, Session, SessionOptions,
+};
+use orbitkv_ipc::Client;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::client::PyClient;
+use crate::convert::{deserialize_dict, serialize};
+use crate::{QueueFull, Refused, Unavailable};
+
+static MISS_REASON: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// `orbitkv.MissReason`: an `enum.Enum` of `str` values (`"not_found"`,
+/// ...), made from `MissReason::ALL` so Python and Rust cannot disagree.
+pub fn miss_reason_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    MISS_REASON
+        .get_or_try_init(py, || {
+            let members: Vec<(String, &str)> = MissReason::ALL
+                .iter()
+                .map(|r| (r.as_str().to_uppercase(), r.as_str()))
+                .collect();
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("module", "orbitkv")?;
+            kwargs.set_item("type", py.get_type::<pyo3::types::PyString>())?;
+            let t = py
+                .import("enum")?
+                .getattr("Enum")?
+                .call(("MissReason", members), Some(&kwargs))?;
+            // `str()` is the value ("not_found"), as metrics labels use it.
+            let str_fn = py.eval(c"lambda self: self.value", None, None)?;
+            t.setattr("__str__", str_fn)?;
+            t.setattr(
+                "__doc__",
+                "Why a lookup or load missed (`orbitkv_components::api::MissReason`); \
+                 the value is the name metrics and logs use.",
+            )?;
+            Ok(t.unbind())
+        })
+        .map(|t| t.bind(py))
+}
+
+fn miss<'py>(py: Python<'py>, r: MissReason) -> PyResult<Bound<'py, PyAny>> {
+    miss_reason_type(py)?.call1((r.as_str(),))
+}
+
+/// A Python exception for an engine error.
+fn py_err(py: Python<'_>, e: EngineError) -> PyErr {
+    match e {
+        EngineError::Refused {
+            command,
+            reason,
+            error,
+        } => {
+            let message = format!("the OrbitKV manager refused {command} ({reason}): {error}");
+            let dict = serialize(py, &error).map(Bound::unbind).ok();
+            let err = Refused::new_err((error.kind(), reason, message, dict));
+            let _ = err.value(py).setattr("command", command);
+            err
+        }
+        EngineError::Unavailable(m) => Unavailable::new_err(m),
+        EngineError::Busy { command } => QueueFull::new_err(format!(
+            "the manager's inbox is full: {command} was not queued"
+        )),
+        EngineError::Invalid(m) => PyValueError::new_err(m),
+    }
+}
+
+fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<NativeHash>> {
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for (i, h) in obj.try_iter()?.enumerate() {
+        let h = h?;
+        let bytes = h.cast::<PyBytes>().map_err(|_| {
+            PyValueError::new_err(format!("hash {i} is not bytes but {}", h.get_type()))
+        })?;
+        out.push(
+            NativeHash::new(bytes.as_bytes())
+                .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))?,
+        );
+    }
+    Ok(out)
+}
+
+fn query(groups: Vec<u32>, h: &Bound<'_, PyAny>, origin: u64, prompt_len: u64) -> PyResult<Query> {
+    Ok(Query {
+        groups,
+        hashes: hashes(h)?,
+        origin,
+        prompt_len,
+    })
+}
+
+/// What a lookup found: `selected` (tokens a load would restore to) or
+/// `miss` (a `MissReason`). Nothing is held.
+#[pyclass(module = "orbitkv", name = "Lookup", frozen, get_all)]
+pub struct PyLookup {
+    selected: Option<u64>,
+    miss: Option<Py<PyAny>>,
+    /// `(rank, group, page_ends)` the manager holds for each group.
+    candidates: Vec<(u32, u32, Vec<u64>)>,
+    /// Boundaries every group could resume at.
+    common: Vec<u64>,
+}
+
+#[pymethods]
+impl PyLookup {
+    /// Whether a load would restore something.
+    #[getter]
+    fn hit(&self) -> bool {
+        self.selected.is_some_and(|s| s > 0) && self.miss.is_none()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match &self.miss {
+            Some(m) => format!("Lookup(miss={})", m.bind(py)),
+            None => format!("Lookup(selected={:?})", self.selected),
+        }
+    }
+}
+
+fn py_lookup(py: Python<'_>, l: Lookup) -> PyResult<PyLookup> {
+    Ok(PyLookup {
+        selected: l.selected,
+        miss: l.miss.map(|m| miss(py, m).map(Bound::unbind)).transpose()?,
+        candidates: l
+            .candidates
+            .into_iter()
+            .map(|c| (c.rank, c.group, c.page_ends))
+            .collect(),
+        common: l.common,
+    })
+}
+
+/// A load's outcome: `hit` with the `boundary` restored to (every page
+/// named for it landed and was verified), or `miss` (a `MissReason`).
+#[pyclass(module = "orbitkv", name = "Loaded", frozen, get_all)]
+pub struct PyLoaded {
+    boundary: u64,
+    miss: Option<Py<PyAny>>,
+    /// `(rank, group, page_end)` of every page leased for the boundary
+    /// (the engine's `retained` pages included).
+    leased: Vec<(u32, u32, u64)>,
+    /// `(rank, group, start, end)`: what each group needed.
+    ranges: Vec<(u32, u32, u64, u64)>,
+    /// Pages and bytes copied into device pages.
+    pages: u64,
+    bytes: u64,
+}
+
+#[pymethods]
+impl PyLoaded {
+    #[getter]
+    fn hit(&self) -> bool {
+        self.miss.is_none()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match &self.miss {
+            Some(m) => format!("Loaded(miss={})", m.bind(py)),
+            None => format!("Loaded(boundary={}, pages={})", self.boundary, self.pages),
+        }
+    }
+}
+
+fn py_loaded(py: Python<'_>, l: Loaded) -> PyResult<PyLoaded> {
+    Ok(match l {
+        Loaded::Hit {
+            boundary,
+            ranges,
+            leases,
+            pages,
+            bytes,
+        } => PyLoaded {
+            boundary,
+            miss: None,
+            leased: leases
+                .iter()
+                .map(|l| (l.pos.rank, l.pos.group, l.pos.page_end))
+                .collect(),
+            ranges: ranges
+                .iter()
+                .map(|(rank, r)| (*rank, r.group, r.start, r.end))
+                .collect(),
+            pages,
+            bytes,
+        },
+        Loaded::Miss(r) => PyLoaded {
+            boundary: 0,
+            miss: Some(miss(py, r)?.unbind()),
+            leased: vec![],
+            ranges: vec![],
+            pages: 0,
+            bytes: 0,
+        },
+    })
+}
+
+/// A save's outcome: pages stored now, already stored, dropped.
+#[pyclass(module = "orbitkv", name = "Saved", frozen, get_all)]
+pub struct PySaved {
+    inserted: u64,
+    duplicates: u64,
+    dropped: u64,
+}
+
+#[pymethods]
+impl PySaved {
+    /// Pages the manager holds after the save.
+    #[getter]
+    fn stored(&self) -> u64 {
+        self.inserted + self.duplicates
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Saved(inserted={}, duplicates={}, dropped={})",
+            self.inserted, self.duplicates, self.dropped
+        )
+    }
+}
+
+struct Inner {
+    client: Option<Py<PyClient>>,
+    session: Option<Session>,
+    backoff: Backoff,
+    /// The last failure, raised again while the backoff waits.
+    last: Option<PyErr>,
+    last_error: Option<String>,
+    generation: u64,
+    connecting: bool,
+}
+
+/// One engine process's session with a manager.
+#[pyclass(module = "orbitkv", name = "Session", frozen)]
+pub struct PySession {
+    socket: PathBuf,
+    name: String,
+    register: Command,
+    options: SessionOptions,
+    spin_us: Option<u64>,
+    on_connect: Option<Py<PyAny>>,
+    inner: Mutex<Inner>,
+}
+
+impl PySession {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The connection, connecting first if needed.
+    fn ensure(slf: &Bound<'_, Self>) -> PyResult<Py<PyClient>> {
+        let py = slf.py();
+        let me = slf.get();
+        enum Step {
+            Up(Py<PyClient>),
+            Wait(Option<PyErr>, Option<String>),
+            Connect,
+        }
+        let step = py.detach(|| {
+            let mut inner = me.lock();
+            if let (Some(c), Some(_)) = (&inner.client, &inner.session) {
+                return Step::Up(Python::attach(|py| c.clone_ref(py)));
+            }
+            if inner.connecting || !inner.backoff.attempt(Instant::now()) {
+                let last = Python::attach(|py| inner.last.as_ref().map(|e| e.clone_ref(py)));
+                return Step::Wait(last, inner.last_error.clone());
+            }
+            inner.connecting = true;
+            Step::Connect
+        });
+        match step {
+            Step::Up(c) => return Ok(c),
+            Step::Wait(Some(e), _) => return Err(e),
+            Step::Wait(None, why) => {
+                return Err(Unavailable::new_err(format!(
+                    "the OrbitKV manager at {} is unavailable{}",
+                    me.socket.display(),
+                    why.map(|w| format!(": {w}")).unwrap_or_default()
+                )));
+            }
+            Step::Connect => {}
+        }
+        let r = me.connect_now(slf);
+        py.detach(|| {
+            let mut inner = me.lock();
+            inner.connecting = false;
+            match &r {
+                Ok(_) => {
+                    inner.backoff.succeeded();
+                    inner.last = None;
+                    inner.last_error = None;
+                }
+                Err(e) => {
+                    inner.backoff.failed();
+                    Python::attach(|py| {
+                        inner.last_error = Some(e.to_string());
+                        inner.last = Some(e.clone_ref(py));
+                    });
+                }
+            }
+        });
+        r
+    }
+
+    fn connect_now(&self, slf: &Bound<'_, Self>) -> PyResult<Py<PyClient>> {
+        let py = slf.py();
+        let opened = py.detach(|| -> Result<(Client, Session), EngineError> {
+            let mut c = Client::connect(&self.socket, &self.name).map_err(|e| {
+                EngineError::Unavailable(format!("connect to {}: {e}", self.socket.display()))
+            })?;
+            if let Some(us) = self.spin_us {
+                c.set_spin(Duration::from_micros(us));
+            }
+            let s = Session::open(&mut c, self.register.clone(), self.options.clone())?;
+            Ok((c, s))
+        });
+        let (client, session) = opened.map_err(|e| py_err(py, e))?;
+        let client = Py::new(py, PyClient::wrap(client, &self.socket, &self.name))?;
+        let handle = client.clone_ref(py);
+        py.detach(|| {
+            let mut inner = self.lock();
+            inner.client = Some(handle);
+            inner.session = Some(session);
+            inner.generation += 1;
+        });
+        if let Some(f) = &self.on_connect
+            && let Err(e) = f.call1(py, (slf,))
+        {
+            self.drop_connection(py);
+            return Err(e);
+        }
+        Ok(client)
+    }
+
+    fn drop_connection(&self, py: Python<'_>) {
+        py.detach(|| {
+            let client = {
+                let mut inner = self.lock();
+                inner.session = None;
+                inner.client.take()
+            };
+            if let Some(c) = client {
+                c.get().close_detached();
+                Python::attach(|_py| drop(c));
+            }
+        });
+    }
+
+    /// Runs a verb on the session; a failure that makes the connection
+    /// untrustworthy drops it (the next call reconnects).
+    fn run<R: Send>(
+        slf: &Bound<'_, Self>,
+        f: impl FnOnce(&mut Session, &mut Client) -> Result<R, EngineError> + Send,
+    ) -> PyResult<R> {
+        let py = slf.py();
+        let me = slf.get();
+        let client = Self::ensure(slf)?;
+        let r = py.detach(|| {
+            let mut inner = me.lock();
+            let Some(session) = inner.session.as_mut() else {
+                return Err(EngineError::Unavailable("the session was dropped".into()));
+            };
+            client
+                .get()
+                .with_client(|c| f(session, c))
+                .unwrap_or_else(|| Err(EngineError::Unavailable("the client is closed".into())))
+        });
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                if e.is_unavailable() {
+                    let why = e.to_string();
+                    me.drop_connection(py);
+                    py.detach(|| me.lock().last_error = Some(why));
+                }
+                Err(py_err(py, e))
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PySession {
+    /// A session of the instance `register` (a `register_instance` command
+    /// dict) at `socket`. Nothing connects until `connect()` or the first
+    /// verb. `on_connect(session)` runs after every (re)connection, before
+    /// any verb uses it: the engine attaches its memory and registers its
+    /// regions there. After a failure, connecting is tried again at most
+    /// once per `reconnect_interval` seconds; calls in between raise the
+    /// failure again.
+    #[new]
+    #[pyo3(signature = (socket, register, *, name="python", timeout=10.0, reconnect_interval=1.0, spin_us=None, on_connect=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        socket: PathBuf,
+        register: &Bound<'_, PyAny>,
+        name: &str,
+        timeout: f64,
+        reconnect_interval: f64,
+        spin_us: Option<u64>,
+        on_connect: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let register: Command = deserialize_dict(register)
+            .map_err(|e| PyValueError::new_err(format!("invalid register command: {e}")))?;
+        if !matches!(register, Command::RegisterInstance { .. }) {
+            return Err(PyValueError::new_err(format!(
+                "register must be a register_instance command, not {}",
+                register.kind()
+            )));
+        }
+        let secs = |v: f64, what: &str| {
+            Duration::try_from_secs_f64(v)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!("{what} must be > 0 seconds, got {v}"))
+                })
+        };
+        if spin_us.is_some_and(|us| us > 10_000) {
+            return Err(PyValueError::new_err("spin_us: at most 10000"));
+        }
+        Ok(PySession {
+            socket,
+            name: name.to_owned(),
+            register,
+            options: SessionOptions {
+                timeout: secs(timeout, "timeout")?,
+            },
+            spin_us,
+            on_connect,
+            inner: Mutex::new(Inner {
+                client: None,
+                session: None,
+                backoff: Backoff::new(secs(reconnect_interval, "reconnect_interval")?),
+                last: None,
+                last_error: None,
+                generation: 0,
+                connecting: false,
+            }),
+        })
+    }
+
+    /// Connects now if not connected (raises as a verb would).
+    fn connect(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Self::ensure(slf).map(drop)
+    }
+
+    /// Whether a session is open.
+    #[getter]
+    fn up(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.lock().session.is_some())
+    }
+
+    /// Sessions opened so far: handles of an older generation are dead.
+    #[getter]
+    fn generation(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.lock().generation)
+    }
+
+    /// Failed connection attempts since the last success.
+    #[getter]
+    fn failures(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.lock().backoff.failures)
+    }
+
+    /// Why the last attempt or verb failed, if it did.
+    #[getter]
+    fn last_error(&self, py: Python<'_>) -> Option<String> {
+        py.detach(|| self.lock().last_error.clone())
+    }
+
+    /// The connection (for memory views and the copy agent:
+    /// `attach_agent_memory`, `region`, `page`), connecting first if
+    /// needed.
+    ///
+    /// :raises Unavailable: the manager does not answer.
+    /// :raises Refused: the manager refused the session.
+    #[getter]
+    fn client(slf: &Bound<'_, Self>) -> PyResult<Py<PyClient>> {
+        Self::ensure(slf)
+    }
+
+    /// The session handle (`{"id", "epoch", "incarnation"}`).
+    #[getter]
+    fn handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let h = py.detach(|| self.lock().session.as_ref().map(|s| s.handle()));
+        let h = h.ok_or_else(|| Unavailable::new_err("the session is not connected"))?;
+        serialize(py, &h)
+    }
+
+    /// The namespaces the manager sealed for the instance (hex).
+    #[getter]
+    fn namespaces(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let ns = py.detach(|| {
+            self.lock()
+                .session
+                .as_ref()
+                .map(|s| s.namespaces().iter().map(|n| n.to_string()).collect())
+        });
+        ns.ok_or_else(|| Unavailable::new_err("the session is not connected"))
+    }
+
+    /// Device pages held in the slot table.
+    #[getter]
+    fn device_pages_held(&self, py: Python<'_>) -> usize {
+        py.detach(|| {
+            self.lock()
+                .session
+                .as_ref()
+                .map_or(0, Session::device_page_count)
+        })
+    }
+
+    /// Registers a device region of `slots` slots for one rank's group;
+    /// `agent` is the `(region, page_bytes)` `client.attach_agent_memory`
+    /// returned. Returns the region handle. Call from `on_connect`.
+    #[pyo3(signature = (rank, group, slots, agent=None))]
+    fn register_region(
+        slf: &Bound<'_, Self>,
+        rank: u32,
+        group: u32,
+        slots: u32,
+        agent: Option<(u32, u64)>,
+    ) -> PyResult<u64> {
+        let agent = agent.map(|(region, page_bytes)| AgentRegion { region, page_bytes });
+        Self::run(slf, |s, c| {
+            s.register_region(c, rank, group, slots, agent)
+                .map(|r| r.region)
+        })
+    }
+
+    /// The device pages of `slots` of `region`: allocated once per slot
+    /// (missing ones in one round trip), kept while the session lives.
+    fn device_pages(slf: &Bound<'_, Self>, region: u64, slots: Vec<u32>) -> PyResult<Vec<u64>> {
+        Self::run(slf, |s, c| s.device_pages(c, region, &slots))
+    }
+
+    /// Where the manager would resume a prompt whose page hashes (`bytes`,
+    /// page order, the same for every group of `groups`) are `hashes`,
+    /// past `origin` tokens of `prompt_len`. One round trip; holds nothing.
+    fn lookup(
+        slf: &Bound<'_, Self>,
+        groups: Vec<u32>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+        prompt_len: u64,
+    ) -> PyResult<PyLookup> {
+        let q = query(groups, hashes, origin, prompt_len)?;
+        let l = Self::run(slf, |s, c| s.lookup(c, &q))?;
+        py_lookup(slf.py(), l)
+    }
+
+    /// Many lookups (`(groups, hashes, origin, prompt_len)` each) in one
+    /// round trip per 64.
+    fn lookup_many(
+        slf: &Bound<'_, Self>,
+        queries: Vec<(Vec<u32>, Bound<'_, PyAny>, u64, u64)>,
+    ) -> PyResult<Vec<PyLookup>> {
+        let qs = queries
+            .iter()
+            .map(|(g, h, o, p)| query(g.clone(), h, *o, *p))
+            .collect::<PyResult<Vec<_>>>()?;
+        let ls = Self::run(slf, |s, c| s.lookup_many(c, &qs))?;
+        ls.into_iter().map(|l| py_lookup(slf.py(), l)).collect()
+    }
+
+    /// Loads a prompt (as for `lookup`) in one command: `targets` are
+    /// `(rank, group, page_end, device_page)` for every page the engine
+    /// could take, `retained` `(rank, group, page_end)` for the pages it
+    /// holds. Returns after the last event.
+    #[pyo3(signature = (groups, hashes, origin, prompt_len, *, ranks, targets, retained=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        slf: &Bound<'_, Self>,
+        groups: Vec<u32>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+        prompt_len: u64,
+        ranks: Vec<u32>,
+        targets: Vec<(u32, u32, u64, u64)>,
+        retained: Vec<(u32, u32, u64)>,
+    ) -> PyResult<PyLoaded> {
+        let q = query(groups, hashes, origin, prompt_len)?;
+        let plan = LoadPlan {
+            ranks,
+            targets: targets
+                .into_iter()
+                .map(|(rank, group, page_end, device_page)| RestoreTarget {
+                    pos: PagePos {
+                        rank,
+                        group,
+                        page_end,
+                    },
+                    device_page,
+                })
+                .collect(),
+            retained: retained
+                .into_iter()
+                .map(|(rank, group, page_end)| PagePos {
+                    rank,
+                    group,
+                    page_end,
+                })
+                .collect(),
+        };
+        let l = Self::run(slf, |s, c| s.load(c, &q, plan))?;
+        py_loaded(slf.py(), l)
+    }
+
+    /// Saves pages: `(rank, group, hash, device_page)` each, `hash` bytes.
+    fn save(
+        slf: &Bound<'_, Self>,
+        pages: Vec<(u32, u32, Bound<'_, PyBytes>, u64)>,
+    ) -> PyResult<PySaved> {
+        let pages = pages
+            .iter()
+            .enumerate()
+            .map(|(i, (rank, group, hash, device_page))| {
+                Ok(PublishPage {
+                    rank: *rank,
+                    group: *group,
+                    hash: NativeHash::new(hash.as_bytes())
+                        .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))?,
+                    device_page: *device_page,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let s = Self::run(slf, |s, c| s.save(c, pages))?;
+        Ok(PySaved {
+            inserted: s.inserted,
+            duplicates: s.duplicates,
+            dropped: s.dropped,
+        })
+    }
+
+    /// Gives the connection up (after a failure the caller saw): the
+    /// manager closes the session and returns its leases; the copy agent
+    /// drains first. The next call reconnects.
+    #[pyo3(signature = (why=None))]
+    fn drop(&self, py: Python<'_>, why: Option<String>) {
+        self.drop_connection(py);
+        if let Some(w) = why {
+            py.detach(|| self.lock().last_error = Some(w));
+        }
+    }
+
+    /// Closes the session and the connection (idempotent).
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            let mut inner = self.lock();
+            if let (Some(s), Some(c)) = (inner.session.take(), inner.client.as_ref()) {
+                // Best effort: the manager closes it with the connection.
+                let _ = c.get().with_client(|c| s.close(c));
+            }
+        });
+        self.drop_connection(py);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}

@@ -1,0 +1,213 @@
+"""`orbitkv.Session`, the engine side every adapter uses, against a real
+`orbitkv serve`: exact bytes through save and load (a shared region and a
+copy agent's memory), the slot table, batch lookups, typed misses, typed
+refusals never reported as unavailability (and raised again while the
+backoff waits), reconnection after a manager restart with the engine's
+setup run again, and bad input refused before anything is sent."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+import orbitkv
+import serve_support as ss
+from serve_support import PAGE, PAGE_BYTES
+
+
+@pytest.fixture(scope="session")
+def orbitkv_bin():
+    return ss.orbitkv_binary()
+
+
+@pytest.fixture
+def manager(orbitkv_bin):
+    m = ss.Manager(orbitkv_bin)
+    try:
+        m.start()
+        yield m
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
+
+
+def hashes(n: int, seed: int = 0):
+    return [(0x5E55 + (seed << 20) + i).to_bytes(8, "big") for i in range(n)]
+
+
+def payload(i: int) -> np.ndarray:
+    return ((np.arange(PAGE_BYTES, dtype=np.uint32) * 13 + i * 7 + 1) % 251).astype(np.uint8)
+
+
+class Engine:
+    """An engine's memory and setup: one region of `slots` pages, shared
+    with the manager or attached to the session's copy agent."""
+
+    def __init__(self, slots: int = 32, agent: bool = False):
+        self.slots = slots
+        self.agent = agent
+        self.mem = np.zeros((slots, PAGE_BYTES), dtype=np.uint8)
+        self.region = None
+        self.setups = 0
+
+    def on_connect(self, s: orbitkv.Session) -> None:
+        self.setups += 1
+        if self.agent:
+            a = s.client.attach_agent_memory(self.slots, [(self.mem.ctypes.data, PAGE_BYTES, PAGE_BYTES)], self.mem)
+            self.region = s.register_region(0, 0, self.slots, agent=a)
+        else:
+            self.region = s.register_region(0, 0, self.slots)
+
+    def page(self, s: orbitkv.Session, slot: int) -> np.ndarray:
+        if self.agent:
+            return self.mem[slot]
+        view = np.frombuffer(s.client.region(self.region), dtype=np.uint8)
+        return view[slot * PAGE_BYTES : (slot + 1) * PAGE_BYTES]
+
+    def save(self, s: orbitkv.Session, hs, first_slot: int = 0) -> orbitkv.Saved:
+        slots = [first_slot + i for i in range(len(hs))]
+        for i, slot in enumerate(slots):
+            self.page(s, slot)[:] = payload(i)
+        dps = s.device_pages(self.region, slots)
+        return s.save([(0, 0, h, dp) for h, dp in zip(hs, dps)])
+
+    def load(self, s: orbitkv.Session, hs, first_slot: int) -> orbitkv.Loaded:
+        dps = s.device_pages(self.region, [first_slot + i for i in range(len(hs))])
+        return s.load(
+            [0],
+            hs,
+            0,
+            len(hs) * PAGE + 1,
+            ranks=[0],
+            targets=[(0, 0, (i + 1) * PAGE, dp) for i, dp in enumerate(dps)],
+        )
+
+
+def session(manager, engine: Engine, **kw) -> orbitkv.Session:
+    return orbitkv.Session(manager.socket, ss.register_cmd(), name="test", on_connect=engine.on_connect, **kw)
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["shared-region", "copy-agent"])
+def test_save_then_load_is_byte_exact_through_the_slot_table(manager, agent):
+    e = Engine(agent=agent)
+    with session(manager, e) as s:
+        hs = hashes(4)
+        miss = s.lookup([0], hs, 0, 4 * PAGE + 1)
+        assert miss.miss is orbitkv.MissReason.NOT_FOUND and not miss.hit
+        assert str(miss.miss) == "not_found" and miss.miss == "not_found"
+
+        saved = e.save(s, hs)
+        assert (saved.inserted, saved.dropped, saved.stored) == (4, 0, 4)
+        hit = s.lookup([0], hs, 0, 4 * PAGE + 1)
+        assert hit.hit and hit.selected == 4 * PAGE and hit.miss is None, hit
+        assert hit.candidates == [(0, 0, [PAGE * (i + 1) for i in range(4)])]
+
+        for _ in range(2):
+            for slot in range(8, 12):
+                e.page(s, slot)[:] = 0
+            got = e.load(s, hs, 8)
+            assert got.hit and got.boundary == 4 * PAGE and got.pages == 4, got
+            assert sorted(got.leased) == [(0, 0, PAGE * (i + 1)) for i in range(4)]
+            for i in range(4):
+                assert np.array_equal(e.page(s, 8 + i), payload(i)), i
+            # Slots 0..4 (the save) and 8..12: one device page per slot, once.
+            assert s.device_pages_held == 8
+        assert s.device_pages(e.region, [9, 0]) == s.device_pages(e.region, [9, 0])
+
+        # A longer prompt whose tail was never stored loads its prefix.
+        longer = hs + hashes(2, seed=9)
+        got = e.load(s, longer, 16)
+        assert got.hit and got.boundary == 4 * PAGE, got
+    assert not s.up
+
+
+def test_a_batch_of_lookups_answers_as_single_ones(manager):
+    e = Engine()
+    with session(manager, e) as s:
+        stored = hashes(4)
+        e.save(s, stored)
+        queries = []
+        for i in range(100):
+            h = [stored, stored[:3], stored[:2] + hashes(2, seed=100 + i), hashes(4, seed=200 + i)][i % 4]
+            queries.append(([0], h, 0, len(h) * PAGE + 1))
+        batch = s.lookup_many(queries)
+        assert [b.selected for b in batch] == [[4 * PAGE, 3 * PAGE, 2 * PAGE, None][i % 4] for i in range(100)]
+        for q, b in zip(queries, batch):
+            one = s.lookup(*q)
+            assert (one.selected, one.miss, one.candidates) == (b.selected, b.miss, b.candidates)
+        assert {b.miss for b in batch} == {None, orbitkv.MissReason.NOT_FOUND}
+        assert s.lookup_many([]) == []
+
+
+def test_a_refusal_is_typed_and_raised_again_while_the_backoff_waits(manager):
+    e = Engine()
+    with session(manager, e) as first:
+        first.connect()
+        other = ss.register_cmd()
+        other["identity"] = "07" * 32  # the same name, another computation
+        s = orbitkv.Session(manager.socket, other, reconnect_interval=60.0)
+        for attempt in range(2):
+            with pytest.raises(orbitkv.Refused) as info:
+                s.lookup([0], hashes(1), 0, PAGE + 1)
+            err = info.value
+            assert isinstance(err, orbitkv.Rejected) and not isinstance(err, ConnectionError)
+            assert err.command == "register_instance"
+            assert err.args[:2] == ("instance_conflict", "instance_conflict"), err.args
+            assert "refused register_instance (instance_conflict)" in str(err)
+        assert s.failures == 1, "the second call waited for the backoff"
+        assert not s.up and "instance_conflict" in s.last_error
+
+
+def test_no_manager_is_unavailable_then_a_restart_reconnects_with_the_setup_run_again(manager):
+    with pytest.raises(orbitkv.Unavailable) as info:
+        orbitkv.Session(str(manager.dir / "none.sock"), ss.register_cmd()).connect()
+    assert isinstance(info.value, ConnectionError)
+
+    e = Engine()
+    s = session(manager, e, reconnect_interval=0.05)
+    try:
+        hs = hashes(2)
+        e.save(s, hs)
+        assert (s.generation, e.setups, s.device_pages_held) == (1, 1, 2)
+        old = s.handle
+        manager.restart()
+        with pytest.raises(orbitkv.Unavailable):
+            s.lookup([0], hs, 0, 2 * PAGE + 1)
+        assert not s.up
+        time.sleep(0.06)
+        got = s.lookup([0], hs, 0, 2 * PAGE + 1)
+        assert got.miss is orbitkv.MissReason.NOT_FOUND, "DRAM did not survive the restart"
+        assert (s.generation, e.setups, s.device_pages_held) == (2, 2, 0)
+        assert s.handle["incarnation"] != old["incarnation"]
+        assert e.save(s, hs).inserted == 2
+        assert e.load(s, hs, 4).hit
+    finally:
+        s.close()
+
+
+def test_bad_input_is_refused_before_anything_is_sent(manager):
+    e = Engine(slots=4)
+    with session(manager, e) as s:
+        s.connect()
+        with pytest.raises(ValueError, match="hash 1 is not bytes"):
+            s.lookup([0], [b"x" * 8, "ab"], 0, 3 * PAGE)
+        with pytest.raises(ValueError, match="hash 0"):
+            s.lookup([0], [b"x" * 65], 0, PAGE + 1)
+        with pytest.raises(ValueError, match="outside region"):
+            s.device_pages(e.region, [4])
+        with pytest.raises(ValueError, match="not one this session registered"):
+            s.device_pages(e.region + 1000, [0])
+        # A plan that names no page for what the manager selects.
+        e.save(s, hashes(2))
+        with pytest.raises(orbitkv.Refused) as info:
+            s.load([0], hashes(2), 0, 2 * PAGE + 1, ranks=[0], targets=[])
+        assert info.value.command == "load" and info.value.args[1] == "load_invalid"
+        assert s.up, "a refusal leaves the session up"
+        assert s.lookup([0], hashes(2), 0, 2 * PAGE + 1).selected == 2 * PAGE
+    with pytest.raises(ValueError, match="register_instance"):
+        orbitkv.Session(manager.socket, {"command": "open_session", "instance": "x"})
+    with pytest.raises(ValueError, match="reconnect_interval"):
+        orbitkv.Session(manager.socket, ss.register_cmd(), reconnect_interval=0)

@@ -173,23 +173,21 @@ def test_manager_killed_mid_prefetch(manager, monkeypatch):
     be = orbit(cc)
     tokens = list(range(300, 300 + 4 * PAGE))
     kills = []
-    # The host pool is an agent region: the load's device pages are named,
-    # and the load (leases, then the agent's copy into the host pool) is
-    # about to be sent when the manager dies.
-    real = okv._Conn.device_pages
+    # The host pool is an agent region: the load (leases, then the agent's
+    # copy into the host pool) is about to be sent when the manager dies.
+    real = okv._Conn.restore_slots
 
-    def dying(conn, region, slots):
-        pages = real(conn, region, slots)
+    def dying(conn, *args):
         if not kills:
             kills.append(threading.current_thread().name)
             manager.proc.kill()
             manager.proc.wait(10)
-        return pages
+        return real(conn, *args)
 
     try:
         _, exp, written = backup(cc, host, tokens, seed=21)
         assert written == len(tokens)
-        monkeypatch.setattr(okv._Conn, "device_pages", dying)
+        monkeypatch.setattr(okv._Conn, "restore_slots", dying)
         hit, done, idx = prefetch(cc, host, tokens, "k1")
         # Killed from SGLang's prefetch I/O thread, as it sent the load.
         assert len(kills) == 1 and kills[0] != threading.main_thread().name

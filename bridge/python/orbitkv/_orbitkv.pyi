@@ -8,9 +8,10 @@ traces and ``orbitkv`` CLI use. Integers must fit in 64 bits.
 
 from __future__ import annotations
 
-import os
 import builtins
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, final
+import enum
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, final
 
 _JSON = Any
 _Command = Dict[str, _JSON]
@@ -63,9 +64,16 @@ __all__ = [
     "CudaUnavailable",
     "IdentityError",
     "InvariantError",
+    "Loaded",
+    "Lookup",
+    "MissReason",
     "QueueFull",
+    "Refused",
     "Rejected",
     "Runtime",
+    "Saved",
+    "Session",
+    "Unavailable",
     "required_ranges",
     "restorable_boundaries",
     "common_boundaries",
@@ -118,6 +126,206 @@ class ConnectionError(builtins.ConnectionError):
     error: the message is the manager's ``Error`` frame), the manager went
     away (restart, crash), or the client is closed. The client cannot be
     used afterwards; connect a new one."""
+
+class Refused(Rejected):
+    """The manager answered and refused (raised by :class:`Session`): not
+    unavailability; nothing was done. ``args`` are as for
+    :class:`Rejected`: kind, reason label, message, the error as a dict."""
+
+    command: str
+    """The refused command (``register_instance``, ``load``, ...)."""
+
+class Unavailable(ConnectionError):
+    """The manager does not answer (down, restarting, too slow), or the
+    session's connection could no longer be trusted and was given up
+    (its copy agent drained first). The next call reconnects, at most once
+    per ``reconnect_interval``."""
+
+class MissReason(str, enum.Enum):
+    """Why a lookup or load missed; ``str()`` is the value, the label
+    metrics and logs use."""
+
+    NOT_FOUND = "not_found"
+    NAMESPACE = "namespace"
+    INCOMPLETE_GROUP = "incomplete_group"
+    NO_LEGAL_BOUNDARY = "no_legal_boundary"
+    BUDGET = "budget"
+    DEADLINE = "deadline"
+    STALE_GENERATION = "stale_generation"
+    STALE_SESSION = "stale_session"
+    IO_ERROR = "io_error"
+    CHECKSUM = "checksum"
+    CANCELLED = "cancelled"
+    EVICTED_DURING_READ = "evicted_during_read"
+    REMOTE_MISSING = "remote_missing"
+    REMOTE_CORRUPT = "remote_corrupt"
+    REMOTE_UNAVAILABLE = "remote_unavailable"
+    REMOTE_TIMEOUT = "remote_timeout"
+
+@final
+class Lookup:
+    """What a lookup found. Nothing is held."""
+
+    selected: Optional[int]
+    """Tokens a load would restore to; ``None`` on a miss."""
+    miss: Optional[MissReason]
+    candidates: List[Tuple[int, int, List[int]]]
+    """``(rank, group, page_ends)`` the manager holds."""
+    common: List[int]
+    """Boundaries every group could resume at."""
+    @property
+    def hit(self) -> bool: ...
+
+@final
+class Loaded:
+    """A load's outcome: ``hit`` at ``boundary`` (every page named for it
+    landed and was verified), or ``miss``."""
+
+    boundary: int
+    miss: Optional[MissReason]
+    leased: List[Tuple[int, int, int]]
+    """``(rank, group, page_end)`` of every page leased for the boundary,
+    the ``retained`` ones included."""
+    ranges: List[Tuple[int, int, int, int]]
+    """``(rank, group, start, end)`` each group needed."""
+    pages: int
+    bytes: int
+    @property
+    def hit(self) -> bool: ...
+
+@final
+class Saved:
+    inserted: int
+    duplicates: int
+    dropped: int
+    @property
+    def stored(self) -> int:
+        """``inserted + duplicates``: pages the manager holds."""
+
+@final
+class Session:
+    """The engine side: one engine process's session with a manager, the
+    one way engines talk to OrbitKV (``engine/``, ``orbitkv_engine``).
+
+    Nothing connects until :meth:`connect` or the first verb. A connection
+    registers the instance, opens a session and runs ``on_connect(session)``
+    (the engine attaches its memory and registers its regions). A verb
+    that finds the manager gone raises :class:`Unavailable` and gives the
+    connection up; after a failure, connecting is tried again at most once
+    per ``reconnect_interval`` seconds, and calls in between raise the last
+    failure again (a refusal stays :class:`Refused`).
+
+    Hashes are ``bytes`` (1 to 64 each), in page order, the same for every
+    group asked. Every verb runs without the GIL; calls are serialized.
+    """
+
+    def __new__(
+        cls,
+        socket: Union[str, os.PathLike[str]],
+        register: _Command,
+        *,
+        name: str = "python",
+        timeout: float = 10.0,
+        reconnect_interval: float = 1.0,
+        spin_us: Optional[int] = None,
+        on_connect: Optional[Callable[[Session], None]] = None,
+    ) -> Session:
+        """:param register: the ``register_instance`` command (a dict).
+        :param timeout: the longest wait for any one reply or outcome.
+        :param spin_us: how long waits spin before they block (as
+            :meth:`Client.set_spin_us`).
+        :raises ValueError: not a ``register_instance``, a bad interval.
+        """
+
+    def connect(self) -> None:
+        """Connects now if not connected.
+
+        :raises Refused: the manager refused the instance or session.
+        :raises Unavailable: the manager does not answer.
+        """
+
+    @property
+    def up(self) -> bool: ...
+    @property
+    def generation(self) -> int:
+        """Sessions opened so far."""
+    @property
+    def failures(self) -> int:
+        """Failed connection attempts since the last success."""
+    @property
+    def last_error(self) -> Optional[str]: ...
+    @property
+    def client(self) -> Client:
+        """The connection (memory views, ``attach_agent_memory``),
+        connecting first if needed."""
+    @property
+    def handle(self) -> Dict[str, int]: ...
+    @property
+    def namespaces(self) -> List[str]: ...
+    @property
+    def device_pages_held(self) -> int:
+        """Device pages in the slot table."""
+
+    def register_region(
+        self, rank: int, group: int, slots: int, agent: Optional[Tuple[int, int]] = None
+    ) -> int:
+        """Registers a device region (``agent``: what
+        ``client.attach_agent_memory`` returned); returns its handle. Call
+        from ``on_connect``."""
+
+    def device_pages(self, region: int, slots: Sequence[int]) -> List[int]:
+        """Device pages of ``slots``: allocated once per slot (the missing
+        ones in one round trip) and kept while the session lives.
+
+        :raises ValueError: a region this session did not register, a slot
+            outside it."""
+
+    def lookup(
+        self, groups: Sequence[int], hashes: Sequence[bytes], origin: int, prompt_len: int
+    ) -> Lookup:
+        """Where the manager would resume a prompt, past ``origin`` tokens
+        of ``prompt_len``. One round trip; holds nothing."""
+
+    def lookup_many(
+        self, queries: Sequence[Tuple[Sequence[int], Sequence[bytes], int, int]]
+    ) -> List[Lookup]:
+        """Many lookups, ``(groups, hashes, origin, prompt_len)`` each, in one
+        round trip per 64."""
+
+    def load(
+        self,
+        groups: Sequence[int],
+        hashes: Sequence[bytes],
+        origin: int,
+        prompt_len: int,
+        *,
+        ranks: Sequence[int],
+        targets: Sequence[Tuple[int, int, int, int]],
+        retained: Sequence[Tuple[int, int, int]] = (),
+    ) -> Loaded:
+        """One command: the manager selects the boundary, leases and reads
+        its pages and copies them into ``targets`` (``(rank, group,
+        page_end, device_page)`` for every page the engine could take);
+        ``retained`` (``(rank, group, page_end)``) are pages the engine
+        holds. Returns after the last event.
+
+        :raises Refused: the plan does not cover the selected ranges
+            (``load_invalid``) or names what is not this session's.
+        :raises Unavailable: no outcome in time, or a copy passed its
+            deadline (the connection is given up; its agent drains first).
+        """
+
+    def save(self, pages: Sequence[Tuple[int, int, bytes, int]]) -> Saved:
+        """Saves ``(rank, group, hash, device_page)`` pages."""
+
+    def drop(self, why: Optional[str] = None) -> None:
+        """Gives the connection up; the next call reconnects."""
+
+    def close(self) -> None:
+        """Closes the session and the connection (idempotent)."""
+
+    def __enter__(self) -> Session: ...
+    def __exit__(self, *args: object) -> bool: ...
 
 @final
 class Runtime:

@@ -195,8 +195,8 @@ class OrbitKVConfig:
 # Keys
 
 
-def _native(key: str) -> str:
-    """The engine-native hash of one SGLang page key, as hex.
+def _native(key: str) -> bytes:
+    """The engine-native hash of one SGLang page key.
 
     SGLang's page keys are 64 lowercase hex digits: SHA-256 chained over the
     page's tokens and its predecessor (``get_storage_hash_str``), so the key
@@ -205,11 +205,10 @@ def _native(key: str) -> str:
     0xff: a different length, so it can never equal a 32-byte key. Either
     way the manager seals it with the namespace and the group."""
     if isinstance(key, str) and len(key) == 64 and _HEX64.fullmatch(key):
-        return key
+        return bytes.fromhex(key)
     if not isinstance(key, str):
         raise _BadInput(f"page key {key!r} is not a string")
-    digest = hashlib.sha256(b"orbitkv/sglang-key/1\x00" + key.encode("utf-8")).hexdigest()
-    return "ff" + digest
+    return b"\xff" + hashlib.sha256(b"orbitkv/sglang-key/1\x00" + key.encode("utf-8")).digest()
 
 
 # ---------------------------------------------------------------------------
@@ -241,17 +240,13 @@ class _Refused(_Miss):
     (``refused_instance_conflict``, ``refused_page_exceeds_extent``, ...);
     the message names what to change."""
 
-    def __init__(self, command: str, error: Dict[str, Any]):
-        kind = str(error.get("error", "unknown"))
-        detail = error.get("detail")
-        if kind == "invalid" and isinstance(detail, dict) and "kind" in detail:
-            kind = str(detail["kind"])
-        elif kind == "limit" and isinstance(detail, dict) and "name" in detail:
-            kind = f"limit_{detail['name']}"
+    def __init__(self, refused: orbitkv.Refused):
+        kind, error = refused.args[1], refused.args[3] or {}
         self.kind = kind
         self.error = error
         super().__init__(
-            f"the OrbitKV manager refused {command} ({kind}): {_refusal_setting(kind, detail)}",
+            f"the OrbitKV manager refused {refused.command} ({kind}): "
+            f"{_refusal_setting(kind, error.get('detail'))}",
             reason=f"refused_{kind}",
         )
 
@@ -748,110 +743,57 @@ def _build_registration(
 # One connection
 
 
-#: Answers to the commands that set a connection up: a refusal of one of
-#: them refuses the whole engine (`_Refused`), not one call.
-_SETUP_EVENTS = {
-    "instance_registered": "register_instance",
-    "session_opened": "open_session",
-    "region_registered": "register_device_region",
-}
+#: Commands that set a connection up: a refusal of one of them refuses the
+#: whole engine (`_Refused`), not one call.
+_SETUP_COMMANDS = ("register_instance", "open_session", "register_device_region")
 
 
 class _Conn:
-    """A connection with its own session, copy agent and agent regions. Used
-    by one call at a time (the pool hands it out), so its events are its
-    own."""
+    """A connection with its own session (:class:`orbitkv.Session`), copy
+    agent and agent regions. Used by one call at a time (the pool hands it
+    out)."""
 
     def __init__(self, reg: _Registration, cfg: OrbitKVConfig):
         self.reg = reg
         self.cfg = cfg
-        self.client = orbitkv.Client(cfg.socket, cfg.client_name)
-        self.incarnation = self.client.incarnation
-        self._request = 0
+        self.session = orbitkv.Session(
+            cfg.socket, reg.command, name=cfg.client_name, timeout=cfg.timeout_s
+        )
         #: Per group: the host pool as an agent region of this connection
         #: (None: it cannot be described; bounce copies then).
         self.agent: Dict[int, Optional[_AgentRegion]] = {}
         #: Per group: this connection's bounce buffer (made when needed).
         self.bounces: Dict[int, _BounceRegion] = {}
-        #: Device pages of this connection's agent regions, by (region,
-        #: slot): allocated on a slot's first use and kept until the
-        #: connection closes (one call at a time uses them, so no two
-        #: copies share a slot; an allocation round per call would cost
-        #: more than the copy).
-        self.pages: Dict[Tuple[int, int], int] = {}
         try:
-            r = self._reply(self.client.call(reg.command, cfg.timeout_s), "instance_registered")
-            if r["namespaces"] != [reg.namespace]:
+            self.session.connect()
+            if self.session.namespaces != [reg.namespace]:
                 raise _Unsupported(
-                    f"orbitkv: the manager sealed namespace {r['namespaces']}, we computed "
-                    f"{reg.namespace}"
+                    f"orbitkv: the manager sealed namespace {self.session.namespaces}, we "
+                    f"computed {reg.namespace}"
                 )
-            try:
-                opened = self.client.call(
-                    {"command": "open_session", "instance": reg.instance}, cfg.timeout_s
-                )
-            except orbitkv.Rejected as e:
-                # Refused before it was queued: a session quota of the
-                # manager (per connection, uid or process).
-                error = e.args[3] if len(e.args) > 3 else {"error": e.args[0]}
-                raise _Refused("open_session", error) from e
-            self.session = self._reply(opened, "session_opened")["session"]
+            self.incarnation = self.session.client.incarnation
+        except orbitkv.Refused as e:
+            self.close()
+            raise _Refused(e) from e
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except Exception:  # closing is best effort; the manager cleans up
-            pass
-
-    def _next(self) -> int:
-        self._request += 1
-        return self._request
-
-    @staticmethod
-    def _reply(event: Dict[str, Any], kind: str) -> Dict[str, Any]:
-        if event.get("event") == kind:
-            return event
-        if event.get("event") == "rejected":
-            err = event.get("error") or {}
-            if kind in _SETUP_EVENTS:
-                raise _Refused(_SETUP_EVENTS[kind], err)
-            raise _Miss(f"manager refused the command: {err}", reason=f"refused_{err.get('error', 'unknown')}")
-        raise _Broken(f"expected {kind}, got {event.get('event')}")
-
-    def drain(self) -> None:
-        """Drops leftover events (``released`` of earlier releases) so the
-        queue stays bounded; a refused release is logged."""
-        for e in self.client.poll_events():
-            if e.get("event") == "rejected":
-                logger.warning("orbitkv: the manager refused a command: %s", e.get("error"))
+        self.session.close()
 
     # -- discovery -------------------------------------------------------
 
-    def _query_cmd(self, hashes: List[str]) -> Dict[str, Any]:
-        n = len(hashes)
-        return {
-            "command": "query",
-            "session": self.session,
-            "request": self._next(),
-            # Every group is asked about the same pages: the contract decides
-            # which of them each group's rule needs at each boundary.
-            "groups": [{"group": g, "hashes": hashes} for g in self.reg.groups()],
-            "origin": 0,
-            # One token past the last page: the engine's clamp then allows
-            # every page of the call as a boundary.
-            "prompt_len": n * self.reg.page_tokens + 1,
-            "expect_namespaces": [self.reg.namespace],
-        }
+    def _query(self, hashes: List[bytes]) -> Tuple[List[int], List[bytes], int, int]:
+        # Every group is asked about the same pages: the contract decides
+        # which of them each group's rule needs at each boundary. One token
+        # past the last page: the engine's clamp then allows every page of
+        # the call as a boundary.
+        return self.reg.groups(), hashes, 0, len(hashes) * self.reg.page_tokens + 1
 
-    def query(self, hashes: List[str]) -> Dict[str, Any]:
-        """Metadata-only discovery (a ``lookup``: it holds nothing, so
-        there is nothing to release). Returns the ``query_result``."""
-        cmd = self._query_cmd(hashes)
-        cmd["command"] = "lookup"
-        return self._reply(self.client.call(cmd, self.cfg.timeout_s), "query_result")
+    def query(self, hashes: List[bytes]) -> orbitkv.Lookup:
+        """Metadata-only discovery: it holds nothing."""
+        return self.session.lookup(*self._query(hashes))
 
     # -- agent regions -----------------------------------------------------
 
@@ -862,24 +804,10 @@ class _Conn:
         # Host memory (`_agent_layout` takes CPU pools only, the bounce
         # buffer is a CPU tensor); SGLang's own kernels move pages between
         # the host pool and the GPU.
-        agent_id, page_bytes = self.client.attach_agent_memory(slots, chunks, owner, device="cpu")
-        if page_bytes != pool.page_bytes:
-            raise _Broken(f"agent region pages are {page_bytes} bytes, the pool's {pool.page_bytes}")
-        r = self._reply(
-            self.client.call(
-                {
-                    "command": "register_device_region",
-                    "session": self.session,
-                    "rank": 0,
-                    "group": pool.group,
-                    "slots": slots,
-                    "agent": {"region": agent_id, "page_bytes": page_bytes},
-                },
-                self.cfg.timeout_s,
-            ),
-            "region_registered",
-        )
-        return int(r["region"])
+        agent = self.session.client.attach_agent_memory(slots, chunks, owner, device="cpu")
+        if agent[1] != pool.page_bytes:
+            raise _Broken(f"agent region pages are {agent[1]} bytes, the pool's {pool.page_bytes}")
+        return self.session.register_region(0, pool.group, slots, agent=agent)
 
     def agent_region(self, pool: _Pool) -> Optional[_AgentRegion]:
         """The host pool itself as an agent region of this connection
@@ -909,31 +837,10 @@ class _Conn:
         self.bounces[pool.group] = b
         return b
 
-    def device_pages(self, region: int, slots: Sequence[int]) -> List[int]:
-        """Device pages for region slots: the connection's own, the missing
-        ones allocated in one pipelined round."""
-        missing = sorted({s for s in slots if (region, s) not in self.pages})
-        ids = {
-            self.client.submit(
-                {"command": "device_page_alloc", "session": self.session, "region": region, "slot": s}
-            ): s
-            for s in missing
-        }
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while ids:
-            left = deadline - time.monotonic()
-            e = self.client.wait_event(left) if left > 0 else None
-            if e is None:
-                raise _Broken("device page allocation timed out", reason="timeout")
-            slot = ids.pop(e.get("command"), None)
-            if slot is not None:
-                self.pages[(region, slot)] = self._reply(e, "device_page_allocated")["device_page"]
-        return [self.pages[(region, s)] for s in slots]
-
     # -- the two moves -----------------------------------------------------
 
     def restore_slots(
-        self, pool: _Pool, region: int, hashes: List[str], slot_of: Callable[[int], int]
+        self, pool: _Pool, region: int, hashes: List[bytes], slot_of: Callable[[int], int]
     ) -> Tuple[Optional[str], List[int]]:
         """One ``load``: the manager selects the largest legal boundary of
         ``hashes`` (every registered group under its rule), leases its
@@ -946,97 +853,42 @@ class _Conn:
         returns them all. Returns (miss reason, indices restored)."""
         n = len(hashes)
         page = self.reg.page_tokens
-        pages = self.device_pages(region, [slot_of(i) for i in range(n)])
-        cmd = self._query_cmd(hashes)
-        cmd.update(
-            command="load",
-            ranks=[0],
-            targets=[
-                {"pos": {"rank": 0, "group": pool.group, "page_end": (i + 1) * page}, "device_page": dp}
-                for i, dp in enumerate(pages)
-            ],
-            retained=[
-                {"rank": 0, "group": g, "page_end": (i + 1) * page}
-                for g in self.reg.groups()
-                if g != pool.group
-                for i in range(n)
-            ],
-        )
-        cid = self.client.submit(cmd)
-        op: Optional[int] = None
-        index: List[int] = []
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            e = self.client.wait_event(left) if left > 0 else None
-            if e is None:
-                # The manager may still be reading, or the agent copying
-                # into the slots: the connection is closed (its agent
-                # drains first) before anything reuses them.
-                raise _Broken(f"load: no outcome within {self.cfg.timeout_s}s", reason="timeout")
-            kind = e.get("event")
-            if e.get("command") == cid:
-                if kind == "query_result" and e.get("miss") is None:
-                    op = e["operation"]
-                    continue
-                if kind == "rejected" and op is not None:
-                    # The plan did not cover the selected ranges (a bug of
-                    # ours): nothing was copied.
-                    raise _Miss(f"the manager refused the load: {e.get('error')}", reason="load_refused")
-                return self._reply(e, "query_result")["miss"], []
-            if op is None or e.get("operation") != op:
-                continue  # a leftover of an earlier call
-            if kind == "ready":
-                index = sorted(
-                    l["pos"]["page_end"] // page - 1 for l in e["leases"] if l["pos"]["group"] == pool.group
-                )
-            elif kind == "restore_done":
-                return (None, index) if index else ("incomplete_group", [])
-            elif kind == "miss":
-                return e["reason"], []
-            elif kind == "transfer_overdue":
-                # Its miss comes next, but the agent may still be copying
-                # into the slots: the connection is closed (the agent
-                # drains first) before anything reuses them.
-                raise _Broken(f"load {op}: a copy passed its deadline", reason="timeout")
-            elif kind != "loading":
-                raise _Broken(f"unexpected event for load {op}: {kind}")
+        pages = self.session.device_pages(region, [slot_of(i) for i in range(n)])
+        try:
+            got = self.session.load(
+                *self._query(hashes),
+                ranks=[0],
+                targets=[(0, pool.group, (i + 1) * page, dp) for i, dp in enumerate(pages)],
+                retained=[
+                    (0, g, (i + 1) * page) for g in self.reg.groups() if g != pool.group for i in range(n)
+                ],
+            )
+        except orbitkv.Refused as e:
+            # The plan did not cover the selected ranges (a bug of ours):
+            # nothing was copied.
+            raise _Miss(f"the manager refused the load: {e}", reason="load_refused") from e
+        if not got.hit:
+            return str(got.miss), []
+        index = sorted(end // page - 1 for _, g, end in got.leased if g == pool.group)
+        return (None, index) if index else ("incomplete_group", [])
 
-    def publish_slots(self, pool: _Pool, region: int, hashes: List[str], slots: Sequence[int]) -> int:
+    def publish_slots(self, pool: _Pool, region: int, hashes: List[bytes], slots: Sequence[int]) -> int:
         """Publishes page i from ``region``'s slot ``slots[i]``: the agent
         copies it into this connection's staging area, the manager into its
         pool (checksummed in the same pass). Returns how many leading pages
         the manager holds."""
-        pages = self.device_pages(region, slots)
-        items = [
-            {"rank": 0, "group": pool.group, "hash": h, "device_page": dp}
-            for h, dp in zip(hashes, pages)
-        ]
-        cmd = {"command": "publish", "session": self.session, "request": self._next(), "pages": items}
-        try:
-            done = self._reply(self.client.call(cmd, self.cfg.timeout_s), "publish_done")
-        except TimeoutError as e:
-            # The agent may still read the slots: the connection is closed
-            # (its agent drains before anything reuses them).
-            raise _Broken(f"publish: {e}", reason="timeout") from e
-        if done["dropped"] == 0 and done["inserted"] + done["duplicates"] == len(hashes):
+        pages = self.session.device_pages(region, list(slots))
+        done = self.session.save([(0, pool.group, h, dp) for h, dp in zip(hashes, pages)])
+        if done.dropped == 0 and done.stored == len(hashes):
             return len(hashes)
         # Some pages did not make it (no DRAM within the publish deadline):
         # report only the leading run the manager now holds.
-        qr = self.query(hashes)
-        return _prefix_pages(qr, pool.group, self.reg.page_tokens, len(hashes))
+        return _prefix_pages(self.query(hashes), pool.group, self.reg.page_tokens, len(hashes))
 
 
-def _candidate_pages(qr: Dict[str, Any], group: int, page_tokens: int) -> List[int]:
-    for c in qr.get("candidates") or []:
-        if c["group"] == group:
-            return [e // page_tokens for e in c["page_ends"]]
-    return []
-
-
-def _prefix_pages(qr: Dict[str, Any], group: int, page_tokens: int, n: int) -> int:
+def _prefix_pages(found: orbitkv.Lookup, group: int, page_tokens: int, n: int) -> int:
     """Leading pages of ``group`` present, from discovery's candidates."""
-    pages = set(_candidate_pages(qr, group, page_tokens))
+    pages = {e // page_tokens for _, g, ends in found.candidates if g == group for e in ends}
     k = 0
     while k < n and (k + 1) in pages:
         k += 1
@@ -1079,8 +931,13 @@ class _Connections:
     def borrow(self) -> Iterator[_Conn]:
         conn = self._acquire()
         try:
-            conn.drain()
             yield conn
+        except orbitkv.Refused as e:
+            # The manager answered: the connection itself is fine.
+            self._release(conn)
+            if e.command in _SETUP_COMMANDS:
+                raise _Refused(e) from e
+            raise _Miss(str(e), reason=f"refused_{e.args[1]}") from e
         except (orbitkv.ConnectionError, _Broken, TimeoutError) as e:
             self._drop(conn, e)
             reason = "timeout" if isinstance(e, TimeoutError) else getattr(e, "reason", "connection_lost")
@@ -1315,7 +1172,7 @@ class OrbitKVStorage(HiCacheStorage):
             logger.exception("orbitkv: %s failed: %s", what, e)
         return fallback
 
-    def _check_keys(self, keys: Sequence[str]) -> List[str]:
+    def _check_keys(self, keys: Sequence[str]) -> List[bytes]:
         if not isinstance(keys, (list, tuple)):
             raise _BadInput(f"keys must be a list, got {type(keys).__name__}")
         if len(keys) > self.config.max_keys:
@@ -1364,21 +1221,21 @@ class OrbitKVStorage(HiCacheStorage):
 
     # -- existence -----------------------------------------------------------
 
-    def _hit_pages(self, keys: Sequence[str]) -> Tuple[int, List[int], Dict[str, Any]]:
-        """(largest legal boundary in pages, every legal one, query result)."""
+    def _hit_pages(self, keys: Sequence[str]) -> Tuple[int, List[int], Optional[orbitkv.Lookup]]:
+        """(largest legal boundary in pages, every legal one, the lookup)."""
         reg = self._registration()
         hashes = self._check_keys(keys)
         if not hashes:
-            return 0, [], {}
+            return 0, [], None
         with self._conns.borrow() as conn:
-            qr = conn.query(hashes)
+            found = conn.query(hashes)
         self.stats.add("queries")
-        if qr["miss"] is not None:
-            self.stats.miss(qr["miss"], len(hashes))
-            return 0, [], qr
+        if found.miss is not None:
+            self.stats.miss(str(found.miss), len(hashes))
+            return 0, [], found
         page = reg.page_tokens
-        legal = sorted({b // page for b in qr["common"] if 0 < b <= len(hashes) * page})
-        return (legal[-1] if legal else 0), legal, qr
+        legal = sorted({b // page for b in found.common if 0 < b <= len(hashes) * page})
+        return (legal[-1] if legal else 0), legal, found
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         return self._guard("batch_exists", len(keys or []), 0, lambda: self._hit_pages(keys)[0])
@@ -1396,11 +1253,11 @@ class OrbitKVStorage(HiCacheStorage):
             reg = self._registration()
             for t in pool_transfers or []:
                 self._check_side_transfer(reg, t)
-            best, legal, qr = self._hit_pages(keys)
-            if best == 0:
+            best, legal, found = self._hit_pages(keys)
+            if best == 0 or found is None:
                 return PoolTransferResult(0, {}, [])
             hits: Dict[str, int] = {}
-            kv = _prefix_pages(qr, 0, reg.page_tokens, len(keys))
+            kv = _prefix_pages(found, 0, reg.page_tokens, len(keys))
             if kv:
                 hits[PoolName.KV] = kv
             for t in pool_transfers or []:

@@ -275,3 +275,148 @@ fn a_manager_gone_is_unavailable_and_a_new_session_serves_after_its_restart() {
     let got = s.lookup(&mut c, &query(&h)).unwrap();
     assert_eq!(got.miss, Some(MissReason::NotFound), "{got:?}");
 }
+
+/// Polls until every ticket of `want` ended; returns the progress seen.
+fn poll_all(c: &mut Client, s: &mut Session, want: usize) -> Vec<orbitkv_engine::Progress> {
+    let mut seen = Vec::new();
+    let deadline = std::time::Instant::now() + T;
+    let ended = |p: &orbitkv_engine::Progress| !matches!(p, orbitkv_engine::Progress::Ready { .. });
+    while seen.iter().filter(|p| ended(p)).count() < want {
+        assert!(std::time::Instant::now() < deadline, "{seen:?}");
+        seen.extend(s.poll(c, std::time::Duration::from_millis(50)).unwrap());
+    }
+    seen
+}
+
+#[test]
+fn started_verbs_end_through_poll_each_with_its_own_outcome() {
+    use orbitkv_engine::Progress;
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let region = s.register_region(&mut c, 0, 0, 64, None).unwrap().region;
+    let h = hashes(0x500, 4);
+    save_pages(&mut c, &mut s, region, &h);
+
+    // Three loads (two hits into different slots, one miss) and a save,
+    // all in flight at once.
+    c.region_mut(region).unwrap().fill(0);
+    let p1 = plan(&mut s, &mut c, region, 8, 4);
+    let p2 = plan(&mut s, &mut c, region, 16, 2);
+    let a = s.start_load(&mut c, &query(&h), p1).unwrap();
+    let b = s.start_load(&mut c, &query(&h[..2]), p2).unwrap();
+    let missing = hashes(0x5500, 2);
+    let p3 = plan(&mut s, &mut c, region, 24, 2);
+    let m3 = s.start_load(&mut c, &query(&missing), p3).unwrap();
+    let dps = s.device_pages(&mut c, region, &[40]).unwrap();
+    let sv = s
+        .start_save(
+            &mut c,
+            vec![PublishPage {
+                rank: 0,
+                group: 0,
+                hash: NativeHash::from_u64(0x5599),
+                device_page: dps[0],
+            }],
+        )
+        .unwrap();
+    assert_eq!(s.in_flight(), 4);
+    let seen = poll_all(&mut c, &mut s, 4);
+    assert_eq!(s.in_flight(), 0);
+    let ready: Vec<_> = seen
+        .iter()
+        .filter(|p| matches!(p, Progress::Ready { .. }))
+        .map(Progress::ticket)
+        .collect();
+    assert_eq!(ready.len(), 2, "{seen:?}");
+    for p in &seen {
+        match p {
+            Progress::Ready { .. } => {}
+            Progress::Loaded { ticket, outcome } if *ticket == a || *ticket == b => {
+                let want = if *ticket == a { 4 } else { 2 };
+                assert!(
+                    matches!(outcome, Loaded::Hit { pages, .. } if *pages == want),
+                    "{outcome:?}"
+                );
+            }
+            Progress::Loaded { ticket, outcome } => {
+                assert_eq!(
+                    (*ticket, outcome),
+                    (m3, &Loaded::Miss(MissReason::NotFound))
+                )
+            }
+            Progress::Saved { ticket, outcome } => {
+                assert_eq!((*ticket, outcome.inserted), (sv, 1))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let b = BYTES as usize;
+    let mem = c.region_mut(region).unwrap();
+    for i in 0..4 {
+        assert_eq!(
+            mem[(8 + i) * b..(9 + i) * b],
+            payload(i as u64)[..],
+            "a, page {i}"
+        );
+    }
+    for i in 0..2 {
+        assert_eq!(
+            mem[(16 + i) * b..(17 + i) * b],
+            payload(i as u64)[..],
+            "b, page {i}"
+        );
+    }
+    assert_eq!(s.strays, 0);
+}
+
+#[test]
+fn a_lease_is_read_from_the_pool_verified_then_released() {
+    use orbitkv_engine::Progress;
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let region = s.register_region(&mut c, 0, 0, 64, None).unwrap().region;
+    let h = hashes(0x600, 3);
+    save_pages(&mut c, &mut s, region, &h);
+
+    let t = s.start_lease(&mut c, &query(&h)).unwrap();
+    assert!(
+        matches!(s.release(&mut c, t), Err(EngineError::Invalid(_))),
+        "not ready yet"
+    );
+    let mut leases = None;
+    while leases.is_none() {
+        for p in s.poll(&mut c, T).unwrap() {
+            match p {
+                Progress::Ready {
+                    ticket, leases: l, ..
+                } => {
+                    assert_eq!(ticket, t);
+                    leases = Some(l);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    let leases = leases.unwrap();
+    assert_eq!(leases.len(), 3);
+    for l in &leases {
+        let i = l.pos.page_end / PAGE - 1;
+        assert_eq!(c.page(l).unwrap(), &payload(i)[..], "page {i}");
+    }
+    s.release(&mut c, t).unwrap();
+    let done = poll_all(&mut c, &mut s, 1);
+    assert!(
+        matches!(&done[..], [Progress::Loaded { ticket, outcome: Loaded::Hit { pages: 3, .. } }] if *ticket == t),
+        "{done:?}"
+    );
+    let snap = c.inspect(T).unwrap();
+    assert_eq!((snap.operations, snap.leases), (0, 0), "{snap:?}");
+    assert!(
+        matches!(s.release(&mut c, t), Err(EngineError::Invalid(_))),
+        "ended"
+    );
+}

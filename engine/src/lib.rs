@@ -27,5 +27,6 @@ mod session;
 pub use backoff::Backoff;
 pub use error::EngineError;
 pub use session::{
-    LoadPlan, Loaded, Lookup, MAX_BATCH, Query, Region, Saved, Session, SessionOptions,
+    LoadPlan, Loaded, Lookup, MAX_BATCH, Progress, Query, Region, Saved, Session, SessionOptions,
+    Ticket,
 };

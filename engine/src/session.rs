@@ -1,4 +1,4 @@
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use orbitkv_components::api::{
@@ -113,6 +113,65 @@ pub struct Session {
     /// Device pages by (region, slot): allocated on a slot's first use,
     /// kept until the session closes.
     slots: HashMap<(u64, u32), u64>,
+    /// Started verbs not yet ended, by ticket (their first command's id).
+    jobs: HashMap<Ticket, Job>,
+    /// Which job a command's reply or an operation's event belongs to.
+    by_command: HashMap<CommandId, Ticket>,
+    by_operation: HashMap<u64, Ticket>,
+    /// Progress found while waiting for something else.
+    progress: VecDeque<Progress>,
+    /// Events that belonged to no job (answered after their job ended).
+    pub strays: u64,
+}
+
+/// A started verb: the id of its first command.
+pub type Ticket = CommandId;
+
+/// What [`Session::poll`] reports of started verbs.
+#[derive(Debug)]
+pub enum Progress {
+    /// A load's or lease's pages are leased: a load's copies are under
+    /// way; a lease's pages may be read now, until [`Session::release`].
+    Ready {
+        ticket: Ticket,
+        boundary: u64,
+        ranges: Vec<(u32, RequiredRange)>,
+        leases: Vec<LeaseInfo>,
+    },
+    /// A load or lease ended.
+    Loaded { ticket: Ticket, outcome: Loaded },
+    /// A save ended.
+    Saved { ticket: Ticket, outcome: Saved },
+    /// The manager refused a command of the verb (for a load's plan or a
+    /// lease's release, after its pages were leased: nothing is usable).
+    Refused { ticket: Ticket, error: EngineError },
+}
+
+impl Progress {
+    pub fn ticket(&self) -> Ticket {
+        match self {
+            Progress::Ready { ticket, .. }
+            | Progress::Loaded { ticket, .. }
+            | Progress::Saved { ticket, .. }
+            | Progress::Refused { ticket, .. } => *ticket,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobKind {
+    Load,
+    Lease,
+    Save,
+}
+
+#[derive(Debug)]
+struct Job {
+    kind: JobKind,
+    command: CommandId,
+    operation: Option<u64>,
+    release: Option<CommandId>,
+    ready: Option<(u64, Vec<(u32, RequiredRange)>, Vec<LeaseInfo>)>,
 }
 
 impl Session {
@@ -154,6 +213,11 @@ impl Session {
             next_request: 0,
             regions: HashMap::new(),
             slots: HashMap::new(),
+            jobs: HashMap::new(),
+            by_command: HashMap::new(),
+            by_operation: HashMap::new(),
+            progress: VecDeque::new(),
+            strays: 0,
         })
     }
 
@@ -338,17 +402,7 @@ impl Session {
         q: &Query,
         plan: LoadPlan,
     ) -> Result<Loaded, EngineError> {
-        let command = Command::Load {
-            session: self.handle,
-            request: self.request(),
-            groups: Self::groups(q),
-            origin: q.origin,
-            prompt_len: q.prompt_len,
-            expect_namespaces: self.namespaces.clone(),
-            ranks: plan.ranks,
-            targets: plan.targets,
-            retained: plan.retained,
-        };
+        let command = self.load_command(q, plan);
         let t = self.options.timeout;
         let id = submit(c, "load", command)?;
         let op = match reply(c, "load", id, t)? {
@@ -405,6 +459,294 @@ impl Session {
                 other => return Err(unexpected("load", &other)),
             }
         }
+    }
+
+    fn load_command(&mut self, q: &Query, plan: LoadPlan) -> Command {
+        Command::Load {
+            session: self.handle,
+            request: self.request(),
+            groups: Self::groups(q),
+            origin: q.origin,
+            prompt_len: q.prompt_len,
+            expect_namespaces: self.namespaces.clone(),
+            ranks: plan.ranks,
+            targets: plan.targets,
+            retained: plan.retained,
+        }
+    }
+
+    fn start(
+        &mut self,
+        c: &mut Client,
+        kind: JobKind,
+        what: &'static str,
+        command: Command,
+    ) -> Result<Ticket, EngineError> {
+        let id = submit(c, what, command)?;
+        self.jobs.insert(
+            id,
+            Job {
+                kind,
+                command: id,
+                operation: None,
+                release: None,
+                ready: None,
+            },
+        );
+        self.by_command.insert(id, id);
+        Ok(id)
+    }
+
+    /// Starts a [`Session::load`]; its progress comes from
+    /// [`Session::poll`]: `Ready` once its pages are leased and copying,
+    /// then `Loaded` (or `Refused`).
+    pub fn start_load(
+        &mut self,
+        c: &mut Client,
+        q: &Query,
+        plan: LoadPlan,
+    ) -> Result<Ticket, EngineError> {
+        let command = self.load_command(q, plan);
+        self.start(c, JobKind::Load, "load", command)
+    }
+
+    /// Starts a lease of `q`'s selected pages for an engine that reads
+    /// them from the shared pool itself: `Ready` carries the leases (pool
+    /// offsets and checksums: verify what is read); the engine then calls
+    /// [`Session::release`], and `Loaded` ends it (a `Miss` if the leases
+    /// passed their deadline first: what was read is not to be used).
+    pub fn start_lease(&mut self, c: &mut Client, q: &Query) -> Result<Ticket, EngineError> {
+        let command = Command::Query {
+            session: self.handle,
+            request: self.request(),
+            groups: Self::groups(q),
+            origin: q.origin,
+            prompt_len: q.prompt_len,
+            expect_namespaces: self.namespaces.clone(),
+            prepare: true,
+            speculative: false,
+        };
+        self.start(c, JobKind::Lease, "query", command)
+    }
+
+    /// Ends a lease whose pages were read (or abandons one that is still
+    /// waiting for them).
+    pub fn release(&mut self, c: &mut Client, ticket: Ticket) -> Result<(), EngineError> {
+        let Some(job) = self.jobs.get(&ticket) else {
+            return Err(EngineError::Invalid(format!("no lease {ticket} in flight")));
+        };
+        let (JobKind::Lease, Some(operation), None) = (job.kind, job.operation, job.release) else {
+            return Err(EngineError::Invalid(format!(
+                "{ticket} is not a lease whose operation is known and not yet released"
+            )));
+        };
+        let id = submit(
+            c,
+            "release",
+            Command::Release {
+                session: self.handle,
+                operation,
+            },
+        )?;
+        if let Some(job) = self.jobs.get_mut(&ticket) {
+            job.release = Some(id);
+        }
+        self.by_command.insert(id, ticket);
+        Ok(())
+    }
+
+    /// Starts a [`Session::save`]; `Saved` (or `Refused`) comes from
+    /// [`Session::poll`].
+    pub fn start_save(
+        &mut self,
+        c: &mut Client,
+        pages: Vec<PublishPage>,
+    ) -> Result<Ticket, EngineError> {
+        let command = Command::Publish {
+            session: self.handle,
+            request: self.request(),
+            pages,
+        };
+        self.start(c, JobKind::Save, "publish", command)
+    }
+
+    /// Verbs started and not yet ended.
+    pub fn in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// The progress of started verbs: what is already known, else what
+    /// arrives within `timeout` (and whatever arrived with it).
+    /// [`EngineError::Unavailable`] when the connection failed or a copy
+    /// passed its deadline: every verb in flight is lost with it.
+    pub fn poll(
+        &mut self,
+        c: &mut Client,
+        timeout: Duration,
+    ) -> Result<Vec<Progress>, EngineError> {
+        if self.progress.is_empty() {
+            let mut wait = timeout;
+            while let Some(e) = c
+                .wait_event(wait, |_| true)
+                .map_err(|e| EngineError::client("poll", e))?
+            {
+                self.handle_event(e)?;
+                wait = Duration::ZERO;
+            }
+        }
+        Ok(self.progress.drain(..).collect())
+    }
+
+    fn finish(&mut self, ticket: Ticket) -> Option<Job> {
+        let job = self.jobs.remove(&ticket)?;
+        self.by_command.remove(&job.command);
+        if let Some(r) = job.release {
+            self.by_command.remove(&r);
+        }
+        if let Some(op) = job.operation {
+            self.by_operation.remove(&op);
+        }
+        Some(job)
+    }
+
+    fn handle_event(&mut self, e: Event) -> Result<(), EngineError> {
+        if let Some(id) = e.command()
+            && let Some(&ticket) = self.by_command.get(&id)
+        {
+            let Some(job) = self.jobs.get_mut(&ticket) else {
+                self.by_command.remove(&id);
+                self.strays += 1;
+                return Ok(());
+            };
+            match e {
+                Event::Rejected { error, .. } => {
+                    let what = match (job.kind, job.release == Some(id)) {
+                        (JobKind::Load, _) => "load",
+                        (JobKind::Lease, true) => "release",
+                        (JobKind::Lease, false) => "query",
+                        (JobKind::Save, _) => "publish",
+                    };
+                    self.finish(ticket);
+                    self.progress.push_back(Progress::Refused {
+                        ticket,
+                        error: EngineError::refused(what, error),
+                    });
+                }
+                Event::QueryResult {
+                    miss: Some(reason), ..
+                } => {
+                    self.finish(ticket);
+                    self.progress.push_back(Progress::Loaded {
+                        ticket,
+                        outcome: Loaded::Miss(reason),
+                    });
+                }
+                Event::QueryResult { operation, .. } => {
+                    job.operation = Some(operation);
+                    self.by_operation.insert(operation, ticket);
+                    // A lease's command is answered; a load's plan can
+                    // still be refused in reply to its command.
+                    if job.kind == JobKind::Lease {
+                        self.by_command.remove(&id);
+                    }
+                }
+                Event::PublishDone {
+                    inserted,
+                    duplicates,
+                    dropped,
+                    ..
+                } => {
+                    self.finish(ticket);
+                    self.progress.push_back(Progress::Saved {
+                        ticket,
+                        outcome: Saved {
+                            inserted,
+                            duplicates,
+                            dropped,
+                        },
+                    });
+                }
+                other => return Err(unexpected("poll", &other)),
+            }
+            return Ok(());
+        }
+        let Some(&ticket) = e.operation().and_then(|op| self.by_operation.get(&op)) else {
+            self.strays += 1;
+            return Ok(());
+        };
+        match e {
+            Event::Loading { .. } => {}
+            Event::Ready {
+                boundary,
+                ranges,
+                leases,
+                ..
+            } => {
+                if let Some(job) = self.jobs.get_mut(&ticket) {
+                    job.ready = Some((boundary, ranges.clone(), leases.clone()));
+                }
+                self.progress.push_back(Progress::Ready {
+                    ticket,
+                    boundary,
+                    ranges,
+                    leases,
+                });
+            }
+            Event::RestoreDone { pages, bytes, .. } => {
+                let outcome = match self.finish(ticket).and_then(|j| j.ready) {
+                    Some((boundary, ranges, leases)) => Loaded::Hit {
+                        boundary,
+                        ranges,
+                        leases,
+                        pages,
+                        bytes,
+                    },
+                    None => {
+                        return Err(EngineError::Unavailable(format!(
+                            "load {ticket}: restore_done without ready"
+                        )));
+                    }
+                };
+                self.progress
+                    .push_back(Progress::Loaded { ticket, outcome });
+            }
+            Event::Released { .. } => {
+                let job = self.finish(ticket);
+                let outcome = match job.and_then(|j| j.ready.map(|r| (r, j.release.is_some()))) {
+                    Some(((boundary, ranges, leases), true)) => {
+                        let bytes = leases.iter().map(|l| l.bytes).sum();
+                        Loaded::Hit {
+                            boundary,
+                            ranges,
+                            pages: leases.len() as u64,
+                            leases,
+                            bytes,
+                        }
+                    }
+                    // Released before the pages were read (the caller
+                    // abandoned it): nothing was loaded.
+                    _ => Loaded::Miss(MissReason::Cancelled),
+                };
+                self.progress
+                    .push_back(Progress::Loaded { ticket, outcome });
+            }
+            Event::Miss { reason, .. } => {
+                self.finish(ticket);
+                self.progress.push_back(Progress::Loaded {
+                    ticket,
+                    outcome: Loaded::Miss(reason),
+                });
+            }
+            // The agent may still be copying into the device pages: the
+            // connection is given up (its agent drains first).
+            Event::TransferOverdue { kind, .. } => {
+                return Err(EngineError::Unavailable(format!(
+                    "{ticket}: a {kind} passed its deadline"
+                )));
+            }
+            other => return Err(unexpected("poll", &other)),
+        }
+        Ok(())
     }
 
     /// Saves pages from device pages of this session.

@@ -171,8 +171,11 @@ struct Job {
     command: CommandId,
     operation: Option<u64>,
     release: Option<CommandId>,
-    ready: Option<(u64, Vec<(u32, RequiredRange)>, Vec<LeaseInfo>)>,
+    ready: Option<Leased>,
 }
+
+/// A ready operation's boundary, ranges and leases.
+type Leased = (u64, Vec<(u32, RequiredRange)>, Vec<LeaseInfo>);
 
 impl Session {
     /// Registers the instance (`register`, a `RegisterInstance`) and opens

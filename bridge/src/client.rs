@@ -483,6 +483,22 @@ impl PyClient {
         .map_err(PyErr::from)
     }
 
+    /// Commands this connection sent, by kind (``lookup``, ``load``, ...):
+    /// what its users cost the manager, in round trips.
+    #[getter]
+    fn commands_sent(&self, py: Python<'_>) -> PyResult<HashMap<String, u64>> {
+        py.detach(|| -> Result<_, Failure> {
+            let mut st = self.lock();
+            Ok(st
+                .client()?
+                .commands_sent()
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect())
+        })
+        .map_err(PyErr::from)
+    }
+
     /// Round trip of an empty frame through the manager's loop, in seconds.
     fn ping(&self, py: Python<'_>) -> PyResult<f64> {
         let d = py.detach(|| -> Result<Duration, Failure> { Ok(self.lock().client()?.ping()?) })?;

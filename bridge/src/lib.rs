@@ -110,6 +110,7 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::PyLookup>()?;
     m.add_class::<session::PyLoaded>()?;
     m.add_class::<session::PySaved>()?;
+    m.add_class::<session::PyReady>()?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<client::PyClient>()?;
     m.add("SharedBuffer", buffer::shared_buffer_type(py)?)?;

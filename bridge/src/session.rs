@@ -18,7 +18,8 @@ use orbitkv_components::api::{
 };
 use orbitkv_components::key::NativeHash;
 use orbitkv_engine::{
-    Backoff, EngineError, LoadPlan, Loaded, Lookup, Query, Session, SessionOptions,
+    Backoff, EngineError, LoadPlan, Loaded, Lookup, Progress, Query, Session, SessionOptions,
+    Ticket,
 };
 use orbitkv_ipc::Client;
 use pyo3::exceptions::PyValueError;
@@ -80,6 +81,9 @@ fn py_err(py: Python<'_>, e: EngineError) -> PyErr {
             err
         }
         EngineError::Unavailable(m) => Unavailable::new_err(m),
+        EngineError::TimedOut { command, timeout } => pyo3::exceptions::PyTimeoutError::new_err(
+            format!("no answer to {command} within {timeout:?}"),
+        ),
         EngineError::Busy { command } => QueueFull::new_err(format!(
             "the manager's inbox is full: {command} was not queued"
         )),
@@ -240,15 +244,177 @@ impl PySaved {
     }
 }
 
+/// A started load's pages are leased and being copied (from
+/// `Session.poll`).
+#[pyclass(module = "orbitkv", name = "Ready", frozen, get_all)]
+pub struct PyReady {
+    boundary: u64,
+    /// `(rank, group, page_end)` of every page leased for the boundary.
+    leased: Vec<(u32, u32, u64)>,
+    /// `(rank, group, page_end, offset, bytes, checksum)`: where each
+    /// leased page lies in the manager's pool (`client.pool()`), and its
+    /// XXH3-64, for an engine that reads them itself (`start_lease`).
+    pool_pages: Vec<(u32, u32, u64, u64, u64, u64)>,
+}
+
+#[pymethods]
+impl PyReady {
+    fn __repr__(&self) -> String {
+        format!(
+            "Ready(boundary={}, pages={})",
+            self.boundary,
+            self.leased.len()
+        )
+    }
+}
+
+fn plan(
+    ranks: Vec<u32>,
+    targets: Vec<(u32, u32, u64, u64)>,
+    retained: Vec<(u32, u32, u64)>,
+) -> LoadPlan {
+    LoadPlan {
+        ranks,
+        targets: targets
+            .into_iter()
+            .map(|(rank, group, page_end, device_page)| RestoreTarget {
+                pos: PagePos {
+                    rank,
+                    group,
+                    page_end,
+                },
+                device_page,
+            })
+            .collect(),
+        retained: retained
+            .into_iter()
+            .map(|(rank, group, page_end)| PagePos {
+                rank,
+                group,
+                page_end,
+            })
+            .collect(),
+    }
+}
+
+fn publish_pages(pages: &[(u32, u32, Bound<'_, PyBytes>, u64)]) -> PyResult<Vec<PublishPage>> {
+    pages
+        .iter()
+        .enumerate()
+        .map(|(i, (rank, group, hash, device_page))| {
+            Ok(PublishPage {
+                rank: *rank,
+                group: *group,
+                hash: NativeHash::new(hash.as_bytes())
+                    .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))?,
+                device_page: *device_page,
+            })
+        })
+        .collect()
+}
+
+fn py_progress(py: Python<'_>, p: Progress) -> PyResult<(Ticket, Py<PyAny>)> {
+    Ok(match p {
+        Progress::Ready {
+            ticket,
+            boundary,
+            leases,
+            ..
+        } => (
+            ticket,
+            Py::new(
+                py,
+                PyReady {
+                    boundary,
+                    leased: leases
+                        .iter()
+                        .map(|l| (l.pos.rank, l.pos.group, l.pos.page_end))
+                        .collect(),
+                    pool_pages: leases
+                        .iter()
+                        .map(|l| {
+                            (
+                                l.pos.rank,
+                                l.pos.group,
+                                l.pos.page_end,
+                                l.offset,
+                                l.bytes,
+                                l.checksum,
+                            )
+                        })
+                        .collect(),
+                },
+            )?
+            .into_any(),
+        ),
+        Progress::Loaded { ticket, outcome } => {
+            (ticket, Py::new(py, py_loaded(py, outcome)?)?.into_any())
+        }
+        Progress::Saved { ticket, outcome } => (
+            ticket,
+            Py::new(
+                py,
+                PySaved {
+                    inserted: outcome.inserted,
+                    duplicates: outcome.duplicates,
+                    dropped: outcome.dropped,
+                },
+            )?
+            .into_any(),
+        ),
+        Progress::Refused { ticket, error } => {
+            (ticket, py_err(py, error).into_value(py).into_any())
+        }
+    })
+}
+
 struct Inner {
     client: Option<Py<PyClient>>,
     session: Option<Session>,
     backoff: Backoff,
-    /// The last failure, raised again while the backoff waits.
-    last: Option<PyErr>,
+    /// The last failure, raised again while the backoff waits: a
+    /// refusal's arguments (plain data, so no traceback keeps the caller's
+    /// frames alive), or why the manager was unavailable.
+    last: Option<Last>,
     last_error: Option<String>,
     generation: u64,
     connecting: bool,
+}
+
+enum Last {
+    Refused {
+        args: Py<PyAny>,
+        command: Option<Py<PyAny>>,
+    },
+    Unavailable(String),
+}
+
+impl Last {
+    fn of(py: Python<'_>, e: &PyErr) -> Last {
+        let v = e.value(py);
+        if v.is_instance_of::<Refused>()
+            && let Ok(args) = v.getattr("args")
+        {
+            return Last::Refused {
+                args: args.unbind(),
+                command: v.getattr("command").ok().map(Bound::unbind),
+            };
+        }
+        Last::Unavailable(e.to_string())
+    }
+
+    fn raise(&self, py: Python<'_>) -> PyErr {
+        match self {
+            Last::Refused { args, command } => {
+                let err = PyErr::from_type(py.get_type::<Refused>(), args.clone_ref(py));
+                if let Some(c) = command {
+                    let _ = err.value(py).setattr("command", c.bind(py));
+                }
+                err
+            }
+            Last::Unavailable(m) => Unavailable::new_err(m.clone()),
+        }
+    }
 }
 
 /// One engine process's session with a manager.
@@ -259,7 +425,9 @@ pub struct PySession {
     register: Command,
     options: SessionOptions,
     spin_us: Option<u64>,
-    on_connect: Option<Py<PyAny>>,
+    /// Behind a lock so the garbage collector can clear it: the engine's
+    /// callback usually refers back to what holds this session.
+    on_connect: Mutex<Option<Py<PyAny>>>,
     inner: Mutex<Inner>,
 }
 
@@ -283,7 +451,7 @@ impl PySession {
                 return Step::Up(Python::attach(|py| c.clone_ref(py)));
             }
             if inner.connecting || !inner.backoff.attempt(Instant::now()) {
-                let last = Python::attach(|py| inner.last.as_ref().map(|e| e.clone_ref(py)));
+                let last = Python::attach(|py| inner.last.as_ref().map(|l| l.raise(py)));
                 return Step::Wait(last, inner.last_error.clone());
             }
             inner.connecting = true;
@@ -315,7 +483,7 @@ impl PySession {
                     inner.backoff.failed();
                     Python::attach(|py| {
                         inner.last_error = Some(e.to_string());
-                        inner.last = Some(e.clone_ref(py));
+                        inner.last = Some(Last::of(py, e));
                     });
                 }
             }
@@ -344,7 +512,13 @@ impl PySession {
             inner.session = Some(session);
             inner.generation += 1;
         });
-        if let Some(f) = &self.on_connect
+        let f = self
+            .on_connect
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|f| f.clone_ref(py));
+        if let Some(f) = f
             && let Err(e) = f.call1(py, (slf,))
         {
             self.drop_connection(py);
@@ -448,7 +622,7 @@ impl PySession {
                 timeout: secs(timeout, "timeout")?,
             },
             spin_us,
-            on_connect,
+            on_connect: Mutex::new(on_connect),
             inner: Mutex::new(Inner {
                 client: None,
                 session: None,
@@ -559,15 +733,25 @@ impl PySession {
     /// Where the manager would resume a prompt whose page hashes (`bytes`,
     /// page order, the same for every group of `groups`) are `hashes`,
     /// past `origin` tokens of `prompt_len`. One round trip; holds nothing.
+    ///
+    /// :param timeout: seconds to wait (default: the session's); past it
+    ///     ``TimeoutError``, and the connection stays.
+    #[pyo3(signature = (groups, hashes, origin, prompt_len, timeout=None))]
     fn lookup(
         slf: &Bound<'_, Self>,
         groups: Vec<u32>,
         hashes: &Bound<'_, PyAny>,
         origin: u64,
         prompt_len: u64,
+        timeout: Option<f64>,
     ) -> PyResult<PyLookup> {
         let q = query(groups, hashes, origin, prompt_len)?;
-        let l = Self::run(slf, |s, c| s.lookup(c, &q))?;
+        let t = match timeout {
+            Some(t) => Duration::try_from_secs_f64(t)
+                .map_err(|_| PyValueError::new_err(format!("timeout {t}: seconds >= 0")))?,
+            None => slf.get().options.timeout,
+        };
+        let l = Self::run(slf, |s, c| s.lookup_within(c, &q, t))?;
         py_lookup(slf.py(), l)
     }
 
@@ -602,28 +786,7 @@ impl PySession {
         retained: Vec<(u32, u32, u64)>,
     ) -> PyResult<PyLoaded> {
         let q = query(groups, hashes, origin, prompt_len)?;
-        let plan = LoadPlan {
-            ranks,
-            targets: targets
-                .into_iter()
-                .map(|(rank, group, page_end, device_page)| RestoreTarget {
-                    pos: PagePos {
-                        rank,
-                        group,
-                        page_end,
-                    },
-                    device_page,
-                })
-                .collect(),
-            retained: retained
-                .into_iter()
-                .map(|(rank, group, page_end)| PagePos {
-                    rank,
-                    group,
-                    page_end,
-                })
-                .collect(),
-        };
+        let plan = plan(ranks, targets, retained);
         let l = Self::run(slf, |s, c| s.load(c, &q, plan))?;
         py_loaded(slf.py(), l)
     }
@@ -633,25 +796,89 @@ impl PySession {
         slf: &Bound<'_, Self>,
         pages: Vec<(u32, u32, Bound<'_, PyBytes>, u64)>,
     ) -> PyResult<PySaved> {
-        let pages = pages
-            .iter()
-            .enumerate()
-            .map(|(i, (rank, group, hash, device_page))| {
-                Ok(PublishPage {
-                    rank: *rank,
-                    group: *group,
-                    hash: NativeHash::new(hash.as_bytes())
-                        .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))?,
-                    device_page: *device_page,
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let pages = publish_pages(&pages)?;
         let s = Self::run(slf, |s, c| s.save(c, pages))?;
         Ok(PySaved {
             inserted: s.inserted,
             duplicates: s.duplicates,
             dropped: s.dropped,
         })
+    }
+
+    /// Starts a `load` (arguments as for `load`); returns its ticket.
+    /// `poll` reports a `Ready` once its pages are leased and copying,
+    /// then its `Loaded` (or a `Refused`).
+    #[pyo3(signature = (groups, hashes, origin, prompt_len, *, ranks, targets, retained=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_load(
+        slf: &Bound<'_, Self>,
+        groups: Vec<u32>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+        prompt_len: u64,
+        ranks: Vec<u32>,
+        targets: Vec<(u32, u32, u64, u64)>,
+        retained: Vec<(u32, u32, u64)>,
+    ) -> PyResult<Ticket> {
+        let q = query(groups, hashes, origin, prompt_len)?;
+        let plan = plan(ranks, targets, retained);
+        Self::run(slf, |s, c| s.start_load(c, &q, plan))
+    }
+
+    /// Starts a lease of the selected pages (arguments as for `lookup`)
+    /// for an engine that reads them from the manager's pool itself: its
+    /// `Ready` names them (`pool_pages`); read them, then `release(ticket)`;
+    /// `poll` then reports its `Loaded`.
+    fn start_lease(
+        slf: &Bound<'_, Self>,
+        groups: Vec<u32>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+        prompt_len: u64,
+    ) -> PyResult<Ticket> {
+        let q = query(groups, hashes, origin, prompt_len)?;
+        Self::run(slf, |s, c| s.start_lease(c, &q))
+    }
+
+    /// Ends a lease whose pages were read.
+    fn release(slf: &Bound<'_, Self>, ticket: Ticket) -> PyResult<()> {
+        Self::run(slf, |s, c| s.release(c, ticket))
+    }
+
+    /// Cancels a started lease whose operation is known; returns whether a
+    /// cancel was sent (its `Loaded` still comes from `poll`).
+    fn cancel(slf: &Bound<'_, Self>, ticket: Ticket) -> PyResult<bool> {
+        Self::run(slf, |s, c| s.cancel(c, ticket))
+    }
+
+    /// Starts a `save`; returns its ticket (`poll` reports its `Saved`).
+    fn start_save(
+        slf: &Bound<'_, Self>,
+        pages: Vec<(u32, u32, Bound<'_, PyBytes>, u64)>,
+    ) -> PyResult<Ticket> {
+        let pages = publish_pages(&pages)?;
+        Self::run(slf, |s, c| s.start_save(c, pages))
+    }
+
+    /// Progress of started verbs: `(ticket, outcome)` pairs, the outcome a
+    /// `Ready`, `Loaded`, `Saved` or `Refused` (an exception instance, not
+    /// raised). Waits up to `timeout` seconds when nothing is known yet.
+    ///
+    /// :raises Unavailable: the connection failed, or a copy passed its
+    ///     deadline (every verb in flight is lost; the connection is given
+    ///     up after its agent drained).
+    #[pyo3(signature = (timeout=0.0))]
+    fn poll(slf: &Bound<'_, Self>, timeout: f64) -> PyResult<Vec<(Ticket, Py<PyAny>)>> {
+        let t = Duration::try_from_secs_f64(timeout)
+            .map_err(|_| PyValueError::new_err(format!("timeout {timeout}: seconds >= 0")))?;
+        let ps = Self::run(slf, |s, c| s.poll(c, t))?;
+        ps.into_iter().map(|p| py_progress(slf.py(), p)).collect()
+    }
+
+    /// Started verbs not yet ended.
+    #[getter]
+    fn in_flight(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.lock().session.as_ref().map_or(0, Session::in_flight))
     }
 
     /// Gives the connection up (after a failure the caller saw): the
@@ -685,5 +912,22 @@ impl PySession {
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.close(py);
         false
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        // Never block in the collector: a callback being called is reached
+        // through its caller's frame anyway.
+        if let Ok(f) = self.on_connect.try_lock()
+            && let Some(f) = f.as_ref()
+        {
+            visit.call(f)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        if let Ok(mut f) = self.on_connect.try_lock() {
+            f.take();
+        }
     }
 }

@@ -550,22 +550,13 @@ def test_layerwise_killed_manager_recomputes(model, manager):
         assert "B" in e.finished
 
 
-class _Counting:
-    """A client that counts the commands submitted through it, by name."""
+def _sent(link) -> dict:
+    """The commands a link's connection sent so far, by kind."""
+    return dict(link.session.client.commands_sent)
 
-    def __init__(self, client, seen):
-        self._client, self._seen = client, seen
 
-    def submit(self, command):
-        self._seen.append(command["command"])
-        return self._client.submit(command)
-
-    def lookup(self, *args, **kwargs):
-        self._seen.append("lookup")
-        return self._client.lookup(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
+def _since(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
 def test_a_lookup_is_one_round_trip(model, manager):
@@ -577,19 +568,11 @@ def test_a_lookup_is_one_round_trip(model, manager):
         assert e.sched.reset_prefix_cache()
         e.wipe()
         sched = e.connector.scheduler
-        seen: list = []
-        real = sched.link.get
-
-        def counting_get():
-            client, session = real()
-            return _Counting(client, seen), session
-
-        sched.link.get = counting_get
+        before = _sent(sched.link)
         e.add("B", PROMPT + [99, 98])
         e.run()
-        sched.link.get = real
         assert e.stats.hit_tokens == 64, e.stats
-        assert seen == ["lookup"], seen
+        assert _since(before, _sent(sched.link)) == {"lookup": 1}
     no_leaks(manager)
 
 
@@ -598,6 +581,7 @@ def test_a_hit_is_two_round_trips_on_known_blocks(model, manager):
     # answered by one manager round: the scheduler's `lookup` and the
     # worker's `load` (query, prepare and restore in one), plus an
     # allocation only for a block the worker never used, and no frees.
+    # Counted by the connections themselves (`Client.commands_sent`).
     # 12 blocks: later loads land in blocks earlier steps used.
     with engine(model, manager.socket, num_blocks=12) as e:
         w = e.workers[0].worker
@@ -605,22 +589,9 @@ def test_a_hit_is_two_round_trips_on_known_blocks(model, manager):
         e.add("A", PROMPT)
         e.run()
         reused = 0
-        seen: list = []
-        real, real_sched = w.link.get, sched.link.get
-
-        def counting(get):
-            def counted():
-                client, session = get()
-                return _Counting(client, seen), session
-
-            return counted
-
-        w.link.get, sched.link.get = counting(real), counting(real_sched)
         for rid in ("B", "C", "D", "E", "F"):
             assert e.sched.reset_prefix_cache()
             e.wipe()
-            seen.clear()
-            known = {block for _, block in w.slot_table}
             loads: list = []
             real_alloc = sched.update_state_after_alloc
 
@@ -631,19 +602,21 @@ def test_a_hit_is_two_round_trips_on_known_blocks(model, manager):
 
             sched.update_state_after_alloc = record
             before = e.stats.hit_tokens
+            sent = (_sent(sched.link), _sent(w.link))
+            held = w.link.session.device_pages_held
             e.add(rid, PROMPT + [99, 98])
             e.run()
             sched.update_state_after_alloc = real_alloc
             assert e.stats.hit_tokens - before == 64, e.stats
             assert len(loads) == 4, loads
             # 72 tokens: no page completes past the loaded 64, so nothing
-            # is published; only blocks never used before are allocated.
-            fresh = len(set(loads) - known)
-            reused += fresh < len(loads)
-            rounds = [c for c in seen if c != "device_page_alloc"]
-            assert rounds == ["lookup", "load"], seen
-            assert seen.count("device_page_alloc") == fresh, (seen, loads, known)
+            # is published; only blocks never used before are allocated
+            # (each allocation is a new entry of the slot table).
+            s_sent, w_sent = _since(sent[0], _sent(sched.link)), _since(sent[1], _sent(w.link))
+            allocs = w_sent.pop("device_page_alloc", 0)
+            assert (s_sent, w_sent) == ({"lookup": 1}, {"load": 1}), (s_sent, w_sent)
+            assert allocs == w.link.session.device_pages_held - held, (allocs, loads)
+            reused += allocs < len(loads)
         assert reused >= 1, "some load should have reused a block"
-        assert len(w.slot_table) <= e.kcc.num_blocks
-        w.link.get, sched.link.get = real, real_sched
+        assert w.link.session.device_pages_held <= e.kcc.num_blocks
     no_leaks(manager)

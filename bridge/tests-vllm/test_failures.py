@@ -368,27 +368,28 @@ def test_refusal_after_a_manager_restart_is_loud(model, manager, orbitkv_bin, ca
 
 
 class _StubLink:
-    """The worker's link, as `_IoState` uses it: records drops and submits."""
+    """The worker's link, as `_IoState` uses it: records drops, and the
+    session's cancels."""
 
     def __init__(self):
         self.drops: list = []
-        self.submitted: list = []
+        self.cancelled: list = []
         self.up = True
-        self.generation = 0
+        link = self
+
+        class _Session:
+            def cancel(self, ticket):
+                link.cancelled.append(ticket)
+                return True
+
+        self.session = _Session()
 
     def drop(self, why):
         self.drops.append(why)
         self.up = False
 
     def get(self):
-        link = self
-
-        class _Client:
-            def submit(self, command):
-                link.submitted.append(command["command"])
-                return 1
-
-        return _Client(), {"id": 1, "epoch": 0, "incarnation": 0}
+        return self.session
 
 
 def _io_state():
@@ -399,7 +400,6 @@ def _io_state():
 
     finished: list = []
     w = SimpleNamespace(
-        slot_table={},
         link=_StubLink(),
         settings=SimpleNamespace(timeout_s=5.0),
         _lock=threading.Lock(),
@@ -414,8 +414,9 @@ def test_a_late_load_drops_the_connection_and_never_just_cancels():
     # A `load`'s copies may start in the tick its pages are ready, before
     # the worker's I/O thread read its result: past the worker's deadline
     # the connection goes (its agent waits for running copies before vLLM
-    # reuses the blocks), whether the result was read or not. A late
-    # staged-copy query (no agent writes the blocks) is only cancelled.
+    # reuses the blocks), whether its pages were reported ready or not. A
+    # late staged-copy lease (no agent writes the blocks) is only
+    # cancelled.
     from orbitkv.vllm.metadata import LoadSpec
     from orbitkv.vllm.worker import _Load
 
@@ -424,28 +425,25 @@ def test_a_late_load_drops_the_connection_and_never_just_cancels():
     def spec(rid):
         return LoadSpec(req_id=rid, origin=0, boundary=64, hashes=[], block_ids=([],))
 
-    # Before its result: the load is still the command's.
+    # Before its pages were reported ready.
     io, w, finished = _io_state()
-    io.by_command[7] = ("query", _Load(spec=spec("A"), deadline=late, load=True))
+    io.jobs[7] = ("load", _Load(spec=spec("A"), deadline=late, load=True))
     io.expire()
     assert w.link.drops == ["an agent copy passed its deadline"], w.link.drops
     assert finished == [("A", None, "an agent copy passed its deadline")]
-    assert "cancel" not in w.link.submitted and not io.by_command
+    assert w.link.cancelled == [] and not io.jobs
 
-    # After its result: the operation's.
+    # After: its copies are under way.
     io, w, finished = _io_state()
-    job = _Load(spec=spec("B"), deadline=late, load=True, operation=11, release_command=7)
-    io.by_command[7] = ("load", job)
-    io.by_operation[11] = job
+    io.jobs[7] = ("load", _Load(spec=spec("B"), deadline=late, load=True, restoring=True, selected=64))
     io.expire()
     assert w.link.drops == ["an agent copy passed its deadline"], w.link.drops
     assert finished == [("B", None, "an agent copy passed its deadline")]
-    assert "cancel" not in w.link.submitted and not io.by_operation
+    assert w.link.cancelled == [] and not io.jobs
 
-    # A staged-copy load past its deadline: cancelled, the connection kept.
+    # A staged-copy lease past its deadline: cancelled, the connection kept.
     io, w, finished = _io_state()
-    job = _Load(spec=spec("C"), deadline=late, operation=12)
-    io.by_operation[12] = job
+    io.jobs[12] = ("load", _Load(spec=spec("C"), deadline=late))
     io.expire()
-    assert w.link.drops == [] and w.link.submitted == ["cancel"]
+    assert w.link.drops == [] and w.link.cancelled == [12]
     assert finished == [("C", None, "timeout")]

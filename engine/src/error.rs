@@ -19,6 +19,13 @@ pub enum EngineError {
     /// drains before the engine reuses the memory it was given.
     #[error("the OrbitKV manager is unavailable: {0}")]
     Unavailable(String),
+    /// A lookup's answer did not come in time. It held nothing, so the
+    /// connection stays: a late answer is dropped by the next lookup.
+    #[error("no answer to {command} within {timeout:?}")]
+    TimedOut {
+        command: &'static str,
+        timeout: std::time::Duration,
+    },
     /// The manager's inbox was full: nothing was queued; try again later.
     #[error("the OrbitKV manager did not queue {command}: its inbox is full")]
     Busy { command: &'static str },

@@ -368,8 +368,53 @@ impl Session {
 
     /// Where the manager would resume `q`: one round trip, nothing held.
     pub fn lookup(&mut self, c: &mut Client, q: &Query) -> Result<Lookup, EngineError> {
+        self.lookup_within(c, q, self.options.timeout)
+    }
+
+    /// [`Session::lookup`], waiting at most `timeout`: past it the answer
+    /// is [`EngineError::TimedOut`] and the connection stays (a lookup
+    /// holds nothing; its late answer is dropped by a later lookup).
+    pub fn lookup_within(
+        &mut self,
+        c: &mut Client,
+        q: &Query,
+        timeout: Duration,
+    ) -> Result<Lookup, EngineError> {
         let command = self.lookup_command(q);
-        lookup_result(call(c, "lookup", command, self.options.timeout)?)
+        let id = submit(c, "lookup", command)?;
+        let deadline = Instant::now() + timeout;
+        let started = &self.by_command;
+        // Its answer, or a late answer of an earlier lookup (dropped);
+        // never an answer of a started verb.
+        let ours = |e: &Event| {
+            e.command().is_some_and(|c| {
+                c == id
+                    || (c < id
+                        && !started.contains_key(&c)
+                        && matches!(e, Event::QueryResult { .. } | Event::Rejected { .. }))
+            })
+        };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match c
+                .wait_event(left, ours)
+                .map_err(|e| EngineError::client("lookup", e))?
+            {
+                Some(e) if e.command() == Some(id) => {
+                    return match e {
+                        Event::Rejected { error, .. } => Err(EngineError::refused("lookup", error)),
+                        e => lookup_result(e),
+                    };
+                }
+                Some(_) => self.strays += 1,
+                None => {
+                    return Err(EngineError::TimedOut {
+                        command: "lookup",
+                        timeout,
+                    });
+                }
+            }
+        }
     }
 
     /// Many lookups in one round trip per [`MAX_BATCH`] queries: all are
@@ -556,6 +601,25 @@ impl Session {
         }
         self.by_command.insert(id, ticket);
         Ok(())
+    }
+
+    /// Cancels a started lease or load whose operation is known (its
+    /// `Loaded` then comes as a miss, or as what ended it first). Not for
+    /// a load whose copies may run: see [`EngineError::Unavailable`].
+    /// Returns whether a cancel was sent.
+    pub fn cancel(&mut self, c: &mut Client, ticket: Ticket) -> Result<bool, EngineError> {
+        let Some(operation) = self.jobs.get(&ticket).and_then(|j| j.operation) else {
+            return Ok(false);
+        };
+        submit(
+            c,
+            "cancel",
+            Command::Cancel {
+                session: self.handle,
+                operation,
+            },
+        )?;
+        Ok(true)
     }
 
     /// Starts a [`Session::save`]; `Saved` (or `Refused`) comes from

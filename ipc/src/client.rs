@@ -358,6 +358,8 @@ pub struct Client {
     lookup_reply: Option<orbitkv_components::admin::LookupReply>,
     hot: Option<HotPath>,
     hot_error: Option<String>,
+    /// Commands sent, by kind (`Command::kind`).
+    sent: HashMap<&'static str, u64>,
 }
 
 // The Python bridge moves clients between threads.
@@ -422,6 +424,7 @@ impl Client {
             lookup_reply: None,
             hot: None,
             hot_error: None,
+            sent: HashMap::new(),
         };
         c.send(&frame::encode(
             Kind::Hello,
@@ -791,6 +794,7 @@ impl Client {
 
     /// Queues a command; returns its id once the manager accepted it.
     pub fn submit(&mut self, command: Command) -> Result<CommandId, ClientError> {
+        *self.sent.entry(command.kind()).or_default() += 1;
         if let Some(tag) = self.send_hot(&command) {
             return self.wait_first(tag);
         }
@@ -822,6 +826,7 @@ impl Client {
     ) -> Result<Vec<Result<CommandId, CommandError>>, ClientError> {
         let mut sent = Vec::with_capacity(commands.len());
         for command in commands {
+            *self.sent.entry(command.kind()).or_default() += 1;
             if let Some(tag) = self.send_hot(&command) {
                 sent.push((tag, true));
                 continue;
@@ -863,6 +868,11 @@ impl Client {
         }
         self.adapt_spin(blocked);
         Ok(out)
+    }
+
+    /// Commands sent so far, by kind (`register_instance`, `lookup`, ...).
+    pub fn commands_sent(&self) -> &HashMap<&'static str, u64> {
+        &self.sent
     }
 
     /// How many events are queued, not yet taken.

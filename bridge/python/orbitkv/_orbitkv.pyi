@@ -626,6 +626,11 @@ class Client:
         ``ValueError``). Spinning turns itself off for a while when it is
         preempted or when most replies outlast it."""
 
+    @property
+    def commands_sent(self) -> Dict[str, int]:
+        """Commands this connection sent, by kind (``lookup``, ``load``,
+        ...): what its users cost the manager, in round trips."""
+
     def ping(self) -> float:
         """Round trip of an empty frame through the manager's loop, in
         seconds.

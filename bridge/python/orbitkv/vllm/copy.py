@@ -29,7 +29,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .engine import EngineSpec
-from .link import expect
 from .settings import ConfigError
 
 
@@ -135,7 +134,8 @@ class PageMover:
     """Where page bytes move. `stage` runs on the engine's thread (inside
     `wait_for_save`), `connect` and `restore` on the worker's I/O thread."""
 
-    def connect(self, client: Any, session: Dict[str, Any]) -> None:
+    def connect(self, session: Any) -> None:
+        """Registers this mover's regions on a new session (`orbitkv.Session`)."""
         raise NotImplementedError
 
     def disconnect(self) -> None:
@@ -168,56 +168,25 @@ class HostPageMover(PageMover):
         self._pages: Dict[int, List[int]] = {}
         self._pool: torch.Tensor | None = None
 
-    def connect(self, client: Any, session: Dict[str, Any]) -> None:
+    def connect(self, session: Any) -> None:
         """Registers a staging region per group and a device page per slot
         (one round trip per region, the allocations pipelined)."""
         stage: Dict[int, torch.Tensor] = {}
         pages: Dict[int, List[int]] = {}
+        client = session.client
         for group in self.blocks.spec.groups:
-            e = client.call(
-                {
-                    "command": "register_device_region",
-                    "session": session,
-                    "rank": self.rank,
-                    "group": group.id,
-                    "slots": self.staging_pages,
-                },
-                self.timeout_s,
-            )
-            expect("register_device_region", e, "region_registered", self.blocks.spec, self.rank)
-            if e["page_bytes"] != group.page_bytes:
+            region = session.register_region(self.rank, group.id, self.staging_pages)
+            view = client.region(region)
+            if len(view) != self.staging_pages * group.page_bytes:
                 raise ConfigError(
-                    f"group {group.id}: the manager's page is {e['page_bytes']} bytes, "
-                    f"the engine's {group.page_bytes}"
+                    f"group {group.id}: the manager's staging region is {len(view)} bytes, "
+                    f"{self.staging_pages} of the engine's {group.page_bytes}-byte pages are "
+                    f"{self.staging_pages * group.page_bytes}"
                 )
-            view = client.region(e["region"])
             stage[group.id] = torch.frombuffer(view, dtype=torch.uint8).view(
                 self.staging_pages, group.page_bytes
             )
-            ids = [
-                client.submit(
-                    {
-                        "command": "device_page_alloc",
-                        "session": session,
-                        "region": e["region"],
-                        "slot": s,
-                    }
-                )
-                for s in range(self.staging_pages)
-            ]
-            got: Dict[int, int] = {}
-            want = set(ids)
-            while want:
-                ev = client.wait_event(self.timeout_s)
-                if ev is None:
-                    raise ConnectionError("device page allocation timed out")
-                cid = ev.get("command")
-                if cid in want:
-                    if ev["event"] != "device_page_allocated":
-                        raise ConnectionError(f"device page allocation: {ev}")
-                    got[cid] = ev["device_page"]
-                    want.discard(cid)
-            pages[group.id] = [got[c] for c in ids]
+            pages[group.id] = session.device_pages(region, list(range(self.staging_pages)))
         with warnings.catch_warnings():
             # The pool view is read-only; torch warns that writes would fail.
             warnings.simplefilter("ignore", UserWarning)
@@ -320,39 +289,30 @@ class AgentPageMover(PageMover):
             for _, view in self.blocks.layers[gid]
         ]
 
-    def connect(self, client: Any, session: Dict[str, Any]) -> None:
-        """Attaches every group's blocks to the client's agent and registers
+    def connect(self, session: Any) -> None:
+        """Attaches every group's blocks to the session's agent and registers
         them as agent-owned regions (the agent keeps the views alive)."""
         regions: Dict[int, int] = {}
         agents: Dict[int, int] = {}
+        client = session.client
         for group in self.blocks.spec.groups:
             views = [v for _, v in self.blocks.layers[group.id]]
-            agent_id, page_bytes = client.attach_agent_memory(
+            agent = client.attach_agent_memory(
                 self.blocks.num_blocks,
                 self.layout(group.id),
                 views,
                 device=self.device,
                 layers=self.blocks.view_layers[group.id] if self.layered else None,
             )
-            agents[group.id] = agent_id
-            if page_bytes != group.page_bytes:
+            agents[group.id] = agent[0]
+            if agent[1] != group.page_bytes:
                 raise ConfigError(
-                    f"group {group.id}: the blocks hold {page_bytes}-byte pages, the spec "
+                    f"group {group.id}: the blocks hold {agent[1]}-byte pages, the spec "
                     f"{group.page_bytes}"
                 )
-            e = client.call(
-                {
-                    "command": "register_device_region",
-                    "session": session,
-                    "rank": self.rank,
-                    "group": group.id,
-                    "slots": self.blocks.num_blocks,
-                    "agent": {"region": agent_id, "page_bytes": page_bytes},
-                },
-                self.timeout_s,
+            regions[group.id] = session.register_region(
+                self.rank, group.id, self.blocks.num_blocks, agent=agent
             )
-            expect("register_device_region", e, "region_registered", self.blocks.spec, self.rank)
-            regions[group.id] = e["region"]
         with self._lock:
             self._regions, self._agent, self._client = regions, agents, client
 

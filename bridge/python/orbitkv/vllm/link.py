@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import orbitkv
 
@@ -29,9 +29,8 @@ from .settings import ConfigError, ConnectorSettings
 
 log = logging.getLogger("orbitkv.vllm")
 
-# What a failed manager interaction raises: the connection is gone or the
-# manager did not answer in time.
-LINK_ERRORS = (orbitkv.ConnectionError, ConnectionError, TimeoutError, OSError)
+# What a failed manager interaction raises: the connection is gone.
+LINK_ERRORS = (orbitkv.ConnectionError, ConnectionError, OSError)
 
 
 REFUSAL_LOG_INTERVAL_S = 10.0
@@ -142,45 +141,35 @@ def refused(
     )
 
 
-def expect(
-    command: str,
-    event: Dict[str, Any],
-    kind: str,
-    spec: EngineSpec,
-    rank: Optional[int] = None,
-) -> Dict[str, Any]:
-    """`event` if it is `kind`; a `rejected` answer raises `Refused`, any
-    other answer `Unavailable` (a manager that does not speak the
-    protocol)."""
-    if event.get("event") == kind:
-        return event
-    if event.get("event") == "rejected":
-        raise refused(command, event, spec, rank)
-    raise Unavailable(f"{command}: expected {kind}, got {event.get('event')!r}")
-
-
 class ManagerLink:
+    """The process's `orbitkv.Session`, with this connector's reporting:
+    unavailability as warnings, refusals counted by reason and logged with
+    the setting to change."""
+
     def __init__(
         self,
         settings: ConnectorSettings,
         spec: EngineSpec,
         name: str,
-        on_connect: Optional[Callable[[Any, Dict[str, Any]], None]] = None,
+        on_connect: Optional[Callable[[orbitkv.Session], None]] = None,
         rank: Optional[int] = None,
+        spin_us: Optional[int] = None,
     ):
         self.settings = settings
         self.rank = rank
         self.spec = spec
         self.name = name
         self.on_connect = on_connect
-        self.client: Any = None
-        self.session: Optional[Dict[str, Any]] = None
-        self.namespaces: List[str] = []
-        self.generation = 0
-        """Counts sessions opened; handles of an older generation are dead."""
+        self.session = orbitkv.Session(
+            settings.socket,
+            spec.register_command,
+            name=name,
+            timeout=settings.timeout_s,
+            reconnect_interval=settings.reconnect_interval_s,
+            spin_us=spin_us,
+            on_connect=on_connect,
+        )
         self.connects = 0
-        self.failures = 0
-        self._retry_at = 0.0
         self.last_error = ""
         self.refusals: Dict[str, int] = {}
         """Refusals by reason (`Refused.reason`), since the process started."""
@@ -188,86 +177,69 @@ class ManagerLink:
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
         self._refusals_unlogged = 0
         self._starting = False
+        self._failures_seen = 0
 
     @property
     def up(self) -> bool:
-        return self.client is not None
+        return self.session.up
 
-    def get(self) -> Tuple[Any, Dict[str, Any]]:
-        """(client, session), connecting if needed; raises `Unavailable`."""
-        if self.client is not None and self.session is not None:
-            return self.client, self.session
-        now = time.monotonic()
-        if now < self._retry_at:
-            raise Unavailable(f"manager unavailable: {self.last_error}")
-        self._retry_at = now + self.settings.reconnect_interval_s
-        client = None
-        step = "connect"
+    @property
+    def generation(self) -> int:
+        """Sessions opened so far; device pages of an older one are dead."""
+        return self.session.generation
+
+    def get(self) -> orbitkv.Session:
+        """The connected session; raises `Unavailable` or `Refused`."""
+        s = self.session
+        if s.up:
+            return s
         try:
-            client = orbitkv.Client(self.settings.socket, self.name)
-            t = self.settings.timeout_s
-            step = "register_instance"
-            reg = expect(
-                "register_instance",
-                client.call(self.spec.register_command, t),
-                "instance_registered",
-                self.spec,
-                self.rank,
-            )
-            step = "open_session"
-            opened = expect(
-                "open_session",
-                client.call({"command": "open_session", "instance": self.spec.instance}, t),
-                "session_opened",
-                self.spec,
-                self.rank,
-            )
-            session = opened["session"]
-            if self.on_connect is not None:
-                step = "register_device_region"
-                self.on_connect(client, session)
-        except (Refused, orbitkv.Rejected) as e:
-            if client is not None:
-                client.close()
-            if isinstance(e, Refused):
-                self._refused(e)
-                raise
-            # Refused before it was queued: a session or region quota of
-            # the manager (per connection, uid or process).
-            error = e.args[3] if len(e.args) > 3 else {"error": e.args[0]}
-            r = refused(step, {"error": error}, self.spec, self.rank)
-            self._refused(r)
+            s.connect()
+        except orbitkv.Refused as e:
+            if not self._attempted():
+                raise Unavailable(f"manager unavailable: {self.last_error}") from e
+            r = self.refused(e)
             raise r from e
-        except (Unavailable, *LINK_ERRORS) as e:
-            self.failures += 1
+        except ConfigError:
+            raise
+        except (orbitkv.Unavailable, *LINK_ERRORS) as e:
+            if not self._attempted():
+                raise Unavailable(f"manager unavailable: {self.last_error}") from e
             self.last_error = f"{type(e).__name__}: {e}"
-            if self.failures == 1 or self.failures % 100 == 0:
+            failures = s.failures
+            if failures == 1 or failures % 100 == 0:
                 log.warning(
                     "OrbitKV manager at %s unavailable (%s); lookups miss and saves are "
                     "dropped until it is back",
                     self.settings.socket,
                     self.last_error,
                 )
-            if client is not None:
-                client.close()
             raise Unavailable(self.last_error) from e
-        except BaseException:
-            if client is not None:
-                client.close()
-            raise
-        self.client, self.session = client, session
-        self.namespaces = list(reg["namespaces"])
-        self.generation += 1
+        self._failures_seen = 0
         self.connects += 1
         log.info(
             "OrbitKV: %s connected to %s (instance %s, session %s, incarnation %x)",
             self.name,
             self.settings.socket,
             self.spec.instance,
-            session["id"],
-            client.incarnation,
+            s.handle["id"],
+            s.client.incarnation,
         )
-        return client, session
+        return s
+
+    def _attempted(self) -> bool:
+        """Whether the last `connect` tried (rather than waited for the
+        reconnect interval and raised the last failure again)."""
+        failures = self.session.failures
+        tried = failures != self._failures_seen
+        self._failures_seen = failures
+        return tried
+
+    def refused(self, e: orbitkv.Refused) -> Refused:
+        """Counts and logs a refusal; returns it as a `Refused`."""
+        r = refused(e.command, {"error": e.args[3] or {"error": e.args[0]}}, self.spec, self.rank)
+        self._refused(r)
+        return r
 
     def connect_at_startup(self) -> None:
         """Connects once while the engine starts: a refusal is a
@@ -305,19 +277,11 @@ class ManagerLink:
         )
 
     def drop(self, why: str) -> None:
-        """Forgets the connection after a failure; the next `get` reconnects."""
-        if self.client is None:
-            return
+        """Forgets the connection after a failure (the session may have
+        given it up already); the next `get` reconnects."""
         log.warning("OrbitKV: %s lost the manager (%s); reconnecting", self.name, why)
         self.last_error = why
-        try:
-            self.client.close()
-        finally:
-            self.client, self.session = None, None
+        self.session.drop(why)
 
     def close(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.close()
-            finally:
-                self.client, self.session = None, None
+        self.session.close()

@@ -80,17 +80,11 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, spec: EngineSpec):
         self.settings = settings
         self.spec = spec
-        self.link = ManagerLink(
-            settings,
-            spec,
-            "vllm-scheduler",
-            on_connect=lambda client, _session: client.set_spin_us(settings.lookup_spin_us),
-        )
+        self.link = ManagerLink(settings, spec, "vllm-scheduler", spin_us=settings.lookup_spin_us)
         self.requests: Dict[str, _Request] = {}
         self.pending_loads: List[LoadSpec] = []
         self.kv_cache_manager: Any = None
         self.stats = SchedulerStats()
-        self._next_request = 0
         self._group_ids = [g.id for g in spec.groups]
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
@@ -210,7 +204,7 @@ class SchedulerSide:
     def _lookup(self, request: Any, origin: int, pages: int) -> Optional[int]:
         """The selected boundary, or None (a miss, whatever the reason)."""
         try:
-            client, session = self.link.get()
+            session = self.link.get()
         except Refused as e:
             self.stats.refused(e.reason)
             return None
@@ -219,21 +213,17 @@ class SchedulerSide:
             self.stats.miss("unavailable")
             return None
         page = self.spec.page_tokens
-        self._next_request += 1
         self.stats.queries += 1
         self.stats.queried_tokens += pages * page - origin
         try:
-            selected, miss = client.lookup(
-                session,
-                self._next_request,
+            found = session.lookup(
                 self._group_ids,
                 request.block_hashes[:pages],
                 origin,
                 request.num_tokens,
-                self.link.namespaces,
-                self.settings.query_timeout_s,
+                timeout=self.settings.query_timeout_s,
             )
-        except orbitkv.Rejected as e:
+        except orbitkv.Refused as e:
             kind = str(e.args[0])
             if kind == "stale_session":
                 self.link.drop("stale session")
@@ -247,10 +237,10 @@ class SchedulerSide:
             self.link.drop(f"{type(e).__name__}: {e}")
             self.stats.miss("unavailable")
             return None
-        if miss is not None:
-            self.stats.miss(miss)
+        if found.miss is not None:
+            self.stats.miss(str(found.miss))
             return None
-        return selected
+        return found.selected
 
     def _plan_save(self, rid: str, scheduled: int) -> Optional[SaveSpec]:
         state = self.requests.get(rid)

@@ -50,6 +50,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+import orbitkv
+
 from .copy import AgentPageMover, EngineBlocks, HostPageMover, PageMover
 from .engine import EngineSpec
 from .link import LINK_ERRORS, ManagerError, ManagerLink, Refused, Unavailable
@@ -86,18 +88,16 @@ class WorkerStats:
 class _Load:
     spec: LoadSpec
     deadline: float
-    operation: Optional[int] = None
     selected: int = 0
     pages: int = 0
-    release_command: Optional[int] = None
-    #: Agent path: the device pages the restore targets (the slot table's:
-    #: they outlive the load).
-    device_pages: List[int] = field(default_factory=list)
     restoring: bool = False
-    #: Agent path: one `load` command (query, prepare and restore in one
-    #: round trip); the block of each (group, page end) it names.
+    #: Agent path: one `load` (query, prepare and restore in one round
+    #: trip); the block of each (group, page end) it names.
     load: bool = False
     targets: Dict[Tuple[int, int], int] = field(default_factory=dict)
+    #: Staged path: why the copy out of the pool failed (the load then
+    #: fails even if its release is answered).
+    copied: Optional[str] = None
 
 
 @dataclass
@@ -181,8 +181,6 @@ class WorkerSide:
         self._saves_queued = False
         self._reported_invalid: Set[int] = set()
         self._io_q: "queue.Queue[Any]" = queue.Queue()
-        #: The I/O thread's slot table (`_IoState.slots`), readable here.
-        self.slot_table: Dict[Tuple[int, int], int] = {}
         self._threads: List[threading.Thread] = []
         self._stopping = False
 
@@ -212,9 +210,9 @@ class WorkerSide:
         for t in self._threads:
             t.start()
 
-    def _on_connect(self, client: Any, session: Dict[str, Any]) -> None:
+    def _on_connect(self, session: orbitkv.Session) -> None:
         assert self.mover is not None
-        self.mover.connect(client, session)
+        self.mover.connect(session)
         with self._lock:
             self._generation += 1
             self._free_slots = {
@@ -483,7 +481,7 @@ class WorkerSide:
                 self._failed.add(load.req_id)
 
     def _publish_done(
-        self, job: _Publish, answer: Optional[Dict[str, Any]], free_slots: bool = True
+        self, job: _Publish, answer: Optional[orbitkv.Saved], free_slots: bool = True
     ) -> None:
         """Ends a publish: `answer` is its `publish_done`, or None when it
         failed. Pages the manager had no room for (`dropped`) count as
@@ -499,10 +497,8 @@ class WorkerSide:
         if answer is None:
             self.stats.publishes_failed += 1
             return
-        self.stats.pages_published += int(answer.get("inserted", 0)) + int(
-            answer.get("duplicates", 0)
-        )
-        self.stats.pages_dropped += int(answer.get("dropped", 0))
+        self.stats.pages_published += answer.stored
+        self.stats.pages_dropped += answer.dropped
 
     # saves ------------------------------------------------------------------
 
@@ -606,29 +602,16 @@ def _guard(fn, *args) -> None:
 
 
 class _IoState:
-    """The I/O thread's in-flight work, keyed by command id and operation."""
+    """The I/O thread's verbs in flight, by their session ticket."""
 
     def __init__(self, w: WorkerSide):
         self.w = w
-        self.by_command: Dict[int, Tuple[str, Any]] = {}
-        self.by_operation: Dict[int, _Load] = {}
-        self.loads: List[_Load] = []
-        self.publishes: List[_Publish] = []
-        #: Events that arrived while a step waited for its own replies.
-        self.deferred: List[Dict[str, Any]] = []
-        #: The slot table: the device page of each (agent region, block),
-        #: allocated on the block's first load or save and kept for the
-        #: connection's life (its regions end with it), so loads and saves
-        #: send no allocation or free rounds. Generation fencing is the
-        #: manager's, as before; `slots_of` is the link generation it
-        #: belongs to.
-        self.slots: Dict[Tuple[int, int], int] = w.slot_table
-        self.slots_of = -1
+        self.jobs: Dict[int, Tuple[str, Any]] = {}
 
     def busy(self) -> bool:
-        return bool(self.by_command or self.by_operation or self.deferred)
+        return bool(self.jobs)
 
-    def client(self):
+    def session(self) -> orbitkv.Session:
         return self.w.link.get()
 
     def lost(self, why: str) -> None:
@@ -640,18 +623,12 @@ class _IoState:
         self.abandon(why)
 
     def abandon(self, why: str) -> None:
-        for kind, job in list(self.by_command.values()):
+        for kind, job in list(self.jobs.values()):
             if kind == "publish":
                 self.w._publish_done(job, None, free_slots=False)
-        done = {id(j) for j in self.by_operation.values()}
-        for kind, job in list(self.by_command.values()):
-            if kind in ("query", "release") and id(job) not in done:
-                done.add(id(job))
+            else:
                 self.w._finish_load(job.spec, None, why)
-        for job in self.by_operation.values():
-            self.w._finish_load(job.spec, None, why)
-        self.by_command.clear()
-        self.by_operation.clear()
+        self.jobs.clear()
 
     # starting work
 
@@ -659,7 +636,7 @@ class _IoState:
         kind = item[0]
         try:
             if kind == "connect":
-                self.client()
+                self.session()
             elif kind == "lost":
                 if self.w.link.up:
                     self.lost(item[1])
@@ -669,12 +646,13 @@ class _IoState:
                 self.start_load(item[1])
             elif kind == "publish":
                 self.start_publish(item[1])
-        except Refused as e:
+        except (Refused, orbitkv.Refused) as e:
             # Counted and logged (error level) by the link.
+            reason = (e if isinstance(e, Refused) else self.w.link.refused(e)).reason
             if kind == "load":
-                self.w._finish_load(item[1], None, f"refused_{e.reason}")
+                self.w._finish_load(item[1], None, f"refused_{reason}")
             elif kind == "publish":
-                self.w.stats.fail(f"publish_refused_{e.reason}")
+                self.w.stats.fail(f"publish_refused_{reason}")
                 self.w._publish_done(item[1], None, free_slots=False)
         except Unavailable as e:
             if kind == "load":
@@ -689,125 +667,55 @@ class _IoState:
                 self.w._publish_done(item[1], None, free_slots=False)
             self.lost(f"{type(e).__name__}: {e}")
 
+    def query(self, spec: LoadSpec) -> Tuple[List[int], List[bytes], int, int]:
+        # The scheduler counted on `boundary`: select nothing beyond.
+        return [g.id for g in self.w.spec.groups], spec.hashes, spec.origin, spec.boundary + 1
+
     def start_load(self, spec: LoadSpec) -> None:
-        client, session = self.client()
+        s = self.session()
         page = self.w.spec.page_tokens
         if spec.boundary % page or spec.origin % page or spec.boundary <= spec.origin:
             self.w._finish_load(spec, None, "misaligned")
             return
         mover = self.w.mover
         if isinstance(mover, AgentPageMover):
-            self.start_agent_load(spec, mover)
+            self.start_agent_load(s, spec, mover)
             return
-        cid = client.submit(self.query_fields("query", session, spec, prepare=True))
-        job = _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s)
-        self.by_command[cid] = ("query", job)
+        ticket = s.start_lease(*self.query(spec))
+        self.jobs[ticket] = ("load", _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s))
 
-    def query_fields(self, command: str, session: Dict[str, Any], spec: LoadSpec, **more: Any) -> Dict[str, Any]:
-        """A `query` or `load` of `spec`'s pages, with `more` fields."""
-        hashes = [h.hex() for h in spec.hashes]
-        return {
-            "command": command,
-            "session": session,
-            "request": hash(spec.req_id) & 0x7FFF_FFFF_FFFF_FFFF,
-            "groups": [{"group": g.id, "hashes": hashes} for g in self.w.spec.groups],
-            "origin": spec.origin,
-            # The scheduler counted on `boundary`: select nothing beyond.
-            "prompt_len": spec.boundary + 1,
-            "expect_namespaces": self.w.link.namespaces,
-            **more,
-        }
-
-    def start_agent_load(self, spec: LoadSpec, mover: AgentPageMover) -> None:
+    def start_agent_load(self, s: orbitkv.Session, spec: LoadSpec, mover: AgentPageMover) -> None:
         """One `load`: every page of this rank up to the boundary names its
         block's device page (the slot table's) or, with no block (vLLM's
         null block), is attested held; the runtime restores the ranges it
         selects and answers `restore_done` or `miss`."""
-        client, session = self.client()
         page = self.w.spec.page_tokens
         rank = self.w.rank
         pages = min(spec.boundary // page, len(spec.hashes))
         job = _Load(spec=spec, deadline=time.monotonic() + self.w.settings.timeout_s, load=True)
-        retained: List[Dict[str, int]] = []
+        retained: List[Tuple[int, int, int]] = []
         per_group: Dict[int, List[Tuple[int, int]]] = {}
         for g in self.w.spec.groups:
             blocks = spec.block_ids[g.vllm_group]
             for idx in range(min(pages, len(blocks))):
                 if blocks[idx] == NULL_BLOCK:
-                    retained.append({"rank": rank, "group": g.id, "page_end": (idx + 1) * page})
+                    retained.append((rank, g.id, (idx + 1) * page))
                 else:
                     per_group.setdefault(g.id, []).append((idx, blocks[idx]))
-        targets: List[Dict[str, Any]] = []
+        targets: List[Tuple[int, int, int, int]] = []
         try:
             mover.blocks.check_blocks([b for ps in per_group.values() for _, b in ps])
             for gid, ps in per_group.items():
-                dps = self.alloc_pages(mover.region(gid), [b for _, b in ps])
-                job.device_pages += dps
+                dps = s.device_pages(mover.region(gid), [b for _, b in ps])
                 for (idx, block), dp in zip(ps, dps):
-                    pos = {"rank": rank, "group": gid, "page_end": (idx + 1) * page}
-                    targets.append({"pos": pos, "device_page": dp})
+                    targets.append((rank, gid, (idx + 1) * page, dp))
                     job.targets[(gid, (idx + 1) * page)] = block
-        except (RuntimeError, ValueError) as e:
+        except (orbitkv.Refused, ValueError) as e:
             log.info("OrbitKV: load of %s: %s", spec.req_id, e)
             self.w._finish_load(spec, None, "restore_alloc")
             return
-        cmd = self.query_fields("load", session, spec, ranks=[rank], targets=targets, retained=retained)
-        cid = client.submit(cmd)
-        self.by_command[cid] = ("query", job)
-
-    def alloc_pages(self, region: int, blocks: List[int]) -> List[int]:
-        """Device pages for blocks of an agent region, from the slot table;
-        the blocks not in it yet are allocated in one pipelined round
-        (other events meanwhile are kept for `pump`). Raises
-        `RuntimeError` on a refusal (the pages it got stay in the table)."""
-        client, session = self.client()
-        if self.slots_of != self.w.link.generation:
-            self.slots.clear()
-            self.slots_of = self.w.link.generation
-        missing = sorted({b for b in blocks if (region, b) not in self.slots})
-        ids = {
-            client.submit(
-                {"command": "device_page_alloc", "session": session, "region": region, "slot": b}
-            ): b
-            for b in missing
-        }
-        refused: Optional[str] = None
-        want = set(ids)
-        deadline = time.monotonic() + self.w.settings.timeout_s
-        while want:
-            left = deadline - time.monotonic()
-            ev = client.wait_event(left) if left > 0 else None
-            if ev is None:
-                raise TimeoutError("device page allocation timed out")
-            cid = ev.get("command")
-            if cid not in want:
-                self.deferred.append(ev)
-                continue
-            want.discard(cid)
-            if ev.get("event") == "device_page_allocated":
-                self.slots[(region, ids[cid])] = ev["device_page"]
-            else:
-                refused = (ev.get("error") or {}).get("error", ev.get("event"))
-        if refused is not None:
-            raise RuntimeError(f"device page allocation refused: {refused}")
-        return [self.slots[(region, b)] for b in blocks]
-
-    def start_agent_publish(self, job: _Publish, mover: AgentPageMover) -> None:
-        client, session = self.client()
-        try:
-            job.device_pages = self.alloc_pages(mover.region(job.gid), job.blocks)
-        except RuntimeError as e:
-            self.w.stats.fail("publish_alloc")
-            log.info("OrbitKV: publish of %s skipped: %s", job.req_id, e)
-            self.w._publish_done(job, None)
-            return
-        pages = [
-            {"rank": self.w.rank, "group": job.gid, "hash": h.hex(), "device_page": dp}
-            for h, dp in zip(job.hashes, job.device_pages)
-        ]
-        cid = client.submit({"command": "publish", "session": session, "request": 0, "pages": pages})
-        job.deadline = time.monotonic() + self.w.settings.timeout_s
-        self.by_command[cid] = ("publish", job)
+        ticket = s.start_load(*self.query(spec), ranks=[rank], targets=targets, retained=retained)
+        self.jobs[ticket] = ("load", job)
 
     def start_publish(self, job: _Publish) -> None:
         with self.w._lock:
@@ -815,26 +723,23 @@ class _IoState:
         if stale:
             self.w._publish_done(job, None, free_slots=False)
             return
-        client, session = self.client()
+        s = self.session()
         mover = self.w.mover
         assert mover is not None
         if isinstance(mover, AgentPageMover):
-            self.start_agent_publish(job, mover)
-            return
-        pages = [
-            {
-                "rank": self.w.rank,
-                "group": job.gid,
-                "hash": h.hex(),
-                "device_page": mover.source_page(job.gid, slot),
-            }
-            for slot, h in zip(job.slots, job.hashes)
-        ]
-        cid = client.submit(
-            {"command": "publish", "session": session, "request": 0, "pages": pages}
-        )
+            try:
+                job.device_pages = s.device_pages(mover.region(job.gid), job.blocks)
+            except (orbitkv.Refused, ValueError) as e:
+                self.w.stats.fail("publish_alloc")
+                log.info("OrbitKV: publish of %s skipped: %s", job.req_id, e)
+                self.w._publish_done(job, None)
+                return
+        else:
+            job.device_pages = [mover.source_page(job.gid, slot) for slot in job.slots]
+        rank = self.w.rank
+        ticket = s.start_save([(rank, job.gid, h, dp) for h, dp in zip(job.hashes, job.device_pages)])
         job.deadline = time.monotonic() + self.w.settings.timeout_s
-        self.by_command[cid] = ("publish", job)
+        self.jobs[ticket] = ("publish", job)
 
     # answers
 
@@ -843,19 +748,15 @@ class _IoState:
             self.check_alive()
             return
         try:
-            client, _ = self.client()
-            events, self.deferred = self.deferred, []
-            first = client.wait_event(0.0 if events else POLL_S)
-            if first is not None:
-                events.append(first)
-                events += client.poll_events()
-            for ev in events:
-                self.dispatch(ev)
+            for ticket, outcome in self.session().poll(POLL_S):
+                self.dispatch(ticket, outcome)
         except Refused as e:
             self.abandon(f"refused_{e.reason}")
         except Unavailable:
             self.abandon("unavailable")
         except LINK_ERRORS as e:
+            # A copy past its deadline ends here too: the session gave the
+            # connection up (its agent drained first).
             self.lost(f"{type(e).__name__}: {e}")
         self.expire()
 
@@ -865,176 +766,122 @@ class _IoState:
         if not self.w.link.up:
             return
         try:
-            self.w.link.client.poll_events()
+            self.w.link.session.poll(0.0)
         except LINK_ERRORS as e:
             self.lost(f"{type(e).__name__}: {e}")
 
-    def dispatch(self, ev: Dict[str, Any]) -> None:
-        kind = ev.get("event")
-        cid = ev.get("command")
-        if cid is not None and cid in self.by_command:
-            what, job = self.by_command.pop(cid)
-            if what == "publish":
-                ok = kind == "publish_done"
-                if not ok:
-                    self.w.stats.fail(f"publish_{(ev.get('error') or {}).get('error', kind)}")
+    def dispatch(self, ticket: int, outcome: Any) -> None:
+        entry = self.jobs.get(ticket)
+        if entry is None:
+            return  # ended here already (its deadline passed)
+        kind, job = entry
+        if isinstance(outcome, orbitkv.Ready):
+            if job.load:
+                self.on_load_ready(job, outcome)
+            else:
+                self.on_ready(ticket, job, outcome)
+            return
+        del self.jobs[ticket]
+        if kind == "publish":
+            if isinstance(outcome, orbitkv.Saved):
+                self.w._publish_done(job, outcome)
+            else:
+                self.w.stats.fail(f"publish_{outcome.args[0]}")
                 # A refused publish had no effect: its slots are free again.
-                self.w._publish_done(job, ev if ok else None)
-            elif what == "query":
-                self.on_query_result(job, ev)
-            elif what == "release":
-                # The release was refused: the leases were gone before it,
-                # so the copy may have read reused slots.
-                self.by_operation.pop(job.operation, None)
-                self.w._finish_load(job.spec, None, "lease_lost")
-            elif what == "load":
-                # The runtime refused the load's plan once it was ready
-                # (its pages did not cover the ranges): nothing was copied.
-                self.by_operation.pop(job.operation, None)
-                err = (ev.get("error") or {}).get("error", kind)
-                log.error("OrbitKV: load of %s refused: %s", job.spec.req_id, ev.get("error"))
-                self.w._finish_load(job.spec, None, f"load_{err}")
-            return
-        op = ev.get("operation")
-        job = self.by_operation.get(op) if op is not None else None
-        if job is None:
-            return
-        if kind == "ready" and job.load:
-            self.on_load_ready(job, ev)
-        elif kind == "ready":
-            self.on_ready(job, ev)
-        elif kind == "transfer_overdue" and ev.get("kind") == "restore_copy":
-            # The miss follows at once, but the agent may still be copying
-            # into the request's blocks: the connection goes (its agent
-            # waits for running copies) before vLLM reuses them, as at this
-            # worker's own deadline.
-            self.lost("an agent copy passed its deadline")
-        elif kind == "miss":
-            del self.by_operation[op]
-            if job.release_command is not None:
-                self.by_command.pop(job.release_command, None)
-            self.w._finish_load(job.spec, None, f"miss_{ev.get('reason')}")
-        elif kind == "restore_done":
-            # Every byte is in the blocks: the agent reported its copies.
-            del self.by_operation[op]
-            if job.release_command is not None:
-                self.by_command.pop(job.release_command, None)
-            self.w.stats.pages_loaded += job.pages
-            self.w._finish_load(job.spec, job.selected, None)
-        elif kind == "released":
-            del self.by_operation[op]
-            if job.release_command is not None:
-                self.by_command.pop(job.release_command, None)
-            self.w.stats.pages_loaded += job.pages
-            self.w._finish_load(job.spec, job.selected, None)
+                self.w._publish_done(job, None)
+        elif isinstance(outcome, orbitkv.Loaded):
+            if outcome.hit and job.copied is None:
+                self.w.stats.pages_loaded += job.pages
+                self.w._finish_load(job.spec, job.selected or outcome.boundary, None)
+            else:
+                self.w._finish_load(job.spec, None, job.copied or f"miss_{outcome.miss}")
+        else:
+            self.on_refused(job, outcome)
 
-    def on_query_result(self, job: _Load, ev: Dict[str, Any]) -> None:
-        if ev.get("event") != "query_result":
-            err = (ev.get("error") or {}).get("error", ev.get("event"))
-            if err == "stale_session":
+    def on_refused(self, job: _Load, e: orbitkv.Refused) -> None:
+        kind = e.args[0]
+        if e.command == "release":
+            # The leases were gone before the release: the copy may have
+            # read reused pool slots.
+            self.w._finish_load(job.spec, None, "lease_lost")
+        elif kind == "load_invalid":
+            # The runtime refused the load's plan once it was ready (its
+            # pages did not cover the ranges): nothing was copied.
+            log.error("OrbitKV: load of %s refused: %s", job.spec.req_id, e)
+            self.w._finish_load(job.spec, None, f"load_{kind}")
+        else:
+            if kind == "stale_session":
                 self.lost("stale session")
-            self.w._finish_load(job.spec, None, f"query_{err}")
-            return
-        if ev.get("miss") is not None:
-            self.w._finish_load(job.spec, None, f"miss_{ev['miss']}")
-            return
-        job.operation = ev["operation"]
-        job.selected = int(ev["selected"])
-        self.by_operation[job.operation] = job
-        if job.load:
-            # A load's plan can still be refused, in reply to its command.
-            job.release_command = ev["command"]
-            self.by_command[ev["command"]] = ("load", job)
+            self.w._finish_load(job.spec, None, f"query_{kind}")
 
-    def on_load_ready(self, job: _Load, ev: Dict[str, Any]) -> None:
+    def on_load_ready(self, job: _Load, ready: orbitkv.Ready) -> None:
         """A load's pages are leased and its restore is under way: the
         engine thread learns how many pages of each group to wait for
         (layer-wise), those of this rank the runtime restores into a block."""
         per_group: Dict[int, int] = {}
         rank = self.w.rank
-        for lease in ev.get("leases", []):
-            pos = lease["pos"]
-            if pos["rank"] == rank and (pos["group"], pos["page_end"]) in job.targets:
-                per_group[pos["group"]] = per_group.get(pos["group"], 0) + 1
+        for r, g, end in ready.leased:
+            if r == rank and (g, end) in job.targets:
+                per_group[g] = per_group.get(g, 0) + 1
         job.pages = sum(per_group.values())
+        job.selected = ready.boundary
         job.restoring = True
         job.deadline = time.monotonic() + self.w.settings.timeout_s
         self.w._mark(job.spec, "copying", per_group)
 
-    def on_ready(self, job: _Load, ev: Dict[str, Any]) -> None:
+    def on_ready(self, ticket: int, job: _Load, ready: orbitkv.Ready) -> None:
+        """Staged copies: this rank's leased pages are copied from the pool
+        into the request's blocks, then the lease is released; the release
+        doubles as a fence (refused when a lease expired meanwhile)."""
         spec = job.spec
         page = self.w.spec.page_tokens
         mover = self.w.mover
         assert mover is not None
-        client, session = self.client()
         per_group: Dict[int, List[Tuple[int, int, int]]] = {}
         gindex = self.w.spec.vllm_index
-        failure = None
-        for lease in ev.get("leases", []):
-            pos = lease["pos"]
-            if pos["rank"] != self.w.rank:
+        job.selected = ready.boundary
+        for r, g, end, offset, nbytes, _checksum in ready.pool_pages:
+            if r != self.w.rank:
                 continue
-            gi = gindex.get(pos["group"])
-            idx = pos["page_end"] // page - 1
+            gi = gindex.get(g)
+            idx = end // page - 1
             if gi is None or not 0 <= idx < len(spec.block_ids[gi]):
-                failure = "lease_outside_load"
+                job.copied = "lease_outside_load"
                 break
             block = spec.block_ids[gi][idx]
-            if block == NULL_BLOCK:
-                continue
-            per_group.setdefault(pos["group"], []).append((lease["offset"], lease["bytes"], block))
-        if failure is None:
+            if block != NULL_BLOCK:
+                per_group.setdefault(g, []).append((offset, nbytes, block))
+        if job.copied is None:
             try:
                 for gid, pages in per_group.items():
                     mover.restore(gid, pages)
                     job.pages += len(pages)
             except Exception as e:  # a bad copy is a failed load, never a crash
                 log.exception("OrbitKV: copying the pages of %s failed", spec.req_id)
-                failure = f"copy_{type(e).__name__}"
-        cid = client.submit({"command": "release", "session": session, "operation": job.operation})
-        if failure is not None:
-            del self.by_operation[job.operation]
-            self.w._finish_load(spec, None, failure)
-            return
-        job.release_command = cid
-        self.by_command[cid] = ("release", job)
+                job.copied = f"copy_{type(e).__name__}"
+        self.session().release(ticket)
 
     def expire(self) -> None:
         now = time.monotonic()
-        late = [
-            (cid, what, job) for cid, (what, job) in self.by_command.items() if job.deadline < now
-        ]
-        late_ops = [(op, job) for op, job in self.by_operation.items() if job.deadline < now]
-        if not late and not late_ops:
+        late = [(t, kind, job) for t, (kind, job) in self.jobs.items() if job.deadline < now]
+        if not late:
             return
         # A load's copies may start in the tick its pages are ready, before
         # this thread has read its result: a late load may be copying too.
-        agent_late = any(
-            (what == "publish" and job.done is not None) or (what != "publish" and job.load)
-            for _, what, job in late
-        ) or any(job.restoring or job.load for _, job in late_ops)
-        if agent_late:
+        if any((kind == "publish" and job.done is not None) or (kind == "load" and job.load) for _, kind, job in late):
             # The agent may still be copying engine blocks: the connection
             # goes (its agent waits for running copies), then everything in
             # flight fails.
             self.lost("an agent copy passed its deadline")
             return
-        for cid, what, job in late:
-            del self.by_command[cid]
-            if what == "publish":
+        for ticket, kind, job in late:
+            del self.jobs[ticket]
+            if kind == "publish":
                 # The runtime may still copy from these slots: never reuse them.
                 self.w._publish_done(job, None, free_slots=False)
-            else:
-                self.by_operation.pop(job.operation, None)
-                self.w._finish_load(job.spec, None, "timeout")
-        for op, job in late_ops:
-            if op in self.by_operation:
-                del self.by_operation[op]
-                if job.release_command is not None:
-                    self.by_command.pop(job.release_command, None)
-                self.w._finish_load(job.spec, None, "timeout")
-                try:
-                    client, session = self.client()
-                    client.submit({"command": "cancel", "session": session, "operation": op})
-                except (ManagerError, *LINK_ERRORS):
-                    pass
+                continue
+            self.w._finish_load(job.spec, None, "timeout")
+            try:
+                self.session().cancel(ticket)
+            except (ManagerError, orbitkv.Refused, *LINK_ERRORS):
+                pass

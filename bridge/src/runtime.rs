@@ -9,9 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::collections::HashMap;
 
-use orbitkv_components::api::{Addressed, Command, Origin};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use orbitkv_components::api::{Addressed, Command, CommandError, CommandId, LimitName, Origin};
+use orbitkv_engine::Port;
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::agent::{CopyAgent, HostWindow, MemoryKind};
+use orbitkv_ipc::ClientError;
 
 use crate::agent::AgentSetup;
 use orbitkv_gpu::host::{DeviceArena, HostCopyConfig, HostCopyEngine};
@@ -52,11 +57,77 @@ pub struct PyRuntime {
 /// The runtime and the embedded caller's copy agent (created with its
 /// first agent region). `tick` hands the agent its `AgentCopy` events and
 /// submits its reports, as a bridge agent does over a manager connection.
-struct Embedded {
+pub(crate) struct Embedded {
     rt: Runtime,
     /// The agent and the kind of memory its executor copies.
     agent: Option<(CopyAgent, MemoryKind)>,
     workers: usize,
+    /// Events ticked out while a session waited and not yet claimed by
+    /// one (every session on this runtime claims its own from here).
+    queue: VecDeque<orbitkv_components::api::Event>,
+}
+
+/// Bound on events kept for sessions; past it the oldest go (they belong
+/// to no waiting session).
+const MAX_QUEUED: usize = 65_536;
+
+/// The embedded runtime as an `orbitkv_engine::Port`: waits tick it.
+struct EmbeddedPort<'a>(&'a mut Embedded);
+
+fn inbox_full(e: SubmitError) -> CommandError {
+    match e {
+        SubmitError::InboxFull(n) => CommandError::Limit {
+            name: LimitName::MaxInbox,
+            limit: n as u64,
+        },
+    }
+}
+
+impl Port for EmbeddedPort<'_> {
+    fn submit(&mut self, command: Command) -> Result<CommandId, ClientError> {
+        self.0
+            .rt
+            .submit(Origin::EMBEDDED, command)
+            .map_err(|e| ClientError::Command(inbox_full(e)))
+    }
+
+    fn submit_many(
+        &mut self,
+        commands: Vec<Command>,
+    ) -> Result<Vec<Result<CommandId, CommandError>>, ClientError> {
+        Ok(commands
+            .into_iter()
+            .map(|c| self.0.rt.submit(Origin::EMBEDDED, c).map_err(inbox_full))
+            .collect())
+    }
+
+    fn wait_event(
+        &mut self,
+        timeout: Duration,
+        pred: &dyn Fn(&orbitkv_components::api::Event) -> bool,
+    ) -> Result<Option<orbitkv_components::api::Event>, ClientError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(i) = self.0.queue.iter().position(pred) {
+                return Ok(self.0.queue.remove(i));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            let events = self
+                .0
+                .tick()
+                .map_err(|e| ClientError::Command(inbox_full(e)))?;
+            if events.is_empty() {
+                // Copies and reads run on other threads; let them run.
+                std::thread::yield_now();
+            }
+            self.0.queue.extend(events.into_iter().map(|a| a.event));
+            while self.0.queue.len() > MAX_QUEUED {
+                self.0.queue.pop_front();
+            }
+        }
+    }
 }
 
 impl Embedded {
@@ -201,12 +272,31 @@ impl PyRuntime {
         self.with_embedded(py, |e| f(&mut e.rt))
     }
 
+    /// Runs `f` on the runtime as a session's port (call without the
+    /// GIL); `Err` with why when the runtime is not trusted.
+    pub(crate) fn with_port<T>(&self, f: impl FnOnce(&mut dyn Port) -> T) -> Result<T, String> {
+        self.locked(|e| f(&mut EmbeddedPort(e)))
+            .map_err(|f| match f {
+                Failure::Broken => "the runtime is broken (an earlier call panicked)".to_owned(),
+                Failure::Panicked { message, .. } => format!("the runtime panicked: {message}"),
+            })
+    }
+
+    /// Whether time moves only by `advance_clock`.
+    pub(crate) fn is_simulated(&self) -> bool {
+        self.simulated
+    }
+
     fn with_embedded<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut Embedded) -> T + Send,
     ) -> PyResult<T> {
-        py.detach(|| {
+        py.detach(|| self.locked(f)).map_err(|f| f.into_pyerr(py))
+    }
+
+    fn locked<T>(&self, f: impl FnOnce(&mut Embedded) -> T) -> Result<T, Failure> {
+        {
             if self.broken.load(Ordering::Acquire) {
                 return Err(Failure::Broken);
             }
@@ -224,8 +314,7 @@ impl PyRuntime {
                     })
                 }
             }
-        })
-        .map_err(|f| f.into_pyerr(py))
+        }
     }
 }
 
@@ -289,6 +378,7 @@ impl PyRuntime {
                 rt,
                 agent: None,
                 workers,
+                queue: VecDeque::new(),
             }),
             arena,
             simulated: simulated_clock,

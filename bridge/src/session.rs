@@ -29,6 +29,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::client::PyClient;
 use crate::convert::{deserialize_dict, serialize};
+use crate::runtime::PyRuntime;
 use crate::{QueueFull, Refused, Unavailable};
 
 static MISS_REASON: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -368,8 +369,69 @@ fn py_progress(py: Python<'_>, p: Progress) -> PyResult<(Ticket, Py<PyAny>)> {
     })
 }
 
+/// What a session talks through.
+enum Backend {
+    Client(Py<PyClient>),
+    Runtime(Py<PyRuntime>),
+}
+
+impl Backend {
+    fn clone_ref(&self, py: Python<'_>) -> Backend {
+        match self {
+            Backend::Client(c) => Backend::Client(c.clone_ref(py)),
+            Backend::Runtime(r) => Backend::Runtime(r.clone_ref(py)),
+        }
+    }
+
+    fn object(&self, py: Python<'_>) -> Py<PyAny> {
+        match self {
+            Backend::Client(c) => c.clone_ref(py).into_any(),
+            Backend::Runtime(r) => r.clone_ref(py).into_any(),
+        }
+    }
+
+    /// Runs `f` on the port (call without the GIL).
+    fn with_port<R>(
+        &self,
+        f: impl FnOnce(&mut dyn orbitkv_engine::Port) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        match self {
+            Backend::Client(c) => c
+                .get()
+                .with_client(|c| f(c))
+                .unwrap_or_else(|| Err(EngineError::Unavailable("the client is closed".into()))),
+            Backend::Runtime(r) => r
+                .get()
+                .with_port(f)
+                .unwrap_or_else(|why| Err(EngineError::Unavailable(why))),
+        }
+    }
+}
+
+/// Where a session's connection comes from.
+enum Source {
+    /// Its own connection to the manager at this socket (reconnected
+    /// after a failure, closed with the session).
+    Socket(PathBuf),
+    /// The caller's connection (shared with other sessions; never closed
+    /// here).
+    Client(Py<PyClient>),
+    /// An embedded runtime this process ticks.
+    Runtime(Py<PyRuntime>),
+}
+
+impl Source {
+    fn describe(&self) -> String {
+        match self {
+            Source::Socket(p) => format!("the OrbitKV manager at {}", p.display()),
+            Source::Client(_) => "the OrbitKV manager (the caller's connection)".into(),
+            Source::Runtime(_) => "the embedded OrbitKV runtime".into(),
+        }
+    }
+}
+
 struct Inner {
-    client: Option<Py<PyClient>>,
+    client: Option<Backend>,
     session: Option<Session>,
     backoff: Backoff,
     /// The last failure, raised again while the backoff waits: a
@@ -420,7 +482,7 @@ impl Last {
 /// One engine process's session with a manager.
 #[pyclass(module = "orbitkv", name = "Session", frozen)]
 pub struct PySession {
-    socket: PathBuf,
+    source: Source,
     name: String,
     register: Command,
     options: SessionOptions,
@@ -437,11 +499,11 @@ impl PySession {
     }
 
     /// The connection, connecting first if needed.
-    fn ensure(slf: &Bound<'_, Self>) -> PyResult<Py<PyClient>> {
+    fn ensure(slf: &Bound<'_, Self>) -> PyResult<Backend> {
         let py = slf.py();
         let me = slf.get();
         enum Step {
-            Up(Py<PyClient>),
+            Up(Backend),
             Wait(Option<PyErr>, Option<String>),
             Connect,
         }
@@ -462,8 +524,8 @@ impl PySession {
             Step::Wait(Some(e), _) => return Err(e),
             Step::Wait(None, why) => {
                 return Err(Unavailable::new_err(format!(
-                    "the OrbitKV manager at {} is unavailable{}",
-                    me.socket.display(),
+                    "{} is unavailable{}",
+                    me.source.describe(),
                     why.map(|w| format!(": {w}")).unwrap_or_default()
                 )));
             }
@@ -491,21 +553,39 @@ impl PySession {
         r
     }
 
-    fn connect_now(&self, slf: &Bound<'_, Self>) -> PyResult<Py<PyClient>> {
+    fn connect_now(&self, slf: &Bound<'_, Self>) -> PyResult<Backend> {
         let py = slf.py();
-        let opened = py.detach(|| -> Result<(Client, Session), EngineError> {
-            let mut c = Client::connect(&self.socket, &self.name).map_err(|e| {
-                EngineError::Unavailable(format!("connect to {}: {e}", self.socket.display()))
-            })?;
-            if let Some(us) = self.spin_us {
-                c.set_spin(Duration::from_micros(us));
+        let open = |port: &mut dyn orbitkv_engine::Port| {
+            Session::open(port, self.register.clone(), self.options.clone())
+        };
+        let (backend, session) = match &self.source {
+            Source::Socket(socket) => {
+                let opened = py.detach(|| -> Result<(Client, Session), EngineError> {
+                    let mut c = Client::connect(socket, &self.name).map_err(|e| {
+                        EngineError::Unavailable(format!("connect to {}: {e}", socket.display()))
+                    })?;
+                    if let Some(us) = self.spin_us {
+                        c.set_spin(Duration::from_micros(us));
+                    }
+                    let s = open(&mut c)?;
+                    Ok((c, s))
+                });
+                let (client, session) = opened.map_err(|e| py_err(py, e))?;
+                let client = Py::new(py, PyClient::wrap(client, socket, &self.name))?;
+                (Backend::Client(client), session)
             }
-            let s = Session::open(&mut c, self.register.clone(), self.options.clone())?;
-            Ok((c, s))
-        });
-        let (client, session) = opened.map_err(|e| py_err(py, e))?;
-        let client = Py::new(py, PyClient::wrap(client, &self.socket, &self.name))?;
-        let handle = client.clone_ref(py);
+            Source::Client(c) => {
+                let b = Backend::Client(c.clone_ref(py));
+                let session = py.detach(|| b.with_port(open)).map_err(|e| py_err(py, e))?;
+                (b, session)
+            }
+            Source::Runtime(r) => {
+                let b = Backend::Runtime(r.clone_ref(py));
+                let session = py.detach(|| b.with_port(open)).map_err(|e| py_err(py, e))?;
+                (b, session)
+            }
+        };
+        let handle = backend.clone_ref(py);
         py.detach(|| {
             let mut inner = self.lock();
             inner.client = Some(handle);
@@ -524,20 +604,23 @@ impl PySession {
             self.drop_connection(py);
             return Err(e);
         }
-        Ok(client)
+        Ok(backend)
     }
 
+    /// Forgets the session; its own connection is closed (the manager then
+    /// closes the session; the copy agent drains first). A caller's
+    /// connection or runtime is left to the caller.
     fn drop_connection(&self, py: Python<'_>) {
         py.detach(|| {
-            let client = {
+            let backend = {
                 let mut inner = self.lock();
                 inner.session = None;
                 inner.client.take()
             };
-            if let Some(c) = client {
+            if let (Source::Socket(_), Some(Backend::Client(c))) = (&self.source, &backend) {
                 c.get().close_detached();
-                Python::attach(|_py| drop(c));
             }
+            Python::attach(|_py| drop(backend));
         });
     }
 
@@ -545,20 +628,17 @@ impl PySession {
     /// untrustworthy drops it (the next call reconnects).
     fn run<R: Send>(
         slf: &Bound<'_, Self>,
-        f: impl FnOnce(&mut Session, &mut Client) -> Result<R, EngineError> + Send,
+        f: impl FnOnce(&mut Session, &mut dyn orbitkv_engine::Port) -> Result<R, EngineError> + Send,
     ) -> PyResult<R> {
         let py = slf.py();
         let me = slf.get();
-        let client = Self::ensure(slf)?;
+        let backend = Self::ensure(slf)?;
         let r = py.detach(|| {
             let mut inner = me.lock();
             let Some(session) = inner.session.as_mut() else {
                 return Err(EngineError::Unavailable("the session was dropped".into()));
             };
-            client
-                .get()
-                .with_client(|c| f(session, c))
-                .unwrap_or_else(|| Err(EngineError::Unavailable("the client is closed".into())))
+            backend.with_port(|p| f(session, p))
         });
         match r {
             Ok(v) => Ok(v),
@@ -577,17 +657,20 @@ impl PySession {
 #[pymethods]
 impl PySession {
     /// A session of the instance `register` (a `register_instance` command
-    /// dict) at `socket`. Nothing connects until `connect()` or the first
-    /// verb. `on_connect(session)` runs after every (re)connection, before
+    /// dict) on `backend`: a manager's socket path (the session's own
+    /// connection, reconnected after a failure), a `Client` (the caller's
+    /// connection, shared, never closed here) or a wall-clock `Runtime`
+    /// (embedded; waits tick it). Nothing connects until `connect()` or the
+    /// first verb. `on_connect(session)` runs after every (re)connection, before
     /// any verb uses it: the engine attaches its memory and registers its
     /// regions there. After a failure, connecting is tried again at most
     /// once per `reconnect_interval` seconds; calls in between raise the
     /// failure again.
     #[new]
-    #[pyo3(signature = (socket, register, *, name="python", timeout=10.0, reconnect_interval=1.0, spin_us=None, on_connect=None))]
+    #[pyo3(signature = (backend, register, *, name="python", timeout=10.0, reconnect_interval=1.0, spin_us=None, on_connect=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        socket: PathBuf,
+        backend: &Bound<'_, PyAny>,
         register: &Bound<'_, PyAny>,
         name: &str,
         timeout: f64,
@@ -614,8 +697,27 @@ impl PySession {
         if spin_us.is_some_and(|us| us > 10_000) {
             return Err(PyValueError::new_err("spin_us: at most 10000"));
         }
+        let source = if let Ok(r) = backend.cast::<PyRuntime>() {
+            if r.get().is_simulated() {
+                return Err(PyValueError::new_err(
+                    "a session needs a wall-clock Runtime (simulated_clock=False): its waits \
+                     tick the runtime, and a simulated clock moves only by advance_clock",
+                ));
+            }
+            Source::Runtime(r.clone().unbind())
+        } else if let Ok(c) = backend.cast::<PyClient>() {
+            Source::Client(c.clone().unbind())
+        } else {
+            Source::Socket(backend.extract::<PathBuf>().map_err(|_| {
+                pyo3::exceptions::PyTypeError::new_err(format!(
+                    "backend must be a socket path, an orbitkv.Client or an orbitkv.Runtime, \
+                     not {}",
+                    backend.get_type()
+                ))
+            })?)
+        };
         Ok(PySession {
-            socket,
+            source,
             name: name.to_owned(),
             register,
             options: SessionOptions {
@@ -666,13 +768,36 @@ impl PySession {
 
     /// The connection (for memory views and the copy agent:
     /// `attach_agent_memory`, `region`, `page`), connecting first if
-    /// needed.
+    /// needed: a `Client`, or the embedded `Runtime`.
     ///
     /// :raises Unavailable: the manager does not answer.
     /// :raises Refused: the manager refused the session.
     #[getter]
-    fn client(slf: &Bound<'_, Self>) -> PyResult<Py<PyClient>> {
-        Self::ensure(slf)
+    fn client(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(Self::ensure(slf)?.object(slf.py()))
+    }
+
+    /// A writable, zero-copy view of a device region this session
+    /// registered (slot `s` at `s * page_bytes`), whatever the backend.
+    fn region_view<'py>(slf: &Bound<'py, Self>, region: u64) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let backend = Self::ensure(slf)?;
+        let me = slf.get();
+        let engine_region = py.detach(|| {
+            me.lock()
+                .session
+                .as_ref()
+                .and_then(|s| s.region(region).map(|r| r.engine_region))
+        });
+        let Some(engine_region) = engine_region else {
+            return Err(PyValueError::new_err(format!(
+                "region {region} is not one this session registered"
+            )));
+        };
+        match backend {
+            Backend::Client(c) => c.bind(py).call_method1("region", (region,)),
+            Backend::Runtime(r) => r.bind(py).call_method1("device_view", (engine_region,)),
+        }
     }
 
     /// The session handle (`{"id", "epoch", "incarnation"}`).
@@ -896,9 +1021,9 @@ impl PySession {
     fn close(&self, py: Python<'_>) {
         py.detach(|| {
             let mut inner = self.lock();
-            if let (Some(s), Some(c)) = (inner.session.take(), inner.client.as_ref()) {
+            if let (Some(s), Some(b)) = (inner.session.take(), inner.client.as_ref()) {
                 // Best effort: the manager closes it with the connection.
-                let _ = c.get().with_client(|c| s.close(c));
+                let _ = b.with_port(|p| s.close(p));
             }
         });
         self.drop_connection(py);

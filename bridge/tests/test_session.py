@@ -62,9 +62,10 @@ class Engine:
             self.region = s.register_region(0, 0, self.slots)
 
     def page(self, s: orbitkv.Session, slot: int) -> np.ndarray:
+        s.connect()  # the region is registered on connecting
         if self.agent:
             return self.mem[slot]
-        view = np.frombuffer(s.client.region(self.region), dtype=np.uint8)
+        view = np.frombuffer(s.region_view(self.region), dtype=np.uint8)
         return view[slot * PAGE_BYTES : (slot + 1) * PAGE_BYTES]
 
     def save(self, s: orbitkv.Session, hs, first_slot: int = 0) -> orbitkv.Saved:
@@ -211,3 +212,51 @@ def test_bad_input_is_refused_before_anything_is_sent(manager):
         orbitkv.Session(manager.socket, {"command": "open_session", "instance": "x"})
     with pytest.raises(ValueError, match="reconnect_interval"):
         orbitkv.Session(manager.socket, ss.register_cmd(), reconnect_interval=0)
+
+
+def _round_trip(s: orbitkv.Session, e: Engine, seed: int) -> None:
+    hs = hashes(3, seed=seed)
+    assert e.save(s, hs).inserted == 3
+    for slot in range(8, 11):
+        e.page(s, slot)[:] = 0
+    got = e.load(s, hs, 8)
+    assert got.hit and got.boundary == 3 * PAGE, got
+    for i in range(3):
+        assert np.array_equal(e.page(s, 8 + i), payload(i)), i
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["shared-region", "copy-agent"])
+def test_a_session_on_an_embedded_runtime_ticks_it_while_it_waits(agent):
+    rt = orbitkv.Runtime({"dram": {"capacity_bytes": 16 << 20, "extent_bytes": 64 << 10, "first_touch": False}})
+    e = Engine(agent=agent)
+    with orbitkv.Session(rt, ss.register_cmd(), on_connect=e.on_connect) as s:
+        assert s.client is rt
+        _round_trip(s, e, seed=1)
+        t = s.start_load([0], hashes(3, seed=1), 0, 3 * PAGE + 1, ranks=[0], targets=[])
+        while True:
+            done = [o for ticket, o in s.poll(1.0) if ticket == t]
+            if done:
+                break
+        assert isinstance(done[0], orbitkv.Refused) and done[0].args[1] == "load_invalid", done
+    assert rt.is_idle()
+    with pytest.raises(ValueError, match="wall-clock"):
+        orbitkv.Session(orbitkv.Runtime(simulated_clock=True), ss.register_cmd())
+
+
+def test_two_sessions_share_a_callers_connection(manager):
+    c = orbitkv.Client(manager.socket, "shared")
+    a, b = Engine(), Engine()
+    sa = orbitkv.Session(c, ss.register_cmd(), on_connect=a.on_connect)
+    sb = orbitkv.Session(c, ss.register_cmd(), on_connect=b.on_connect)
+    # Interleaved: each claims its own answers from the one connection.
+    sa.connect()
+    ta = sa.start_save([(0, 0, hashes(1, seed=9)[0], sa.device_pages(a.region, [20])[0])])
+    _round_trip(sb, b, seed=2)
+    assert [type(o) for t, o in sa.poll(5.0) if t == ta] == [orbitkv.Saved]
+    _round_trip(sa, a, seed=3)
+    assert sa.handle["id"] != sb.handle["id"]
+    sa.close()
+    assert not c.closed, "a caller's connection is the caller's"
+    _round_trip(sb, b, seed=4)
+    sb.close()
+    c.close()

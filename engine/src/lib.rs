@@ -27,6 +27,6 @@ mod session;
 pub use backoff::Backoff;
 pub use error::EngineError;
 pub use session::{
-    LoadPlan, Loaded, Lookup, MAX_BATCH, Progress, Query, Region, Saved, Session, SessionOptions,
-    Ticket,
+    LoadPlan, Loaded, Lookup, MAX_BATCH, Port, Progress, Query, Region, Saved, Session,
+    SessionOptions, Ticket,
 };

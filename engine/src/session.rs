@@ -2,13 +2,13 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use orbitkv_components::api::{
-    AgentRegion, Candidates, Command, CommandId, Event, GroupHashes, LeaseInfo, MissReason,
-    PagePos, PublishPage, RestoreTarget, SessionHandle,
+    AgentRegion, Candidates, Command, CommandError, CommandId, Event, GroupHashes, LeaseInfo,
+    MissReason, PagePos, PublishPage, RestoreTarget, SessionHandle,
 };
 use orbitkv_components::contract::RequiredRange;
 use orbitkv_components::key::NativeHash;
 use orbitkv_components::namespace::Namespace;
-use orbitkv_ipc::Client;
+use orbitkv_ipc::{Client, ClientError};
 
 use crate::EngineError;
 
@@ -181,7 +181,7 @@ impl Session {
     /// Registers the instance (`register`, a `RegisterInstance`) and opens
     /// a session of it.
     pub fn open(
-        c: &mut Client,
+        c: &mut dyn Port,
         register: Command,
         options: SessionOptions,
     ) -> Result<Session, EngineError> {
@@ -237,6 +237,11 @@ impl Session {
         &self.namespaces
     }
 
+    /// A region this session registered.
+    pub fn region(&self, region: u64) -> Option<&Region> {
+        self.regions.get(&region)
+    }
+
     pub fn regions(&self) -> impl Iterator<Item = &Region> {
         self.regions.values()
     }
@@ -255,7 +260,7 @@ impl Session {
     /// group; `agent` names memory attached to the connection's copy agent.
     pub fn register_region(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         rank: u32,
         group: u32,
         slots: u32,
@@ -294,7 +299,7 @@ impl Session {
     /// table, the missing ones allocated in one round trip.
     pub fn device_pages(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         region: u64,
         slots: &[u32],
     ) -> Result<Vec<u64>, EngineError> {
@@ -367,7 +372,7 @@ impl Session {
     }
 
     /// Where the manager would resume `q`: one round trip, nothing held.
-    pub fn lookup(&mut self, c: &mut Client, q: &Query) -> Result<Lookup, EngineError> {
+    pub fn lookup(&mut self, c: &mut dyn Port, q: &Query) -> Result<Lookup, EngineError> {
         self.lookup_within(c, q, self.options.timeout)
     }
 
@@ -376,7 +381,7 @@ impl Session {
     /// holds nothing; its late answer is dropped by a later lookup).
     pub fn lookup_within(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         q: &Query,
         timeout: Duration,
     ) -> Result<Lookup, EngineError> {
@@ -397,7 +402,7 @@ impl Session {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match c
-                .wait_event(left, ours)
+                .wait_event(left, &ours)
                 .map_err(|e| EngineError::client("lookup", e))?
             {
                 Some(e) if e.command() == Some(id) => {
@@ -421,7 +426,7 @@ impl Session {
     /// sent before any answer is awaited.
     pub fn lookup_many(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         queries: &[Query],
     ) -> Result<Vec<Lookup>, EngineError> {
         let mut out = Vec::with_capacity(queries.len());
@@ -446,7 +451,7 @@ impl Session {
     /// the selected ranges is refused (nothing is copied).
     pub fn load(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         q: &Query,
         plan: LoadPlan,
     ) -> Result<Loaded, EngineError> {
@@ -466,7 +471,7 @@ impl Session {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let e = c
-                .wait_event(left, |e| {
+                .wait_event(left, &|e| {
                     e.operation() == Some(op) || e.command() == Some(id)
                 })
                 .map_err(|e| EngineError::client("load", e))?
@@ -525,7 +530,7 @@ impl Session {
 
     fn start(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         kind: JobKind,
         what: &'static str,
         command: Command,
@@ -550,7 +555,7 @@ impl Session {
     /// then `Loaded` (or `Refused`).
     pub fn start_load(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         q: &Query,
         plan: LoadPlan,
     ) -> Result<Ticket, EngineError> {
@@ -563,7 +568,7 @@ impl Session {
     /// offsets and checksums: verify what is read); the engine then calls
     /// [`Session::release`], and `Loaded` ends it (a `Miss` if the leases
     /// passed their deadline first: what was read is not to be used).
-    pub fn start_lease(&mut self, c: &mut Client, q: &Query) -> Result<Ticket, EngineError> {
+    pub fn start_lease(&mut self, c: &mut dyn Port, q: &Query) -> Result<Ticket, EngineError> {
         let command = Command::Query {
             session: self.handle,
             request: self.request(),
@@ -579,7 +584,7 @@ impl Session {
 
     /// Ends a lease whose pages were read (or abandons one that is still
     /// waiting for them).
-    pub fn release(&mut self, c: &mut Client, ticket: Ticket) -> Result<(), EngineError> {
+    pub fn release(&mut self, c: &mut dyn Port, ticket: Ticket) -> Result<(), EngineError> {
         let Some(job) = self.jobs.get(&ticket) else {
             return Err(EngineError::Invalid(format!("no lease {ticket} in flight")));
         };
@@ -607,7 +612,7 @@ impl Session {
     /// `Loaded` then comes as a miss, or as what ended it first). Not for
     /// a load whose copies may run: see [`EngineError::Unavailable`].
     /// Returns whether a cancel was sent.
-    pub fn cancel(&mut self, c: &mut Client, ticket: Ticket) -> Result<bool, EngineError> {
+    pub fn cancel(&mut self, c: &mut dyn Port, ticket: Ticket) -> Result<bool, EngineError> {
         let Some(operation) = self.jobs.get(&ticket).and_then(|j| j.operation) else {
             return Ok(false);
         };
@@ -626,7 +631,7 @@ impl Session {
     /// [`Session::poll`].
     pub fn start_save(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         pages: Vec<PublishPage>,
     ) -> Result<Ticket, EngineError> {
         let command = Command::Publish {
@@ -648,17 +653,26 @@ impl Session {
     /// passed its deadline: every verb in flight is lost with it.
     pub fn poll(
         &mut self,
-        c: &mut Client,
+        c: &mut dyn Port,
         timeout: Duration,
     ) -> Result<Vec<Progress>, EngineError> {
         if self.progress.is_empty() {
             let mut wait = timeout;
+            let (cmds, ops) = (&self.by_command, &self.by_operation);
+            let ours = |e: &Event| {
+                e.command().is_some_and(|c| cmds.contains_key(&c))
+                    || e.operation().is_some_and(|o| ops.contains_key(&o))
+            };
+            let mut found = Vec::new();
             while let Some(e) = c
-                .wait_event(wait, |_| true)
+                .wait_event(wait, &ours)
                 .map_err(|e| EngineError::client("poll", e))?
             {
-                self.handle_event(e)?;
+                found.push(e);
                 wait = Duration::ZERO;
+            }
+            for e in found {
+                self.handle_event(e)?;
             }
         }
         Ok(self.progress.drain(..).collect())
@@ -817,7 +831,11 @@ impl Session {
     }
 
     /// Saves pages from device pages of this session.
-    pub fn save(&mut self, c: &mut Client, pages: Vec<PublishPage>) -> Result<Saved, EngineError> {
+    pub fn save(
+        &mut self,
+        c: &mut dyn Port,
+        pages: Vec<PublishPage>,
+    ) -> Result<Saved, EngineError> {
         let command = Command::Publish {
             session: self.handle,
             request: self.request(),
@@ -840,7 +858,7 @@ impl Session {
 
     /// Closes the session: the manager frees its device pages and regions
     /// once nothing in flight uses them.
-    pub fn close(self, c: &mut Client) -> Result<(), EngineError> {
+    pub fn close(self, c: &mut dyn Port) -> Result<(), EngineError> {
         let id = submit(
             c,
             "close_session",
@@ -851,7 +869,7 @@ impl Session {
         let t = self.options.timeout;
         let handle = self.handle;
         match c
-            .wait_event(t, |e| {
+            .wait_event(t, &|e| {
                 e.command() == Some(id)
                     || matches!(e, Event::SessionClosed { session } if *session == handle)
             })
@@ -869,35 +887,79 @@ impl Session {
     }
 }
 
+/// What a session talks through: a manager connection ([`Client`]), or an
+/// embedded runtime this process ticks (the Python bridge's `Runtime`).
+pub trait Port {
+    /// Queues a command; its id once accepted.
+    fn submit(&mut self, command: Command) -> Result<CommandId, ClientError>;
+    /// Queues several in one round trip (see [`Client::submit_many`]).
+    fn submit_many(
+        &mut self,
+        commands: Vec<Command>,
+    ) -> Result<Vec<Result<CommandId, CommandError>>, ClientError>;
+    /// The first queued or arriving event matching `pred`, within
+    /// `timeout`; other events stay queued.
+    fn wait_event(
+        &mut self,
+        timeout: Duration,
+        pred: &dyn Fn(&Event) -> bool,
+    ) -> Result<Option<Event>, ClientError>;
+}
+
+impl Port for Client {
+    fn submit(&mut self, command: Command) -> Result<CommandId, ClientError> {
+        Client::submit(self, command)
+    }
+
+    fn submit_many(
+        &mut self,
+        commands: Vec<Command>,
+    ) -> Result<Vec<Result<CommandId, CommandError>>, ClientError> {
+        Client::submit_many(self, commands)
+    }
+
+    fn wait_event(
+        &mut self,
+        timeout: Duration,
+        pred: &dyn Fn(&Event) -> bool,
+    ) -> Result<Option<Event>, ClientError> {
+        Client::wait_event(self, timeout, pred)
+    }
+}
+
 fn unexpected(command: &'static str, e: &Event) -> EngineError {
     EngineError::Unavailable(format!("{command}: unexpected reply {e:?}"))
 }
 
-fn submit(c: &mut Client, what: &'static str, command: Command) -> Result<CommandId, EngineError> {
+fn submit(
+    c: &mut dyn Port,
+    what: &'static str,
+    command: Command,
+) -> Result<CommandId, EngineError> {
     c.submit(command).map_err(|e| EngineError::client(what, e))
 }
 
 fn submit_many(
-    c: &mut Client,
+    c: &mut dyn Port,
     what: &'static str,
     commands: Vec<Command>,
 ) -> Result<Vec<CommandId>, EngineError> {
     c.submit_many(commands)
         .map_err(|e| EngineError::client(what, e))?
         .into_iter()
-        .map(|r| r.map_err(|e| EngineError::client(what, orbitkv_ipc::ClientError::Command(e))))
+        .map(|r| r.map_err(|e| EngineError::client(what, ClientError::Command(e))))
         .collect()
 }
 
 /// The reply to command `id`; a `rejected` one is [`EngineError::Refused`].
 fn reply(
-    c: &mut Client,
+    c: &mut dyn Port,
     what: &'static str,
     id: CommandId,
     timeout: Duration,
 ) -> Result<Event, EngineError> {
     match c
-        .wait_event(timeout, |e| e.command() == Some(id))
+        .wait_event(timeout, &|e| e.command() == Some(id))
         .map_err(|e| EngineError::client(what, e))?
     {
         Some(Event::Rejected { error, .. }) => Err(EngineError::refused(what, error)),
@@ -909,7 +971,7 @@ fn reply(
 }
 
 fn call(
-    c: &mut Client,
+    c: &mut dyn Port,
     what: &'static str,
     command: Command,
     timeout: Duration,

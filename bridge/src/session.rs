@@ -171,6 +171,8 @@ pub struct PyLoaded {
     /// Pages and bytes copied into device pages.
     pages: u64,
     bytes: u64,
+    /// Pages read from a lower tier (SSD, remote) rather than DRAM.
+    pages_from_tiers: u64,
 }
 
 #[pymethods]
@@ -196,6 +198,7 @@ fn py_loaded(py: Python<'_>, l: Loaded) -> PyResult<PyLoaded> {
             leases,
             pages,
             bytes,
+            pages_from_tiers,
         } => PyLoaded {
             boundary,
             miss: None,
@@ -209,6 +212,7 @@ fn py_loaded(py: Python<'_>, l: Loaded) -> PyResult<PyLoaded> {
                 .collect(),
             pages,
             bytes,
+            pages_from_tiers,
         },
         Loaded::Miss(r) => PyLoaded {
             boundary: 0,
@@ -217,6 +221,7 @@ fn py_loaded(py: Python<'_>, l: Loaded) -> PyResult<PyLoaded> {
             ranges: vec![],
             pages: 0,
             bytes: 0,
+            pages_from_tiers: 0,
         },
     })
 }

@@ -73,6 +73,8 @@ pub enum Loaded {
         leases: Vec<LeaseInfo>,
         pages: u64,
         bytes: u64,
+        /// Pages read from a lower tier (SSD, remote) rather than DRAM.
+        pages_from_tiers: u64,
     },
     /// Nothing usable was loaded; the engine recomputes. Device pages the
     /// load named may have been partly written.
@@ -174,8 +176,14 @@ struct Job {
     ready: Option<Leased>,
 }
 
-/// A ready operation's boundary, ranges and leases.
-type Leased = (u64, Vec<(u32, RequiredRange)>, Vec<LeaseInfo>);
+/// What a ready operation leased.
+#[derive(Debug)]
+struct Leased {
+    boundary: u64,
+    ranges: Vec<(u32, RequiredRange)>,
+    leases: Vec<LeaseInfo>,
+    pages_from_tiers: u64,
+}
 
 impl Session {
     /// Registers the instance (`register`, a `RegisterInstance`) and opens
@@ -455,62 +463,46 @@ impl Session {
         q: &Query,
         plan: LoadPlan,
     ) -> Result<Loaded, EngineError> {
-        let command = self.load_command(q, plan);
-        let t = self.options.timeout;
-        let id = submit(c, "load", command)?;
-        let op = match reply(c, "load", id, t)? {
-            Event::QueryResult {
-                miss: Some(reason), ..
-            } => return Ok(Loaded::Miss(reason)),
-            Event::QueryResult { operation, .. } => operation,
-            Event::Rejected { error, .. } => return Err(EngineError::refused("load", error)),
-            other => return Err(unexpected("load", &other)),
-        };
-        let deadline = Instant::now() + t;
-        let mut ready = None;
+        let ticket = self.start_load(c, q, plan)?;
+        match self.wait(c, ticket, self.options.timeout)? {
+            Progress::Loaded { outcome, .. } => Ok(outcome),
+            Progress::Refused { error, .. } => Err(error),
+            other => Err(EngineError::Unavailable(format!(
+                "load: unexpected {other:?}"
+            ))),
+        }
+    }
+
+    /// Waits for the end of started verb `ticket` (its `Loaded`, `Saved` or
+    /// `Refused`); the progress of other verbs found meanwhile is kept for
+    /// [`Session::poll`], this one's `Ready` dropped.
+    fn wait(
+        &mut self,
+        c: &mut dyn Port,
+        ticket: Ticket,
+        timeout: Duration,
+    ) -> Result<Progress, EngineError> {
+        let deadline = Instant::now() + timeout;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let e = c
-                .wait_event(left, &|e| {
-                    e.operation() == Some(op) || e.command() == Some(id)
-                })
-                .map_err(|e| EngineError::client("load", e))?
-                .ok_or_else(|| {
-                    EngineError::Unavailable(format!("load {op:#x}: no outcome within {t:?}"))
-                })?;
-            match e {
-                Event::Loading { .. } => {}
-                Event::Ready {
-                    boundary,
-                    ranges,
-                    leases,
-                    ..
-                } => ready = Some((boundary, ranges, leases)),
-                Event::RestoreDone { pages, bytes, .. } => {
-                    let Some((boundary, ranges, leases)) = ready else {
-                        return Err(EngineError::Unavailable(format!(
-                            "load {op:#x}: restore_done without ready"
-                        )));
-                    };
-                    return Ok(Loaded::Hit {
-                        boundary,
-                        ranges,
-                        leases,
-                        pages,
-                        bytes,
-                    });
-                }
-                Event::Miss { reason, .. } => return Ok(Loaded::Miss(reason)),
-                // The agent may still be copying into the device pages:
-                // the connection is given up (its agent drains first).
-                Event::TransferOverdue { kind, .. } => {
-                    return Err(EngineError::Unavailable(format!(
-                        "load {op:#x}: a {kind} passed its deadline"
-                    )));
-                }
-                Event::Rejected { error, .. } => return Err(EngineError::refused("load", error)),
-                other => return Err(unexpected("load", &other)),
+            if let Some(i) = self
+                .progress
+                .iter()
+                .position(|p| p.ticket() == ticket && !matches!(p, Progress::Ready { .. }))
+            {
+                let done = self.progress.remove(i);
+                self.progress.retain(|p| p.ticket() != ticket);
+                return done.ok_or_else(|| {
+                    EngineError::Unavailable(format!("{ticket}: its outcome went missing"))
+                });
             }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                // The manager may still be copying into the device pages.
+                return Err(EngineError::Unavailable(format!(
+                    "{ticket}: no outcome within {timeout:?}"
+                )));
+            }
+            self.pump(c, left)?;
         }
     }
 
@@ -657,25 +649,32 @@ impl Session {
         timeout: Duration,
     ) -> Result<Vec<Progress>, EngineError> {
         if self.progress.is_empty() {
-            let mut wait = timeout;
-            let (cmds, ops) = (&self.by_command, &self.by_operation);
-            let ours = |e: &Event| {
-                e.command().is_some_and(|c| cmds.contains_key(&c))
-                    || e.operation().is_some_and(|o| ops.contains_key(&o))
-            };
-            let mut found = Vec::new();
-            while let Some(e) = c
-                .wait_event(wait, &ours)
-                .map_err(|e| EngineError::client("poll", e))?
-            {
-                found.push(e);
-                wait = Duration::ZERO;
-            }
-            for e in found {
-                self.handle_event(e)?;
-            }
+            self.pump(c, timeout)?;
         }
         Ok(self.progress.drain(..).collect())
+    }
+
+    /// Takes this session's events of started verbs that arrive within
+    /// `timeout` (and whatever arrived with the first) into `progress`.
+    fn pump(&mut self, c: &mut dyn Port, timeout: Duration) -> Result<(), EngineError> {
+        let (cmds, ops) = (&self.by_command, &self.by_operation);
+        let ours = |e: &Event| {
+            e.command().is_some_and(|c| cmds.contains_key(&c))
+                || e.operation().is_some_and(|o| ops.contains_key(&o))
+        };
+        let mut found = Vec::new();
+        let mut wait = timeout;
+        while let Some(e) = c
+            .wait_event(wait, &ours)
+            .map_err(|e| EngineError::client("poll", e))?
+        {
+            found.push(e);
+            wait = Duration::ZERO;
+        }
+        for e in found {
+            self.handle_event(e)?;
+        }
+        Ok(())
     }
 
     fn finish(&mut self, ticket: Ticket) -> Option<Job> {
@@ -761,10 +760,16 @@ impl Session {
                 boundary,
                 ranges,
                 leases,
+                pages_from_tiers,
                 ..
             } => {
                 if let Some(job) = self.jobs.get_mut(&ticket) {
-                    job.ready = Some((boundary, ranges.clone(), leases.clone()));
+                    job.ready = Some(Leased {
+                        boundary,
+                        ranges: ranges.clone(),
+                        leases: leases.clone(),
+                        pages_from_tiers,
+                    });
                 }
                 self.progress.push_back(Progress::Ready {
                     ticket,
@@ -775,12 +780,13 @@ impl Session {
             }
             Event::RestoreDone { pages, bytes, .. } => {
                 let outcome = match self.finish(ticket).and_then(|j| j.ready) {
-                    Some((boundary, ranges, leases)) => Loaded::Hit {
-                        boundary,
-                        ranges,
-                        leases,
+                    Some(l) => Loaded::Hit {
+                        boundary: l.boundary,
+                        ranges: l.ranges,
+                        leases: l.leases,
                         pages,
                         bytes,
+                        pages_from_tiers: l.pages_from_tiers,
                     },
                     None => {
                         return Err(EngineError::Unavailable(format!(
@@ -794,16 +800,14 @@ impl Session {
             Event::Released { .. } => {
                 let job = self.finish(ticket);
                 let outcome = match job.and_then(|j| j.ready.map(|r| (r, j.release.is_some()))) {
-                    Some(((boundary, ranges, leases), true)) => {
-                        let bytes = leases.iter().map(|l| l.bytes).sum();
-                        Loaded::Hit {
-                            boundary,
-                            ranges,
-                            pages: leases.len() as u64,
-                            leases,
-                            bytes,
-                        }
-                    }
+                    Some((l, true)) => Loaded::Hit {
+                        boundary: l.boundary,
+                        ranges: l.ranges,
+                        pages: l.leases.len() as u64,
+                        bytes: l.leases.iter().map(|l| l.bytes).sum(),
+                        leases: l.leases,
+                        pages_from_tiers: l.pages_from_tiers,
+                    },
                     // Released before the pages were read (the caller
                     // abandoned it): nothing was loaded.
                     _ => Loaded::Miss(MissReason::Cancelled),

@@ -68,6 +68,7 @@ __all__ = [
     "Lookup",
     "MissReason",
     "QueueFull",
+    "Ready",
     "Refused",
     "Rejected",
     "Runtime",
@@ -190,8 +191,23 @@ class Loaded:
     """``(rank, group, start, end)`` each group needed."""
     pages: int
     bytes: int
+    pages_from_tiers: int
+    """Pages read from a lower tier (SSD, remote) rather than DRAM."""
     @property
     def hit(self) -> bool: ...
+
+@final
+class Ready:
+    """A started load's (or lease's) pages are leased (from
+    :meth:`Session.poll`)."""
+
+    boundary: int
+    leased: List[Tuple[int, int, int]]
+    """``(rank, group, page_end)``."""
+    pool_pages: List[Tuple[int, int, int, int, int, int]]
+    """``(rank, group, page_end, offset, bytes, checksum)``: each page in the
+    manager's pool (:meth:`Client.pool`), for an engine that reads them
+    itself (:meth:`Session.start_lease`)."""
 
 @final
 class Saved:
@@ -221,7 +237,7 @@ class Session:
 
     def __new__(
         cls,
-        socket: Union[str, os.PathLike[str]],
+        backend: Union[str, os.PathLike[str], Client, Runtime],
         register: _Command,
         *,
         name: str = "python",
@@ -230,7 +246,11 @@ class Session:
         spin_us: Optional[int] = None,
         on_connect: Optional[Callable[[Session], None]] = None,
     ) -> Session:
-        """:param register: the ``register_instance`` command (a dict).
+        """:param backend: a manager's socket (the session's own connection,
+            reconnected after a failure, closed with it), a :class:`Client`
+            (shared, the caller's), or a wall-clock :class:`Runtime` (its
+            waits tick it).
+        :param register: the ``register_instance`` command (a dict).
         :param timeout: the longest wait for any one reply or outcome.
         :param spin_us: how long waits spin before they block (as
             :meth:`Client.set_spin_us`).
@@ -255,7 +275,7 @@ class Session:
     @property
     def last_error(self) -> Optional[str]: ...
     @property
-    def client(self) -> Client:
+    def client(self) -> Union[Client, Runtime]:
         """The connection (memory views, ``attach_agent_memory``),
         connecting first if needed."""
     @property
@@ -281,10 +301,16 @@ class Session:
             outside it."""
 
     def lookup(
-        self, groups: Sequence[int], hashes: Sequence[bytes], origin: int, prompt_len: int
+        self,
+        groups: Sequence[int],
+        hashes: Sequence[bytes],
+        origin: int,
+        prompt_len: int,
+        timeout: Optional[float] = None,
     ) -> Lookup:
         """Where the manager would resume a prompt, past ``origin`` tokens
-        of ``prompt_len``. One round trip; holds nothing."""
+        of ``prompt_len``. One round trip; holds nothing. Past ``timeout``
+        (default: the session's), ``TimeoutError``; the connection stays."""
 
     def lookup_many(
         self, queries: Sequence[Tuple[Sequence[int], Sequence[bytes], int, int]]
@@ -317,6 +343,52 @@ class Session:
 
     def save(self, pages: Sequence[Tuple[int, int, bytes, int]]) -> Saved:
         """Saves ``(rank, group, hash, device_page)`` pages."""
+
+    def start_load(
+        self,
+        groups: Sequence[int],
+        hashes: Sequence[bytes],
+        origin: int,
+        prompt_len: int,
+        *,
+        ranks: Sequence[int],
+        targets: Sequence[Tuple[int, int, int, int]],
+        retained: Sequence[Tuple[int, int, int]] = (),
+    ) -> int:
+        """Starts a :meth:`load`; returns its ticket. :meth:`poll` reports
+        its :class:`Ready`, then its :class:`Loaded` (or a :class:`Refused`)."""
+
+    def start_lease(
+        self, groups: Sequence[int], hashes: Sequence[bytes], origin: int, prompt_len: int
+    ) -> int:
+        """Starts a lease of the selected pages, for an engine that reads
+        them from the pool itself: its :class:`Ready` names them
+        (``pool_pages``); read them, then :meth:`release`."""
+
+    def release(self, ticket: int) -> None:
+        """Ends a lease whose pages were read."""
+
+    def cancel(self, ticket: int) -> bool:
+        """Cancels a started lease whose operation is known."""
+
+    def start_save(self, pages: Sequence[Tuple[int, int, bytes, int]]) -> int:
+        """Starts a :meth:`save`; :meth:`poll` reports its :class:`Saved`."""
+
+    def poll(self, timeout: float = 0.0) -> List[Tuple[int, Union[Ready, Loaded, Saved, Refused]]]:
+        """``(ticket, outcome)`` of started verbs, waiting up to ``timeout``
+        seconds when nothing is known yet. A :class:`Refused` outcome is an
+        exception instance, not raised.
+
+        :raises Unavailable: the connection failed or a copy passed its
+            deadline: every verb in flight is lost."""
+
+    @property
+    def in_flight(self) -> int:
+        """Started verbs not yet ended."""
+
+    def region_view(self, region: int) -> memoryview:
+        """A writable view of a device region this session registered,
+        whatever the backend."""
 
     def drop(self, why: Optional[str] = None) -> None:
         """Gives the connection up; the next call reconnects."""

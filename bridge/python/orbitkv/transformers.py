@@ -25,7 +25,6 @@ layers are ``DynamicLayer``, ``DynamicSlidingWindowLayer``,
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,12 +68,16 @@ class OrbitKVError(RuntimeError):
     event's ``error``), or an operation failed in a way a miss does not
     describe (``transfer_overdue``)."""
 
-    def __init__(self, kind: str, detail: Any = None, command: Optional[dict] = None):
+    def __init__(self, kind: str, detail: Any = None, command: Optional[str] = None):
         self.kind = kind
         self.detail = detail
         self.command = command
-        what = command.get("command") if command else "operation"
-        super().__init__(f"{what}: {kind}" + (f" ({detail})" if detail is not None else ""))
+        super().__init__(f"{command or 'operation'}: {kind}" + (f" ({detail})" if detail is not None else ""))
+
+    @classmethod
+    def of(cls, e: "orbitkv.Refused") -> "OrbitKVError":
+        error = e.args[3] if len(e.args) > 3 and e.args[3] else {"error": e.args[0]}
+        return cls(error.get("error", e.args[0]), error.get("detail"), getattr(e, "command", None))
 
 
 class UnsupportedModel(ValueError):
@@ -82,114 +85,16 @@ class UnsupportedModel(ValueError):
     (OrbitKV fails closed rather than restore part of a state)."""
 
 
-# ---------------------------------------------------------------------------
-# Drivers: the same calls on the embedded runtime and on a manager client.
-# ---------------------------------------------------------------------------
-
-
-class _Mailbox:
-    """Events fetched from one backend object and not yet claimed. Shared by
-    every store on that runtime or client: whichever store ticks (or reads
-    the connection) may receive another's events, so each claims its own by
-    command id, operation or device page."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.events: List[dict] = []
-        self.users = 0
-
-    def claim(self, match: Callable[[dict], bool]) -> Optional[dict]:
-        with self.lock:
-            for i, e in enumerate(self.events):
-                if match(e):
-                    return self.events.pop(i)
-        return None
-
-    def add(self, events: List[dict]) -> None:
-        # Nobody waits for these; keeping them would only grow the box.
-        kept = [e for e in events if e.get("event") not in _UNCLAIMED]
-        if kept:
-            with self.lock:
-                self.events.extend(kept)
-
-
-#: Events no store waits for.
-_UNCLAIMED = {"released"}
-_MAILBOXES: Dict[int, _Mailbox] = {}
-_MAILBOXES_LOCK = threading.Lock()
-
-
-class _Driver:
-    """The same calls on an embedded runtime (this process ticks it) and on
-    a manager client (the manager ticks; events arrive on the connection)."""
-
-    @staticmethod
-    def check(backend: Any) -> None:
-        """Raises unless ``backend`` can carry a store."""
-        if isinstance(backend, orbitkv.Runtime):
-            if backend.simulated_clock:
-                raise ValueError(
-                    "orbitkv.transformers needs a wall-clock Runtime (simulated_clock=False): "
-                    "it reads and writes device regions through Runtime.device_view"
-                )
-        elif not isinstance(backend, orbitkv.Client):
-            raise TypeError(f"backend must be an orbitkv.Runtime or orbitkv.Client, not {type(backend).__name__}")
-
-    def __init__(self, backend: Union[orbitkv.Runtime, orbitkv.Client], timeout_s: float):
-        self.check(backend)
-        self.runtime = backend if isinstance(backend, orbitkv.Runtime) else None
-        self.client = backend if isinstance(backend, orbitkv.Client) else None
-        self.backend = backend
-        self.timeout_s = timeout_s
-        # The backend stays alive while this driver holds it, so its id
-        # cannot be reused for another object meanwhile.
-        with _MAILBOXES_LOCK:
-            self.mailbox = _MAILBOXES.setdefault(id(backend), _Mailbox())
-            self.mailbox.users += 1
-
-    def close(self) -> None:
-        with _MAILBOXES_LOCK:
-            self.mailbox.users -= 1
-            if self.mailbox.users == 0:
-                _MAILBOXES.pop(id(self.backend), None)
-
-    def submit(self, cmd: dict) -> int:
-        return self.backend.submit(cmd)
-
-    def call(self, cmd: dict) -> dict:
-        """Submits a command and returns the event that answers it."""
-        cid = self.backend.submit(cmd)
-        return self.next(match=lambda e: e.get("command") == cid and "event" in e, what=cmd["command"])
-
-    def next(self, *, match: Callable[[dict], bool], what: str) -> dict:
-        """The first event matching ``match``, waiting at most
-        ``timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            e = self.mailbox.claim(match)
-            if e is not None:
-                return e
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"orbitkv: no event for {what} within {self.timeout_s} s")
-            if self.runtime is not None:
-                events = self.runtime.tick()
-                if not events:
-                    # Copies and reads run on other threads; let them run.
-                    time.sleep(0)
-                self.mailbox.add(events)
-            else:
-                # Short slices, so another store's event does not keep this
-                # one waiting in the client for the whole timeout.
-                e = self.client.wait_event(min(left, 0.05))
-                if e is not None:
-                    self.mailbox.add([e])
-
-    def view(self, region_event: dict) -> memoryview:
-        """A writable view of a device region this session registered."""
-        if self.runtime is not None:
-            return self.runtime.device_view(region_event["engine_region"])
-        return self.client.region(region_event["region"])
+def _check_backend(backend: Any) -> None:
+    """Raises unless ``backend`` can carry a store."""
+    if isinstance(backend, orbitkv.Runtime):
+        if backend.simulated_clock:
+            raise ValueError(
+                "orbitkv.transformers needs a wall-clock Runtime (simulated_clock=False): "
+                "it reads and writes device regions through Runtime.device_view"
+            )
+    elif not isinstance(backend, orbitkv.Client):
+        raise TypeError(f"backend must be an orbitkv.Runtime or orbitkv.Client, not {type(backend).__name__}")
 
 
 # ---------------------------------------------------------------------------
@@ -375,9 +280,9 @@ def _storage_layout(groups: List[_Group], page_tokens: int) -> dict:
     return {"slots": slots, "pool_capacity_pages": 0}
 
 
-def page_hashes(token_ids: Sequence[int], page_tokens: int) -> List[str]:
+def page_hashes(token_ids: Sequence[int], page_tokens: int) -> List[bytes]:
     """The chained hash of every whole page of ``token_ids``: page ``k``'s
-    hash names tokens ``[0, (k + 1) * page_tokens)``. 32-byte SHA-256, hex."""
+    hash names tokens ``[0, (k + 1) * page_tokens)``. 32-byte SHA-256."""
     out = []
     prev = hashlib.sha256(PAGE_FORMAT.encode()).digest()
     ids = torch.as_tensor(list(token_ids) if not isinstance(token_ids, torch.Tensor) else token_ids)
@@ -386,7 +291,7 @@ def page_hashes(token_ids: Sequence[int], page_tokens: int) -> List[str]:
         h = hashlib.sha256(prev)
         h.update(ids[k * page_tokens : (k + 1) * page_tokens].numpy().tobytes())
         prev = h.digest()
-        out.append(prev.hex())
+        out.append(prev)
     return out
 
 
@@ -445,7 +350,7 @@ class Staged:
     were copied when their boundary passed (the cache no longer holds
     them)."""
 
-    def __init__(self, hashes: List[str], cache: DynamicCache, pages: Dict[Tuple[int, int], bool], page_tokens: int):
+    def __init__(self, hashes: List[bytes], cache: DynamicCache, pages: Dict[Tuple[int, int], bool], page_tokens: int):
         self.page_tokens = page_tokens
         self.hashes = hashes
         self.cache = cache
@@ -512,7 +417,7 @@ class Store:
         if model_type in _REFUSED_MODEL_TYPES:
             raise UnsupportedModel(f"{model_type}: {_REFUSED_MODEL_TYPES[model_type]}")
         self.model_dir = Path(model_dir)
-        _Driver.check(backend)
+        _check_backend(backend)
         self._check_config()
         self.page_tokens = page_tokens
         self.max_pages = max_tokens // page_tokens
@@ -548,15 +453,29 @@ class Store:
         )
         self.namespace: str = self.identity["namespace"]
         self.instance = f"transformers/{self.namespace[:16]}"
-        self._request = 0
-        self._session: Optional[dict] = None
-        self._regions: Dict[int, Tuple[dict, torch.Tensor]] = {}
-        #: The slot table: the device page of each (group, slot), kept for
-        #: the session (its close frees them).
-        self._pages: Dict[Tuple[int, int], int] = {}
-        self._driver: Optional[_Driver] = _Driver(backend, timeout_s)
+        self.timeout_s = timeout_s
+        #: Per group: its device region's handle and its pages as a
+        #: ``[max_pages, page_bytes]`` tensor over the region's memory.
+        self._regions: Dict[int, Tuple[int, torch.Tensor]] = {}
+        # The session's slot table keeps each (group, slot)'s device page
+        # until the session closes: no allocation rounds per call.
+        self._session: Optional[orbitkv.Session] = orbitkv.Session(
+            backend,
+            {
+                "command": "register_instance",
+                "instance": self.instance,
+                "identity": self.identity["identity"],
+                "layout": layout,
+                "page_tokens": self.page_tokens,
+                "groups": contract_groups,
+                "ranks": [{"tp": 0, "pp": 0}],
+            },
+            name="transformers",
+            timeout=timeout_s,
+            on_connect=self._setup,
+        )
         try:
-            self._open(layout, contract_groups)
+            self._call(self._session.connect)
         except BaseException:
             self.close()
             raise
@@ -579,78 +498,39 @@ class Store:
                 "save the model (or pass the directory it was loaded from)"
             )
 
-    def _d(self) -> _Driver:
-        if self._driver is None:
+    def _s(self) -> orbitkv.Session:
+        if self._session is None:
             raise RuntimeError("the store is closed")
-        return self._driver
+        return self._session
 
-    def _reply(self, cmd: dict, want: str) -> dict:
+    @staticmethod
+    def _call(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Runs a session verb; the manager's refusal is an `OrbitKVError`."""
         try:
-            e = self._d().call(cmd)
-        except orbitkv.Rejected as r:
-            # Refused before it was queued (a session or region quota).
-            err = r.args[3] if len(r.args) > 3 else {"error": r.args[0]}
-            raise OrbitKVError(err["error"], err.get("detail"), cmd) from r
-        if e["event"] == "rejected":
-            err = e["error"]
-            raise OrbitKVError(err["error"], err.get("detail"), cmd)
-        if e["event"] != want:
-            raise OrbitKVError("unexpected_event", e, cmd)
-        return e
+            return fn(*args, **kw)
+        except orbitkv.Refused as e:
+            raise OrbitKVError.of(e) from e
 
-    def _open(self, layout: dict, contract_groups: List[dict]) -> None:
-        e = self._reply(
-            {
-                "command": "register_instance",
-                "instance": self.instance,
-                "identity": self.identity["identity"],
-                "layout": layout,
-                "page_tokens": self.page_tokens,
-                "groups": contract_groups,
-                "ranks": [{"tp": 0, "pp": 0}],
-            },
-            "instance_registered",
-        )
-        if e["namespaces"] != [self.namespace]:
-            raise OrbitKVError("namespace_mismatch", {"runtime": e["namespaces"], "adapter": self.namespace})
-        self._session = self._reply({"command": "open_session", "instance": self.instance}, "session_opened")[
-            "session"
-        ]
+    def _setup(self, session: orbitkv.Session) -> None:
+        """Registers a device region per group on a new session."""
+        if session.namespaces != [self.namespace]:
+            raise OrbitKVError("namespace_mismatch", {"runtime": session.namespaces, "adapter": self.namespace})
         for g in self.groups:
-            ev = self._reply(
-                {
-                    "command": "register_device_region",
-                    "session": self._session,
-                    "rank": 0,
-                    "group": g.id,
-                    "slots": self.max_pages,
-                },
-                "region_registered",
-            )
-            if ev["page_bytes"] != g.page_bytes:
-                raise OrbitKVError("page_bytes_mismatch", {"runtime": ev["page_bytes"], "adapter": g.page_bytes})
-            view = self._d().view(ev)
-            region = torch.frombuffer(view, dtype=torch.uint8).view(self.max_pages, g.page_bytes)
-            self._regions[g.id] = (ev, region)
+            region = session.register_region(0, g.id, self.max_pages)
+            view = session.region_view(region)
+            if len(view) != self.max_pages * g.page_bytes:
+                raise OrbitKVError(
+                    "page_bytes_mismatch", {"runtime": len(view) // self.max_pages, "adapter": g.page_bytes}
+                )
+            pages = torch.frombuffer(view, dtype=torch.uint8).view(self.max_pages, g.page_bytes)
+            self._regions[g.id] = (region, pages)
 
     def close(self) -> None:
         """Closes the session: the runtime returns its leases, reservations
         and device pages. Idempotent."""
         session, self._session = self._session, None
-        driver, self._driver = self._driver, None
-        if driver is None:
-            return
-        try:
-            if session is not None:
-                driver.submit({"command": "close_session", "session": session})
-                driver.next(
-                    match=lambda e: e.get("event") == "session_closed" and e["session"] == session,
-                    what="close_session",
-                )
-        except (TimeoutError, orbitkv.ConnectionError, orbitkv.QueueFull):
-            pass  # the runtime closes it when the process or connection goes
-        finally:
-            driver.close()
+        if session is not None:
+            session.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -832,56 +712,26 @@ class Store:
         inserted = 0
         keys = sorted(staged.pages)
         handles = self._device_pages(keys)
-        self._request += 1
         limit = 4096  # the runtime's default max_publish_pages
         for i in range(0, len(keys), limit):
             batch = keys[i : i + limit]
-            e = self._reply(
-                {
-                    "command": "publish",
-                    "session": self._session,
-                    "request": self._request,
-                    "pages": [
-                        {"rank": 0, "group": g, "hash": staged.hashes[k], "device_page": handles[(g, k)]}
-                        for g, k in batch
-                    ],
-                },
-                "publish_done",
-            )
-            inserted += e["inserted"]
+            saved = self._call(self._s().save, [(0, g, staged.hashes[k], handles[(g, k)]) for g, k in batch])
+            inserted += saved.inserted
         staged.inserted = inserted
         return inserted
 
     # -- device pages -------------------------------------------------------
 
     def _device_pages(self, keys: List[Tuple[int, int]]) -> Dict[Tuple[int, int], int]:
-        """Device page handles for slots ``(group, page index)`` of the
-        regions: the session's slot table, each allocated on its first use
-        (the missing ones in one round) and kept until the session closes.
-        One store runs one operation at a time, so no two copies share a
-        slot."""
-        missing = sorted({k for k in keys if k not in self._pages})
-        # All submitted first: the runtime answers them in one tick.
-        sent = []
-        for g, k in missing:
-            cmd = {
-                "command": "device_page_alloc",
-                "session": self._session,
-                "region": self._regions[g][0]["region"],
-                "slot": k,
-            }
-            sent.append(((g, k), cmd, self._d().submit(cmd)))
-        failure = None
-        for key, cmd, cid in sent:
-            e = self._d().next(match=lambda e: e.get("command") == cid and "event" in e, what="device_page_alloc")
-            if e["event"] == "device_page_allocated":
-                self._pages[key] = e["device_page"]
-            elif failure is None:
-                err = e.get("error") or {}
-                failure = OrbitKVError(err.get("error", e["event"]), err.get("detail"), cmd)
-        if failure is not None:
-            raise failure
-        return {k: self._pages[k] for k in keys}
+        """Device pages for slots ``(group, page index)`` of the regions,
+        from the session's slot table. One store runs one operation at a
+        time, so no two copies share a slot."""
+        out: Dict[Tuple[int, int], int] = {}
+        for g in sorted({g for g, _ in keys}):
+            ks = [k for gg, k in keys if gg == g]
+            pages = self._call(self._s().device_pages, self._regions[g][0], ks)
+            out.update({(g, k): dp for k, dp in zip(ks, pages)})
+        return out
 
     # -- restore ----------------------------------------------------------
 
@@ -902,68 +752,57 @@ class Store:
         # destination; the runtime selects the boundary, leases its pages
         # and restores the ones the contract needs.
         handles = self._device_pages([(g.id, k) for g in self.groups for k in range(pages)])
-        self._request += 1
-        q = self._reply(
-            {
-                "command": "load",
-                "session": self._session,
-                "request": self._request,
-                "groups": [{"group": g.id, "hashes": hashes} for g in self.groups],
-                "origin": 0,
-                "prompt_len": total,
-                "expect_namespaces": [self.namespace],
-                "ranks": [0],
-                "targets": [
-                    {"pos": {"rank": 0, "group": g, "page_end": (k + 1) * p}, "device_page": dp}
-                    for (g, k), dp in handles.items()
-                ],
-            },
-            "query_result",
+        s = self._s()
+        ticket = self._call(
+            s.start_load,
+            [g.id for g in self.groups],
+            hashes,
+            0,
+            total,
+            ranks=[0],
+            targets=[(0, g, (k + 1) * p, dp) for (g, k), dp in handles.items()],
         )
-        if q["miss"] is not None:
-            return Restored(None, 0, q["miss"])
-        op, cid = q["operation"], q["command"]
-        ready = self._operation_event(op, cid, ("ready", "miss"))
-        t_ready = time.perf_counter()
-        if ready["event"] == "miss":
-            return Restored(None, 0, ready["reason"])
-        boundary = ready["boundary"]
-        keys = sorted((lease["pos"]["group"], lease["pos"]["page_end"] // p - 1) for lease in ready["leases"])
-        done = self._operation_event(op, cid, ("restore_done", "miss"))
+        t_ready = None
+        loaded = None
+        deadline = time.monotonic() + self.timeout_s
+        while loaded is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"orbitkv: no outcome of the load within {self.timeout_s} s")
+            try:
+                progress = s.poll(min(left, 0.05))
+            except orbitkv.Unavailable as e:
+                raise OrbitKVError("unavailable", str(e), "load") from e
+            for t, outcome in progress:
+                if t != ticket:
+                    continue
+                if isinstance(outcome, orbitkv.Ready):
+                    t_ready = time.perf_counter()
+                else:
+                    loaded = outcome
+        if isinstance(loaded, orbitkv.Refused):
+            # Its plan refused once ready (a bug of ours: every slot was named).
+            raise OrbitKVError.of(loaded)
+        if not loaded.hit:
+            return Restored(None, 0, str(loaded.miss))
         t_copied = time.perf_counter()
-        if done["event"] == "miss":
-            return Restored(None, 0, done["reason"])
-        cache = self._build_cache(boundary, keys)
+        keys = sorted((g, end // p - 1) for _, g, end in loaded.leased)
+        cache = self._build_cache(loaded.boundary, keys)
         t_built = time.perf_counter()
+        t_ready = t_ready or t_copied
         return Restored(
             cache,
-            boundary,
+            loaded.boundary,
             None,
-            pages=done["pages"],
-            bytes=done["bytes"],
-            pages_from_tiers=ready["pages_from_tiers"],
+            pages=loaded.pages,
+            bytes=loaded.bytes,
+            pages_from_tiers=loaded.pages_from_tiers,
             seconds={
                 "query_ready": t_ready - t0,
                 "restore_copy": t_copied - t_ready,
                 "to_cache": t_built - t_copied,
             },
         )
-
-    def _operation_event(self, op: int, command: int, kinds: Tuple[str, ...]) -> dict:
-        """The load's next event of ``kinds``; its plan refused once ready
-        (a bug of ours: every slot was named) is an ``OrbitKVError``."""
-
-        def ours(e: dict) -> bool:
-            return e.get("operation") == op or (e.get("command") == command and e.get("event") == "rejected")
-
-        while True:
-            e = self._d().next(match=ours, what=f"operation {op}")
-            if e["event"] in kinds:
-                return e
-            if e["event"] == "rejected":
-                raise OrbitKVError(e["error"]["error"], e["error"].get("detail"))
-            if e["event"] == "transfer_overdue":
-                raise OrbitKVError("transfer_overdue", e)
 
     def _build_cache(self, boundary: int, keys: List[Tuple[int, int]]) -> DynamicCache:
         """A fresh cache holding the restored pages' state at ``boundary``."""

@@ -22,6 +22,9 @@ then measures, from Python:
       answer back, nothing to release), for the same hit and miss; with
       `--gap-us G` (repeatable) also the hit with G us of busy work before
       each call, as a scheduler's lookups come;
+  (a'') `Session.lookup(...)`, what every adapter calls (the engine side,
+      `orbitkv.Session`), for the same hit and miss, and
+      `Session.lookup_many` of 32 queries in one round trip, per query;
   (b) `Client.ping()`: an empty frame through the manager's loop (also
       timed inside Rust, without Python per iteration);
   (c) a raw Unix-socket ping-pong between two Python processes (16 bytes);
@@ -200,6 +203,31 @@ def main() -> int:
                     timed(lambda: c.lookup(s, 1, [0], hashes, 0, prompt), n // 2, 0, hit_answer, gap),
                 )
             )
+        sess = orbitkv.Session(m.socket, ss.register_cmd(), name="bench-session")
+        sess.connect()
+
+        def session_hit(r):
+            assert r.selected == PAGES * ss.PAGE, r
+
+        def session_miss(r):
+            assert r.miss is not None, r
+
+        rows.append(
+            (
+                "(a'') Session.lookup(...), hit",
+                timed(lambda: sess.lookup([0], hashes, 0, prompt), n, warmup, session_hit),
+            )
+        )
+        rows.append(
+            (
+                "(a'') Session.lookup(...), miss",
+                timed(lambda: sess.lookup([0], cold, 0, prompt), n, warmup, session_miss),
+            )
+        )
+        batch = [([0], hashes, 0, prompt)] * 32
+        many = timed(lambda: sess.lookup_many(batch), max(n // 32, 200), warmup // 32)
+        rows.append(("(a'') Session.lookup_many(32), per lookup", [x / 32 for x in many]))
+        sess.close()
         rows.append(("(b) Client.ping()", timed(c.ping, n, warmup)))
         c._ping_many(warmup)
         rows.append(("(b) ping timed in Rust, no Python", sorted(c._ping_many(n))))
@@ -262,6 +290,8 @@ def main() -> int:
         print(f"  query hit / raw iceoryx2, p50: {hit / iox_p50:.2f}x (goal <= 3x)")
         typed = percentile(rows[2][1], 0.5) * 1e6
         print(f"  typed lookup hit / raw iceoryx2, p50: {typed / iox_p50:.2f}x (goal <= 3x)")
+        sess_hit = percentile(next(xs for name, xs in rows if name.startswith("(a'') Session.lookup(...), hit")), 0.5) * 1e6
+        print(f"  Session.lookup hit / raw iceoryx2, p50: {sess_hit / iox_p50:.2f}x (goal <= 3x)")
     return 0
 
 

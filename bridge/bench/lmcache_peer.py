@@ -172,119 +172,67 @@ def register_cmd(page_bytes: int) -> dict:
     return cmd
 
 
-def agent_region(c, session, buf: np.ndarray, pages: int, page_bytes: int) -> int:
-    region, got = c.attach_agent_memory(pages, [(buf.ctypes.data, page_bytes, page_bytes)], buf)
-    assert got == page_bytes, (got, page_bytes)
-    e = ss.expect(
-        c.call(
-            {
-                "command": "register_device_region",
-                "session": session,
-                "rank": 0,
-                "group": 0,
-                "slots": pages,
-                "agent": {"region": region, "page_bytes": page_bytes},
-            },
-            ss.T,
-        ),
-        "region_registered",
-    )
-    return e["region"]
-
-
-def alloc_all(c, session, region: int, pages: int) -> list:
-    """Device pages for every slot (the adapters do this once at startup)."""
-    out = []
-    for at in range(0, pages, 256):
-        ids = []
-        for slot in range(at, min(at + 256, pages)):
-            ids.append(c.submit({"command": "device_page_alloc", "session": session, "region": region, "slot": slot}))
-        for _ in ids:
-            e = ss.expect(c.wait_event(ss.T, kind="device_page_allocated"), "device_page_allocated")
-            out.append((e["command"], e["device_page"]))
-    by_cmd = dict(out)
-    return [by_cmd[i] for i in sorted(by_cmd)]
-
-
 def hashes(pages: int, rnd: int) -> list:
-    return [f"{(rnd << 48) + 0x5EED0000 + i:016x}" for i in range(pages)]
+    return [((rnd << 48) + 0x5EED0000 + i).to_bytes(8, "big") for i in range(pages)]
 
 
 def run_orbitkv(
     c, src: np.ndarray, dst: np.ndarray, page_bytes: int, batch: int, rnd: int, inflight: int = 1
 ) -> dict:
+    """One round through `orbitkv.Session`, as every adapter does."""
     pages = src.size // page_bytes
-    s = ss.expect(c.call({"command": "open_session", "instance": "peer"}, ss.T), "session_opened")["session"]
-    rs = agent_region(c, s, src, pages, page_bytes)
-    rd = agent_region(c, s, dst, pages, page_bytes)
-    dps_src = alloc_all(c, s, rs, pages)
-    dps_dst = alloc_all(c, s, rd, pages)
-    hs = hashes(pages, rnd)
     long_wait = max(ss.T, src.size / 2**30 * 30)
+    regions: dict = {}
+
+    def setup(s: orbitkv.Session) -> None:
+        # Both buffers as agent regions: the agent copies straight between
+        # them and the manager.
+        for name, mem in (("src", src), ("dst", dst)):
+            agent = s.client.attach_agent_memory(pages, [(mem.ctypes.data, page_bytes, page_bytes)], mem)
+            regions[name] = s.register_region(0, 0, pages, agent=agent)
+
+    s = orbitkv.Session(c, register_cmd(page_bytes), name="peer", timeout=long_wait, on_connect=setup)
+    s.connect()
+    dps_src = s.device_pages(regions["src"], list(range(pages)))
+    dps_dst = s.device_pages(regions["dst"], list(range(pages)))
+    hs = hashes(pages, rnd)
 
     t0 = time.perf_counter()
-    # Up to `inflight` publishes outstanding (an engine saving several
-    # requests at once has as many); each is checked at its publish_done.
+    # Up to `inflight` saves outstanding (an engine saving several requests
+    # at once has as many); each is checked when it ends.
     sizes: dict = {}
 
-    def finish_one() -> None:
-        done = ss.expect(c.wait_event(long_wait, kind="publish_done"), "publish_done")
-        want = sizes.pop(done["request"])
-        if done["inserted"] != want:
-            sys.exit(f"OrbitKV publish stored {done['inserted']} of {want} pages: {done}")
+    def finish_some() -> None:
+        for ticket, outcome in s.poll(long_wait):
+            want = sizes.pop(ticket)
+            if not isinstance(outcome, orbitkv.Saved) or outcome.inserted != want:
+                sys.exit(f"OrbitKV save of {want} pages: {outcome!r}")
 
     for at in range(0, pages, batch):
+        while len(sizes) >= inflight:
+            finish_some()
         idx = range(at, min(at + batch, pages))
-        if len(sizes) >= inflight:
-            finish_one()
-        sizes[at] = len(idx)
-        c.submit(
-            {
-                "command": "publish",
-                "session": s,
-                "request": at,
-                "pages": [{"rank": 0, "group": 0, "hash": hs[i], "device_page": dps_src[i]} for i in idx],
-            }
-        )
+        sizes[s.start_save([(0, 0, hs[i], dps_src[i]) for i in idx])] = len(idx)
     while sizes:
-        finish_one()
+        finish_some()
     save = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     # One `load`: every page names its destination; the manager leases the
     # pages and has the agent restore them (verified in the copy's pass).
-    qr = ss.expect(
-        c.call(
-            {
-                "command": "load",
-                "session": s,
-                "request": pages,
-                "groups": [{"group": 0, "hashes": hs}],
-                "origin": 0,
-                "prompt_len": pages * PAGE_TOKENS + 1,
-                "ranks": [0],
-                "targets": [
-                    {"pos": {"rank": 0, "group": 0, "page_end": (i + 1) * PAGE_TOKENS}, "device_page": dps_dst[i]}
-                    for i in range(pages)
-                ],
-            },
-            long_wait,
-        ),
-        "query_result",
+    got = s.load(
+        [0],
+        hs,
+        0,
+        pages * PAGE_TOKENS + 1,
+        ranks=[0],
+        targets=[(0, 0, (i + 1) * PAGE_TOKENS, dps_dst[i]) for i in range(pages)],
     )
-    if qr["miss"] is not None or qr["selected"] != pages * PAGE_TOKENS:
-        sys.exit(f"OrbitKV load: {qr}")
-    while True:
-        done = c.wait_event(long_wait, operation=qr["operation"])
-        if done is None or done["event"] not in ("loading", "ready"):
-            break
-    done = ss.expect(done, "restore_done")
     retrieve = time.perf_counter() - t0
-    if done["pages"] != pages:
-        sys.exit(f"OrbitKV restore: {done}")
+    if not got.hit or got.boundary != pages * PAGE_TOKENS or got.pages != pages:
+        sys.exit(f"OrbitKV load: {got!r}")
     ok = np.array_equal(src, dst)
-    c.submit({"command": "close_session", "session": s})
-    ss.expect(c.wait_event(ss.T, kind="session_closed"), "session_closed")
+    s.close()
     return {"save_s": save, "retrieve_s": retrieve, "exact": bool(ok)}
 
 
@@ -330,7 +278,6 @@ def main() -> None:
     try:
         m.start()
         with orbitkv.Client(m.socket, "peer-bench") as c:
-            ss.expect(c.call(register_cmd(a.page_bytes), ss.T), "instance_registered")
             lm = Lmcache(total, a.page_bytes)
             # Round 0 warms both (faults in LMCache's memory and the
             # manager's staging); it is not counted.

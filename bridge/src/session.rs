@@ -356,18 +356,9 @@ fn py_progress(py: Python<'_>, p: Progress) -> PyResult<(Ticket, Py<PyAny>)> {
         Progress::Loaded { ticket, outcome } => {
             (ticket, Py::new(py, py_loaded(py, outcome)?)?.into_any())
         }
-        Progress::Saved { ticket, outcome } => (
-            ticket,
-            Py::new(
-                py,
-                PySaved {
-                    inserted: outcome.inserted,
-                    duplicates: outcome.duplicates,
-                    dropped: outcome.dropped,
-                },
-            )?
-            .into_any(),
-        ),
+        Progress::Saved { ticket, outcome } => {
+            (ticket, Py::new(py, PySaved::from(outcome))?.into_any())
+        }
         Progress::Refused { ticket, error } => {
             (ticket, py_err(py, error).into_value(py).into_any())
         }
@@ -431,6 +422,16 @@ impl Source {
             Source::Socket(p) => format!("the OrbitKV manager at {}", p.display()),
             Source::Client(_) => "the OrbitKV manager (the caller's connection)".into(),
             Source::Runtime(_) => "the embedded OrbitKV runtime".into(),
+        }
+    }
+}
+
+impl From<orbitkv_engine::Saved> for PySaved {
+    fn from(s: orbitkv_engine::Saved) -> Self {
+        PySaved {
+            inserted: s.inserted,
+            duplicates: s.duplicates,
+            dropped: s.dropped,
         }
     }
 }
@@ -927,12 +928,7 @@ impl PySession {
         pages: Vec<(u32, u32, Bound<'_, PyBytes>, u64)>,
     ) -> PyResult<PySaved> {
         let pages = publish_pages(&pages)?;
-        let s = Self::run(slf, |s, c| s.save(c, pages))?;
-        Ok(PySaved {
-            inserted: s.inserted,
-            duplicates: s.duplicates,
-            dropped: s.dropped,
-        })
+        Ok(Self::run(slf, |s, c| s.save(c, pages))?.into())
     }
 
     /// Starts a `load` (arguments as for `load`); returns its ticket.

@@ -840,23 +840,13 @@ impl Session {
         c: &mut dyn Port,
         pages: Vec<PublishPage>,
     ) -> Result<Saved, EngineError> {
-        let command = Command::Publish {
-            session: self.handle,
-            request: self.request(),
-            pages,
-        };
-        match call(c, "publish", command, self.options.timeout)? {
-            Event::PublishDone {
-                inserted,
-                duplicates,
-                dropped,
-                ..
-            } => Ok(Saved {
-                inserted,
-                duplicates,
-                dropped,
-            }),
-            other => Err(unexpected("publish", &other)),
+        let ticket = self.start_save(c, pages)?;
+        match self.wait(c, ticket, self.options.timeout)? {
+            Progress::Saved { outcome, .. } => Ok(outcome),
+            Progress::Refused { error, .. } => Err(error),
+            other => Err(EngineError::Unavailable(format!(
+                "publish: unexpected {other:?}"
+            ))),
         }
     }
 

@@ -596,39 +596,41 @@ impl PyClient {
         device: &str,
         layers: Option<Vec<u32>>,
     ) -> PyResult<(u32, u64)> {
-        let kind = memory_kind(device)?;
+        let kind = memory_kind(device).map_err(crate::agent::py_err)?;
         let chunks = chunks_of(kind, chunks);
-        let got = py.detach(|| -> Result<Result<(u32, u64), AgentSetup>, Failure> {
-            self.lock().client()?;
-            let agent = {
-                let mut a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
-                match a.as_ref() {
-                    Some(agent) => agent.clone(),
-                    None => match SharedAgent::new(kind, 2) {
-                        Ok(agent) => a.insert(agent).clone(),
-                        Err(e) => return Ok(Err(e)),
-                    },
+        let got = py
+            .detach(|| -> Result<Result<(u32, u64), AgentSetup>, Failure> {
+                self.lock().client()?;
+                let agent = {
+                    let mut a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
+                    match a.as_ref() {
+                        Some(agent) => agent.clone(),
+                        None => match SharedAgent::new(kind, 2) {
+                            Ok(agent) => a.insert(agent).clone(),
+                            Err(e) => return Ok(Err(e)),
+                        },
+                    }
+                };
+                if let Err(e) = check_kind(agent.lock().kind, kind) {
+                    return Ok(Err(e));
                 }
-            };
-            if let Err(e) = check_kind(agent.lock().kind, kind) {
-                return Ok(Err(e));
-            }
-            let mut st = self.lock();
-            let client = st.client()?;
-            if !client.has_agent() {
-                client.set_agent(Box::new(agent.clone()))?;
-            }
-            drop(st);
-            // SAFETY: the caller promises the memory stays put while
-            // attached, and `owner` (kept until detach) keeps it allocated.
-            Ok(unsafe {
-                agent
-                    .lock()
-                    .agent
-                    .attach_layered(slots, &chunks, layers.as_deref())
-            }
-            .map_err(AgentSetup::from))
-        })??;
+                let mut st = self.lock();
+                let client = st.client()?;
+                if !client.has_agent() {
+                    client.set_agent(Box::new(agent.clone()))?;
+                }
+                drop(st);
+                // SAFETY: the caller promises the memory stays put while
+                // attached, and `owner` (kept until detach) keeps it allocated.
+                Ok(unsafe {
+                    agent
+                        .lock()
+                        .agent
+                        .attach_layered(slots, &chunks, layers.as_deref())
+                }
+                .map_err(AgentSetup::from))
+            })?
+            .map_err(crate::agent::py_err)?;
         self.keep
             .lock()
             .unwrap_or_else(|p| p.into_inner())

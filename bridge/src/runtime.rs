@@ -539,15 +539,17 @@ impl PyRuntime {
         device: &str,
         layers: Option<Vec<u32>>,
     ) -> PyResult<(u32, u64)> {
-        let kind = crate::agent::memory_kind(device)?;
+        let kind = crate::agent::memory_kind(device).map_err(crate::agent::py_err)?;
         let chunks = crate::agent::chunks_of(kind, chunks);
-        let (region, page_bytes) = self.with_embedded(py, |e| {
-            let agent = e.agent(kind)?;
-            // SAFETY: the caller promises the memory stays put while
-            // attached, and `owner` (kept until detach) keeps it allocated.
-            unsafe { agent.attach_layered(slots, &chunks, layers.as_deref()) }
-                .map_err(AgentSetup::from)
-        })??;
+        let (region, page_bytes) = self
+            .with_embedded(py, |e| {
+                let agent = e.agent(kind)?;
+                // SAFETY: the caller promises the memory stays put while
+                // attached, and `owner` (kept until detach) keeps it allocated.
+                unsafe { agent.attach_layered(slots, &chunks, layers.as_deref()) }
+                    .map_err(AgentSetup::from)
+            })?
+            .map_err(crate::agent::py_err)?;
         lock(&self.keep).insert(region, owner);
         Ok((region, page_bytes))
     }

@@ -12,6 +12,8 @@
 //!   never confused with unavailable (it did not answer, or the connection
 //!   can no longer be trusted).
 //! - [`Backoff`]: when a session may be tried again after a failure.
+//! - [`agent`]: the copy agent a connection carries (engine memory copied
+//!   in this process on the manager's instruction).
 //!
 //! Invariants: a verb returns only after its command's last event
 //! (nothing it started is left parked in the manager), or with
@@ -20,6 +22,7 @@
 //! by the slot table is this session's and is never freed while the
 //! session lives.
 
+pub mod agent;
 mod backoff;
 mod error;
 mod session;

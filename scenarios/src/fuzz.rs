@@ -518,7 +518,8 @@ pub fn generate(seed: u64, ticks: u64) -> (Header, Vec<Line>) {
                 then: *rng.pick(&[
                     Then::Restore,
                     Then::Restore,
-                    Then::Restore,
+                    Then::Load,
+                    Then::Load,
                     Then::Release,
                     Then::Nothing,
                 ]),

@@ -292,6 +292,10 @@ pub struct Replay<'o> {
     requests: BTreeMap<CommandId, RequestState>,
     op_requests: HashMap<u64, CommandId>,
     restores: HashMap<u64, RestoreState>,
+    /// `then: "load"` requests: the load's targets, by command until its
+    /// operation is known, then by operation until its pages are leased.
+    load_plans: HashMap<CommandId, (u64, Vec<RestoreTarget>)>,
+    load_targets: HashMap<u64, (u64, Vec<RestoreTarget>)>,
     publishes: HashMap<CommandId, (u64, u64, Vec<u64>)>,
     queries_at: HashMap<CommandId, u64>,
     raw: HashMap<CommandId, RawPending>,
@@ -435,6 +439,8 @@ impl<'o> Replay<'o> {
             requests: BTreeMap::new(),
             op_requests: HashMap::new(),
             restores: HashMap::new(),
+            load_plans: HashMap::new(),
+            load_targets: HashMap::new(),
             publishes: HashMap::new(),
             queries_at: HashMap::new(),
             raw: HashMap::new(),
@@ -1656,23 +1662,43 @@ impl<'o> Replay<'o> {
         let tokens = hashes.len() as u64 * info.page_tokens;
         let prompt_len = r.prompt_len.unwrap_or(tokens + 1);
         let natives: Vec<NativeHash> = hashes.iter().map(|h| NativeHash::from_u64(*h)).collect();
-        let id = self.submit(Command::Query {
-            session: handle,
-            request: r.request,
-            groups: info
-                .groups
-                .iter()
-                .map(|g| GroupHashes {
-                    group: g.id,
-                    hashes: natives.clone(),
-                })
-                .collect(),
-            origin: r.origin,
-            prompt_len,
-            expect_namespaces: info.namespaces.clone(),
-            prepare: true,
-            speculative: r.speculative,
-        });
+        let groups: Vec<GroupHashes> = info
+            .groups
+            .iter()
+            .map(|g| GroupHashes {
+                group: g.id,
+                hashes: natives.clone(),
+            })
+            .collect();
+        let id = if r.then == Then::Load {
+            let Some(targets) = self.load_plan(session, &info, hashes.len() as u64) else {
+                return Ok(()); // no room for its targets: the engine does not ask
+            };
+            let id = self.submit(Command::Load {
+                session: handle,
+                request: r.request,
+                groups,
+                origin: r.origin,
+                prompt_len,
+                expect_namespaces: info.namespaces.clone(),
+                ranks: (0..info.ranks).collect(),
+                targets: targets.clone(),
+                retained: vec![],
+            });
+            self.load_plans.insert(id, (session, targets));
+            id
+        } else {
+            self.submit(Command::Query {
+                session: handle,
+                request: r.request,
+                groups,
+                origin: r.origin,
+                prompt_len,
+                expect_namespaces: info.namespaces.clone(),
+                prepare: true,
+                speculative: r.speculative,
+            })
+        };
         self.report.requests.push(RequestReport {
             line,
             request: r.request,
@@ -1723,7 +1749,24 @@ impl<'o> Replay<'o> {
                     .or_default() += 1;
                 if let Some(r) = self.requests.remove(command) {
                     self.report.requests[r.report].outcome = "rejected".into();
+                    // A load whose plan was refused once its pages were
+                    // leased: nothing was copied into its targets.
+                    if let Some(op) = r.operation {
+                        self.op_requests.remove(&op);
+                        self.ready_positions.remove(&op);
+                        let plan = self.load_targets.remove(&op);
+                        self.free_load(plan);
+                        if let Some(st) = self.restores.remove(&op) {
+                            let pages = st.targets.iter().map(|t| t.device_page).collect();
+                            self.todo.push(Todo::Free {
+                                session: st.session,
+                                pages,
+                            });
+                        }
+                    }
                 }
+                let plan = self.load_plans.remove(command);
+                self.free_load(plan);
                 // A refused publish leaves its source pages to the engine.
                 if let Some((session, _, sources)) = self.publishes.remove(command) {
                     self.todo.push(Todo::Free {
@@ -1762,6 +1805,13 @@ impl<'o> Replay<'o> {
             } => {
                 if let Some(at) = self.queries_at.remove(command) {
                     self.latencies.entry("query").or_default().push(now - at);
+                }
+                if let Some(plan) = self.load_plans.remove(command) {
+                    if miss.is_some() {
+                        self.free_load(Some(plan));
+                    } else {
+                        self.load_targets.insert(*operation, plan);
+                    }
                 }
                 if let Some(r) = self.requests.get_mut(command) {
                     self.latencies
@@ -1837,6 +1887,18 @@ impl<'o> Replay<'o> {
                 }
                 match r.spec.then {
                     Then::Restore => self.todo.push(Todo::Restore(*operation)),
+                    Then::Load => {
+                        // The runtime restores into the targets of what it
+                        // leased; the others are free again.
+                        if let Some((session, targets)) = self.load_targets.remove(operation) {
+                            let leased: std::collections::HashSet<PagePos> =
+                                leases.iter().map(|l| l.pos).collect();
+                            let (used, unused): (Vec<RestoreTarget>, Vec<RestoreTarget>) =
+                                targets.into_iter().partition(|t| leased.contains(&t.pos));
+                            self.track_restore(session, *operation, &used);
+                            self.free_load(Some((session, unused)));
+                        }
+                    }
                     Then::Release => {
                         let handle = self.sessions.get(&r.session).map(|s| s.handle);
                         if let Some(h) = handle {
@@ -1851,7 +1913,22 @@ impl<'o> Replay<'o> {
             }
             Event::Loading { .. } => {}
             Event::Miss { operation, reason } => {
-                self.restores.remove(operation);
+                let plan = self.load_targets.remove(operation);
+                self.free_load(plan);
+                let is_load = self
+                    .op_requests
+                    .get(operation)
+                    .and_then(|c| self.requests.get(c))
+                    .is_some_and(|r| r.spec.then == Then::Load);
+                if let Some(st) = self.restores.remove(operation)
+                    && is_load
+                {
+                    let pages = st.targets.iter().map(|t| t.device_page).collect();
+                    self.todo.push(Todo::Free {
+                        session: st.session,
+                        pages,
+                    });
+                }
                 self.ready_positions.remove(operation);
                 if let Some(cmd) = self.op_requests.remove(operation)
                     && let Some(r) = self.requests.remove(&cmd)
@@ -2035,6 +2112,59 @@ impl<'o> Replay<'o> {
                     }
                 }
             }
+        }
+    }
+
+    /// A `load`'s targets: a device page for every page of every rank and
+    /// group of the prompt (allocated now, one tick); `None`, with what it
+    /// got freed, when a region is full or the engine died meanwhile.
+    fn load_plan(
+        &mut self,
+        session: u64,
+        info: &InstanceInfo,
+        pages: u64,
+    ) -> Option<Vec<RestoreTarget>> {
+        let mut positions = Vec::new();
+        for rank in 0..info.ranks {
+            for g in &info.groups {
+                for k in 0..pages {
+                    positions.push(PagePos {
+                        rank,
+                        group: g.id,
+                        page_end: (k + 1) * info.page_tokens,
+                    });
+                }
+            }
+        }
+        let wants: Vec<(u32, u32)> = positions.iter().map(|p| (p.rank, p.group)).collect();
+        let slots = self.alloc(session, &wants);
+        if !self.sessions.contains_key(&session) {
+            return None;
+        }
+        let got: Vec<u64> = slots.iter().flatten().map(|(dp, _)| *dp).collect();
+        if got.len() != positions.len() {
+            self.todo.push(Todo::Free {
+                session,
+                pages: got,
+            });
+            return None;
+        }
+        Some(
+            positions
+                .into_iter()
+                .zip(got)
+                .map(|(pos, device_page)| RestoreTarget { pos, device_page })
+                .collect(),
+        )
+    }
+
+    /// Frees a `load`'s targets once it ended.
+    fn free_load(&mut self, plan: Option<(u64, Vec<RestoreTarget>)>) {
+        if let Some((session, targets)) = plan {
+            self.todo.push(Todo::Free {
+                session,
+                pages: targets.iter().map(|t| t.device_page).collect(),
+            });
         }
     }
 

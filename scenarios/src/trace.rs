@@ -251,6 +251,9 @@ pub struct Publish {
 pub enum Then {
     #[default]
     Restore,
+    /// The engine's one-command hit: a `load` naming a device page for
+    /// every page of every rank and group, sent instead of the query.
+    Load,
     Release,
     /// Leave it: the preparation deadline retires it.
     Nothing,

@@ -77,6 +77,47 @@ fn agent_seeds_run_clean_and_agents_misbehave_in_every_way() {
     }
 }
 
+/// Requests with `then: "load"` (the engines' one-command hit) are
+/// generated, restore (their bytes checked exactly by the replay), miss
+/// and end in crashes and restarts, with the false-hit oracle watching
+/// their leases: no violation, no wrong byte.
+#[test]
+fn generated_loads_restore_exact_bytes_and_miss_under_the_oracle() {
+    use orbitkv_scenarios::replay::Replay;
+    use orbitkv_scenarios::trace::{Then, Trace};
+    let mut outcomes: std::collections::BTreeMap<String, u64> = Default::default();
+    for seed in 11..=16 {
+        let (header, lines) = generate(seed, 1500);
+        let loads: std::collections::BTreeSet<usize> = lines
+            .iter()
+            .filter(|l| matches!(&l.body, Body::Request(r) if r.then == Then::Load))
+            .map(|l| l.number)
+            .collect();
+        let trace = Trace {
+            header: header.clone(),
+            lines,
+        };
+        let replay =
+            Replay::with_observer(&header, Box::new(Oracle::for_header(&header))).expect("replay");
+        let (report, _) = replay.run(&trace, &mut |_, _| {}).expect("runs");
+        assert_eq!(
+            (report.invariant_violations, report.byte_mismatches),
+            (0, 0),
+            "seed {seed}: {:?}",
+            report.violations
+        );
+        for r in report.requests.iter().filter(|r| loads.contains(&r.line)) {
+            *outcomes.entry(r.outcome.clone()).or_default() += 1;
+        }
+    }
+    for outcome in ["restored", "miss"] {
+        assert!(
+            outcomes.get(outcome).copied().unwrap_or(0) > 0,
+            "no generated load ended {outcome}: {outcomes:?}"
+        );
+    }
+}
+
 #[test]
 fn the_generator_covers_every_fault_kind() {
     let mut all = std::collections::BTreeSet::new();

@@ -211,6 +211,25 @@ impl PyClient {
         Ok((id, self.wait_matching(py, left, reply(id))?))
     }
 
+    /// A read-only view of a pool page after checking its bytes against
+    /// the lease's checksum.
+    fn verified<'py>(&self, py: Python<'py>, lease: LeaseInfo) -> PyResult<Bound<'py, PyAny>> {
+        let pool = py.detach(|| -> Result<Arc<Mapping>, Failure> {
+            let mut st = self.lock();
+            let c = st.client()?;
+            // Hashing a large page runs without the GIL.
+            match c.page(&lease) {
+                Ok(_) => {}
+                Err(e @ ClientError::LeaseOutsidePool { .. }) => {
+                    return Err(Failure::Value(e.to_string()));
+                }
+                Err(e) => return Err(e.into()),
+            }
+            st.pool_mapping()
+        })?;
+        memoryview(py, pool, lease.offset as usize, lease.bytes as usize, true)
+    }
+
     /// A `Client` over a connection made in Rust (`orbitkv.Session`).
     pub(crate) fn wrap(client: Client, socket: &std::path::Path, name: &str) -> PyClient {
         let incarnation = client.incarnation();
@@ -526,20 +545,31 @@ impl PyClient {
     fn page<'py>(&self, py: Python<'py>, lease: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let lease: LeaseInfo = deserialize_dict(lease)
             .map_err(|e| PyValueError::new_err(format!("invalid lease: {e}")))?;
-        let pool = py.detach(|| -> Result<Arc<Mapping>, Failure> {
-            let mut st = self.lock();
-            let c = st.client()?;
-            // Hashing a large page runs without the GIL.
-            match c.page(&lease) {
-                Ok(_) => {}
-                Err(e @ ClientError::LeaseOutsidePool { .. }) => {
-                    return Err(Failure::Value(e.to_string()));
-                }
-                Err(e) => return Err(e.into()),
-            }
-            st.pool_mapping()
-        })?;
-        memoryview(py, pool, lease.offset as usize, lease.bytes as usize, true)
+        self.verified(py, lease)
+    }
+
+    /// `page` for a page named by where it lies: `offset`, `bytes` and
+    /// `checksum` of a `Ready`'s `pool_pages` (`Session.start_lease`).
+    fn page_at<'py>(
+        &self,
+        py: Python<'py>,
+        offset: u64,
+        bytes: u64,
+        checksum: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let lease = LeaseInfo {
+            lease: 0,
+            pos: orbitkv_components::api::PagePos {
+                rank: 0,
+                group: 0,
+                page_end: 0,
+            },
+            bytes,
+            slot: 0,
+            offset,
+            checksum,
+        };
+        self.verified(py, lease)
     }
 
     /// The whole shared pool, read-only and zero-copy (no checksum is

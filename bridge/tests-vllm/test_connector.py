@@ -310,6 +310,30 @@ def test_expired_leases_are_never_used(model, orbitkv_bin):
         shutil.rmtree(m.dir, ignore_errors=True)
 
 
+def test_a_staged_load_verifies_every_pool_page(model, manager):
+    # Staged copies read the manager's pool themselves: each page is
+    # checked against its lease's checksum before it is copied. A page
+    # whose bytes do not match (here: the checksum the worker is given is
+    # off by one) fails the load, and vLLM recomputes.
+    with engine(model, manager.socket, extra={"copy_agent": False}) as e:
+        w = e.workers[0].worker
+        real = w.mover.restore
+        seen = []
+
+        def tampered(gid, pages):
+            seen.extend(pages)
+            return real(gid, [(o, n, b, c ^ 1) for o, n, b, c in pages])
+
+        w.mover.restore = tampered
+        promised = produce_then_consume(e, PROMPT)
+        assert promised == 64 and len(seen) == 4, seen
+        assert w.stats.loads_failed == 1 and w.stats.pages_loaded == 0, w.stats
+        assert w.stats.failures_by_reason == {"copy_ConnectionError": 1}, w.stats
+        assert "B" in e.finished
+        w.mover.restore = real
+    no_leaks(manager)
+
+
 @pytest.mark.parametrize("window", [None, 32], ids=["one_group", "hybrid"])
 def test_copy_error_recomputes(model, manager, window):
     # A load whose copy fails half way (garbage in the first block) is
@@ -319,7 +343,7 @@ def test_copy_error_recomputes(model, manager, window):
         w = e.workers[0].worker
 
         def broken(gid, pages):
-            _, _, block = pages[0]
+            block = pages[0][2]
             for _, view in w.mover.blocks.layers[gid]:
                 view[block].fill_(0x5A)
             raise OSError("injected copy failure")

@@ -725,6 +725,15 @@ class Client:
             (the manager's memory is not what it published).
         """
 
+    def page_at(self, offset: int, bytes: int, checksum: int) -> memoryview:
+        """:meth:`page` for a page named by where it lies (a
+        :class:`Ready`'s ``pool_pages``): checked against ``checksum``
+        before the view is returned.
+
+        :raises ValueError: outside the pool.
+        :raises ConnectionError: the bytes do not match the checksum.
+        """
+
     def pool(self) -> memoryview:
         """The whole shared pool: a read-only, zero-copy view, unverified.
         Read pages through :meth:`page` (which checks each against its

@@ -150,8 +150,9 @@ class PageMover:
     def source_page(self, gid: int, slot: int) -> int:
         raise NotImplementedError
 
-    def restore(self, gid: int, pages: Sequence[Tuple[int, int, int]]) -> None:
-        """Copies pool pages `(offset, bytes, block)` into engine blocks."""
+    def restore(self, gid: int, pages: Sequence[Tuple[int, int, int, int]]) -> None:
+        """Copies pool pages `(offset, bytes, block, checksum)` into engine
+        blocks, verified."""
         raise NotImplementedError
 
 
@@ -166,7 +167,7 @@ class HostPageMover(PageMover):
         self._lock = threading.Lock()
         self._stage: Dict[int, torch.Tensor] = {}
         self._pages: Dict[int, List[int]] = {}
-        self._pool: torch.Tensor | None = None
+        self._client: Any = None
 
     def connect(self, session: Any) -> None:
         """Registers a staging region per group and a device page per slot
@@ -187,16 +188,12 @@ class HostPageMover(PageMover):
                 self.staging_pages, group.page_bytes
             )
             pages[group.id] = session.device_pages(region, list(range(self.staging_pages)))
-        with warnings.catch_warnings():
-            # The pool view is read-only; torch warns that writes would fail.
-            warnings.simplefilter("ignore", UserWarning)
-            pool = torch.frombuffer(client.pool(), dtype=torch.uint8)
         with self._lock:
-            self._stage, self._pages, self._pool = stage, pages, pool
+            self._stage, self._pages, self._client = stage, pages, client
 
     def disconnect(self) -> None:
         with self._lock:
-            self._stage, self._pages, self._pool = {}, {}, None
+            self._stage, self._pages, self._client = {}, {}, None
 
     def staging_slots(self, gid: int) -> int:
         return self.staging_pages
@@ -227,33 +224,42 @@ class HostPageMover(PageMover):
         with self._lock:
             return self._pages[gid][slot]
 
-    def restore(self, gid: int, pages: Sequence[Tuple[int, int, int]]) -> None:
-        """Copies leased pool pages into their blocks. On a GPU the pages
-        are gathered into one host buffer, moved in one copy and scattered
-        there (one kernel per layer); on the CPU each layer's slice is
-        copied straight from the pool."""
+    def restore(self, gid: int, pages: Sequence[Tuple[int, int, int, int]]) -> None:
+        """Copies leased pool pages `(offset, bytes, block, checksum)` into
+        their blocks, each checked against its checksum first (a page
+        whose pool bytes are not what was published raises
+        `orbitkv.ConnectionError`: the load fails, vLLM recomputes). On a
+        GPU the pages are gathered into one host buffer, moved in one copy
+        and scattered there (one kernel per layer); on the CPU each layer's
+        slice is copied straight from the pool."""
         with self._lock:
-            pool = self._pool
-        if pool is None:
+            client = self._client
+        if client is None:
             raise ConnectionError("not connected")
         if not pages:
             return
         group = self.blocks.spec.group(gid)
-        self.blocks.check_blocks([b for _, _, b in pages])
-        for offset, nbytes, _ in pages:
-            if nbytes != group.page_bytes or offset + nbytes > pool.shape[0]:
+        self.blocks.check_blocks([p[2] for p in pages])
+        for offset, nbytes, _, _ in pages:
+            if nbytes != group.page_bytes:
                 raise ValueError(
                     f"lease of {nbytes} bytes at {offset}: the group's page is "
                     f"{group.page_bytes} bytes"
                 )
+        with warnings.catch_warnings():
+            # Pool views are read-only; torch warns that writes would fail.
+            warnings.simplefilter("ignore", UserWarning)
+            src = [
+                torch.frombuffer(client.page_at(o, n, c), dtype=torch.uint8) for o, n, _, c in pages
+            ]
         layers = self.blocks.layers[gid]
         if self.blocks.device.type == "cpu":
-            for offset, _, block in pages:
+            for page, (_, _, block, _) in zip(src, pages):
                 for at, view in layers:
-                    view[block].copy_(pool[offset + at : offset + at + view.shape[1]])
+                    view[block].copy_(page[at : at + view.shape[1]])
             return
-        data = torch.stack([pool[o : o + n] for o, n, _ in pages]).to(self.blocks.device)
-        bi = torch.tensor([b for _, _, b in pages], dtype=torch.long, device=self.blocks.device)
+        data = torch.stack(src).to(self.blocks.device)
+        bi = torch.tensor([p[2] for p in pages], dtype=torch.long, device=self.blocks.device)
         for at, view in layers:
             view.index_copy_(0, bi, data[:, at : at + view.shape[1]])
 

@@ -837,10 +837,10 @@ class _IoState:
         page = self.w.spec.page_tokens
         mover = self.w.mover
         assert mover is not None
-        per_group: Dict[int, List[Tuple[int, int, int]]] = {}
+        per_group: Dict[int, List[Tuple[int, int, int, int]]] = {}
         gindex = self.w.spec.vllm_index
         job.selected = ready.boundary
-        for r, g, end, offset, nbytes, _checksum in ready.pool_pages:
+        for r, g, end, offset, nbytes, checksum in ready.pool_pages:
             if r != self.w.rank:
                 continue
             gi = gindex.get(g)
@@ -850,7 +850,7 @@ class _IoState:
                 break
             block = spec.block_ids[gi][idx]
             if block != NULL_BLOCK:
-                per_group.setdefault(g, []).append((offset, nbytes, block))
+                per_group.setdefault(g, []).append((offset, nbytes, block, checksum))
         if job.copied is None:
             try:
                 for gid, pages in per_group.items():

@@ -420,3 +420,63 @@ fn a_lease_is_read_from_the_pool_verified_then_released() {
         "ended"
     );
 }
+
+#[test]
+fn lookups_sent_without_waiting_are_collected_later_and_forgotten_ones_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let region = s.register_region(&mut c, 0, 0, 64, None).unwrap().region;
+    let stored = hashes(0x700, 4);
+    save_pages(&mut c, &mut s, region, &stored);
+
+    let qs = [
+        query(&stored),
+        query(&stored[..2]),
+        query(&hashes(0x7700, 3)),
+    ];
+    let tickets: Vec<u64> = qs
+        .iter()
+        .map(|q| s.start_lookup(&mut c, q).unwrap())
+        .collect();
+    let forgotten = s.start_lookup(&mut c, &query(&stored)).unwrap();
+    s.forget_lookup(forgotten);
+    assert!(matches!(
+        s.lookup_result(&mut c, forgotten),
+        Err(EngineError::Invalid(_))
+    ));
+    let mut got: Vec<Option<orbitkv_engine::Lookup>> = vec![None; qs.len()];
+    let deadline = std::time::Instant::now() + T;
+    while got.iter().any(Option::is_none) {
+        assert!(std::time::Instant::now() < deadline, "{got:?}");
+        for (i, t) in tickets.iter().enumerate() {
+            if got[i].is_none() {
+                got[i] = s.lookup_result(&mut c, *t).unwrap();
+            }
+        }
+    }
+    let selected: Vec<Option<u64>> = got.iter().map(|l| l.as_ref().unwrap().selected).collect();
+    assert_eq!(selected, vec![Some(4 * PAGE), Some(2 * PAGE), None]);
+    for (q, l) in qs.iter().zip(&got) {
+        assert_eq!(l.as_ref().unwrap(), &s.lookup(&mut c, q).unwrap());
+    }
+    assert!(
+        matches!(
+            s.lookup_result(&mut c, tickets[0]),
+            Err(EngineError::Invalid(_))
+        ),
+        "an answered ticket is done"
+    );
+    // The forgotten lookup's answer is dropped, not left queued.
+    let deadline = std::time::Instant::now() + T;
+    while s.strays == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "its answer never came"
+        );
+        let t = s.start_lookup(&mut c, &query(&stored)).unwrap();
+        while s.lookup_result(&mut c, t).unwrap().is_none() {}
+    }
+    assert_eq!(c.queued(), 0, "nothing left in the connection's queue");
+}

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use orbitkv_components::api::{Addressed, Command, CommandError, CommandId, LimitName, Origin};
-use orbitkv_engine::Port;
+use orbitkv_engine::{Port, Sending};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::agent::{CopyAgent, HostWindow, MemoryKind};
 use orbitkv_ipc::ClientError;
@@ -99,6 +99,19 @@ impl Port for EmbeddedPort<'_> {
             .into_iter()
             .map(|c| self.0.rt.submit(Origin::EMBEDDED, c).map_err(inbox_full))
             .collect())
+    }
+
+    fn send_command(&mut self, command: Command) -> Result<Sending, ClientError> {
+        self.submit(command).map(Sending::Queued)
+    }
+
+    fn accepted_id(&mut self, sent: Sending) -> Result<Option<CommandId>, ClientError> {
+        match sent {
+            Sending::Queued(id) => Ok(Some(id)),
+            Sending::Sent(_) => Err(ClientError::Protocol(
+                "a command sent to a manager, asked of the embedded runtime".into(),
+            )),
+        }
     }
 
     fn wait_event(

@@ -886,6 +886,36 @@ impl PySession {
         py_lookup(slf.py(), l)
     }
 
+    /// Sends a lookup (arguments as for `lookup`) without waiting for
+    /// anything; returns its ticket. `lookup_result(ticket)` collects the
+    /// answer; `forget_lookup(ticket)` gives it up.
+    fn start_lookup(
+        slf: &Bound<'_, Self>,
+        groups: Vec<u32>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+        prompt_len: u64,
+    ) -> PyResult<u64> {
+        let q = query(groups, hashes, origin, prompt_len)?;
+        Self::run(slf, |s, c| s.start_lookup(c, &q))
+    }
+
+    /// A started lookup's `Lookup` if its answer has arrived, else `None`
+    /// (never blocks). After an answer (or a failure) the ticket is done.
+    fn lookup_result(slf: &Bound<'_, Self>, ticket: u64) -> PyResult<Option<PyLookup>> {
+        let l = Self::run(slf, |s, c| s.lookup_result(c, ticket))?;
+        l.map(|l| py_lookup(slf.py(), l)).transpose()
+    }
+
+    /// Gives a started lookup up; its answer is dropped when it comes.
+    fn forget_lookup(&self, py: Python<'_>, ticket: u64) {
+        py.detach(|| {
+            if let Some(s) = self.lock().session.as_mut() {
+                s.forget_lookup(ticket);
+            }
+        });
+    }
+
     /// Many lookups (`(groups, hashes, origin, prompt_len)` each) in one
     /// round trip per 64.
     fn lookup_many(

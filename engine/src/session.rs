@@ -124,7 +124,22 @@ pub struct Session {
     progress: VecDeque<Progress>,
     /// Events that belonged to no job (answered after their job ended).
     pub strays: u64,
+    /// Lookups sent without waiting ([`Session::start_lookup`]), by ticket.
+    lookups: HashMap<u64, PendingLookup>,
+    next_lookup: u64,
 }
+
+/// A lookup in flight: sent, its id once known; `forgotten` ones are kept
+/// only to drop their answers.
+#[derive(Debug)]
+struct PendingLookup {
+    sending: Sending,
+    id: Option<CommandId>,
+    forgotten: bool,
+}
+
+/// The most lookups [`Session::start_lookup`] keeps in flight.
+pub const MAX_PENDING_LOOKUPS: usize = 4096;
 
 /// A started verb: the id of its first command.
 pub type Ticket = CommandId;
@@ -229,6 +244,8 @@ impl Session {
             by_operation: HashMap::new(),
             progress: VecDeque::new(),
             strays: 0,
+            lookups: HashMap::new(),
+            next_lookup: 0,
         })
     }
 
@@ -428,6 +445,116 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Sends a lookup without waiting for anything (a scheduler that
+    /// must not block): [`Session::lookup_result`] collects its answer.
+    pub fn start_lookup(&mut self, c: &mut dyn Port, q: &Query) -> Result<u64, EngineError> {
+        self.sweep(c)?;
+        if self.lookups.len() >= MAX_PENDING_LOOKUPS {
+            return Err(EngineError::Invalid(format!(
+                "{MAX_PENDING_LOOKUPS} lookups are already in flight"
+            )));
+        }
+        let command = self.lookup_command(q);
+        let sending = c
+            .send_command(command)
+            .map_err(|e| EngineError::client("lookup", e))?;
+        self.next_lookup += 1;
+        self.lookups.insert(
+            self.next_lookup,
+            PendingLookup {
+                sending,
+                id: None,
+                forgotten: false,
+            },
+        );
+        Ok(self.next_lookup)
+    }
+
+    /// A started lookup's answer if it has arrived (never blocks); it is
+    /// then forgotten. `Invalid` for a ticket not in flight.
+    pub fn lookup_result(
+        &mut self,
+        c: &mut dyn Port,
+        ticket: u64,
+    ) -> Result<Option<Lookup>, EngineError> {
+        self.sweep(c)?;
+        let Some(p) = self.lookups.get_mut(&ticket).filter(|p| !p.forgotten) else {
+            return Err(EngineError::Invalid(format!(
+                "no lookup {ticket} in flight"
+            )));
+        };
+        let id = match p.id {
+            Some(id) => id,
+            None => match c.accepted_id(p.sending) {
+                Ok(Some(id)) => {
+                    p.id = Some(id);
+                    id
+                }
+                Ok(None) => return Ok(None),
+                Err(e) => {
+                    self.lookups.remove(&ticket);
+                    return Err(EngineError::client("lookup", e));
+                }
+            },
+        };
+        let Some(e) = c
+            .wait_event(Duration::ZERO, &|e| e.command() == Some(id))
+            .map_err(|e| EngineError::client("lookup", e))?
+        else {
+            return Ok(None);
+        };
+        self.lookups.remove(&ticket);
+        match e {
+            Event::Rejected { error, .. } => Err(EngineError::refused("lookup", error)),
+            e => lookup_result(e).map(Some),
+        }
+    }
+
+    /// Gives a started lookup up: its answer is dropped when it comes.
+    pub fn forget_lookup(&mut self, ticket: u64) {
+        if let Some(p) = self.lookups.get_mut(&ticket) {
+            p.forgotten = true;
+        }
+    }
+
+    /// Drops the answers of forgotten lookups that have arrived.
+    fn sweep(&mut self, c: &mut dyn Port) -> Result<(), EngineError> {
+        let forgotten: Vec<u64> = self
+            .lookups
+            .iter()
+            .filter(|(_, p)| p.forgotten)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in forgotten {
+            let Some(p) = self.lookups.get_mut(&t) else {
+                continue;
+            };
+            let id = match p.id {
+                Some(id) => id,
+                None => match c.accepted_id(p.sending) {
+                    Ok(Some(id)) => {
+                        p.id = Some(id);
+                        id
+                    }
+                    Ok(None) => continue,
+                    // Never queued: nothing will answer it.
+                    Err(_) => {
+                        self.lookups.remove(&t);
+                        continue;
+                    }
+                },
+            };
+            if c.wait_event(Duration::ZERO, &|e| e.command() == Some(id))
+                .map_err(|e| EngineError::client("lookup", e))?
+                .is_some()
+            {
+                self.lookups.remove(&t);
+                self.strays += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Many lookups in one round trip per [`MAX_BATCH`] queries: all are
@@ -898,6 +1025,18 @@ pub trait Port {
         timeout: Duration,
         pred: &dyn Fn(&Event) -> bool,
     ) -> Result<Option<Event>, ClientError>;
+    /// Sends a command without waiting for it to be queued.
+    fn send_command(&mut self, command: Command) -> Result<Sending, ClientError>;
+    /// A sent command's id once queued; `None` while unanswered.
+    fn accepted_id(&mut self, sent: Sending) -> Result<Option<CommandId>, ClientError>;
+}
+
+/// A command sent without waiting: queued already (an embedded runtime),
+/// or sent to a manager that has not answered yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sending {
+    Queued(CommandId),
+    Sent(orbitkv_ipc::Sent),
 }
 
 impl Port for Client {
@@ -918,6 +1057,17 @@ impl Port for Client {
         pred: &dyn Fn(&Event) -> bool,
     ) -> Result<Option<Event>, ClientError> {
         Client::wait_event(self, timeout, pred)
+    }
+
+    fn send_command(&mut self, command: Command) -> Result<Sending, ClientError> {
+        Client::send_command(self, command).map(Sending::Sent)
+    }
+
+    fn accepted_id(&mut self, sent: Sending) -> Result<Option<CommandId>, ClientError> {
+        match sent {
+            Sending::Queued(id) => Ok(Some(id)),
+            Sending::Sent(s) => Client::accepted_id(self, s),
+        }
     }
 }
 

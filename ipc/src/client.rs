@@ -118,6 +118,13 @@ impl ClientOptions {
     }
 }
 
+/// A command sent without waiting (see [`Client::send_command`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sent {
+    tag: u64,
+    hot: bool,
+}
+
 type HotPort = iceoryx2::port::client::Client<Ipc, HotRequest, (), HotResponse, ()>;
 type HotPending = iceoryx2::pending_response::PendingResponse<Ipc, HotRequest, (), HotResponse, ()>;
 
@@ -868,6 +875,48 @@ impl Client {
         }
         self.adapt_spin(blocked);
         Ok(out)
+    }
+
+    /// Sends a command without waiting for the manager to queue it (a
+    /// scheduler that must not block on a lookup); [`Client::accepted_id`]
+    /// tells its id once the manager answered.
+    pub fn send_command(&mut self, command: Command) -> Result<Sent, ClientError> {
+        *self.sent.entry(command.kind()).or_default() += 1;
+        if let Some(tag) = self.send_hot(&command) {
+            return Ok(Sent { tag, hot: true });
+        }
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        self.send(&frame::encode(Kind::Submit, &Submit { tag, command }))?;
+        Ok(Sent { tag, hot: false })
+    }
+
+    /// The id of a command [`Client::send_command`] sent, once the manager
+    /// queued it; `None` while it has not answered. Reads what arrived,
+    /// never blocks. A command the manager refused to queue is
+    /// [`ClientError::Command`].
+    pub fn accepted_id(&mut self, sent: Sent) -> Result<Option<CommandId>, ClientError> {
+        let take = |c: &mut Client| {
+            if sent.hot {
+                c.hot.as_mut().and_then(|h| h.first.remove(&sent.tag))
+            } else {
+                c.accepted
+                    .remove(&sent.tag)
+                    .map(|r| r.map_err(ClientError::Command))
+            }
+        };
+        if let Some(r) = take(self) {
+            return r.map(Some);
+        }
+        let saved = self.spin;
+        self.spin = Duration::ZERO;
+        let pumped = (|| {
+            while self.pump(Some(Instant::now()))? {}
+            Ok::<(), ClientError>(())
+        })();
+        self.spin = saved;
+        pumped?;
+        take(self).transpose()
     }
 
     /// Commands sent so far, by kind (`register_instance`, `lookup`, ...).

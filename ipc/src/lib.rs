@@ -42,7 +42,7 @@ pub mod hot;
 pub mod hot_server;
 pub mod snapshot;
 
-pub use client::{Agent, Client, ClientError, ClientOptions};
+pub use client::{Agent, Client, ClientError, ClientOptions, Sent};
 pub use frame::{FrameError, Kind, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use snapshot::{ConnectionSummary, Health, Snapshot, Window};
 

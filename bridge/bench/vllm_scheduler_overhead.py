@@ -134,6 +134,12 @@ def loop(sched, hasher, reqs: List[List[int]], tag: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument(
+        "--no-lookup-wait",
+        action="store_true",
+        help="the connector's lookup_wait: false (lookups sent without waiting, "
+        "collected when vLLM asks again)",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
         "--no-gc",
@@ -176,6 +182,7 @@ def main() -> None:
         "debug_extension": orbitkv._orbitkv._debug_build,
         "manager": os.environ["ORBITKV_BIN"],
         "spin_after_work_us": args.spin_after_work_us,
+        "lookup_wait": not args.no_lookup_wait,
         "gc": not args.no_gc,
     }
     try:
@@ -197,7 +204,11 @@ def main() -> None:
 
         def scheduler(connector: bool) -> Scheduler:
             vc, kcc, _ = harness.build_config(
-                model, manager.socket, num_blocks=4096, max_batched=8192
+                model,
+                manager.socket,
+                num_blocks=4096,
+                max_batched=8192,
+                extra={"lookup_wait": not args.no_lookup_wait},
             )
             if not connector:
                 vc.kv_transfer_config = None
@@ -261,7 +272,8 @@ def main() -> None:
     print(
         f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}"
         f" (spin_after_work_us {'default' if spin is None else spin}), load {os.getloadavg()[0]:.2f},"
-        f" garbage collector {'off' if args.no_gc else 'on (startup heap frozen, as vLLM does)'} in the timed loops"
+        f" garbage collector {'off' if args.no_gc else 'on (startup heap frozen, as vLLM does)'} in the timed loops,"
+        f" lookup_wait {not args.no_lookup_wait}"
     )
     print(
         f"{'loop':9} {'us/req':>8} {'ratio':>6} {'lookup us/req':>13} {'p50':>7} {'p99':>7} "

@@ -600,6 +600,37 @@ def test_a_lookup_is_one_round_trip(model, manager):
     no_leaks(manager)
 
 
+def test_a_lookup_sent_without_waiting_hits_when_vllm_asks_again(model, manager):
+    # lookup_wait: false: the scheduler sends the lookup and tells vLLM
+    # "not yet" (None), so the real scheduler skips the request; at a later
+    # step the answer is collected without waiting and the hit offered.
+    # One lookup per request all the same.
+    with engine(model, manager.socket, extra={"lookup_wait": False}) as e:
+        e.add("A", PROMPT)
+        e.run()
+        assert e.sched.reset_prefix_cache()
+        e.wipe()
+        sched = e.connector.scheduler
+        answers: list = []
+        real = sched.get_num_new_matched_tokens
+
+        def record(request, n):
+            answers.append(real(request, n))
+            return answers[-1]
+
+        sched.get_num_new_matched_tokens = record
+        before = _sent(sched.link)
+        e.add("B", PROMPT + [99, 98])
+        e.run()
+        sched.get_num_new_matched_tokens = real
+        assert answers[0] == (None, False), answers
+        assert answers[-1] == (64, True), answers
+        assert e.stats.hit_tokens == 64, e.stats
+        assert _since(before, _sent(sched.link)) == {"lookup": 1}
+        assert "B" in e.finished
+    no_leaks(manager)
+
+
 def test_a_hit_is_two_round_trips_on_known_blocks(model, manager):
     # A hit through the scheduler and the worker is two commands, each
     # answered by one manager round: the scheduler's `lookup` and the

@@ -10,6 +10,7 @@ leases themselves when they load.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -21,6 +22,9 @@ from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveItem, SaveSpec
 from .settings import ConnectorSettings
 
 log = logging.getLogger("orbitkv.vllm")
+
+#: `_lookup`'s answer while a lookup sent without waiting is unanswered.
+_NOT_YET = object()
 
 
 @dataclass
@@ -45,6 +49,18 @@ class _Request:
     offers: int = 0
     """Loads offered to vLLM for this request (at most one after a
     failure: the failed one)."""
+    pending: Optional["_Pending"] = None
+    """``lookup_wait: false``: the lookup sent for this request whose
+    answer has not been collected yet."""
+
+
+@dataclass
+class _Pending:
+    ticket: int
+    origin: int
+    pages: int
+    generation: int
+    deadline: float
 
 
 @dataclass
@@ -109,7 +125,9 @@ class SchedulerSide:
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // page)
         if usable * page <= num_computed_tokens or num_computed_tokens % page:
             return 0, False
-        selected = self._lookup(request, num_computed_tokens, usable)
+        selected = self._lookup(state, num_computed_tokens, usable)
+        if selected is _NOT_YET:
+            return None, False  # vLLM skips the request and asks again later
         if selected is None or selected <= num_computed_tokens:
             return 0, False
         self.stats.hits += 1
@@ -194,6 +212,8 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
         state = self.requests.pop(request.request_id, None)
+        if state is not None and state.pending is not None:
+            self.link.session.forget_lookup(state.pending.ticket)
         return bool(state is not None and state.saves_sent), None
 
     def shutdown(self) -> None:
@@ -201,8 +221,9 @@ class SchedulerSide:
 
     # internals ------------------------------------------------------------
 
-    def _lookup(self, request: Any, origin: int, pages: int) -> Optional[int]:
-        """The selected boundary, or None (a miss, whatever the reason)."""
+    def _lookup(self, state: _Request, origin: int, pages: int) -> Any:
+        """The selected boundary, None (a miss, whatever the reason), or
+        `_NOT_YET` (``lookup_wait: false``, the answer has not come)."""
         try:
             session = self.link.get()
         except Refused as e:
@@ -212,17 +233,16 @@ class SchedulerSide:
             self.stats.unavailable += 1
             self.stats.miss("unavailable")
             return None
-        page = self.spec.page_tokens
-        self.stats.queries += 1
-        self.stats.queried_tokens += pages * page - origin
+        request = state.request
+        query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
         try:
-            found = session.lookup(
-                self._group_ids,
-                request.block_hashes[:pages],
-                origin,
-                request.num_tokens,
-                timeout=self.settings.query_timeout_s,
-            )
+            if self.settings.lookup_wait:
+                self._count(origin, pages)
+                found = session.lookup(*query, timeout=self.settings.query_timeout_s)
+            else:
+                found = self._collect(session, state, query)
+                if found is None:
+                    return _NOT_YET
         except orbitkv.Refused as e:
             kind = str(e.args[0])
             if kind == "stale_session":
@@ -230,7 +250,7 @@ class SchedulerSide:
             self.stats.miss(kind)
             return None
         except TimeoutError:
-            # A lookup holds nothing: a late answer is dropped by the next.
+            # A lookup holds nothing: a late answer is dropped.
             self.stats.miss("timeout")
             return None
         except LINK_ERRORS as e:
@@ -241,6 +261,42 @@ class SchedulerSide:
             self.stats.miss(str(found.miss))
             return None
         return found.selected
+
+    def _count(self, origin: int, pages: int) -> None:
+        self.stats.queries += 1
+        self.stats.queried_tokens += pages * self.spec.page_tokens - origin
+
+    def _collect(self, session: orbitkv.Session, state: _Request, query: Tuple[Any, ...]) -> Any:
+        """``lookup_wait: false``: the request's lookup is sent once and its
+        answer collected without waiting; `None` until it has come.
+        `TimeoutError` past ``query_timeout_s``."""
+        _, _, origin, _ = query
+        pages = len(query[1])
+        p = state.pending
+        if p is not None and (p.origin, p.pages, p.generation) != (origin, pages, self.link.generation):
+            session.forget_lookup(p.ticket)  # asked of another session, or for other tokens
+            p = state.pending = None
+        if p is None:
+            self._count(origin, pages)
+            p = state.pending = _Pending(
+                session.start_lookup(*query),
+                origin,
+                pages,
+                self.link.generation,
+                time.monotonic() + self.settings.query_timeout_s,
+            )
+        try:
+            found = session.lookup_result(p.ticket)
+        except BaseException:
+            state.pending = None
+            raise
+        if found is not None:
+            state.pending = None
+        elif time.monotonic() > p.deadline:
+            session.forget_lookup(p.ticket)
+            state.pending = None
+            raise TimeoutError(f"no answer to the lookup within {self.settings.query_timeout_s}s")
+        return found
 
     def _plan_save(self, rid: str, scheduled: int) -> Optional[SaveSpec]:
         state = self.requests.get(rid)

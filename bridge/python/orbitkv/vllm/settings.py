@@ -59,6 +59,13 @@ class ConnectorSettings:
     past it fails: the request recomputes, the page is not saved)."""
     query_timeout_s: float = 1.0
     """Bound on the scheduler's lookup: past it, the request is a miss."""
+    lookup_wait: bool = True
+    """True: the scheduler waits for each lookup's answer (at most
+    ``query_timeout_s``). False: it sends the lookup and tells vLLM "not
+    yet" (``None``): vLLM skips the request for this step and asks again
+    at a later one, when the answer is collected without waiting. The
+    lookup then never holds up the scheduler's thread, and a request whose
+    answer was not back in time is scheduled a step later."""
     lookup_spin_us: int = 300
     """How long the scheduler's wait for a lookup's answer spins before it
     blocks (0..=10000; the client's own default is 20). The scheduler's

@@ -138,6 +138,16 @@ struct PendingLookup {
     forgotten: bool,
 }
 
+impl PendingLookup {
+    /// Its command id, once the manager queued it.
+    fn resolve(&mut self, c: &mut dyn Port) -> Result<Option<CommandId>, ClientError> {
+        if self.id.is_none() {
+            self.id = c.accepted_id(self.sending)?;
+        }
+        Ok(self.id)
+    }
+}
+
 /// The most lookups [`Session::start_lookup`] keeps in flight.
 pub const MAX_PENDING_LOOKUPS: usize = 4096;
 
@@ -485,19 +495,13 @@ impl Session {
                 "no lookup {ticket} in flight"
             )));
         };
-        let id = match p.id {
-            Some(id) => id,
-            None => match c.accepted_id(p.sending) {
-                Ok(Some(id)) => {
-                    p.id = Some(id);
-                    id
-                }
-                Ok(None) => return Ok(None),
-                Err(e) => {
-                    self.lookups.remove(&ticket);
-                    return Err(EngineError::client("lookup", e));
-                }
-            },
+        let id = match p.resolve(c) {
+            Ok(Some(id)) => id,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                self.lookups.remove(&ticket);
+                return Err(EngineError::client("lookup", e));
+            }
         };
         let Some(e) = c
             .wait_event(Duration::ZERO, &|e| e.command() == Some(id))
@@ -531,20 +535,14 @@ impl Session {
             let Some(p) = self.lookups.get_mut(&t) else {
                 continue;
             };
-            let id = match p.id {
-                Some(id) => id,
-                None => match c.accepted_id(p.sending) {
-                    Ok(Some(id)) => {
-                        p.id = Some(id);
-                        id
-                    }
-                    Ok(None) => continue,
-                    // Never queued: nothing will answer it.
-                    Err(_) => {
-                        self.lookups.remove(&t);
-                        continue;
-                    }
-                },
+            let id = match p.resolve(c) {
+                Ok(Some(id)) => id,
+                Ok(None) => continue,
+                // Never queued: nothing will answer it.
+                Err(_) => {
+                    self.lookups.remove(&t);
+                    continue;
+                }
             };
             if c.wait_event(Duration::ZERO, &|e| e.command() == Some(id))
                 .map_err(|e| EngineError::client("lookup", e))?

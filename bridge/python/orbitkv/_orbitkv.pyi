@@ -312,6 +312,23 @@ class Session:
         of ``prompt_len``. One round trip; holds nothing. Past ``timeout``
         (default: the session's), ``TimeoutError``; the connection stays."""
 
+    def start_lookup(
+        self, groups: Sequence[int], hashes: Sequence[bytes], origin: int, prompt_len: int
+    ) -> int:
+        """Sends a lookup without waiting for anything; returns its ticket
+        (at most 4096 in flight, else ``ValueError``)."""
+
+    def lookup_result(self, ticket: int) -> Optional[Lookup]:
+        """A started lookup's answer if it has arrived, else ``None``; never
+        blocks. After an answer (or a failure) the ticket is done.
+
+        :raises ValueError: no such lookup in flight.
+        :raises Refused: the manager refused it.
+        """
+
+    def forget_lookup(self, ticket: int) -> None:
+        """Gives a started lookup up; its answer is dropped when it comes."""
+
     def lookup_many(
         self, queries: Sequence[Tuple[Sequence[int], Sequence[bytes], int, int]]
     ) -> List[Lookup]:

@@ -260,3 +260,31 @@ def test_two_sessions_share_a_callers_connection(manager):
     _round_trip(sb, b, seed=4)
     sb.close()
     c.close()
+
+
+def test_the_stubs_name_every_public_member_of_the_session_types():
+    import ast
+    import pathlib
+
+    tree = ast.parse((pathlib.Path(orbitkv.__file__).parent / "_orbitkv.pyi").read_text())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def members(c: ast.ClassDef) -> set:
+        out = set()
+        for m in c.body:
+            if isinstance(m, ast.FunctionDef):
+                out.add(m.name)
+            elif isinstance(m, ast.AnnAssign) and isinstance(m.target, ast.Name):
+                out.add(m.target.id)
+        return out
+
+    for cls in (orbitkv.Session, orbitkv.Lookup, orbitkv.Loaded, orbitkv.Saved, orbitkv.Ready):
+        public = {n for n in dir(cls) if not n.startswith("_")}
+        missing = public - members(classes[cls.__name__])
+        assert not missing, f"{cls.__name__}: {sorted(missing)} not in the stubs"
+    stub_reasons = [
+        m.value.value
+        for m in classes["MissReason"].body
+        if isinstance(m, ast.Assign) and isinstance(m.value, ast.Constant)
+    ]
+    assert stub_reasons == [r.value for r in orbitkv.MissReason]

@@ -440,6 +440,9 @@ fn lookups_sent_without_waiting_are_collected_later_and_forgotten_ones_dropped()
         .iter()
         .map(|q| s.start_lookup(&mut c, q).unwrap())
         .collect();
+    // A blocking lookup meanwhile leaves the started ones' answers alone.
+    let blocking = s.lookup(&mut c, &query(&stored[..3])).unwrap();
+    assert_eq!(blocking.selected, Some(3 * PAGE));
     let forgotten = s.start_lookup(&mut c, &query(&stored)).unwrap();
     s.forget_lookup(forgotten);
     assert!(matches!(

@@ -424,12 +424,17 @@ impl Session {
         let id = submit(c, "lookup", command)?;
         let deadline = Instant::now() + timeout;
         let started = &self.by_command;
+        // While lookups sent without waiting are in flight, an earlier
+        // answer may be one of theirs (their ids are learnt lazily): only
+        // then are late answers left for later.
+        let drop_late = self.lookups.is_empty();
         // Its answer, or a late answer of an earlier lookup (dropped);
         // never an answer of a started verb.
         let ours = |e: &Event| {
             e.command().is_some_and(|c| {
                 c == id
-                    || (c < id
+                    || (drop_late
+                        && c < id
                         && !started.contains_key(&c)
                         && matches!(e, Event::QueryResult { .. } | Event::Rejected { .. }))
             })

@@ -164,14 +164,6 @@ class Lmcache:
 # OrbitKV -------------------------------------------------------------------
 
 
-def register_cmd(page_bytes: int) -> dict:
-    cmd = ss.register_cmd("peer")
-    slot = cmd["layout"]["slots"][0]
-    slot["segment_bytes"] = page_bytes
-    slot["padded_page_bytes"] = page_bytes
-    return cmd
-
-
 def hashes(pages: int, rnd: int) -> list:
     return [((rnd << 48) + 0x5EED0000 + i).to_bytes(8, "big") for i in range(pages)]
 
@@ -191,7 +183,7 @@ def run_orbitkv(
             agent = s.client.attach_agent_memory(pages, [(mem.ctypes.data, page_bytes, page_bytes)], mem)
             regions[name] = s.register_region(0, 0, pages, agent=agent)
 
-    s = orbitkv.Session(c, register_cmd(page_bytes), name="peer", timeout=long_wait, on_connect=setup)
+    s = orbitkv.Session(c, ss.instance("peer", page_bytes=page_bytes), name="peer", timeout=long_wait, on_connect=setup)
     s.connect()
     dps_src = s.device_pages(regions["src"], list(range(pages)))
     dps_dst = s.device_pages(regions["dst"], list(range(pages)))

@@ -203,7 +203,7 @@ def main() -> int:
                     timed(lambda: c.lookup(s, 1, [0], hashes, 0, prompt), n // 2, 0, hit_answer, gap),
                 )
             )
-        sess = orbitkv.Session(m.socket, ss.register_cmd(), name="bench-session")
+        sess = orbitkv.Session(m.socket, ss.instance(), name="bench-session")
         sess.connect()
 
         def session_hit(r):

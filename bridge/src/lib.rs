@@ -107,6 +107,7 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Unavailable", py.get_type::<Unavailable>())?;
     m.add("MissReason", session::miss_reason_type(py)?)?;
     m.add_class::<session::PySession>()?;
+    m.add_class::<session::PyInstance>()?;
     m.add_class::<session::PyLookup>()?;
     m.add_class::<session::PyLoaded>()?;
     m.add_class::<session::PySaved>()?;

@@ -14,9 +14,12 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use orbitkv_components::api::{
-    AgentRegion, Command, MissReason, PagePos, PublishPage, RestoreTarget,
+    AgentRegion, Command, MissReason, PagePos, PublishPage, Rank, RestoreTarget,
 };
+use orbitkv_components::contract::GroupSpec;
 use orbitkv_components::key::NativeHash;
+use orbitkv_components::layout::StorageLayout;
+use orbitkv_components::namespace::parse_hex32;
 use orbitkv_engine::{
     Backoff, EngineError, LoadPlan, Loaded, Lookup, Progress, Query, Session, SessionOptions,
     Ticket,
@@ -28,7 +31,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::client::PyClient;
-use crate::convert::{deserialize_dict, serialize};
+use crate::convert::{deserialize, deserialize_dict, serialize};
 use crate::runtime::PyRuntime;
 use crate::{QueueFull, Refused, Unavailable};
 
@@ -660,10 +663,134 @@ impl PySession {
     }
 }
 
+/// An engine instance as the manager registers it: its name, its identity,
+/// where its pages live on each rank (`layout`), its page size in tokens,
+/// its attention groups and its ranks. Checked when made, each part against
+/// the contract's types, so a bad description stops the engine where it is
+/// built, naming the part.
+#[pyclass(name = "Instance", module = "orbitkv", frozen)]
+#[derive(PartialEq)]
+pub struct PyInstance {
+    name: String,
+    identity: [u8; 32],
+    layout: StorageLayout,
+    page_tokens: u64,
+    groups: Vec<GroupSpec>,
+    ranks: Vec<Rank>,
+}
+
+impl PyInstance {
+    /// The `register_instance` command that registers it.
+    fn register(&self) -> Command {
+        Command::RegisterInstance {
+            instance: self.name.clone(),
+            identity: self.identity,
+            layout: self.layout.clone(),
+            page_tokens: self.page_tokens,
+            groups: self.groups.clone(),
+            ranks: self.ranks.clone(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyInstance {
+    /// :raises ValueError: a part does not describe what the contract
+    ///     expects (the message names the part), or the identity is not 64
+    ///     lowercase hex digits.
+    #[new]
+    #[pyo3(signature = (*, name, identity, layout, page_tokens, groups, ranks))]
+    fn new(
+        name: String,
+        identity: &str,
+        layout: &Bound<'_, PyAny>,
+        page_tokens: u64,
+        groups: &Bound<'_, PyAny>,
+        ranks: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let bad = |part: &str, e: String| PyValueError::new_err(format!("instance {name:?}: {part}: {e}"));
+        if name.is_empty() {
+            return Err(bad("name", "empty".into()));
+        }
+        let identity = parse_hex32(identity)
+            .ok_or_else(|| bad("identity", format!("{identity:?} is not 64 lowercase hex digits")))?;
+        if page_tokens == 0 {
+            return Err(bad("page_tokens", "must be > 0".into()));
+        }
+        let layout: StorageLayout = deserialize_dict(layout).map_err(|e| bad("layout", e))?;
+        let groups: Vec<GroupSpec> = deserialize(groups).map_err(|e| bad("groups", e))?;
+        let ranks: Vec<Rank> = deserialize(ranks).map_err(|e| bad("ranks", e))?;
+        if groups.is_empty() {
+            return Err(bad("groups", "none given".into()));
+        }
+        if ranks.is_empty() {
+            return Err(bad("ranks", "none given".into()));
+        }
+        Ok(PyInstance {
+            name,
+            identity,
+            layout,
+            page_tokens,
+            groups,
+            ranks,
+        })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The identity, as 64 lowercase hex digits.
+    #[getter]
+    fn identity(&self) -> String {
+        hex::encode(self.identity)
+    }
+
+    #[getter]
+    fn page_tokens(&self) -> u64 {
+        self.page_tokens
+    }
+
+    /// The layout, as plain Python data (a new copy each time).
+    #[getter]
+    fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        serialize(py, &self.layout)
+    }
+
+    /// The groups, as plain Python data (a new copy each time).
+    #[getter]
+    fn groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        serialize(py, &self.groups)
+    }
+
+    /// The ranks, as plain Python data (a new copy each time).
+    #[getter]
+    fn ranks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        serialize(py, &self.ranks)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyInstance>()
+            .is_ok_and(|o| o.get() == self)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Instance(name={:?}, identity={}…, page_tokens={}, groups={}, ranks={})",
+            self.name,
+            hex::encode(&self.identity[..8]),
+            self.page_tokens,
+            self.groups.len(),
+            self.ranks.len()
+        )
+    }
+}
+
 #[pymethods]
 impl PySession {
-    /// A session of the instance `register` (a `register_instance` command
-    /// dict) on `backend`: a manager's socket path (the session's own
+    /// A session of `instance` (an `Instance`) on `backend`: a manager's socket path (the session's own
     /// connection, reconnected after a failure), a `Client` (the caller's
     /// connection, shared, never closed here) or a wall-clock `Runtime`
     /// (embedded; waits tick it). Nothing connects until `connect()` or the
@@ -673,25 +800,27 @@ impl PySession {
     /// once per `reconnect_interval` seconds; calls in between raise the
     /// failure again.
     #[new]
-    #[pyo3(signature = (backend, register, *, name="python", timeout=10.0, reconnect_interval=1.0, spin_us=None, on_connect=None))]
+    #[pyo3(signature = (backend, instance, *, name="python", timeout=10.0, reconnect_interval=1.0, spin_us=None, on_connect=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         backend: &Bound<'_, PyAny>,
-        register: &Bound<'_, PyAny>,
+        instance: &Bound<'_, PyAny>,
         name: &str,
         timeout: f64,
         reconnect_interval: f64,
         spin_us: Option<u64>,
         on_connect: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let register: Command = deserialize_dict(register)
-            .map_err(|e| PyValueError::new_err(format!("invalid register command: {e}")))?;
-        if !matches!(register, Command::RegisterInstance { .. }) {
-            return Err(PyValueError::new_err(format!(
-                "register must be a register_instance command, not {}",
-                register.kind()
-            )));
-        }
+        let register = instance
+            .cast::<PyInstance>()
+            .map_err(|_| {
+                pyo3::exceptions::PyTypeError::new_err(format!(
+                    "instance must be an orbitkv.Instance, not {}",
+                    instance.get_type()
+                ))
+            })?
+            .get()
+            .register();
         let secs = |v: f64, what: &str| {
             Duration::try_from_secs_f64(v)
                 .ok()

@@ -151,13 +151,13 @@ def test_identity_inputs(models, monkeypatch):
 
 def test_groups_and_layout(model):
     spec = spec_of(model, sliding_window=32, tp=2)
-    reg = spec.register_command
-    assert [g["rule"] for g in reg["groups"]] == ["prefix", {"window": 31}]
-    assert [g["components"] for g in reg["groups"]] == [["attention_kv"], ["sliding_window_kv"]]
-    assert reg["ranks"] == [{"tp": 0, "pp": 0}, {"tp": 1, "pp": 0}]
+    reg = spec.description
+    assert [g["rule"] for g in reg.groups] == ["prefix", {"window": 31}]
+    assert [g["components"] for g in reg.groups] == [["attention_kv"], ["sliding_window_kv"]]
+    assert reg.ranks == [{"tp": 0, "pp": 0}, {"tp": 1, "pp": 0}]
     # One slot per (layer, rank); a block of one layer is H*N*C bytes.
-    assert len(reg["layout"]["slots"]) == 4
-    slot = reg["layout"]["slots"][0]
+    assert len(reg.layout["slots"]) == 4
+    slot = reg.layout["slots"][0]
     assert slot["segment_bytes"] == 2 * 16 * 2 * 16 * 4
     assert slot["layout"] == "LBNHC" and slot["page_tokens"] == 16
     # [H, N, C] byte strides in LBNHC: N outer, then H, then C.

@@ -64,7 +64,7 @@ def test_factory_loads_both_roles(model, manager):
         assert isinstance(e.workers[0], ov.OrbitKVConnector)
         assert e.workers[0].role == KVConnectorRole.WORKER
         assert e.connector.spec.identity == e.workers[0].spec.identity
-        assert e.connector.spec.register_command == e.workers[0].spec.register_command
+        assert e.connector.spec.description == e.workers[0].spec.description
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
@@ -180,7 +180,7 @@ def test_sliding_window_group(model, manager, async_scheduling):
     with engine(model, manager.socket, sliding_window=32, async_scheduling=async_scheduling) as e:
         assert not e.vc.scheduler_config.disable_hybrid_kv_cache_manager
         assert len(e.kcc.kv_cache_groups) == 2
-        groups = e.connector.spec.register_command["groups"]
+        groups = e.connector.spec.description.groups
         assert groups[1]["rule"] == {"window": 31}
         hit = produce_then_consume(e, PROMPT)
         assert hit == 64, e.stats

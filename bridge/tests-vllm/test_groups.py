@@ -52,8 +52,8 @@ def test_vllm_grouping_maps_full_attention_to_group_zero(
         assert [g.id for g in spec.groups] == list(range(len(kinds)))
         assert spec.groups[0].kind == "full" and spec.groups[0].vllm_group == full
         assert sorted(g.vllm_group for g in spec.groups) == list(range(len(kinds)))
-        reg = spec.register_command
-        assert [g["rule"] for g in reg["groups"]] == ["prefix"] + [{"window": 31}] * sliding
+        reg = spec.description
+        assert [g["rule"] for g in reg.groups] == ["prefix"] + [{"window": 31}] * sliding
         # Every slot names the storage group of its layer's vLLM group.
         by_layer = {
             name: g.id for g in spec.groups for name in (lp.name for lp in g.layers)
@@ -62,7 +62,7 @@ def test_vllm_grouping_maps_full_attention_to_group_zero(
             ids = {by_layer[name] for name in vg.layer_names}
             assert len(ids) == 1, (vg.layer_names, ids)
         # The worker derives the same mapping on its own.
-        assert e.workers[0].spec.register_command == reg
+        assert e.workers[0].spec.description == reg
 
         # B (142 tokens) loads 128 (8 pages below its last token): every
         # full-attention page, and in each sliding group only the 2 pages

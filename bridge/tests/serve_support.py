@@ -68,6 +68,21 @@ def register_cmd(instance: str = INSTANCE) -> Dict:
     }
 
 
+def instance(name: str = INSTANCE, identity: str = IDENTITY, page_bytes: int = PAGE_BYTES) -> orbitkv.Instance:
+    """The instance `register_cmd` registers, for an `orbitkv.Session`."""
+    cmd = register_cmd(name)
+    for slot in cmd["layout"]["slots"]:
+        slot["segment_bytes"] = slot["padded_page_bytes"] = page_bytes
+    return orbitkv.Instance(
+        name=name,
+        identity=identity,
+        layout=cmd["layout"],
+        page_tokens=cmd["page_tokens"],
+        groups=cmd["groups"],
+        ranks=cmd["ranks"],
+    )
+
+
 def hashes(n: int, seed: int = 0) -> List[str]:
     """Chained hashes of an n-page prompt (8 bytes as hex)."""
     return [f"{0xABC0 + (seed << 20) + i:016x}" for i in range(n)]

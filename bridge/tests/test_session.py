@@ -88,7 +88,7 @@ class Engine:
 
 
 def session(manager, engine: Engine, **kw) -> orbitkv.Session:
-    return orbitkv.Session(manager.socket, ss.register_cmd(), name="test", on_connect=engine.on_connect, **kw)
+    return orbitkv.Session(manager.socket, ss.instance(), name="test", on_connect=engine.on_connect, **kw)
 
 
 @pytest.mark.parametrize("agent", [False, True], ids=["shared-region", "copy-agent"])
@@ -147,8 +147,7 @@ def test_a_refusal_is_typed_and_raised_again_while_the_backoff_waits(manager):
     e = Engine()
     with session(manager, e) as first:
         first.connect()
-        other = ss.register_cmd()
-        other["identity"] = "07" * 32  # the same name, another computation
+        other = ss.instance(identity="07" * 32)  # the same name, another computation
         s = orbitkv.Session(manager.socket, other, reconnect_interval=60.0)
         for attempt in range(2):
             with pytest.raises(orbitkv.Refused) as info:
@@ -164,7 +163,7 @@ def test_a_refusal_is_typed_and_raised_again_while_the_backoff_waits(manager):
 
 def test_no_manager_is_unavailable_then_a_restart_reconnects_with_the_setup_run_again(manager):
     with pytest.raises(orbitkv.Unavailable) as info:
-        orbitkv.Session(str(manager.dir / "none.sock"), ss.register_cmd()).connect()
+        orbitkv.Session(str(manager.dir / "none.sock"), ss.instance()).connect()
     assert isinstance(info.value, ConnectionError)
 
     e = Engine()
@@ -208,10 +207,47 @@ def test_bad_input_is_refused_before_anything_is_sent(manager):
         assert info.value.command == "load" and info.value.args[1] == "load_invalid"
         assert s.up, "a refusal leaves the session up"
         assert s.lookup([0], hashes(2), 0, 2 * PAGE + 1).selected == 2 * PAGE
-    with pytest.raises(ValueError, match="register_instance"):
-        orbitkv.Session(manager.socket, {"command": "open_session", "instance": "x"})
+    with pytest.raises(TypeError, match="orbitkv.Instance"):
+        orbitkv.Session(manager.socket, ss.register_cmd())  # a command dict is not an instance
     with pytest.raises(ValueError, match="reconnect_interval"):
-        orbitkv.Session(manager.socket, ss.register_cmd(), reconnect_interval=0)
+        orbitkv.Session(manager.socket, ss.instance(), reconnect_interval=0)
+
+
+def test_an_instance_is_checked_where_it_is_made_naming_the_bad_part():
+    good = ss.instance()
+    assert good == ss.instance() and good != ss.instance(identity="07" * 32)
+    assert (good.name, good.identity, good.page_tokens) == (ss.INSTANCE, ss.IDENTITY, PAGE)
+    assert good.groups == ss.register_cmd()["groups"] and good.ranks == [{"tp": 0, "pp": 0}]
+    assert good.layout["slots"][0]["segment_bytes"] == ss.PAGE_BYTES
+    cmd = ss.register_cmd()
+
+    def make(**change):
+        parts = dict(
+            name=ss.INSTANCE,
+            identity=ss.IDENTITY,
+            layout=cmd["layout"],
+            page_tokens=PAGE,
+            groups=cmd["groups"],
+            ranks=cmd["ranks"],
+        )
+        parts.update(change)
+        return orbitkv.Instance(**parts)
+
+    for change, part in (
+        ({"identity": "AB" * 32}, "identity"),  # upper case is not the contract's hex
+        ({"identity": "ab"}, "identity"),
+        ({"page_tokens": 0}, "page_tokens"),
+        ({"name": ""}, "name"),
+        ({"groups": []}, "groups"),
+        ({"groups": [{"id": 0, "rule": "sometimes", "components": ["attention_kv"]}]}, "groups"),
+        ({"ranks": []}, "ranks"),
+        ({"ranks": [{"tp": -1, "pp": 0}]}, "ranks"),
+        ({"layout": [1, 2]}, "layout"),
+        ({"layout": {"slots": [{"layer": 0}], "pool_capacity_pages": 0}}, "layout"),
+    ):
+        with pytest.raises(ValueError, match=f'instance "{ss.INSTANCE}": {part}: '):
+            make(**change)
+    assert make() == good
 
 
 def _round_trip(s: orbitkv.Session, e: Engine, seed: int) -> None:
@@ -229,7 +265,7 @@ def _round_trip(s: orbitkv.Session, e: Engine, seed: int) -> None:
 def test_a_session_on_an_embedded_runtime_ticks_it_while_it_waits(agent):
     rt = orbitkv.Runtime({"dram": {"capacity_bytes": 16 << 20, "extent_bytes": 64 << 10, "first_touch": False}})
     e = Engine(agent=agent)
-    with orbitkv.Session(rt, ss.register_cmd(), on_connect=e.on_connect) as s:
+    with orbitkv.Session(rt, ss.instance(), on_connect=e.on_connect) as s:
         assert s.client is rt
         _round_trip(s, e, seed=1)
         t = s.start_load([0], hashes(3, seed=1), 0, 3 * PAGE + 1, ranks=[0], targets=[])
@@ -240,14 +276,14 @@ def test_a_session_on_an_embedded_runtime_ticks_it_while_it_waits(agent):
         assert isinstance(done[0], orbitkv.Refused) and done[0].args[1] == "load_invalid", done
     assert rt.is_idle()
     with pytest.raises(ValueError, match="wall-clock"):
-        orbitkv.Session(orbitkv.Runtime(simulated_clock=True), ss.register_cmd())
+        orbitkv.Session(orbitkv.Runtime(simulated_clock=True), ss.instance())
 
 
 def test_two_sessions_share_a_callers_connection(manager):
     c = orbitkv.Client(manager.socket, "shared")
     a, b = Engine(), Engine()
-    sa = orbitkv.Session(c, ss.register_cmd(), on_connect=a.on_connect)
-    sb = orbitkv.Session(c, ss.register_cmd(), on_connect=b.on_connect)
+    sa = orbitkv.Session(c, ss.instance(), on_connect=a.on_connect)
+    sb = orbitkv.Session(c, ss.instance(), on_connect=b.on_connect)
     # Interleaved: each claims its own answers from the one connection.
     sa.connect()
     ta = sa.start_save([(0, 0, hashes(1, seed=9)[0], sa.device_pages(a.region, [20])[0])])

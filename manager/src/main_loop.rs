@@ -47,6 +47,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
     let mut refreshed = st.now;
     let mut refreshed_tick = st.last_tick;
     let mut poller = Poller::default();
+    let mut spin = Spin::new(st.settings.spin_after_work, st.settings.spin_for_streams);
     let mut incoming = Vec::new();
     st.refresh_metrics();
     while !stop.load(Ordering::Relaxed) {
@@ -99,7 +100,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             st.tick();
         }
         if submitted > 0 {
-            busy_until = st.now + st.settings.spin_after_work;
+            busy_until = st.now + spin.after_work(now);
         }
         if from_sockets > 0 {
             sockets_busy_until = busy_until;
@@ -113,6 +114,41 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             refreshed = st.now;
             refreshed_tick = st.last_tick;
             st.refresh_metrics();
+        }
+    }
+}
+
+/// How long the loop spins after a round that took commands: `base` after a
+/// lone one; while commands come in a stream (each within `stream` of the
+/// one before, as a scheduler step's lookups do, one per waiting request),
+/// twice the last gap, at most `stream`, so the next command of the stream
+/// finds the loop awake instead of paying its wake-up. (The gap a command
+/// that paid a wake-up measures includes that wake-up: doubling it, and
+/// taking gaps up to `stream` itself, lets one late command not drop the
+/// stream.) A gap longer than `stream` (a model step) falls back to
+/// `base`: an engine that is not streaming is not spun for.
+struct Spin {
+    base: Duration,
+    stream: Duration,
+    last: Option<Instant>,
+}
+
+impl Spin {
+    fn new(base: Duration, stream: Duration) -> Spin {
+        Spin {
+            base,
+            stream,
+            last: None,
+        }
+    }
+
+    /// The spin after work taken at `now` (the round's reading).
+    fn after_work(&mut self, now: Instant) -> Duration {
+        let gap = self.last.map(|t| now.saturating_duration_since(t));
+        self.last = Some(now);
+        match gap {
+            Some(g) if g <= self.stream => g.saturating_mul(2).min(self.stream).max(self.base),
+            _ => self.base,
         }
     }
 }
@@ -336,4 +372,45 @@ pub fn shutdown(st: &mut State) {
         let _ = std::fs::remove_file(path);
     }
     info!("stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Duration = Duration::from_micros(1);
+
+    #[test]
+    fn the_spin_stretches_over_a_stream_and_falls_back_after_a_pause() {
+        let mut s = Spin::new(100 * US, 1_000 * US);
+        let t0 = Instant::now();
+        assert_eq!(s.after_work(t0), 100 * US, "a first command: the base");
+        // A stream of commands 150 us apart: spin across the next gap.
+        assert_eq!(s.after_work(t0 + 150 * US), 300 * US);
+        assert_eq!(s.after_work(t0 + 300 * US), 300 * US);
+        // Close together: never below the base.
+        assert_eq!(s.after_work(t0 + 310 * US), 100 * US);
+        // A gap from half the stream bound up to the bound: the bound.
+        assert_eq!(s.after_work(t0 + 810 * US), 1_000 * US);
+        assert_eq!(s.after_work(t0 + 1_810 * US), 1_000 * US);
+        // A model step's pause (beyond the bound): the base again.
+        assert_eq!(s.after_work(t0 + 2_811 * US), 100 * US);
+        assert_eq!(s.after_work(t0 + 20_000 * US), 100 * US);
+        assert_eq!(s.after_work(t0 + 20_200 * US), 400 * US);
+    }
+
+    #[test]
+    fn a_stream_bound_at_or_below_the_base_keeps_the_base() {
+        for stream in [Duration::ZERO, 100 * US] {
+            let mut s = Spin::new(100 * US, stream);
+            let t0 = Instant::now();
+            for i in 0..5 {
+                assert_eq!(s.after_work(t0 + i * 30 * US), 100 * US);
+            }
+        }
+        let mut off = Spin::new(Duration::ZERO, Duration::ZERO);
+        let t0 = Instant::now();
+        assert_eq!(off.after_work(t0), Duration::ZERO);
+        assert_eq!(off.after_work(t0 + 10 * US), Duration::ZERO);
+    }
 }

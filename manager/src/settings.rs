@@ -69,6 +69,7 @@ struct ServeFile {
     hot_path: Option<bool>,
     hot_area: Option<String>,
     spin_after_work_us: Option<u64>,
+    spin_for_streams_us: Option<u64>,
     socket_poll_interval_us: Option<u64>,
 }
 
@@ -154,6 +155,11 @@ pub struct Settings {
     /// the next request of an engine step usually follows at once. 0 turns
     /// spinning off (every round then may sleep).
     pub spin_after_work: Duration,
+    /// The longest spin after a command that came in a stream (within this
+    /// of the previous one, as a scheduler step's lookups do): then the
+    /// loop spins twice the last gap (at most this), so the next command of
+    /// the stream finds it awake. Not above `spin_after_work` turns it off.
+    pub spin_for_streams: Duration,
     /// While spinning with the hot path on, the sockets are polled at most
     /// this often (unless a socket brought a frame within the spin): the
     /// hot path is a look at shared memory, a poll is a system call. The
@@ -354,6 +360,14 @@ impl Settings {
                 0,
                 MAX_SPIN_AFTER_WORK_US,
             )?),
+            spin_for_streams: Duration::from_micros(at_most(
+                "spin_for_streams_us",
+                serve
+                    .spin_for_streams_us
+                    .unwrap_or(DEFAULT_SPIN_FOR_STREAMS_US),
+                0,
+                MAX_SPIN_AFTER_WORK_US,
+            )?),
             socket_poll_interval: Duration::from_micros(at_most(
                 "socket_poll_interval_us",
                 serve
@@ -371,6 +385,11 @@ impl Settings {
 /// process holds a handful of sessions.
 pub const DEFAULT_SESSIONS_PER_PROCESS: usize = 256;
 pub const DEFAULT_SPIN_AFTER_WORK_US: u64 = 100;
+/// Covers the gaps between the lookups of one scheduler step (the engine's
+/// own work per request, 100-300 us on the benches' machine) but not the
+/// gap between model steps: an engine that is not streaming commands is
+/// not spun for.
+pub const DEFAULT_SPIN_FOR_STREAMS_US: u64 = 1_000;
 /// Spinning longer burns a core for little: an engine's next request
 /// comes within microseconds or after a model step (milliseconds).
 pub const MAX_SPIN_AFTER_WORK_US: u64 = 10_000;
@@ -427,12 +446,14 @@ mod tests {
         let s = from_file("[serve]\n").unwrap();
         assert_eq!(s.spin_after_work, Duration::from_micros(100));
         assert_eq!(s.socket_poll_interval, Duration::from_micros(20));
+        assert_eq!(s.spin_for_streams, Duration::from_micros(1_000));
         let s =
             from_file("[serve]\nspin_after_work_us = 0\nsocket_poll_interval_us = 500\n").unwrap();
         assert_eq!(s.spin_after_work, Duration::ZERO);
         assert_eq!(s.socket_poll_interval, Duration::from_micros(500));
         for bad in [
             "spin_after_work_us = 10001",
+            "spin_for_streams_us = 10001",
             "socket_poll_interval_us = 0",
             "socket_poll_interval_us = 10001",
         ] {

@@ -15,8 +15,8 @@ hands it back only when it is provably complete and from the same computation.
   (:meth:`Client.region`). Failures of the connection raise
   :class:`ConnectionError` (a subclass of the builtin one).
 - :class:`Session`: the engine side, the one way engines talk to a manager:
-  register, open, reconnect (at most once per interval), a slot table of
-  device pages, and typed verbs (:meth:`Session.lookup`,
+  register its :class:`Instance` (checked when made), open, reconnect (at
+  most once per interval), a slot table of device pages, and typed verbs (:meth:`Session.lookup`,
   :meth:`Session.lookup_many`, :meth:`Session.load`, :meth:`Session.save`)
   returning :class:`Lookup`, :class:`Loaded`, :class:`Saved` with a
   :class:`MissReason`; failures are :class:`Refused` (the manager said no,
@@ -32,6 +32,7 @@ from ._orbitkv import (
     ContractError,
     CudaUnavailable,
     IdentityError,
+    Instance,
     InvariantError,
     Loaded,
     Lookup,
@@ -60,6 +61,7 @@ __all__ = [
     "ContractError",
     "CudaUnavailable",
     "IdentityError",
+    "Instance",
     "InvariantError",
     "Loaded",
     "Lookup",

@@ -219,6 +219,44 @@ class Saved:
         """``inserted + duplicates``: pages the manager holds."""
 
 @final
+class Instance:
+    """An engine instance as the manager registers it: its name, identity,
+    layout (where its pages live on each rank), page size in tokens,
+    attention groups and ranks. Checked when made, each part against the
+    contract's types: a bad description fails where the engine builds it,
+    naming the part. Equal when every part is equal."""
+
+    def __new__(
+        cls,
+        *,
+        name: str,
+        identity: str,
+        layout: Dict[str, _JSON],
+        page_tokens: int,
+        groups: List[Dict[str, _JSON]],
+        ranks: List[Dict[str, int]],
+    ) -> Instance:
+        """:raises ValueError: a part is not what the contract expects (the
+        message names the part), the identity is not 64 lowercase hex
+        digits, or there are no groups or no ranks."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def identity(self) -> str:
+        """64 lowercase hex digits."""
+    @property
+    def page_tokens(self) -> int: ...
+    @property
+    def layout(self) -> Dict[str, _JSON]:
+        """A new copy, as plain Python data."""
+    @property
+    def groups(self) -> List[Dict[str, _JSON]]:
+        """A new copy, as plain Python data."""
+    @property
+    def ranks(self) -> List[Dict[str, int]]:
+        """A new copy, as plain Python data."""
+
 class Session:
     """The engine side: one engine process's session with a manager, the
     one way engines talk to OrbitKV (``engine/``, ``orbitkv_engine``).
@@ -238,7 +276,7 @@ class Session:
     def __new__(
         cls,
         backend: Union[str, os.PathLike[str], Client, Runtime],
-        register: _Command,
+        instance: Instance,
         *,
         name: str = "python",
         timeout: float = 10.0,
@@ -250,11 +288,12 @@ class Session:
             reconnected after a failure, closed with it), a :class:`Client`
             (shared, the caller's), or a wall-clock :class:`Runtime` (its
             waits tick it).
-        :param register: the ``register_instance`` command (a dict).
+        :param instance: what the session registers.
         :param timeout: the longest wait for any one reply or outcome.
         :param spin_us: how long waits spin before they block (as
             :meth:`Client.set_spin_us`).
-        :raises ValueError: not a ``register_instance``, a bad interval.
+        :raises TypeError: ``instance`` is not an :class:`Instance`.
+        :raises ValueError: a bad interval or timeout.
         """
 
     def connect(self) -> None:

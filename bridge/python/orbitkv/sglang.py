@@ -516,7 +516,7 @@ class _Registration:
     page_tokens: int
     rank: Dict[str, int]
     pools: Dict[str, _Pool]  # by SGLang pool name
-    command: Dict[str, Any]
+    description: orbitkv.Instance
 
     def groups(self) -> List[int]:
         return sorted(p.group for p in self.pools.values())
@@ -719,15 +719,17 @@ def _build_registration(
     # format) are different instances, never a conflict that leaves one of
     # them without a cache.
     instance = f"sglang/{ident['namespace'][:16]}/tp{storage_rank}/pp{sc.pp_rank}"
-    command = {
-        "command": "register_instance",
-        "instance": instance,
-        "identity": identity,
-        "layout": layout,
-        "page_tokens": page_tokens,
-        "groups": groups,
-        "ranks": [rank],
-    }
+    try:
+        description = orbitkv.Instance(
+            name=instance,
+            identity=identity,
+            layout=layout,
+            page_tokens=page_tokens,
+            groups=groups,
+            ranks=[rank],
+        )
+    except ValueError as e:
+        raise _Unsupported(f"orbitkv: {e}") from e
     return _Registration(
         instance=instance,
         identity=identity,
@@ -735,7 +737,7 @@ def _build_registration(
         page_tokens=page_tokens,
         rank=rank,
         pools=pools,
-        command=command,
+        description=description,
     )
 
 
@@ -757,7 +759,7 @@ class _Conn:
         self.reg = reg
         self.cfg = cfg
         self.session = orbitkv.Session(
-            cfg.socket, reg.command, name=cfg.client_name, timeout=cfg.timeout_s
+            cfg.socket, reg.description, name=cfg.client_name, timeout=cfg.timeout_s
         )
         #: Per group: the host pool as an agent region of this connection
         #: (None: it cannot be described; bounce copies then).

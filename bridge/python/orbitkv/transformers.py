@@ -461,15 +461,14 @@ class Store:
         # until the session closes: no allocation rounds per call.
         self._session: Optional[orbitkv.Session] = orbitkv.Session(
             backend,
-            {
-                "command": "register_instance",
-                "instance": self.instance,
-                "identity": self.identity["identity"],
-                "layout": layout,
-                "page_tokens": self.page_tokens,
-                "groups": contract_groups,
-                "ranks": [{"tp": 0, "pp": 0}],
-            },
+            orbitkv.Instance(
+                name=self.instance,
+                identity=self.identity["identity"],
+                layout=layout,
+                page_tokens=self.page_tokens,
+                groups=contract_groups,
+                ranks=[{"tp": 0, "pp": 0}],
+            ),
             name="transformers",
             timeout=timeout_s,
             on_connect=self._setup,

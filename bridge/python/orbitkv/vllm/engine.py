@@ -100,8 +100,8 @@ class EngineSpec:
     groups: Tuple[GroupPlan, ...]
     tp_size: int
     kv_layout: str
-    register_command: Dict[str, Any]
-    """RegisterInstance for every rank: what both roles send."""
+    description: orbitkv.Instance
+    """The instance every rank registers: what both roles send."""
     identity_inputs: List[Dict[str, Any]]
 
     @property
@@ -434,15 +434,14 @@ def resolve_engine(
                         "device_addr": 0,
                     }
                 )
-    register = {
-        "command": "register_instance",
-        "instance": instance,
-        "identity": identity,
-        "layout": {"slots": slots, "pool_capacity_pages": 0},
-        "page_tokens": int(hash_block),
-        "groups": [p.group_spec() for p in plans],
-        "ranks": [{"tp": r, "pp": 0} for r in range(tp)],
-    }
+    description = orbitkv.Instance(
+        name=instance,
+        identity=identity,
+        layout={"slots": slots, "pool_capacity_pages": 0},
+        page_tokens=int(hash_block),
+        groups=[p.group_spec() for p in plans],
+        ranks=[{"tp": r, "pp": 0} for r in range(tp)],
+    )
     return EngineSpec(
         identity=identity,
         instance=instance,
@@ -450,6 +449,6 @@ def resolve_engine(
         groups=tuple(plans),
         tp_size=tp,
         kv_layout=layout,
-        register_command=register,
+        description=description,
         identity_inputs=resolved.get("inputs", []),
     )

@@ -162,7 +162,7 @@ class ManagerLink:
         self.on_connect = on_connect
         self.session = orbitkv.Session(
             settings.socket,
-            spec.register_command,
+            spec.description,
             name=name,
             timeout=settings.timeout_s,
             reconnect_interval=settings.reconnect_interval_s,

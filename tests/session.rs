@@ -2,8 +2,9 @@
 //! serve`: exact bytes through save and load, the slot table (one
 //! allocation per slot, across loads and saves), batch lookups equal to
 //! single ones in one round, typed refusals never confused with
-//! unavailability, a session of a restarted manager, and a load plan the
-//! manager refuses.
+//! unavailability, a session of a restarted manager, a load plan the
+//! manager refuses, and the slot table across a session's end (its pages
+//! freed with it, fenced afterwards, the next session's allocated afresh).
 
 mod support;
 use support::*;
@@ -482,4 +483,82 @@ fn lookups_sent_without_waiting_are_collected_later_and_forgotten_ones_dropped()
         while s.lookup_result(&mut c, t).unwrap().is_none() {}
     }
     assert_eq!(c.queued(), 0, "nothing left in the connection's queue");
+}
+
+#[test]
+fn the_slot_table_ends_with_its_session_and_the_next_one_allocates_afresh() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut a = open(&mut c);
+    let ra = a.register_region(&mut c, 0, 0, 16, None).unwrap().region;
+    let h = hashes(0x500, 4);
+    save_pages(&mut c, &mut a, ra, &h);
+    // The table answers again without allocating.
+    let old = a.device_pages(&mut c, ra, &[0, 1, 2, 3]).unwrap();
+    assert_eq!(a.device_page_count(), 4);
+    assert_eq!(c.inspect(T).unwrap().device_pages, 4);
+    a.close(&mut c).unwrap();
+    let snap = c.inspect(T).unwrap();
+    assert_eq!(
+        (snap.sessions, snap.device_pages, snap.leases),
+        (0, 0, 0),
+        "the region's pages went with its session: {snap:?}"
+    );
+
+    let mut b = open(&mut c);
+    assert_eq!(b.device_page_count(), 0);
+    let rb = b.register_region(&mut c, 0, 0, 16, None).unwrap().region;
+    assert_ne!(ra, rb, "a region id is never reused");
+    // The closed session's region is not this session's: the caller's
+    // mistake, refused before anything is sent.
+    assert!(matches!(
+        b.device_pages(&mut c, ra, &[0]),
+        Err(EngineError::Invalid(_))
+    ));
+    // The closed session's device pages named as load targets: a miss
+    // with its reason (generation-fenced), nothing copied, nothing held.
+    let stale = LoadPlan {
+        ranks: vec![0],
+        targets: old
+            .iter()
+            .enumerate()
+            .map(|(i, &device_page)| RestoreTarget {
+                pos: PagePos {
+                    rank: 0,
+                    group: 0,
+                    page_end: (i as u64 + 1) * PAGE,
+                },
+                device_page,
+            })
+            .collect(),
+        retained: vec![],
+    };
+    match b.load(&mut c, &query(&h), stale) {
+        Ok(Loaded::Miss(MissReason::StaleGeneration)) => {}
+        other => panic!("a dead session's pages: {other:?}"),
+    }
+    let snap = c.inspect(T).unwrap();
+    assert_eq!((snap.operations, snap.leases), (0, 0), "{snap:?}");
+
+    // This session's own pages: fresh handles, the saved bytes exactly.
+    c.region_mut(rb).unwrap().fill(0);
+    let p = plan(&mut b, &mut c, rb, 0, 4);
+    assert!(p.targets.iter().all(|t| !old.contains(&t.device_page)));
+    match b.load(&mut c, &query(&h), p).unwrap() {
+        Loaded::Hit { pages, .. } => assert_eq!(pages, 4),
+        other => panic!("{other:?}"),
+    }
+    let bytes = BYTES as usize;
+    let mem = c.region_mut(rb).unwrap();
+    for i in 0..4 {
+        assert_eq!(
+            mem[i * bytes..(i + 1) * bytes],
+            payload(i as u64)[..],
+            "page {i}"
+        );
+    }
+    b.close(&mut c).unwrap();
+    let snap = c.inspect(T).unwrap();
+    assert_eq!((snap.sessions, snap.device_pages, snap.leases), (0, 0, 0));
 }

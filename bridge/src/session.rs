@@ -708,12 +708,18 @@ impl PyInstance {
         groups: &Bound<'_, PyAny>,
         ranks: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
-        let bad = |part: &str, e: String| PyValueError::new_err(format!("instance {name:?}: {part}: {e}"));
+        let bad = |part: &str, e: String| {
+            PyValueError::new_err(format!("instance {name:?}: {part}: {e}"))
+        };
         if name.is_empty() {
             return Err(bad("name", "empty".into()));
         }
-        let identity = parse_hex32(identity)
-            .ok_or_else(|| bad("identity", format!("{identity:?} is not 64 lowercase hex digits")))?;
+        let identity = parse_hex32(identity).ok_or_else(|| {
+            bad(
+                "identity",
+                format!("{identity:?} is not 64 lowercase hex digits"),
+            )
+        })?;
         if page_tokens == 0 {
             return Err(bad("page_tokens", "must be > 0".into()));
         }
@@ -771,9 +777,7 @@ impl PyInstance {
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other
-            .cast::<PyInstance>()
-            .is_ok_and(|o| o.get() == self)
+        other.cast::<PyInstance>().is_ok_and(|o| o.get() == self)
     }
 
     fn __repr__(&self) -> String {

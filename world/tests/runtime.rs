@@ -2035,3 +2035,254 @@ fn a_bad_load_plan_is_refused_before_anything_runs() {
     assert_eq!((st.operations, st.leases), (0, 0));
     d.h.rt().check_invariants().unwrap();
 }
+
+/// Submits `cmd` from the embedded origin and ticks (advancing the clock)
+/// until an event of it is terminal; asserts that exactly one is, that it
+/// is the last addressed, and that nothing more comes. Returns the events.
+fn ends_once(d: &mut Dense, cmd: Command) -> Vec<Addressed> {
+    let kind = cmd.kind();
+    let mut out = d.h.step_from(vec![(Origin::EMBEDDED, cmd)]);
+    for _ in 0..1000 {
+        if out.iter().any(|a| a.terminal) {
+            break;
+        }
+        out.extend(d.h.step_from(vec![(
+            Origin::EMBEDDED,
+            Command::AdvanceClock { us: 1_000 },
+        )]));
+    }
+    let ends: Vec<usize> = (0..out.len()).filter(|&i| out[i].terminal).collect();
+    assert_eq!(ends.len(), 1, "{kind}: one terminal event: {out:?}");
+    assert_eq!(
+        ends[0],
+        out.len() - 1,
+        "{kind}: the terminal event is the last: {out:?}"
+    );
+    for _ in 0..3 {
+        let more = d.h.step_from(vec![(
+            Origin::EMBEDDED,
+            Command::AdvanceClock { us: 1_000 },
+        )]);
+        assert!(more.is_empty(), "{kind}: after its end: {more:?}");
+    }
+    out
+}
+
+/// One event, not terminal: the operation goes on.
+fn goes_on(d: &mut Dense, cmd: Command) -> Event {
+    let kind = cmd.kind();
+    match d.h.step_from(vec![(Origin::EMBEDDED, cmd)]).as_slice() {
+        [
+            Addressed {
+                event,
+                terminal: false,
+                ..
+            },
+        ] => event.clone(),
+        other => panic!("{kind}: {other:?}"),
+    }
+}
+
+fn operation_of(e: &Event) -> u64 {
+    e.operation()
+        .unwrap_or_else(|| panic!("an operation's event: {e:?}"))
+}
+
+#[test]
+fn every_command_that_is_answered_ends_with_exactly_one_terminal_event() {
+    let mut d = dense_setup(16 << 20);
+    let (s, region, ns) = (d.s, d.region, d.ns);
+    // register_instance, open_session, register_device_region.
+    let reg = register_cmd("other", ID_B, dense(), 1, &[0]);
+    ends_once(&mut d, reg);
+    let out = ends_once(
+        &mut d,
+        Command::OpenSession {
+            instance: "other".into(),
+        },
+    );
+    let other = match &out[..] {
+        [
+            Addressed {
+                event: Event::SessionOpened { session, .. },
+                ..
+            },
+        ] => *session,
+        o => panic!("{o:?}"),
+    };
+    ends_once(
+        &mut d,
+        Command::RegisterDeviceRegion {
+            session: other,
+            rank: 0,
+            group: 0,
+            slots: 4,
+            agent: None,
+        },
+    );
+    // device_page_alloc.
+    let out = ends_once(
+        &mut d,
+        Command::DevicePageAlloc {
+            session: s,
+            region,
+            slot: 40,
+        },
+    );
+    assert!(matches!(
+        out[..],
+        [Addressed {
+            event: Event::DevicePageAllocated { .. },
+            ..
+        }]
+    ));
+    // publish (its copies run, then its one reply).
+    let pages: Vec<(u32, orbitkv_components::NativeHash, u64)> = (0..4)
+        .map(|i| {
+            let dp = d.h.alloc(s, d.region, i as u32);
+            let native = hash(70, 0, i);
+            d.h.write_slot(d.engine_region, i as u32, &payload(&d.ns, 0, &native));
+            (0, native, dp)
+        })
+        .collect();
+    let targets: Vec<RestoreTarget> = (0..4u64)
+        .map(|i| {
+            let dp = d.h.alloc(s, d.region, 8 + i as u32);
+            orbitkv_world::driver::target(0, 0, (i + 1) * PAGE, dp)
+        })
+        .collect();
+    let out = ends_once(&mut d, publish_cmd(s, 70, 0, pages));
+    assert!(matches!(
+        out.last().map(|a| &a.event),
+        Some(Event::PublishDone { .. })
+    ));
+    // lookup: its result, hit or miss.
+    ends_once(&mut d, lookup(s, 1, 70, 4, 4 * PAGE + 1));
+    ends_once(&mut d, lookup(s, 2, 71, 4, 4 * PAGE + 1));
+    // query: a miss ends it; a hit goes on until release.
+    ends_once(&mut d, query(s, 3, 71, &[0], 4, 4 * PAGE + 1, false));
+    let op = operation_of(&goes_on(
+        &mut d,
+        query(s, 4, 70, &[0], 4, 4 * PAGE + 1, false),
+    ));
+    let out = ends_once(
+        &mut d,
+        Command::Release {
+            session: s,
+            operation: op,
+        },
+    );
+    assert!(matches!(
+        out[..],
+        [Addressed {
+            event: Event::Released { .. },
+            ..
+        }]
+    ));
+    // query, then prepare: ready goes on; restore ends it.
+    let op = operation_of(&goes_on(
+        &mut d,
+        query(s, 5, 70, &[0], 4, 4 * PAGE + 1, false),
+    ));
+    let mut ready = d.h.step_from(vec![(
+        Origin::EMBEDDED,
+        Command::Prepare {
+            session: s,
+            operation: op,
+        },
+    )]);
+    for _ in 0..1000 {
+        if ready.iter().any(|a| matches!(a.event, Event::Ready { .. })) {
+            break;
+        }
+        ready.extend(d.h.step_from(vec![(
+            Origin::EMBEDDED,
+            Command::AdvanceClock { us: 1_000 },
+        )]));
+    }
+    assert!(
+        ready.iter().all(|a| !a.terminal),
+        "prepare goes on: {ready:?}"
+    );
+    let out = ends_once(
+        &mut d,
+        Command::Restore {
+            session: s,
+            operation: op,
+            targets: targets.clone(),
+            retained: vec![],
+        },
+    );
+    assert!(matches!(
+        out.last().map(|a| &a.event),
+        Some(Event::RestoreDone { .. })
+    ));
+    // query with prepare, then cancel: ends with its release.
+    let leased = d.h.step_from(vec![(
+        Origin::EMBEDDED,
+        query(s, 6, 70, &[0], 4, 4 * PAGE + 1, true),
+    )]);
+    assert!(
+        matches!(
+            &leased[..],
+            [
+                Addressed {
+                    event: Event::QueryResult { .. },
+                    terminal: false,
+                    ..
+                },
+                Addressed {
+                    event: Event::Ready { .. },
+                    terminal: false,
+                    ..
+                }
+            ]
+        ),
+        "{leased:?}"
+    );
+    let op = operation_of(&leased[0].event);
+    ends_once(
+        &mut d,
+        Command::Cancel {
+            session: s,
+            operation: op,
+        },
+    );
+    // load: query, lease, copies and its last word in one command.
+    let load = load_cmd(&mut d, 70, 4, 16);
+    let out = ends_once(&mut d, load);
+    assert!(matches!(
+        out.last().map(|a| &a.event),
+        Some(Event::RestoreDone { .. })
+    ));
+    // clear.
+    ends_once(
+        &mut d,
+        Command::Clear {
+            namespaces: vec![ns],
+        },
+    );
+    // A refusal of any kind is its command's one terminal reply.
+    let out = ends_once(
+        &mut d,
+        Command::Release {
+            session: s,
+            operation: 1 << 40,
+        },
+    );
+    assert!(matches!(
+        out[..],
+        [Addressed {
+            event: Event::Rejected { .. },
+            ..
+        }]
+    ));
+    // Not here: device_page_free and close_session are answered by events
+    // that carry no command id (`DevicePageFreed` may come later, with the
+    // last pin; `SessionClosed` after the session's I/O drained), so they
+    // end by kind, not by the flag; advance_clock has no reply; copy_done
+    // answers an `AgentCopy` and its operation's terminal event is the
+    // load's or publish's (tests/agent*.rs).
+    let st = d.h.rt().stats();
+    assert_eq!((st.operations, st.leases), (0, 0), "{st:?}");
+}

@@ -10,7 +10,7 @@ mod support;
 use support::*;
 
 use orbitkv_components::NativeHash;
-use orbitkv_components::api::{CommandError, MissReason, PagePos, PublishPage, RestoreTarget};
+use orbitkv_components::api::{CommandError, MissReason, PublishPage};
 use orbitkv_engine::{EngineError, LoadPlan, Loaded, Query, Session, SessionOptions};
 use orbitkv_ipc::Client;
 use orbitkv_world::driver;
@@ -64,25 +64,22 @@ fn save_pages(c: &mut Client, s: &mut Session, region: u64, h: &[NativeHash]) {
     );
 }
 
-fn plan(s: &mut Session, c: &mut Client, region: u64, first_slot: u32, n: u64) -> LoadPlan {
-    let slots: Vec<u32> = (0..n as u32).map(|i| first_slot + i).collect();
-    let dps = s.device_pages(c, region, &slots).unwrap();
+/// A load into `dps`, page `i` of the prefix into `dps[i]`.
+fn plan_for(dps: &[u64]) -> LoadPlan {
     LoadPlan {
         ranks: vec![0],
         targets: dps
-            .into_iter()
+            .iter()
             .enumerate()
-            .map(|(i, device_page)| RestoreTarget {
-                pos: PagePos {
-                    rank: 0,
-                    group: 0,
-                    page_end: (i as u64 + 1) * PAGE,
-                },
-                device_page,
-            })
+            .map(|(i, &dp)| driver::target(0, 0, (i as u64 + 1) * PAGE, dp))
             .collect(),
         retained: vec![],
     }
+}
+
+fn plan(s: &mut Session, c: &mut Client, region: u64, first_slot: u32, n: u64) -> LoadPlan {
+    let slots: Vec<u32> = (0..n as u32).map(|i| first_slot + i).collect();
+    plan_for(&s.device_pages(c, region, &slots).unwrap())
 }
 
 #[test]
@@ -518,22 +515,7 @@ fn the_slot_table_ends_with_its_session_and_the_next_one_allocates_afresh() {
     ));
     // The closed session's device pages named as load targets: a miss
     // with its reason (generation-fenced), nothing copied, nothing held.
-    let stale = LoadPlan {
-        ranks: vec![0],
-        targets: old
-            .iter()
-            .enumerate()
-            .map(|(i, &device_page)| RestoreTarget {
-                pos: PagePos {
-                    rank: 0,
-                    group: 0,
-                    page_end: (i as u64 + 1) * PAGE,
-                },
-                device_page,
-            })
-            .collect(),
-        retained: vec![],
-    };
+    let stale = plan_for(&old);
     match b.load(&mut c, &query(&h), stale) {
         Ok(Loaded::Miss(MissReason::StaleGeneration)) => {}
         other => panic!("a dead session's pages: {other:?}"),

@@ -324,3 +324,34 @@ def test_the_stubs_name_every_public_member_of_the_session_types():
         if isinstance(m, ast.Assign) and isinstance(m.value, ast.Constant)
     ]
     assert stub_reasons == [r.value for r in orbitkv.MissReason]
+
+
+def test_a_prefix_not_worth_loading_is_a_typed_miss_counted_on_metrics(orbitkv_bin):
+    # Three pages at least: a two-page prefix costs more to load than to
+    # recompute (as this manager is told).
+    m = ss.Manager(orbitkv_bin, config=ss.CONFIG + f"[restore]\nmin_load_tokens = {3 * PAGE}\n")
+    try:
+        m.start()
+        e = Engine()
+        with session(m, e) as s:
+            short, long = hashes(2, seed=1), hashes(4, seed=2)
+            assert e.save(s, short).inserted == 2
+            assert e.save(s, long, first_slot=4).inserted == 4
+            found = s.lookup([0], short, 0, 2 * PAGE + 1)
+            assert (found.selected, found.miss) == (None, orbitkv.MissReason.NOT_WORTH_LOADING)
+            got = e.load(s, short, first_slot=16)
+            assert not got.hit and got.miss is orbitkv.MissReason.NOT_WORTH_LOADING
+            assert not e.page(s, 16).any() and not e.page(s, 17).any(), "nothing copied"
+            assert s.lookup([0], long, 0, 4 * PAGE + 1).selected == 4 * PAGE
+            got = e.load(s, long, first_slot=16)
+            assert got.hit and got.pages == 4
+            assert all((e.page(s, 16 + i) == payload(i)).all() for i in range(4))
+        deadline = time.monotonic() + ss.T
+        line = 'orbitkv_misses_total{reason="not_worth_loading"} 2'
+        while line not in m.metrics_text():
+            assert time.monotonic() < deadline, m.metrics_text()
+            time.sleep(0.05)
+        m.wait_metric("leases", 0)
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)

@@ -81,10 +81,14 @@ pub enum MissReason {
     RemoteUnavailable,
     /// A remote read passed its deadline (slow node).
     RemoteTimeout,
+    /// The prefix is there, but loading it would add fewer tokens than the
+    /// runtime's `[restore] min_load_tokens`: recomputing them is cheaper
+    /// than a load's fixed cost.
+    NotWorthLoading,
 }
 
 impl MissReason {
-    pub const ALL: [MissReason; 16] = [
+    pub const ALL: [MissReason; 17] = [
         MissReason::NotFound,
         MissReason::Namespace,
         MissReason::IncompleteGroup,
@@ -101,6 +105,7 @@ impl MissReason {
         MissReason::RemoteCorrupt,
         MissReason::RemoteUnavailable,
         MissReason::RemoteTimeout,
+        MissReason::NotWorthLoading,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -121,6 +126,7 @@ impl MissReason {
             MissReason::RemoteCorrupt => "remote_corrupt",
             MissReason::RemoteUnavailable => "remote_unavailable",
             MissReason::RemoteTimeout => "remote_timeout",
+            MissReason::NotWorthLoading => "not_worth_loading",
         }
     }
 }

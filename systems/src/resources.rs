@@ -22,6 +22,17 @@ pub struct Clock {
     pub now_us: u64,
 }
 
+/// When a found prefix is worth loading (`[restore]`).
+#[derive(Resource, Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RestorePolicy {
+    /// A hit that would load fewer new tokens than this (the selected
+    /// boundary less what the engine holds) misses `not_worth_loading`:
+    /// the engine recomputes them, which costs less than a load's round
+    /// trips and copies for a few tokens. 0 (the default) turns it off.
+    pub min_load_tokens: u64,
+}
+
 /// Every bound the stages enforce, by name.
 #[derive(Resource, Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -9,7 +9,7 @@ use orbitkv_components::ecs::{Instance, OpState, Operation, Outcome, Recovery, a
 use orbitkv_components::{common_boundaries, prompt_limit, select_boundary};
 
 use crate::lifecycle::{finish, set_state};
-use crate::resources::{Metrics, Outbox};
+use crate::resources::{Metrics, Outbox, RestorePolicy};
 
 pub fn validate(
     mut commands: Commands,
@@ -17,6 +17,7 @@ pub fn validate(
     instances: Query<&Instance>,
     mut outbox: ResMut<Outbox>,
     mut metrics: ResMut<Metrics>,
+    policy: Res<RestorePolicy>,
 ) {
     for (entity, mut op, mut rec) in &mut ops {
         metrics.queried_tokens += rec.end - rec.origin;
@@ -27,6 +28,16 @@ pub fn validate(
             (Some(reason), _) => (None, Vec::new(), Some(reason)),
             (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),
             (None, Ok(instance)) => select(instance, &mut rec, &mut candidates),
+        };
+        let (selected, miss) = match selected {
+            Some(b) if b.saturating_sub(rec.origin) < policy.min_load_tokens => {
+                // Found, but too little to be worth a load: nothing is
+                // selected, so nothing is leased or read.
+                rec.selected = None;
+                rec.ranges.clear();
+                (None, Some(MissReason::NotWorthLoading))
+            }
+            _ => (selected, miss),
         };
         // A lookup's result ends it whatever it says; a query's only with
         // a miss (a hit goes on to prepare, or waits for its release).

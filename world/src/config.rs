@@ -1,7 +1,7 @@
 //! The runtime's configuration. Every bound has a name here; `Config` is
 //! serde-deserializable (TOML/JSON) and checked by [`Config::validate`].
 
-use orbitkv_systems::resources::Limits;
+use orbitkv_systems::resources::{Limits, RestorePolicy};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -16,6 +16,8 @@ pub struct Config {
     /// absent. `docs/remote.md`.
     pub remote: Option<orbitkv_io::remote::RemoteConfig>,
     pub limits: Limits,
+    /// When a found prefix is worth loading.
+    pub restore: RestorePolicy,
     /// Manager incarnation; session handles from another incarnation are
     /// stale. The manager sets a fresh one at every start.
     pub incarnation: u64,
@@ -32,6 +34,7 @@ impl Default for Config {
             ssd: None,
             remote: None,
             limits: Limits::default(),
+            restore: RestorePolicy::default(),
             incarnation: 1,
             check_invariants: cfg!(debug_assertions),
         }

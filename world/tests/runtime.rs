@@ -2286,3 +2286,95 @@ fn every_command_that_is_answered_ends_with_exactly_one_terminal_event() {
     let st = d.h.rt().stats();
     assert_eq!((st.operations, st.leases), (0, 0), "{st:?}");
 }
+
+#[test]
+fn a_prefix_too_short_to_be_worth_loading_misses_with_its_reason_and_holds_nothing() {
+    let mut c = config(16 << 20);
+    c.restore.min_load_tokens = 3 * PAGE;
+    let mut d = dense_setup_with(c);
+    let s = d.s;
+    d.publish(80, 4, 0);
+    d.publish(81, 2, 8);
+    // Two pages found: fewer tokens than the bound, a miss (lookup and
+    // query alike), nothing selected.
+    for cmd in [
+        lookup(s, 1, 81, 2, 2 * PAGE + 1),
+        query(s, 2, 81, &[0], 2, 2 * PAGE + 1, true),
+    ] {
+        let out = d.h.step_from(vec![(Origin::EMBEDDED, cmd)]);
+        assert!(
+            matches!(
+                out.as_slice(),
+                [Addressed {
+                    event: Event::QueryResult {
+                        selected: None,
+                        miss: Some(MissReason::NotWorthLoading),
+                        ..
+                    },
+                    terminal: true,
+                    ..
+                }]
+            ),
+            "{out:?}"
+        );
+    }
+    // Four pages: worth it, a hit.
+    let out =
+        d.h.step_from(vec![(Origin::EMBEDDED, lookup(s, 3, 80, 4, 4 * PAGE + 1))]);
+    assert!(
+        matches!(
+            out.as_slice(),
+            [Addressed {
+                event: Event::QueryResult {
+                    selected: Some(b),
+                    miss: None,
+                    ..
+                },
+                ..
+            }] if *b == 4 * PAGE
+        ),
+        "{out:?}"
+    );
+    // What counts is what the load adds: with two pages already held, the
+    // other two are not worth it either; a load of them misses, nothing
+    // copied into its targets.
+    let mut held = lookup(s, 4, 80, 4, 4 * PAGE + 1);
+    if let Command::Lookup { origin, .. } = &mut held {
+        *origin = 2 * PAGE;
+    }
+    let out = d.h.step_from(vec![(Origin::EMBEDDED, held)]);
+    assert!(
+        matches!(
+            out.as_slice(),
+            [Addressed {
+                event: Event::QueryResult {
+                    miss: Some(MissReason::NotWorthLoading),
+                    ..
+                },
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    let load = load_cmd(&mut d, 81, 2, 20);
+    let out = load_events(&mut d, load);
+    assert!(
+        matches!(
+            out.last().map(|a| &a.event),
+            Some(Event::QueryResult {
+                miss: Some(MissReason::NotWorthLoading),
+                ..
+            })
+        ),
+        "{out:?}"
+    );
+    for slot in 20..22 {
+        assert!(d.h.read_slot(d.engine_region, slot).iter().all(|&b| b == 0));
+    }
+    let st = d.h.rt().stats();
+    assert_eq!((st.operations, st.leases, st.bytes_reserved), (0, 0, 0));
+    assert_eq!(
+        st.metrics.misses.get(&MissReason::NotWorthLoading),
+        Some(&4)
+    );
+}

@@ -162,6 +162,7 @@ class MissReason(str, enum.Enum):
     REMOTE_CORRUPT = "remote_corrupt"
     REMOTE_UNAVAILABLE = "remote_unavailable"
     REMOTE_TIMEOUT = "remote_timeout"
+    NOT_WORTH_LOADING = "not_worth_loading"
 
 @final
 class Lookup:

@@ -6,7 +6,9 @@ hands it back only when it is provably complete and from the same computation.
 - Recovery contract (``docs/contract.md``): :func:`required_ranges`,
   :func:`restorable_boundaries`, :func:`common_boundaries`,
   :func:`select_boundary`, :func:`vllm_window_past_tokens`.
-- Computation identity (``docs/identity.md``): :func:`compute_identity`.
+- Computation identity (``docs/identity.md``): :func:`compute_identity`, and
+  :func:`model_source`, the one rule for where a model's config is and whether
+  its hub revision is pinned.
 
 - :class:`Client`: a connection to a standalone manager (``orbitkv serve``):
   the same commands and events over a Unix socket, with page bytes as
@@ -54,6 +56,7 @@ from ._orbitkv import (
     select_boundary,
     vllm_window_past_tokens,
 )
+from ._model import model_source
 
 __all__ = [
     "Client",
@@ -78,6 +81,7 @@ __all__ = [
     "__version__",
     "common_boundaries",
     "compute_identity",
+    "model_source",
     "required_ranges",
     "restorable_boundaries",
     "select_boundary",

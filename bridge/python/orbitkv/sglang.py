@@ -544,28 +544,16 @@ def _server_args() -> Any:
 
 
 def _model_source(sa: Any, cfg: OrbitKVConfig) -> Tuple[str, Optional[str]]:
-    """(model directory holding config.json, hub revision or None)."""
-    if cfg.model_dir is not None:
-        return cfg.model_dir, None
+    """(model directory holding config.json, pinned hub commit or None), by
+    the one rule (`orbitkv.model_source`); `model_dir` in the storage
+    config wins over SGLang's model path."""
     path = getattr(sa, "model_path", None)
-    if isinstance(path, str) and os.path.isdir(path):
-        return path, None
-    revision = getattr(sa, "revision", None)
-    if not (isinstance(revision, str) and re.fullmatch(r"[0-9a-f]{40}", revision)):
-        raise _Unsupported(
-            f"orbitkv: model_path {path!r} is not a local directory and --revision is not a "
-            "full 40-hex commit: the model's identity cannot be established (pin the revision, "
-            "or set model_dir / ORBITKV_MODEL_FINGERPRINT with a local config.json)"
-        )
+    if cfg.model_dir is None and not isinstance(path, str):
+        raise _Unsupported(f"orbitkv: SGLang's model_path is {path!r}: the model's identity needs it")
     try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(path, "config.json", revision=revision)
-    except Exception as e:
-        raise _Unsupported(f"orbitkv: cannot find {path}@{revision} in the hub cache: {e}") from e
-    if not isinstance(found, str):
-        raise _Unsupported(f"orbitkv: {path}@{revision} has no config.json in the hub cache")
-    return os.path.dirname(found), revision
+        return orbitkv.model_source(str(path), getattr(sa, "revision", None), model_dir=cfg.model_dir)
+    except orbitkv.IdentityError as e:
+        raise _Unsupported(f"orbitkv: {e}") from e
 
 
 def _settings(sa: Any, sc: HiCacheStorageConfig, storage_rank: int) -> Dict[str, Any]:

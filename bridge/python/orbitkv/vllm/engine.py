@@ -11,8 +11,6 @@ a `ConfigError` that names it.
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -222,31 +220,12 @@ def _layer_index_order(groups: Sequence[Any]) -> Dict[str, int]:
 
 
 def _model_source(model_config: Any) -> Tuple[str, Optional[str]]:
-    """(local directory holding config.json, pinned hub commit or None)."""
-    model = str(model_config.model)
-    if os.path.isdir(model):
-        return model, None
-    revision = getattr(model_config, "revision", None)
-    fingerprint = os.environ.get("ORBITKV_MODEL_FINGERPRINT")
-    pinned = revision is not None and re.fullmatch(r"[0-9a-fA-F]{40}", str(revision))
-    if not pinned and not fingerprint:
-        raise ConfigError(
-            f"model {model!r} is a hub id without a pinned commit: pass --revision "
-            "with a full 40-hex commit, point --model at a local directory, or set "
-            "ORBITKV_MODEL_FINGERPRINT (a branch or tag can move, so it cannot name "
-            "the computation)"
-        )
+    """(local directory holding config.json, pinned hub commit or None), by
+    the one rule (`orbitkv.model_source`)."""
     try:
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(
-            repo_id=model, revision=str(revision) if revision else None, local_files_only=True
-        )
-    except Exception as e:  # not downloaded, or no huggingface_hub
-        raise ConfigError(
-            f"model {model!r}: no local snapshot to read config.json from ({e})"
-        ) from e
-    return path, (str(revision) if pinned else None)
+        return orbitkv.model_source(str(model_config.model), getattr(model_config, "revision", None))
+    except orbitkv.IdentityError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _check_supported(vllm_config: Any) -> None:

@@ -130,6 +130,10 @@ impl Raw {
 }
 
 fn events_of(p: &[u8]) -> Vec<Event> {
+    delivered_of(p).into_iter().map(|d| d.event).collect()
+}
+
+fn delivered_of(p: &[u8]) -> Vec<orbitkv_ipc::Delivered> {
     frame::decode(Kind::Events, p).unwrap()
 }
 
@@ -145,8 +149,11 @@ fn raw_session(c: &mut Raw) -> SessionHandle {
     loop {
         let (k, p) = c.next().unwrap();
         if k == Kind::Events {
-            for e in events_of(&p) {
-                if let Event::SessionOpened { session, .. } = e {
+            for d in delivered_of(&p) {
+                if let Event::SessionOpened { session, .. } = d.event {
+                    // The runtime's flag travels on the socket: the reply
+                    // is its command's last word.
+                    assert!(d.terminal, "open_session's reply ends it");
                     return session;
                 }
             }

@@ -11,7 +11,9 @@ use support::*;
 
 use orbitkv_components::NativeHash;
 use orbitkv_components::api::{CommandError, MissReason, PublishPage};
-use orbitkv_engine::{EngineError, LoadPlan, Loaded, Query, Session, SessionOptions};
+use orbitkv_engine::{
+    EngineError, LoadPlan, Loaded, Port, Query, Sending, Session, SessionOptions,
+};
 use orbitkv_ipc::Client;
 use orbitkv_world::driver;
 
@@ -543,4 +545,108 @@ fn the_slot_table_ends_with_its_session_and_the_next_one_allocates_afresh() {
     b.close(&mut c).unwrap();
     let snap = c.inspect(T).unwrap();
     assert_eq!((snap.sessions, snap.device_pages, snap.leases), (0, 0, 0));
+}
+
+/// Picks the events whose flag [`Lying`] flips.
+type Lie = fn(&orbitkv_components::api::Event) -> bool;
+
+/// A manager connection whose `terminal` flags are flipped for the events
+/// `lie` picks: the session must give the connection up, never guess.
+struct Lying<'a> {
+    c: &'a mut Client,
+    lie: Lie,
+}
+
+impl Port for Lying<'_> {
+    fn submit(
+        &mut self,
+        command: orbitkv_components::api::Command,
+    ) -> Result<u64, orbitkv_ipc::ClientError> {
+        self.c.submit(command)
+    }
+
+    fn submit_many(
+        &mut self,
+        commands: Vec<orbitkv_components::api::Command>,
+    ) -> Result<Vec<Result<u64, CommandError>>, orbitkv_ipc::ClientError> {
+        self.c.submit_many(commands)
+    }
+
+    fn wait_event(
+        &mut self,
+        timeout: std::time::Duration,
+        pred: &dyn Fn(&orbitkv_components::api::Event) -> bool,
+    ) -> Result<Option<orbitkv_ipc::Delivered>, orbitkv_ipc::ClientError> {
+        let lie = self.lie;
+        Ok(self.c.wait_delivered(timeout, pred)?.map(|mut d| {
+            if lie(&d.event) {
+                d.terminal = !d.terminal;
+            }
+            d
+        }))
+    }
+
+    fn send_command(
+        &mut self,
+        command: orbitkv_components::api::Command,
+    ) -> Result<Sending, orbitkv_ipc::ClientError> {
+        <Client as Port>::send_command(self.c, command)
+    }
+
+    fn accepted_id(&mut self, sent: Sending) -> Result<Option<u64>, orbitkv_ipc::ClientError> {
+        <Client as Port>::accepted_id(self.c, sent)
+    }
+}
+
+#[test]
+fn the_session_ends_jobs_by_the_runtimes_terminal_flag_and_gives_up_when_it_disagrees() {
+    use orbitkv_components::api::Event;
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let mut s = open(&mut c);
+    let region = s.register_region(&mut c, 0, 0, 32, None).unwrap().region;
+    let h = hashes(0x700, 4);
+    save_pages(&mut c, &mut s, region, &h);
+    let p = plan(&mut s, &mut c, region, 8, 4);
+
+    // Told the truth, a load ends with its restore: a hit.
+    assert!(matches!(
+        s.load(&mut c, &query(&h), p.clone()),
+        Ok(Loaded::Hit { pages: 4, .. })
+    ));
+    let cases: [(&str, Lie); 3] = [
+        // A lookup's answer that does not end it.
+        ("lookup", |e| matches!(e, Event::QueryResult { .. })),
+        // A load's `ready` marked as its end.
+        ("load", |e| matches!(e, Event::Ready { .. })),
+        // A save's reply that does not end it.
+        ("save", |e| matches!(e, Event::PublishDone { .. })),
+    ];
+    for (verb, lie) in cases {
+        let mut port = Lying { c: &mut c, lie };
+        let got = match verb {
+            "lookup" => s.lookup(&mut port, &query(&h)).map(drop),
+            "load" => s.load(&mut port, &query(&h), p.clone()).map(drop),
+            _ => {
+                let pages = h
+                    .iter()
+                    .zip(&p.targets)
+                    .map(|(&hash, t)| PublishPage {
+                        rank: 0,
+                        group: 0,
+                        hash,
+                        device_page: t.device_page,
+                    })
+                    .collect();
+                s.save(&mut port, pages).map(drop)
+            }
+        };
+        match got {
+            Err(EngineError::Unavailable(why)) => {
+                assert!(why.contains("protocol"), "{verb}: {why}")
+            }
+            other => panic!("{verb}: a flag that disagrees with the event: {other:?}"),
+        }
+    }
 }

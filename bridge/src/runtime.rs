@@ -16,7 +16,7 @@ use orbitkv_components::api::{Addressed, Command, CommandError, CommandId, Limit
 use orbitkv_engine::{Port, Sending};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::agent::{CopyAgent, HostWindow, MemoryKind};
-use orbitkv_ipc::ClientError;
+use orbitkv_ipc::{ClientError, Delivered};
 
 use crate::agent::AgentSetup;
 use orbitkv_gpu::host::{DeviceArena, HostCopyConfig, HostCopyEngine};
@@ -64,7 +64,7 @@ pub(crate) struct Embedded {
     workers: usize,
     /// Events ticked out while a session waited and not yet claimed by
     /// one (every session on this runtime claims its own from here).
-    queue: VecDeque<orbitkv_components::api::Event>,
+    queue: VecDeque<Delivered>,
 }
 
 /// Bound on events kept for sessions; past it the oldest go (they belong
@@ -118,10 +118,10 @@ impl Port for EmbeddedPort<'_> {
         &mut self,
         timeout: Duration,
         pred: &dyn Fn(&orbitkv_components::api::Event) -> bool,
-    ) -> Result<Option<orbitkv_components::api::Event>, ClientError> {
+    ) -> Result<Option<Delivered>, ClientError> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(i) = self.0.queue.iter().position(pred) {
+            if let Some(i) = self.0.queue.iter().position(|d| pred(&d.event)) {
                 return Ok(self.0.queue.remove(i));
             }
             if Instant::now() >= deadline {
@@ -135,7 +135,10 @@ impl Port for EmbeddedPort<'_> {
                 // Copies and reads run on other threads; let them run.
                 std::thread::yield_now();
             }
-            self.0.queue.extend(events.into_iter().map(|a| a.event));
+            self.0.queue.extend(events.into_iter().map(|a| Delivered {
+                event: a.event,
+                terminal: a.terminal,
+            }));
             while self.0.queue.len() > MAX_QUEUED {
                 self.0.queue.pop_front();
             }

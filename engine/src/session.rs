@@ -8,7 +8,7 @@ use orbitkv_components::api::{
 use orbitkv_components::contract::RequiredRange;
 use orbitkv_components::key::NativeHash;
 use orbitkv_components::namespace::Namespace;
-use orbitkv_ipc::{Client, ClientError};
+use orbitkv_ipc::{Client, ClientError, Delivered};
 
 use crate::EngineError;
 
@@ -445,12 +445,7 @@ impl Session {
                 .wait_event(left, &ours)
                 .map_err(|e| EngineError::client("lookup", e))?
             {
-                Some(e) if e.command() == Some(id) => {
-                    return match e {
-                        Event::Rejected { error, .. } => Err(EngineError::refused("lookup", error)),
-                        e => lookup_result(e),
-                    };
-                }
+                Some(d) if d.event.command() == Some(id) => return lookup_answer(d),
                 Some(_) => self.strays += 1,
                 None => {
                     return Err(EngineError::TimedOut {
@@ -508,17 +503,14 @@ impl Session {
                 return Err(EngineError::client("lookup", e));
             }
         };
-        let Some(e) = c
+        let Some(d) = c
             .wait_event(Duration::ZERO, &|e| e.command() == Some(id))
             .map_err(|e| EngineError::client("lookup", e))?
         else {
             return Ok(None);
         };
         self.lookups.remove(&ticket);
-        match e {
-            Event::Rejected { error, .. } => Err(EngineError::refused("lookup", error)),
-            e => lookup_result(e).map(Some),
-        }
+        lookup_answer(d).map(Some)
     }
 
     /// Gives a started lookup up: its answer is dropped when it comes.
@@ -794,15 +786,15 @@ impl Session {
         };
         let mut found = Vec::new();
         let mut wait = timeout;
-        while let Some(e) = c
+        while let Some(d) = c
             .wait_event(wait, &ours)
             .map_err(|e| EngineError::client("poll", e))?
         {
-            found.push(e);
+            found.push(d);
             wait = Duration::ZERO;
         }
-        for e in found {
-            self.handle_event(e)?;
+        for d in found {
+            self.handle_event(d)?;
         }
         Ok(())
     }
@@ -819,72 +811,126 @@ impl Session {
         Some(job)
     }
 
-    fn handle_event(&mut self, e: Event) -> Result<(), EngineError> {
-        if let Some(id) = e.command()
-            && let Some(&ticket) = self.by_command.get(&id)
-        {
-            let Some(job) = self.jobs.get_mut(&ticket) else {
+    /// Routes one event of this session's jobs. The runtime's `terminal`
+    /// flag says whether the event ends its job (and nothing more will be
+    /// addressed to it); the event's kind says with what outcome. A kind
+    /// that cannot end a job arriving as its end, or the reverse, is a
+    /// protocol fault: the connection is given up, never guessed around.
+    fn handle_event(&mut self, d: Delivered) -> Result<(), EngineError> {
+        let Delivered { event: e, terminal } = d;
+        let by_command = e
+            .command()
+            .and_then(|id| self.by_command.get(&id).map(|t| (id, *t)));
+        let ticket = match by_command {
+            Some((_, t)) => t,
+            None => match e.operation().and_then(|op| self.by_operation.get(&op)) {
+                Some(&t) => t,
+                None => {
+                    self.strays += 1;
+                    return Ok(());
+                }
+            },
+        };
+        let Some(kind) = self.jobs.get(&ticket).map(|j| j.kind) else {
+            // Routed to a job already gone: its tables are stale.
+            if let Some((id, _)) = by_command {
                 self.by_command.remove(&id);
-                self.strays += 1;
-                return Ok(());
-            };
-            match e {
-                Event::Rejected { error, .. } => {
-                    let what = match (job.kind, job.release == Some(id)) {
+            }
+            self.strays += 1;
+            return Ok(());
+        };
+        if terminal {
+            let job = self.finish(ticket);
+            let outcome = match e {
+                Event::Rejected { error, command } => {
+                    let what = match (kind, job.as_ref().and_then(|j| j.release) == Some(command)) {
                         (JobKind::Load, _) => "load",
                         (JobKind::Lease, true) => "release",
                         (JobKind::Lease, false) => "query",
                         (JobKind::Save, _) => "publish",
                     };
-                    self.finish(ticket);
-                    self.progress.push_back(Progress::Refused {
+                    Progress::Refused {
                         ticket,
                         error: EngineError::refused(what, error),
-                    });
+                    }
                 }
                 Event::QueryResult {
                     miss: Some(reason), ..
-                } => {
-                    self.finish(ticket);
-                    self.progress.push_back(Progress::Loaded {
-                        ticket,
-                        outcome: Loaded::Miss(reason),
-                    });
                 }
-                Event::QueryResult { operation, .. } => {
-                    job.operation = Some(operation);
-                    self.by_operation.insert(operation, ticket);
-                    // A lease's command is answered; a load's plan can
-                    // still be refused in reply to its command.
-                    if job.kind == JobKind::Lease {
-                        self.by_command.remove(&id);
-                    }
-                }
+                | Event::Miss { reason, .. } => Progress::Loaded {
+                    ticket,
+                    outcome: Loaded::Miss(reason),
+                },
                 Event::PublishDone {
                     inserted,
                     duplicates,
                     dropped,
                     ..
-                } => {
-                    self.finish(ticket);
-                    self.progress.push_back(Progress::Saved {
+                } => Progress::Saved {
+                    ticket,
+                    outcome: Saved {
+                        inserted,
+                        duplicates,
+                        dropped,
+                    },
+                },
+                Event::RestoreDone { pages, bytes, .. } => match job.and_then(|j| j.ready) {
+                    Some(l) => Progress::Loaded {
                         ticket,
-                        outcome: Saved {
-                            inserted,
-                            duplicates,
-                            dropped,
+                        outcome: Loaded::Hit {
+                            boundary: l.boundary,
+                            ranges: l.ranges,
+                            leases: l.leases,
+                            pages,
+                            bytes,
+                            pages_from_tiers: l.pages_from_tiers,
                         },
-                    });
+                    },
+                    None => {
+                        return Err(EngineError::Unavailable(format!(
+                            "load {ticket}: restore_done without ready"
+                        )));
+                    }
+                },
+                Event::Released { .. } => {
+                    let outcome = match job.and_then(|j| j.ready.map(|r| (r, j.release.is_some())))
+                    {
+                        Some((l, true)) => Loaded::Hit {
+                            boundary: l.boundary,
+                            ranges: l.ranges,
+                            pages: l.leases.len() as u64,
+                            bytes: l.leases.iter().map(|l| l.bytes).sum(),
+                            leases: l.leases,
+                            pages_from_tiers: l.pages_from_tiers,
+                        },
+                        // Released before the pages were read (the
+                        // caller abandoned it): nothing was loaded.
+                        _ => Loaded::Miss(MissReason::Cancelled),
+                    };
+                    Progress::Loaded { ticket, outcome }
                 }
-                other => return Err(unexpected("poll", &other)),
-            }
+                other => return Err(protocol("ended", &other)),
+            };
+            self.progress.push_back(outcome);
             return Ok(());
         }
-        let Some(&ticket) = e.operation().and_then(|op| self.by_operation.get(&op)) else {
-            self.strays += 1;
-            return Ok(());
-        };
         match e {
+            // A hit: the operation goes on under its own id.
+            Event::QueryResult {
+                operation,
+                miss: None,
+                ..
+            } => {
+                if let Some(job) = self.jobs.get_mut(&ticket) {
+                    job.operation = Some(operation);
+                }
+                self.by_operation.insert(operation, ticket);
+                // A lease's command is answered; a load's plan can still
+                // be refused in reply to its command.
+                if let (JobKind::Lease, Some((id, _))) = (kind, by_command) {
+                    self.by_command.remove(&id);
+                }
+            }
             Event::Loading { .. } => {}
             Event::Ready {
                 boundary,
@@ -908,50 +954,6 @@ impl Session {
                     leases,
                 });
             }
-            Event::RestoreDone { pages, bytes, .. } => {
-                let outcome = match self.finish(ticket).and_then(|j| j.ready) {
-                    Some(l) => Loaded::Hit {
-                        boundary: l.boundary,
-                        ranges: l.ranges,
-                        leases: l.leases,
-                        pages,
-                        bytes,
-                        pages_from_tiers: l.pages_from_tiers,
-                    },
-                    None => {
-                        return Err(EngineError::Unavailable(format!(
-                            "load {ticket}: restore_done without ready"
-                        )));
-                    }
-                };
-                self.progress
-                    .push_back(Progress::Loaded { ticket, outcome });
-            }
-            Event::Released { .. } => {
-                let job = self.finish(ticket);
-                let outcome = match job.and_then(|j| j.ready.map(|r| (r, j.release.is_some()))) {
-                    Some((l, true)) => Loaded::Hit {
-                        boundary: l.boundary,
-                        ranges: l.ranges,
-                        pages: l.leases.len() as u64,
-                        bytes: l.leases.iter().map(|l| l.bytes).sum(),
-                        leases: l.leases,
-                        pages_from_tiers: l.pages_from_tiers,
-                    },
-                    // Released before the pages were read (the caller
-                    // abandoned it): nothing was loaded.
-                    _ => Loaded::Miss(MissReason::Cancelled),
-                };
-                self.progress
-                    .push_back(Progress::Loaded { ticket, outcome });
-            }
-            Event::Miss { reason, .. } => {
-                self.finish(ticket);
-                self.progress.push_back(Progress::Loaded {
-                    ticket,
-                    outcome: Loaded::Miss(reason),
-                });
-            }
             // The agent may still be copying into the device pages: the
             // connection is given up (its agent drains first).
             Event::TransferOverdue { kind, .. } => {
@@ -959,7 +961,7 @@ impl Session {
                     "{ticket}: a {kind} passed its deadline"
                 )));
             }
-            other => return Err(unexpected("poll", &other)),
+            other => return Err(protocol("did not end", &other)),
         }
         Ok(())
     }
@@ -998,6 +1000,7 @@ impl Session {
                     || matches!(e, Event::SessionClosed { session } if *session == handle)
             })
             .map_err(|e| EngineError::client("close_session", e))?
+            .map(|d| d.event)
         {
             Some(Event::SessionClosed { .. }) => Ok(()),
             Some(Event::Rejected { error, .. }) => {
@@ -1022,12 +1025,13 @@ pub trait Port {
         commands: Vec<Command>,
     ) -> Result<Vec<Result<CommandId, CommandError>>, ClientError>;
     /// The first queued or arriving event matching `pred`, within
-    /// `timeout`; other events stay queued.
+    /// `timeout`, with the runtime's `terminal` flag; other events stay
+    /// queued.
     fn wait_event(
         &mut self,
         timeout: Duration,
         pred: &dyn Fn(&Event) -> bool,
-    ) -> Result<Option<Event>, ClientError>;
+    ) -> Result<Option<Delivered>, ClientError>;
     /// Sends a command without waiting for it to be queued.
     fn send_command(&mut self, command: Command) -> Result<Sending, ClientError>;
     /// A sent command's id once queued; `None` while unanswered.
@@ -1058,8 +1062,8 @@ impl Port for Client {
         &mut self,
         timeout: Duration,
         pred: &dyn Fn(&Event) -> bool,
-    ) -> Result<Option<Event>, ClientError> {
-        Client::wait_event(self, timeout, pred)
+    ) -> Result<Option<Delivered>, ClientError> {
+        Client::wait_delivered(self, timeout, pred)
     }
 
     fn send_command(&mut self, command: Command) -> Result<Sending, ClientError> {
@@ -1072,6 +1076,13 @@ impl Port for Client {
             Sending::Sent(s) => Client::accepted_id(self, s),
         }
     }
+}
+
+/// The runtime's `terminal` flag and the event's kind disagree: a kind
+/// that cannot end its job `ended` it, or one that must end it `did not
+/// end` it.
+fn protocol(how: &str, e: &Event) -> EngineError {
+    EngineError::Unavailable(format!("protocol: {how} a job: {e:?}"))
 }
 
 fn unexpected(command: &'static str, e: &Event) -> EngineError {
@@ -1109,8 +1120,13 @@ fn reply(
         .wait_event(timeout, &|e| e.command() == Some(id))
         .map_err(|e| EngineError::client(what, e))?
     {
-        Some(Event::Rejected { error, .. }) => Err(EngineError::refused(what, error)),
-        Some(e) => Ok(e),
+        // A set-up command's one reply ends it.
+        Some(d) if !d.terminal => Err(protocol("did not end", &d.event)),
+        Some(Delivered {
+            event: Event::Rejected { error, .. },
+            ..
+        }) => Err(EngineError::refused(what, error)),
+        Some(d) => Ok(d.event),
         None => Err(EngineError::Unavailable(format!(
             "{what}: no reply within {timeout:?}"
         ))),
@@ -1125,6 +1141,18 @@ fn call(
 ) -> Result<Event, EngineError> {
     let id = submit(c, what, command)?;
     reply(c, what, id, timeout)
+}
+
+/// A lookup's answer: its one event, which ends it (the runtime marks it
+/// terminal); a refusal is [`EngineError::Refused`].
+fn lookup_answer(d: Delivered) -> Result<Lookup, EngineError> {
+    if !d.terminal {
+        return Err(protocol("did not end", &d.event));
+    }
+    if let Event::Rejected { error, .. } = d.event {
+        return Err(EngineError::refused("lookup", error));
+    }
+    lookup_result(d.event)
 }
 
 fn lookup_result(e: Event) -> Result<Lookup, EngineError> {

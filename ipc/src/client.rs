@@ -29,8 +29,8 @@ use orbitkv_components::api::{Command, CommandError, CommandId, Event, LeaseInfo
 use crate::frame::{self, FrameError, Kind};
 use crate::hot::{self, Desc, HotError, HotRequest, HotResponse, Ipc, Reply};
 use crate::{
-    Accepted, Descriptor, DescriptorKind, Hello, HotPathInfo, ProtocolError, Snapshot, Submit,
-    Welcome,
+    Accepted, Delivered, Descriptor, DescriptorKind, Hello, HotPathInfo, ProtocolError, Snapshot,
+    Submit, Welcome,
 };
 
 /// How long a waiting client spins before it blocks. Measured (see
@@ -243,7 +243,7 @@ impl HotPath {
     }
 
     /// Takes every response that arrived; returns how many.
-    fn poll(&mut self, events: &mut VecDeque<Event>) -> Result<usize, ClientError> {
+    fn poll(&mut self, events: &mut VecDeque<Delivered>) -> Result<usize, ClientError> {
         let mut n = 0;
         let mut i = 0;
         while i < self.pending.len() {
@@ -269,8 +269,11 @@ impl HotPath {
                     };
                     self.first.insert(p.tag, first);
                 }
-                if let Ok(Reply::Event(e)) = reply {
-                    events.push_back(e);
+                if let Ok(Reply::Event(event)) = reply {
+                    // The request's last response is its terminal event:
+                    // the server closes a request with the runtime's flag.
+                    let terminal = r.flags & hot::RESP_LAST != 0;
+                    events.push_back(Delivered { event, terminal });
                 }
                 if r.flags & hot::RESP_LAST != 0 {
                     last = true;
@@ -349,7 +352,7 @@ pub struct Client {
     regions: HashMap<u64, memmap2::MmapMut>,
     next_tag: u64,
     accepted: HashMap<u64, Result<u64, CommandError>>,
-    events: VecDeque<Event>,
+    events: VecDeque<Delivered>,
     spin: Duration,
     /// Spinning is off until then: the last spin was preempted (see
     /// `pump`).
@@ -711,11 +714,11 @@ impl Client {
                 }
             }
             Kind::Events => {
-                let events: Vec<Event> = frame::decode(kind, &payload)?;
-                for e in events {
-                    let taken = self.agent.as_mut().is_some_and(|a| a.take(&e));
+                let events: Vec<Delivered> = frame::decode(kind, &payload)?;
+                for d in events {
+                    let taken = self.agent.as_mut().is_some_and(|a| a.take(&d.event));
                     if !taken {
-                        self.events.push_back(e);
+                        self.events.push_back(d);
                     }
                 }
             }
@@ -1022,9 +1025,18 @@ impl Client {
         timeout: Duration,
         pred: impl Fn(&Event) -> bool,
     ) -> Result<Option<Event>, ClientError> {
+        Ok(self.wait_delivered(timeout, pred)?.map(|d| d.event))
+    }
+
+    /// [`wait_event`](Self::wait_event) with the runtime's `terminal` flag.
+    pub fn wait_delivered(
+        &mut self,
+        timeout: Duration,
+        pred: impl Fn(&Event) -> bool,
+    ) -> Result<Option<Delivered>, ClientError> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(i) = self.events.iter().position(&pred) {
+            if let Some(i) = self.events.iter().position(|d| pred(&d.event)) {
                 return Ok(self.events.remove(i));
             }
             if !self.pump(Some(deadline))? {
@@ -1035,6 +1047,15 @@ impl Client {
 
     /// Every event that arrived, without blocking.
     pub fn poll_events(&mut self) -> Result<Vec<Event>, ClientError> {
+        Ok(self
+            .poll_delivered()?
+            .into_iter()
+            .map(|d| d.event)
+            .collect())
+    }
+
+    /// [`poll_events`](Self::poll_events) with each event's `terminal` flag.
+    pub fn poll_delivered(&mut self) -> Result<Vec<Delivered>, ClientError> {
         let saved = self.spin;
         self.spin = Duration::ZERO;
         let r = (|| {
@@ -1045,10 +1066,10 @@ impl Client {
         r
     }
 
-    /// Puts events taken by [`poll_events`](Self::poll_events) and not
+    /// Puts events taken by [`poll_delivered`](Self::poll_delivered) and not
     /// consumed back in front of the queue, in their order (a driver that
     /// borrowed the connection returns what it did not wait for).
-    pub fn requeue(&mut self, events: Vec<Event>) {
+    pub fn requeue(&mut self, events: Vec<Delivered>) {
         for e in events.into_iter().rev() {
             self.events.push_front(e);
         }

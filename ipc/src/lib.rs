@@ -5,7 +5,7 @@
 //! Frame layout (little-endian, 16-byte header, then the payload):
 //!
 //! ```text
-//! magic "OKVP" | version:u16 (=1) | kind:u16 | payload_len:u32 | reserved:u32 (=0)
+//! magic "OKVP" | version:u16 (=`PROTOCOL_VERSION`) | kind:u16 | payload_len:u32 | reserved:u32 (=0)
 //! payload: UTF-8 JSON of the kind's message
 //! ```
 //!
@@ -15,7 +15,7 @@
 //! | 2 `Welcome` | manager → client | [`Welcome`], with the pool's memfd when the pool is shared |
 //! | 3 `Submit` | client → manager | [`Submit`]: a tagged `Command` |
 //! | 4 `Accepted` | manager → client | [`Accepted`]: tag → command id, or why not |
-//! | 5 `Events` | manager → client | `Vec<Event>` addressed to this connection |
+//! | 5 `Events` | manager → client | `Vec<Delivered>`: events addressed to this connection, each with the runtime's `terminal` flag |
 //! | 6 `Error` | manager → client | [`ProtocolError`]; the manager closes the connection after it |
 //! | 7 `Ping` / 8 `Pong` | both | empty: liveness and round-trip measurement |
 //! | 9 `Wake` | manager → client | empty: hot-path responses wait for a client that blocked |
@@ -46,7 +46,7 @@ pub use client::{Agent, Client, ClientError, ClientOptions, Sent};
 pub use frame::{FrameError, Kind, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use snapshot::{ConnectionSummary, Health, Snapshot, Window};
 
-use orbitkv_components::api::{Command, CommandError};
+use orbitkv_components::api::{Command, CommandError, Event};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,6 +106,16 @@ pub struct Submit {
     /// Chosen by the client; echoed in `Accepted`.
     pub tag: u64,
     pub command: Command,
+}
+
+/// An event as a connection receives it: with the runtime's word on whether
+/// it ends its command and operation (`Addressed::terminal`), so no client
+/// derives that again from the event's kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Delivered {
+    pub event: Event,
+    pub terminal: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

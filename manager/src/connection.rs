@@ -13,6 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
 use orbitkv_components::api::{CommandId, Event, SessionHandle};
+use orbitkv_ipc::Delivered;
 use orbitkv_ipc::frame::{self, FrameReader, Kind};
 
 pub type ConnId = u64;
@@ -148,7 +149,7 @@ pub struct Conn {
     pub input: FrameReader,
     pub outbox: Outbox,
     /// Events for this connection, sent as one `Events` frame per flush.
-    pub events: Vec<Event>,
+    pub events: Vec<Delivered>,
     /// The peer closed its end; handle what it sent, then disconnect.
     pub eof: bool,
     /// When the outbox last made progress or was empty (the stall clock).

@@ -12,7 +12,7 @@ use orbitkv_components::api::{
 };
 use orbitkv_ipc::frame::{self, Kind};
 use orbitkv_ipc::hot_server::HotServer;
-use orbitkv_ipc::{Descriptor, DescriptorKind, ProtocolError};
+use orbitkv_ipc::{Delivered, Descriptor, DescriptorKind, ProtocolError};
 use orbitkv_world::Runtime;
 use tracing::{info, warn};
 
@@ -287,7 +287,7 @@ impl State {
         {
             return;
         }
-        conn.events.push(e);
+        conn.events.push(Delivered { event: e, terminal });
     }
 
     /// Sends what every connection has queued, without waiting; closes the

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use orbitkv_components::api::{Command, CommandId, Event};
-use orbitkv_ipc::{Client, ClientError};
+use orbitkv_ipc::{Client, ClientError, Delivered};
 use orbitkv_world::driver::{Driver, Port};
 
 /// How long one driver step waits for an event to arrive.
@@ -15,6 +15,9 @@ pub const STEP: Duration = Duration::from_millis(10);
 /// A borrowed connection: commands go out on it, its events come back.
 pub struct ClientPort<'a> {
     pub client: &'a mut Client,
+    /// What the driver was handed, flags included: the events it leaves
+    /// go back to the client with the runtime's `terminal` flag.
+    taken: Vec<Delivered>,
 }
 
 impl Port for ClientPort<'_> {
@@ -27,10 +30,14 @@ impl Port for ClientPort<'_> {
     /// Without `advance`, what already arrived; with it, waits up to
     /// [`STEP`] for the next event first (the manager's clock is its own).
     fn step(&mut self, advance: bool, events: &mut Vec<Event>) -> Result<(), ClientError> {
-        if advance && let Some(e) = self.client.wait_event(STEP, |_| true)? {
-            events.push(e);
+        if advance && let Some(d) = self.client.wait_delivered(STEP, |_| true)? {
+            events.push(d.event.clone());
+            self.taken.push(d);
         }
-        events.extend(self.client.poll_events()?);
+        for d in self.client.poll_delivered()? {
+            events.push(d.event.clone());
+            self.taken.push(d);
+        }
         Ok(())
     }
 }
@@ -43,10 +50,23 @@ pub fn with_driver<R>(
     timeout: Duration,
     f: impl FnOnce(&mut Driver<ClientPort<'_>>) -> R,
 ) -> R {
-    let mut d = Driver::new(ClientPort { client });
+    let mut d = Driver::new(ClientPort {
+        client,
+        taken: Vec::new(),
+    });
     d.max_steps = (timeout.as_millis() / STEP.as_millis()).max(1) as usize;
     let r = f(&mut d);
-    let left = std::mem::take(&mut d.pending).into();
+    let mut taken = std::mem::take(&mut d.port.taken);
+    let left = std::mem::take(&mut d.pending)
+        .into_iter()
+        .map(|event| match taken.iter().position(|t| t.event == event) {
+            Some(i) => taken.remove(i),
+            None => Delivered {
+                event,
+                terminal: false,
+            },
+        })
+        .collect();
     d.port.client.requeue(left);
     r
 }

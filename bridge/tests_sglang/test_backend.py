@@ -260,6 +260,16 @@ def test_an_unpinned_hub_model_fails_closed(manager):
         backend(host_pool("page_first"), manager.socket)
 
 
+def test_the_operators_fingerprint_stands_for_a_pin_as_in_every_adapter(manager, monkeypatch):
+    """With ORBITKV_MODEL_FINGERPRINT an unpinned hub id is accepted as the
+    one model-source rule says (`orbitkv.model_source`); its config.json
+    must still come from the local hub cache, never a download."""
+    monkeypatch.setenv("ORBITKV_MODEL_FINGERPRINT", "ab" * 32)
+    publish_server_args("dummy")
+    with pytest.raises(ValueError, match="no config.json in the local hub cache"):
+        backend(host_pool("page_first"), manager.socket)
+
+
 def test_legacy_and_v1_paths_store_the_same_bytes(manager):
     """Legacy calls (interface_v1 off) take SGLang's flat page tensors; a
     page stored either way reads back either way, byte for byte."""

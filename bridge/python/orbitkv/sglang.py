@@ -553,7 +553,7 @@ def _model_source(sa: Any, cfg: OrbitKVConfig) -> Tuple[str, Optional[str]]:
     try:
         return orbitkv.model_source(str(path), getattr(sa, "revision", None), model_dir=cfg.model_dir)
     except orbitkv.IdentityError as e:
-        raise _Unsupported(f"orbitkv: {e}") from e
+        raise _Unsupported(f"orbitkv: the model identity cannot be established: {e}") from e
 
 
 def _settings(sa: Any, sc: HiCacheStorageConfig, storage_rank: int) -> Dict[str, Any]:

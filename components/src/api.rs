@@ -81,9 +81,10 @@ pub enum MissReason {
     RemoteUnavailable,
     /// A remote read passed its deadline (slow node).
     RemoteTimeout,
-    /// The prefix is there, but loading it would add fewer tokens than the
-    /// runtime's `[restore] min_load_tokens`: recomputing them is cheaper
-    /// than a load's fixed cost.
+    /// The prefix is there, but loading it is not worth it: it would add
+    /// fewer tokens than `[restore] min_load_tokens`, or take longer at the
+    /// measured load rates than recomputing them at `[restore]
+    /// prefill_tokens_per_s`.
     NotWorthLoading,
 }
 

@@ -481,6 +481,8 @@ pub struct Transfer {
     pub executor: Executor,
     pub kind: TransferKind,
     pub submitted_us: u64,
+    /// Bytes it moves (what the load rates count when it lands).
+    pub bytes: u64,
     /// Reported overdue once; it keeps its buffers regardless, because a
     /// late completion could still write them.
     pub overdue: bool,

@@ -61,6 +61,9 @@ struct Tiers {
     /// Pages leased to recoveries, by where they were when leased: `dram`
     /// (resident) or `tiers` (read from a lower tier), from `ready` events.
     leased_pages: Family<Source, Counter>,
+    /// What a load reads, measured (`Stats::load_rates`): `device` (copies
+    /// from DRAM into device pages) and each lower tier's reads.
+    load_rate: Family<Source, Gauge>,
 }
 
 /// The runtime's cumulative counters, mirrored into Prometheus counters by
@@ -265,7 +268,15 @@ impl Metrics {
             capacity_bytes: Family::default(),
             read_bytes: Family::default(),
             leased_pages: Family::default(),
+            load_rate: Family::default(),
         };
+        r.register(
+            "load_rate_bytes_per_second",
+            "Measured rate of what a load reads, by source: device (DRAM to device pages) or a \
+             lower tier's reads; 0 until measured ([restore] prefill_tokens_per_s weighs loads \
+             against it)",
+            tiers.load_rate.clone(),
+        );
         r.register(
             "tier_bytes_used",
             "Bytes stored, by tier (dram, ssd, remote)",
@@ -522,6 +533,13 @@ impl Metrics {
         let t = &self.tiers;
         set(&t.bytes_used, "dram", s.pool_bytes_used);
         set(&t.capacity_bytes, "dram", s.pool_capacity_bytes);
+        for r in &s.load_rates {
+            t.load_rate
+                .get_or_create(&Source {
+                    source: r.source.clone(),
+                })
+                .set(i64::try_from(r.bytes_per_second).unwrap_or(i64::MAX));
+        }
         for (tier, (used, capacity)) in lower {
             set(&t.bytes_used, tier, *used);
             set(&t.capacity_bytes, tier, *capacity);

@@ -13,7 +13,7 @@ use orbitkv_gpu::{CopyError, Direction, PageCopy};
 
 use crate::lifecycle::unpin_device_page;
 use crate::resources::{
-    AgentCopyEntry, Agents, Clock, Copier, Limits, Metrics, Outbox, TransferIndex,
+    AgentCopyEntry, Agents, Clock, Copier, Limits, LoadRates, Metrics, Outbox, TransferIndex,
 };
 
 /// The copy engine and the agents with their bounds: what submitting a
@@ -26,6 +26,7 @@ pub struct Copies<'w> {
     metrics: ResMut<'w, Metrics>,
     limits: Res<'w, Limits>,
     clock: Res<'w, Clock>,
+    rates: ResMut<'w, LoadRates>,
 }
 
 /// Why a batch was not submitted.
@@ -66,11 +67,18 @@ impl Copies<'_> {
         kind: TransferKind,
         executor: Executor,
     ) -> Result<(), Refused> {
+        let bytes: u64 = copies.iter().map(|c| c.len).sum();
+        // A restore's copies are what the load rates measure; each is
+        // counted again when it lands, whatever it ends with.
+        let restore = direction == Direction::HostToDevice;
         if let Executor::Agent(origin) = executor {
             if !self.has_room(executor) {
                 return Err(Refused::Full);
             }
             self.send_to_agent(commands, operation, direction, copies, kind, origin);
+            if restore {
+                self.rates.started(LoadRates::DEVICE, self.clock.now_us);
+            }
             return Ok(());
         }
         let engine = self.copier.0.get_mut();
@@ -87,11 +95,15 @@ impl Copies<'_> {
             token: token.0,
             executor: Executor::Local,
             submitted_us: now_us,
+            bytes,
             overdue: false,
             kind,
         };
         let transfer = commands.spawn((transfer, TransferOf(operation))).id();
         self.index.copies.insert(token.0, transfer);
+        if restore {
+            self.rates.started(LoadRates::DEVICE, now_us);
+        }
         Ok(())
     }
 
@@ -117,11 +129,13 @@ impl Copies<'_> {
         kind: TransferKind,
         origin: orbitkv_components::api::Origin,
     ) {
+        let bytes = copies.iter().map(|c| c.len).sum();
         let copy = self.agents.next_id();
         let transfer = Transfer {
             token: copy,
             executor: Executor::Agent(origin),
             submitted_us: self.clock.now_us,
+            bytes,
             overdue: false,
             kind,
         };

@@ -15,7 +15,9 @@ use orbitkv_components::ecs::{
 use orbitkv_io::tier::{BackingTier, TierError};
 
 use crate::lifecycle::{finish, set_state, take_lease};
-use crate::resources::{Budget, Clock, Dram, Limits, Metrics, Outbox, Tiers, TransferIndex};
+use crate::resources::{
+    Budget, Clock, Dram, Limits, LoadRates, Metrics, Outbox, Tiers, TransferIndex,
+};
 
 type Recoveries<'a> = (Entity, &'a mut Operation, &'a mut Recovery);
 type AdmitOrRead = Or<(With<at::Admit>, With<at::Reading>)>;
@@ -197,6 +199,7 @@ pub struct Reads<'w> {
     outbox: ResMut<'w, Outbox>,
     limits: Res<'w, Limits>,
     clock: Res<'w, Clock>,
+    rates: ResMut<'w, LoadRates>,
 }
 
 /// One tick of reading for one operation.
@@ -326,10 +329,12 @@ impl ReadStep<'_> {
             executor: Executor::Local,
             kind,
             submitted_us: now_us,
+            bytes: need.bytes,
             overdue: false,
         };
         let t = commands.spawn((transfer, TransferOf(self.entity))).id();
         reads.index.reads.insert((tier, token), t);
+        reads.rates.started(1 + tier, now_us);
         dram.reading.insert(need.key, t);
         reads.metrics.tier_reads += 1;
         need.state = NeedState::Reading;

@@ -22,6 +22,91 @@ pub struct Clock {
     pub now_us: u64,
 }
 
+/// What a load reads, measured: index 0 the copies from DRAM into device
+/// pages ([`LoadRates::DEVICE`]), index `1 + i` lower tier `i`'s reads into
+/// DRAM. Each source's rate is taken over its busy periods (from the first
+/// transfer in flight to the moment none is), so transfers that overlap
+/// count as the bandwidth they reach together, and smoothed across
+/// periods. Nothing is estimated before [`LoadRates::MIN_PERIODS`] periods
+/// were measured.
+#[derive(Resource, Debug, Default)]
+pub struct LoadRates {
+    sources: Vec<Rate>,
+}
+
+/// One source's measurement.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Rate {
+    in_flight: u64,
+    busy_since_us: u64,
+    bytes: u64,
+    /// Smoothed bytes per microsecond over the measured periods.
+    pub bytes_per_us: f64,
+    /// Busy periods measured.
+    pub periods: u64,
+}
+
+impl LoadRates {
+    pub const DEVICE: usize = 0;
+    /// Periods measured before a rate is used.
+    pub const MIN_PERIODS: u64 = 3;
+    /// Weight of a new period in the smoothed rate.
+    const WEIGHT: f64 = 0.25;
+
+    fn source(&mut self, source: usize) -> &mut Rate {
+        if self.sources.len() <= source {
+            self.sources.resize(source + 1, Rate::default());
+        }
+        &mut self.sources[source]
+    }
+
+    /// A transfer of `source` started at `now_us`.
+    pub fn started(&mut self, source: usize, now_us: u64) {
+        let r = self.source(source);
+        if r.in_flight == 0 {
+            r.busy_since_us = now_us;
+            r.bytes = 0;
+        }
+        r.in_flight += 1;
+    }
+
+    /// A transfer of `source` ended at `now_us`, having moved `bytes` (0
+    /// when it failed).
+    pub fn finished(&mut self, source: usize, bytes: u64, now_us: u64) {
+        let r = self.source(source);
+        assert!(
+            r.in_flight > 0,
+            "a transfer of source {source} ended that never started"
+        );
+        r.in_flight -= 1;
+        r.bytes += bytes;
+        let busy = now_us.saturating_sub(r.busy_since_us);
+        if r.in_flight > 0 || busy == 0 || r.bytes == 0 {
+            return;
+        }
+        let rate = r.bytes as f64 / busy as f64;
+        r.bytes_per_us = if r.periods == 0 {
+            rate
+        } else {
+            r.bytes_per_us + Self::WEIGHT * (rate - r.bytes_per_us)
+        };
+        r.periods += 1;
+    }
+
+    /// `source`'s rate once measured enough.
+    pub fn bytes_per_us(&self, source: usize) -> Option<f64> {
+        self.sources
+            .get(source)
+            .filter(|r| r.periods >= Self::MIN_PERIODS && r.bytes_per_us > 0.0)
+            .map(|r| r.bytes_per_us)
+    }
+
+    /// Every source's measurement, by index.
+    pub fn sources(&self) -> &[Rate] {
+        &self.sources
+    }
+}
+
 /// When a found prefix is worth loading (`[restore]`).
 #[derive(Resource, Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -31,6 +116,14 @@ pub struct RestorePolicy {
     /// the engine recomputes them, which costs less than a load's round
     /// trips and copies for a few tokens. 0 (the default) turns it off.
     pub min_load_tokens: u64,
+    /// The engine's prefill throughput in tokens per second (0, the
+    /// default: unknown, no cost gate). With it, a hit whose load would
+    /// take longer than recomputing its new tokens misses
+    /// `not_worth_loading`: the load's time is estimated from each source's
+    /// measured rate ([`LoadRates`]: the lower tiers its pages are read
+    /// from, then the copies into device pages), and a load from a source
+    /// not measured yet is never refused on a guess.
+    pub prefill_tokens_per_s: u64,
 }
 
 /// Every bound the stages enforce, by name.

@@ -3,13 +3,15 @@
 //! the engine still computes the final prompt token.
 
 use bevy_ecs::prelude::*;
+use bevy_ecs::system::SystemParam;
 use orbitkv_components::api::{Candidates, Event, MissReason};
 use orbitkv_components::contract::{GroupEvidence, StateBundle};
 use orbitkv_components::ecs::{Instance, OpState, Operation, Outcome, Recovery, at};
-use orbitkv_components::{common_boundaries, prompt_limit, select_boundary};
+use orbitkv_components::{StateKey, common_boundaries, prompt_limit, select_boundary};
+use orbitkv_io::tier::BackingTier;
 
 use crate::lifecycle::{finish, set_state};
-use crate::resources::{Metrics, Outbox, RestorePolicy};
+use crate::resources::{Dram, LoadRates, Metrics, Outbox, RestorePolicy, Tiers};
 
 pub fn validate(
     mut commands: Commands,
@@ -17,8 +19,15 @@ pub fn validate(
     instances: Query<&Instance>,
     mut outbox: ResMut<Outbox>,
     mut metrics: ResMut<Metrics>,
-    policy: Res<RestorePolicy>,
+    mut worth: Worth,
 ) {
+    let Worth {
+        policy,
+        rates,
+        dram,
+        tiers,
+    } = &mut worth;
+    let tiers = tiers.0.get_mut();
     for (entity, mut op, mut rec) in &mut ops {
         metrics.queried_tokens += rec.end - rec.origin;
         // Nothing after this stage reads the evidence: it moves into the
@@ -29,8 +38,16 @@ pub fn validate(
             (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),
             (None, Ok(instance)) => select(instance, &mut rec, &mut candidates),
         };
+        let slower = |rec: &Recovery| {
+            instances.get(op.instance).is_ok_and(|instance| {
+                slower_than_recompute(policy, rates, rec, instance, dram, tiers)
+            })
+        };
         let (selected, miss) = match selected {
-            Some(b) if b.saturating_sub(rec.origin) < policy.min_load_tokens => {
+            Some(b)
+                if b.saturating_sub(rec.origin) < policy.min_load_tokens
+                    || (policy.prefill_tokens_per_s > 0 && slower(&rec)) =>
+            {
                 // Found, but too little to be worth a load: nothing is
                 // selected, so nothing is leased or read.
                 rec.selected = None;
@@ -80,6 +97,15 @@ pub fn validate(
         };
         set_state(&mut commands, entity, &mut op, next);
     }
+}
+
+/// What decides whether a found prefix is worth loading.
+#[derive(SystemParam)]
+pub struct Worth<'w> {
+    policy: Res<'w, RestorePolicy>,
+    rates: Res<'w, LoadRates>,
+    dram: Res<'w, Dram>,
+    tiers: ResMut<'w, Tiers>,
 }
 
 /// Returns (selected, common boundaries, miss reason). `candidates` are
@@ -138,4 +164,70 @@ fn select(
         })
         .collect();
     (Some(selected), common, None)
+}
+
+/// Whether loading `rec`'s selected ranges would take longer than the
+/// engine recomputing their new tokens (`prefill_tokens_per_s`): each page
+/// is read from the first tier that holds it unless DRAM does, then copied
+/// into a device page, at each source's measured rate. `false` while a
+/// source the load needs is not measured yet: a hit is never refused on a
+/// guess.
+fn slower_than_recompute(
+    policy: &RestorePolicy,
+    rates: &LoadRates,
+    rec: &Recovery,
+    instance: &Instance,
+    dram: &Dram,
+    tiers: &[Box<dyn BackingTier>],
+) -> bool {
+    let Some(selected) = rec.selected else {
+        return false;
+    };
+    if policy.prefill_tokens_per_s == 0 {
+        return false;
+    }
+    let tokens = selected.saturating_sub(rec.origin);
+    let recompute_us = tokens as f64 * 1e6 / policy.prefill_tokens_per_s as f64;
+    let mut bytes = vec![0u64; 1 + tiers.len()];
+    let page = instance.page_tokens.max(1);
+    for (rank, range) in &rec.ranges {
+        let Some(rank) = instance.ranks.get(*rank as usize) else {
+            continue;
+        };
+        let Some(hashes) = rec.groups.iter().find(|g| g.group == range.group) else {
+            continue;
+        };
+        let page_bytes = rank
+            .page_bytes
+            .iter()
+            .find(|(g, _)| *g == range.group)
+            .map_or(0, |(_, b)| *b);
+        for index in range.start / page..range.end / page {
+            let Some(native) = hashes.hashes.get(index as usize) else {
+                continue;
+            };
+            let key = StateKey {
+                namespace: rank.namespace,
+                group: range.group,
+                native: *native,
+            };
+            if !dram.index.contains_key(&key)
+                && let Some(tier) = tiers.iter().position(|t| t.lookup(&key).is_some())
+            {
+                bytes[1 + tier] += page_bytes;
+            }
+            bytes[LoadRates::DEVICE] += page_bytes;
+        }
+    }
+    let mut load_us = 0.0;
+    for (source, &b) in bytes.iter().enumerate() {
+        if b == 0 {
+            continue;
+        }
+        let Some(rate) = rates.bytes_per_us(source) else {
+            return false;
+        };
+        load_us += b as f64 / rate;
+    }
+    load_us > recompute_us
 }

@@ -12,8 +12,8 @@ use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
 use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
 use orbitkv_io::tier::BackingTier;
 use orbitkv_systems::resources::{
-    Agents, Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, Metrics, Outbox,
-    Registry, SimulatedClock, Tiers, TransferIndex,
+    Agents, Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, LoadRates, Metrics,
+    Outbox, Registry, SimulatedClock, Tiers, TransferIndex,
 };
 use serde::Serialize;
 
@@ -65,6 +65,22 @@ pub struct Stats {
     pub pool_bytes_used: u64,
     pub pool_capacity_bytes: u64,
     pub metrics: Metrics,
+    /// What a load reads, measured (`LoadRates`): the copies into device
+    /// pages, then each lower tier's reads.
+    pub load_rates: Vec<LoadRate>,
+}
+
+/// One source's measured load rate (`[restore] prefill_tokens_per_s`
+/// weighs loads against it).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LoadRate {
+    /// `device` (copies from DRAM into device pages) or a tier's name.
+    pub source: String,
+    /// Smoothed over its busy periods; 0 before the first.
+    pub bytes_per_second: u64,
+    /// Busy periods measured; the cost gate uses a rate from
+    /// `LoadRates::MIN_PERIODS` on.
+    pub periods: u64,
 }
 
 /// One live operation: what holds it, for liveness checks and operators.
@@ -156,6 +172,7 @@ impl RuntimeWorld {
         world.insert_resource(SimulatedClock(backends.simulated_clock));
         world.insert_resource(config.limits.clone());
         world.insert_resource(config.restore);
+        world.insert_resource(LoadRates::default());
         world.insert_resource(Inbox::default());
         world.insert_resource(Outbox::default());
         world.insert_resource(Dram::new(pool));
@@ -441,7 +458,35 @@ impl Runtime {
             pool_bytes_used: w.resource::<Dram>().pool.stats().bytes_used,
             pool_capacity_bytes: w.resource::<Dram>().pool.capacity(),
             metrics: w.resource::<Metrics>().clone(),
+            load_rates: self.load_rates(),
         }
+    }
+
+    /// Each load source's measured rate, by name.
+    pub fn load_rates(&mut self) -> Vec<LoadRate> {
+        let names: Vec<&'static str> = std::iter::once("device")
+            .chain(
+                self.world
+                    .resource_mut::<Tiers>()
+                    .0
+                    .get_mut()
+                    .iter()
+                    .map(|t| t.name()),
+            )
+            .collect();
+        let rates = self.world.resource::<LoadRates>().sources().to_vec();
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let r = rates.get(i).copied().unwrap_or_default();
+                LoadRate {
+                    source: (*name).to_owned(),
+                    bytes_per_second: (r.bytes_per_us * 1e6) as u64,
+                    periods: r.periods,
+                }
+            })
+            .collect()
     }
 
     /// Every live operation, in entity order.

@@ -2378,3 +2378,101 @@ fn a_prefix_too_short_to_be_worth_loading_misses_with_its_reason_and_holds_nothi
         Some(&4)
     );
 }
+
+#[test]
+fn a_load_slower_than_recomputing_misses_once_its_sources_are_measured_and_never_before() {
+    // Recomputing is nearly free at this rate: a measured load is slower.
+    let mut c = config(16 << 20);
+    c.restore.prefill_tokens_per_s = 1_000_000_000;
+    let mut d = dense_setup_with(c);
+    let s = d.s;
+    d.publish(90, 4, 0);
+    let device_periods = |d: &mut Dense| d.h.rt().load_rates()[0].periods;
+    // The device copies are not measured yet: loads go ahead (a hit is
+    // never refused on a guess), and each one measures them.
+    let mut round = 0;
+    while device_periods(&mut d) < 3 {
+        assert!(round < 3, "three loads measure three busy periods");
+        let load = load_cmd(&mut d, 90, 4, 16 + 4 * round);
+        let out = load_events(&mut d, load);
+        assert!(
+            matches!(
+                out.last().map(|a| &a.event),
+                Some(Event::RestoreDone { pages: 4, .. })
+            ),
+            "round {round}: {out:?}"
+        );
+        round += 1;
+    }
+    let rates = d.h.rt().load_rates();
+    assert_eq!(rates[0].source, "device");
+    assert!(rates[0].bytes_per_second > 0, "{rates:?}");
+    assert_eq!(
+        (rates[1].source.as_str(), rates[1].periods),
+        ("sim", 0),
+        "{rates:?}"
+    );
+    // Measured now: 256 tokens recompute in well under a microsecond here,
+    // the copies take longer. A miss with its reason, nothing held.
+    let out =
+        d.h.step_from(vec![(Origin::EMBEDDED, lookup(s, 9, 90, 4, 4 * PAGE + 1))]);
+    assert!(
+        matches!(
+            out.as_slice(),
+            [Addressed {
+                event: Event::QueryResult {
+                    miss: Some(MissReason::NotWorthLoading),
+                    ..
+                },
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    // A prefix only the lower tier holds: its reads are not measured, so
+    // the gate does not judge it; it loads.
+    for i in 0..4 {
+        let native = hash(91, 0, i);
+        d.h.tier
+            .insert(key(d.ns, 0, native), payload(&d.ns, 0, &native));
+    }
+    let load = load_cmd(&mut d, 91, 4, 40);
+    let out = load_events(&mut d, load);
+    assert!(
+        matches!(
+            out.last().map(|a| &a.event),
+            Some(Event::RestoreDone { pages: 4, .. })
+        ),
+        "{out:?}"
+    );
+    assert_eq!(d.h.rt().load_rates()[1].periods, 1, "its read was measured");
+    let st = d.h.rt().stats();
+    assert_eq!((st.operations, st.leases, st.bytes_reserved), (0, 0, 0));
+    assert_eq!(
+        st.metrics.misses.get(&MissReason::NotWorthLoading),
+        Some(&1)
+    );
+}
+
+#[test]
+fn a_load_faster_than_recomputing_hits_after_its_sources_are_measured() {
+    // A slow prefill (1000 tokens/s: 256 ms for the prefix): loading wins.
+    let mut c = config(16 << 20);
+    c.restore.prefill_tokens_per_s = 1_000;
+    let mut d = dense_setup_with(c);
+    d.publish(92, 4, 0);
+    for round in 0..5u32 {
+        let load = load_cmd(&mut d, 92, 4, 16 + 4 * round);
+        let out = load_events(&mut d, load);
+        assert!(
+            matches!(
+                out.last().map(|a| &a.event),
+                Some(Event::RestoreDone { pages: 4, .. })
+            ),
+            "round {round}: {out:?}"
+        );
+    }
+    assert!(d.h.rt().load_rates()[0].periods >= 3);
+    let st = d.h.rt().stats();
+    assert_eq!(st.metrics.misses.get(&MissReason::NotWorthLoading), None);
+}

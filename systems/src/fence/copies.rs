@@ -20,6 +20,7 @@ use orbitkv_io::tier::DemoteRefused;
 use rayon::prelude::*;
 
 use super::{Landing, Ops, Transfers};
+use crate::resources::LoadRates;
 
 /// How a batch ended, whoever ran it.
 enum Landed {
@@ -91,6 +92,14 @@ pub(super) fn land_copies(
         let (mut op, _, job) = ops
             .get_mut(of.0)
             .expect("an operation retires only after its transfers");
+        if let TransferKind::Restore { .. } = transfer.kind {
+            let moved = match how {
+                Landed::Ok { .. } => transfer.bytes,
+                _ => 0,
+            };
+            let now_us = landing.clock.now_us;
+            landing.rates.finished(LoadRates::DEVICE, moved, now_us);
+        }
         match (&transfer.kind, how) {
             (TransferKind::Restore { .. }, Landed::Ok { .. }) => {}
             (TransferKind::Restore { .. }, Landed::Checksum) => {

@@ -21,7 +21,7 @@ pub use expire::expire;
 pub use reads::settle_demotions;
 pub use retire::{close_sessions, retire};
 
-use crate::resources::{Agents, Clock, Copier, Dram, Metrics, Tiers, TransferIndex};
+use crate::resources::{Agents, Clock, Copier, Dram, LoadRates, Metrics, Tiers, TransferIndex};
 
 type Ops<'a> = (
     &'a mut Operation,
@@ -40,6 +40,7 @@ pub struct Landing<'w> {
     index: ResMut<'w, TransferIndex>,
     metrics: ResMut<'w, Metrics>,
     clock: Res<'w, Clock>,
+    rates: ResMut<'w, LoadRates>,
 }
 
 /// Applies every completion the backends report: tier reads, then device

@@ -42,7 +42,11 @@ pub(super) fn land_reads(
         };
         landing.dram.reading.remove(&landed.key);
         let mut op = ops.get_mut(landed.operation).ok();
-        if let Err(reason) = landing.verify(&landed, done) {
+        let verified = landing.verify(&landed, done);
+        let moved = if verified.is_ok() { transfer.bytes } else { 0 };
+        let now_us = landing.clock.now_us;
+        landing.rates.finished(1 + tier, moved, now_us);
+        if let Err(reason) = verified {
             landing.dram.free(landed.page.residency.dram_slot);
             if let Some((op, ..)) = op.as_mut()
                 && op.state() == OpState::Reading

@@ -351,13 +351,19 @@ def test_a_prefix_not_worth_loading_is_a_typed_miss_counted_on_metrics(orbitkv_b
         while line not in m.metrics_text():
             assert time.monotonic() < deadline, m.metrics_text()
             time.sleep(0.05)
-        # The load's copies were measured: the device rate is on /metrics
-        # (what prefill_tokens_per_s is weighed against).
-        rate = [
-            l for l in m.metrics_text().splitlines()
-            if l.startswith('orbitkv_load_rate_bytes_per_second{source="device"}')
-        ]
-        assert len(rate) == 1 and int(rate[0].split()[1]) > 0, rate
+        # The load's copies were measured: the device rate reaches /metrics
+        # (what prefill_tokens_per_s is weighed against) at a refresh.
+        def device_rate() -> int:
+            rate = [
+                l for l in m.metrics_text().splitlines()
+                if l.startswith('orbitkv_load_rate_bytes_per_second{source="device"}')
+            ]
+            assert len(rate) == 1, rate
+            return int(rate[0].split()[1])
+
+        while device_rate() == 0:
+            assert time.monotonic() < deadline, m.metrics_text()
+            time.sleep(0.05)
         m.wait_metric("leases", 0)
     finally:
         m.stop()

@@ -29,16 +29,22 @@ pub struct Clock {
 /// count as the bandwidth they reach together, and smoothed across
 /// periods. Nothing is estimated before [`LoadRates::MIN_PERIODS`] periods
 /// were measured.
+///
+/// Timed by the tick clock when it is simulated (deterministic), and by
+/// the wall clock otherwise: a copy often lands within the tick it was
+/// submitted in, shorter than the tick clock can see.
 #[derive(Resource, Debug, Default)]
 pub struct LoadRates {
     sources: Vec<Rate>,
+    /// The wall clock's origin, when time is real.
+    wall: Option<std::time::Instant>,
 }
 
 /// One source's measurement.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
 pub struct Rate {
     in_flight: u64,
-    busy_since_us: u64,
+    busy_since_ns: u64,
     bytes: u64,
     /// Smoothed bytes per microsecond over the measured periods.
     pub bytes_per_us: f64,
@@ -53,6 +59,21 @@ impl LoadRates {
     /// Weight of a new period in the smoothed rate.
     const WEIGHT: f64 = 0.25;
 
+    /// Timed by the tick clock (`simulated`) or by the wall clock.
+    pub fn new(simulated: bool) -> LoadRates {
+        LoadRates {
+            sources: Vec::new(),
+            wall: (!simulated).then(std::time::Instant::now),
+        }
+    }
+
+    fn now_ns(&self, tick_now_us: u64) -> u64 {
+        match self.wall {
+            Some(t0) => u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            None => tick_now_us.saturating_mul(1_000),
+        }
+    }
+
     fn source(&mut self, source: usize) -> &mut Rate {
         if self.sources.len() <= source {
             self.sources.resize(source + 1, Rate::default());
@@ -62,9 +83,10 @@ impl LoadRates {
 
     /// A transfer of `source` started at `now_us`.
     pub fn started(&mut self, source: usize, now_us: u64) {
+        let now = self.now_ns(now_us);
         let r = self.source(source);
         if r.in_flight == 0 {
-            r.busy_since_us = now_us;
+            r.busy_since_ns = now;
             r.bytes = 0;
         }
         r.in_flight += 1;
@@ -73,6 +95,7 @@ impl LoadRates {
     /// A transfer of `source` ended at `now_us`, having moved `bytes` (0
     /// when it failed).
     pub fn finished(&mut self, source: usize, bytes: u64, now_us: u64) {
+        let now = self.now_ns(now_us);
         let r = self.source(source);
         assert!(
             r.in_flight > 0,
@@ -80,11 +103,11 @@ impl LoadRates {
         );
         r.in_flight -= 1;
         r.bytes += bytes;
-        let busy = now_us.saturating_sub(r.busy_since_us);
+        let busy = now.saturating_sub(r.busy_since_ns);
         if r.in_flight > 0 || busy == 0 || r.bytes == 0 {
             return;
         }
-        let rate = r.bytes as f64 / busy as f64;
+        let rate = r.bytes as f64 * 1_000.0 / busy as f64;
         r.bytes_per_us = if r.periods == 0 {
             rate
         } else {

@@ -172,7 +172,7 @@ impl RuntimeWorld {
         world.insert_resource(SimulatedClock(backends.simulated_clock));
         world.insert_resource(config.limits.clone());
         world.insert_resource(config.restore);
-        world.insert_resource(LoadRates::default());
+        world.insert_resource(LoadRates::new(backends.simulated_clock));
         world.insert_resource(Inbox::default());
         world.insert_resource(Outbox::default());
         world.insert_resource(Dram::new(pool));

@@ -23,7 +23,7 @@ use orbitkv_components::ecs::{Leases, Page};
 
 use orbitkv_io::tier::{BackingTier, DemoteRefused, Demoted};
 
-use crate::resources::{Clock, Dram, EvictReason, Evicted, Limits, Metrics, Tiers};
+use crate::resources::{Clock, Dram, EvictReason, Evicted, Limits, Metrics, Removal, Tiers};
 
 pub fn evict(
     mut commands: Commands,
@@ -48,7 +48,7 @@ pub fn evict(
             assert!(!leased, "a leased page was evictable");
             let held = demote(page, &dram, tiers, &mut metrics, clock.now_us);
             let slot = page.residency.dram_slot;
-            dram.index.remove(&page.key);
+            dram.unindex_page(&page.key, Removal::Evicted);
             match held {
                 Some((tier, token)) => dram.hold_for_demotion(tier, token, slot),
                 None => dram.free(slot),

@@ -5,10 +5,10 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::KeyMap;
 use orbitkv_components::api::{
     Addressed, Command, CommandId, CopyFailure, Event, MissReason, Origin,
 };
+use orbitkv_components::{KeyMap, StateKey};
 use orbitkv_gpu::CopyEngine;
 use orbitkv_io::dram::{HostPool, HostPoolConfig, SlotKey};
 use orbitkv_io::lru::LruOrder;
@@ -335,6 +335,69 @@ pub struct Dram {
     /// (cleared when a tick starts): the invariants check it never evicted
     /// more than the allocations waiting for that class needed.
     pub evicted: BTreeMap<u64, Evicted>,
+    /// Every change of `index`, in order, for the manager's event stream;
+    /// kept only while one is on. Change `index` through
+    /// [`Dram::index_page`] and [`Dram::unindex_page`] so none is missed.
+    pub journal: PageJournal,
+}
+
+/// One change of what DRAM holds: a page became restorable (its bytes and
+/// checksum landed and it is in the index) or stopped being so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageChange {
+    Stored(StateKey),
+    Removed(StateKey, Removal),
+}
+
+/// Why a page left DRAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Removal {
+    /// Evicted for room (demoted to a lower tier first where one takes it).
+    Evicted,
+    /// Its namespace was cleared (`orbitkv clear`).
+    Cleared,
+}
+
+/// The changes of the DRAM index since the last [`PageJournal::take`], at
+/// most `cap` of them: past that they are dropped and the drain says so,
+/// and the stream tells subscribers to forget what they were told (an
+/// undercount, never a page advertised that is not here).
+#[derive(Debug, Default)]
+pub struct PageJournal {
+    cap: usize,
+    changes: Vec<PageChange>,
+    lost: bool,
+}
+
+impl PageJournal {
+    /// Starts recording, at most `cap` changes between drains.
+    pub fn start(&mut self, cap: usize) {
+        self.cap = cap;
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.cap > 0
+    }
+
+    fn push(&mut self, change: PageChange) {
+        if self.cap == 0 {
+            return;
+        }
+        if self.changes.len() >= self.cap {
+            self.changes.clear();
+            self.lost = true;
+            return;
+        }
+        self.changes.push(change);
+    }
+
+    /// Moves the recorded changes to `out`; true when some were lost
+    /// since the last drain (then `out` holds only what came after).
+    pub fn take(&mut self, out: &mut Vec<PageChange>) -> bool {
+        out.append(&mut self.changes);
+        std::mem::take(&mut self.lost)
+    }
 }
 
 /// The evict stage's work on one slot class in one tick.
@@ -357,7 +420,23 @@ impl Dram {
             demoting: BTreeMap::new(),
             demoting_by_class: BTreeMap::new(),
             evicted: BTreeMap::new(),
+            journal: PageJournal::default(),
         }
+    }
+
+    /// Indexes a page whose bytes and checksum landed: from now on a query
+    /// finds it.
+    pub fn index_page(&mut self, key: StateKey, page: Entity) {
+        let previous = self.index.insert(key, page);
+        assert!(previous.is_none(), "a key was indexed twice");
+        self.journal.push(PageChange::Stored(key));
+    }
+
+    /// Takes a page out of the index: no query finds it from now on.
+    pub fn unindex_page(&mut self, key: &StateKey, why: Removal) -> Option<Entity> {
+        let page = self.index.remove(key)?;
+        self.journal.push(PageChange::Removed(*key, why));
+        Some(page)
     }
 
     /// An evicted page's slot stays allocated while `tier` writes from it.

@@ -13,7 +13,7 @@ use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
 use orbitkv_io::tier::BackingTier;
 use orbitkv_systems::resources::{
     Agents, Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, LoadRates, Metrics,
-    Outbox, Registry, SimulatedClock, Tiers, TransferIndex,
+    Outbox, PageChange, Registry, SimulatedClock, Tiers, TransferIndex,
 };
 use serde::Serialize;
 
@@ -68,6 +68,18 @@ pub struct Stats {
     /// What a load reads, measured (`LoadRates`): the copies into device
     /// pages, then each lower tier's reads.
     pub load_rates: Vec<LoadRate>,
+}
+
+/// A namespace as [`Runtime::namespaces`] describes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamespaceInfo {
+    pub namespace: orbitkv_components::Namespace,
+    pub instance: String,
+    /// Index of the rank in the instance (sorted by pp, tp).
+    pub rank: u32,
+    pub page_tokens: u64,
+    /// (storage group, its rule).
+    pub groups: Vec<(u32, orbitkv_components::Rule)>,
 }
 
 /// One source's measured load rate (`[restore] prefill_tokens_per_s`
@@ -487,6 +499,42 @@ impl Runtime {
                 }
             })
             .collect()
+    }
+
+    /// Starts recording what DRAM gains and loses ([`PageChange`]), at
+    /// most `cap` changes between two [`take_page_changes`](Self::take_page_changes).
+    /// Off (0) until a caller asks: nothing is kept for nobody.
+    pub fn record_page_changes(&mut self, cap: usize) {
+        self.world.resource_mut::<Dram>().journal.start(cap);
+    }
+
+    /// Appends the page changes since the last call, in order; true when
+    /// some were dropped meanwhile (more than the cap), in which case `out`
+    /// holds only those after the loss.
+    pub fn take_page_changes(&mut self, out: &mut Vec<PageChange>) -> bool {
+        self.world.resource_mut::<Dram>().journal.take(out)
+    }
+
+    /// What a subscriber needs to describe the pages of each namespace:
+    /// its instance, tokens per page and group rules (live instances only).
+    pub fn namespaces(&mut self) -> Vec<NamespaceInfo> {
+        let w = &mut self.world;
+        let mut out = Vec::new();
+        for inst in w.query::<&Instance>().iter(w) {
+            if inst.retired {
+                continue;
+            }
+            for (rank, r) in inst.ranks.iter().enumerate() {
+                out.push(NamespaceInfo {
+                    namespace: r.namespace,
+                    instance: inst.name.clone(),
+                    rank: rank as u32,
+                    page_tokens: inst.page_tokens,
+                    groups: inst.groups.iter().map(|g| (g.id, g.rule)).collect(),
+                });
+            }
+        }
+        out
     }
 
     /// Every live operation, in entity order.

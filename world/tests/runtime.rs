@@ -2476,3 +2476,82 @@ fn a_load_faster_than_recomputing_hits_after_its_sources_are_measured() {
     let st = d.h.rt().stats();
     assert_eq!(st.metrics.misses.get(&MissReason::NotWorthLoading), None);
 }
+
+/// The page journal behind the manager's event stream: every page DRAM
+/// gains or loses, in order, with why it left; nothing while it is off;
+/// a loss past the cap said, never hidden.
+#[test]
+fn page_changes_follow_the_index_in_order() {
+    use orbitkv_components::StateKey;
+    use orbitkv_world::{PageChange, Removal};
+    // 8 slots of DRAM: a third prompt of 4 pages evicts the first.
+    let mut c = config(32 << 10);
+    c.dram.extent_bytes = 16 << 10;
+    let mut d = dense_setup_with(c);
+    let key = |ns, seed, i| StateKey::new(ns, 0, hash(seed, 0, i).as_bytes()).unwrap();
+    let mut out = Vec::new();
+    d.publish(30, 1, 0);
+    assert!(!d.h.rt().take_page_changes(&mut out));
+    assert!(out.is_empty(), "recorded while off: {out:?}");
+
+    d.h.rt().record_page_changes(1024);
+    d.publish(31, 4, 4);
+    d.publish(32, 3, 8);
+    d.publish(33, 4, 12);
+    assert!(!d.h.rt().take_page_changes(&mut out));
+    // Replayed onto a set, the changes end where the index ends, and
+    // never store a stored key or remove an absent one.
+    let mut held: std::collections::BTreeSet<StateKey> = [key(d.ns, 30, 0)].into();
+    let mut removed = Vec::new();
+    for c in &out {
+        match *c {
+            PageChange::Stored(k) => assert!(held.insert(k), "stored twice: {k:?}"),
+            PageChange::Removed(k, why) => {
+                assert_eq!(why, Removal::Evicted);
+                assert!(held.remove(&k), "removed but not held: {k:?}");
+                removed.push(k);
+            }
+        }
+    }
+    let stored: Vec<_> = out
+        .iter()
+        .filter_map(|c| match c {
+            PageChange::Stored(k) => Some(*k),
+            _ => None,
+        })
+        .collect();
+    let mut want: Vec<StateKey> = (0..4).map(|i| key(d.ns, 31, i)).collect();
+    want.extend((0..3).map(|i| key(d.ns, 32, i)));
+    want.extend((0..4).map(|i| key(d.ns, 33, i)));
+    assert_eq!(stored, want);
+    // The least recent went: seed 30's page, then seed 31's first three.
+    let mut gone = vec![key(d.ns, 30, 0)];
+    gone.extend((0..3).map(|i| key(d.ns, 31, i)));
+    assert_eq!(removed, gone);
+    assert_eq!(held.len(), d.h.rt().stats().pages);
+
+    // A clear removes what is left, said as cleared.
+    out.clear();
+    d.h.step(vec![Command::Clear {
+        namespaces: vec![d.ns],
+    }]);
+    assert!(!d.h.rt().take_page_changes(&mut out));
+    let mut cleared: Vec<StateKey> = out
+        .iter()
+        .map(|c| match *c {
+            PageChange::Removed(k, Removal::Cleared) => k,
+            other => panic!("a clear changed {other:?}"),
+        })
+        .collect();
+    cleared.sort();
+    assert_eq!(cleared, held.into_iter().collect::<Vec<_>>());
+    assert_eq!(d.h.rt().stats().pages, 0);
+
+    // Past the cap the changes are dropped and the drain says so.
+    out.clear();
+    d.h.rt().record_page_changes(2);
+    d.publish(34, 4, 16);
+    assert!(d.h.rt().take_page_changes(&mut out), "a loss went unsaid");
+    assert!(out.len() < 4, "{out:?}");
+    assert!(!d.h.rt().take_page_changes(&mut out), "a loss is said once");
+}

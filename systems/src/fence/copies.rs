@@ -191,7 +191,7 @@ impl Landing<'_> {
                 },
             };
             let entity = commands.spawn(page).id();
-            self.dram.index.insert(item.key, entity);
+            self.dram.index_page(item.key, entity);
             self.dram.make_evictable(entity, slot);
             self.metrics.bytes_published += item.bytes;
             self.write_through(item, slot, checksum);

@@ -168,7 +168,7 @@ impl Landing<'_> {
         }
         let (residency, checksum) = (landed.page.residency, landed.page.checksum);
         let page = commands.spawn(landed.page).id();
-        self.dram.index.insert(landed.key, page);
+        self.dram.index_page(landed.key, page);
         let need = wanted.and_then(|rec| {
             let rec = rec.into_inner();
             rec.needs

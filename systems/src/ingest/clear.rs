@@ -11,7 +11,7 @@ use orbitkv_components::api::{CommandError, Event, InvalidCommand, TierCleared};
 use orbitkv_components::ecs::{Leases, Page};
 
 use super::{Ctx, Result, emit};
-use crate::resources::{Dram, Tiers};
+use crate::resources::{Dram, Removal, Tiers};
 
 /// The most namespaces one clear names (an instance has one per rank).
 pub const MAX_CLEAR_NAMESPACES: usize = 1024;
@@ -59,7 +59,7 @@ fn apply(world: &mut World, ctx: Ctx, namespaces: &[Namespace], plan: Plan) {
         // Unleased, so in the LRU: out of it, the index and the pool.
         dram.pin(*e, *slot);
         if let Some(key) = key {
-            dram.index.remove(&key);
+            dram.unindex_page(&key, Removal::Cleared);
         }
         dram.free(*slot);
         world.despawn(*e);

@@ -20,8 +20,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 
-echo "== installing maturin, pytest, numpy, huggingface_hub (the model-source rule reads its cache layout)"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.9,<2" pytest numpy huggingface_hub
+echo "== installing maturin, pytest, numpy, huggingface_hub (the model-source rule reads its cache layout), pyzmq and msgspec (the KV event subscriber)"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.9,<2" pytest numpy huggingface_hub pyzmq msgspec
 
 echo "== maturin develop ($PROFILE)"
 start=$SECONDS

@@ -19,6 +19,7 @@
 
 pub mod connection;
 pub mod dispatch;
+pub mod events;
 pub mod http;
 pub mod inspect;
 pub mod listener;
@@ -147,6 +148,14 @@ pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError
         None
     };
     let metrics = metrics::Metrics::new(rt.remote_stats_handle());
+    let events = match &settings.events {
+        Some(cfg) => Some(events::EventStream::start(
+            cfg,
+            &mut rt,
+            metrics.events.clone(),
+        )?),
+        None => None,
+    };
     if let Some(addr) = &settings.metrics_addr {
         http::serve(
             addr,
@@ -178,6 +187,7 @@ pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError
         uid,
         metrics,
         hot,
+        events,
         last_tick: Instant::now(),
         started: Instant::now(),
         now: Instant::now(),

@@ -155,6 +155,8 @@ pub struct Metrics {
     gauges: Gauges,
     tiers: Tiers,
     pub counters: Counters,
+    /// The KV event stream's counters (registered whether or not it runs).
+    pub events: crate::events::EventCounters,
     /// Each stage's histogram of `latency_seconds`, looked up once: an
     /// observation is then an atomic add, not a label lookup.
     stage_latency: [Histogram; 5],
@@ -369,7 +371,9 @@ impl Metrics {
                 .clone()
         });
         let now = Instant::now();
+        let events = crate::events::EventCounters::register(&mut r);
         Metrics {
+            events,
             registry: Arc::new(r),
             mirrored,
             gauges,

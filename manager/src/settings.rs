@@ -40,6 +40,10 @@ pub struct Args {
     /// Tick interval while I/O is in flight and no commands arrive.
     #[arg(long, env = "ORBITKV_IDLE_TICK_US")]
     pub idle_tick_us: Option<u64>,
+    /// Publish KV events (ZMQ PUB, vLLM's KVEventBatch) at this address,
+    /// e.g. tcp://127.0.0.1:5557; `[events]` holds the other settings.
+    #[arg(long, env = "ORBITKV_EVENTS_ADDR")]
+    pub events_addr: Option<String>,
 }
 
 /// The `[serve]` table of the config file.
@@ -94,6 +98,8 @@ impl SizeValue {
 struct FileConfig {
     #[serde(default)]
     serve: ServeFile,
+    #[serde(default)]
+    events: Option<crate::events::EventsConfig>,
     #[serde(flatten)]
     runtime: toml::Table,
 }
@@ -165,6 +171,8 @@ pub struct Settings {
     /// hot path is a look at shared memory, a poll is a system call. The
     /// most a socket frame or a new connection waits behind hot traffic.
     pub socket_poll_interval: Duration,
+    /// The KV event stream (`[events]`), off unless configured.
+    pub events: Option<crate::events::EventsConfig>,
     pub runtime: Config,
 }
 
@@ -220,6 +228,7 @@ impl Settings {
             }
             None => FileConfig {
                 serve: ServeFile::default(),
+                events: None,
                 runtime: toml::Table::new(),
             },
         };
@@ -230,6 +239,20 @@ impl Settings {
                     ServeError::Setting(format!("runtime configuration: {}", e.message()))
                 })?;
         let serve = file.serve;
+        let events = match (&args.events_addr, file.events) {
+            (Some(addr), Some(mut e)) => {
+                e.publish = addr.clone();
+                Some(e)
+            }
+            (Some(addr), None) => Some(
+                toml::from_str::<crate::events::EventsConfig>(&format!("publish = {addr:?}"))
+                    .map_err(|e| ServeError::Setting(format!("--events-addr: {}", e.message())))?,
+            ),
+            (None, e) => e,
+        };
+        if let Some(e) = &events {
+            e.validate()?;
+        }
         if let Some(d) = args.dram.as_ref().or(serve.dram.as_ref()) {
             runtime.dram.capacity_bytes = parse_size(d)?;
         }
@@ -376,6 +399,7 @@ impl Settings {
                 1,
                 MAX_SOCKET_POLL_INTERVAL_US,
             )?),
+            events,
             runtime,
         })
     }

@@ -42,6 +42,8 @@ pub struct State {
     pub uid: u32,
     pub metrics: Metrics,
     pub hot: Option<HotServer>,
+    /// The KV event stream, when `[events]` is configured.
+    pub events: Option<crate::events::EventStream>,
     pub last_tick: Instant,
     pub started: Instant,
     /// The round's clock: read once per loop round (after its wait) and
@@ -221,6 +223,9 @@ impl State {
         }
         if let Some(h) = self.hot.as_mut() {
             h.end_tick();
+        }
+        if let Some(ev) = self.events.as_mut() {
+            ev.drain(&mut self.rt);
         }
     }
 

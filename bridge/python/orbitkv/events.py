@@ -1,0 +1,211 @@
+"""A subscriber of a manager's KV event stream (`[events]`, docs/events.md).
+
+The stream is vLLM's KV event format: ZMQ multipart ``[topic, seq, payload]``
+with one topic per namespace (64 hex digits), ``seq`` counting that topic's
+batches (8 bytes, big-endian; a manager starts each topic at a number above
+every number an earlier one used), and ``payload`` a msgpack
+``KVEventBatch``. :class:`Subscriber` follows it for a router: it keeps, per
+topic, the set of (group, block hash) a manager advertises, notices a gap in
+a topic's sequence and fills it from the replay socket, and forgets a topic
+on ``AllBlocksCleared`` (sent first on every topic in a manager's life, and
+whenever the manager lost track of changes) or when it cannot fill a gap.
+
+Needs ``pyzmq`` and ``msgspec`` (``pip install orbitkv[events]``). The
+batch classes mirror vLLM 0.33's ``vllm.distributed.kv_events``, so the
+payload decodes the same with either.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+
+import msgspec
+import zmq
+
+BlockHash = Union[bytes, int]
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: List[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """One change of what a tier holds."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: List[BlockHash]
+    parent_block_hash: Optional[BlockHash]
+    token_ids: List[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[List[Any]] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
+    session_id: Optional[str] = None
+    lookahead_token_ids: Optional[List[List[int]]] = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: List[BlockHash]
+    medium: Optional[str]
+    group_idx: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+END_SEQ = -1
+
+
+def _clears(payload: bytes) -> bool:
+    events = decode(payload).events
+    return bool(events) and isinstance(events[0], AllBlocksCleared)
+
+
+def decode(payload: bytes) -> KVEventBatch:
+    """One batch's payload, decoded (``msgspec.ValidationError`` if it is
+    not a KVEventBatch)."""
+    return _decoder.decode(payload)
+
+
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+class Subscriber:
+    """Follows a manager's stream at ``publish`` (and ``replay``, to fill
+    gaps). ``topics``: namespace hex digits to follow (prefixes), all by
+    default. Every wait is bounded by ``timeout`` seconds."""
+
+    def __init__(
+        self,
+        publish: str,
+        replay: Optional[str] = None,
+        topics: Iterable[str] = ("",),
+        timeout: float = 5.0,
+    ) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        for t in topics:
+            self._sub.setsockopt(zmq.SUBSCRIBE, t.encode())
+        self._sub.connect(publish)
+        self._replay_addr = replay
+        self.timeout = timeout
+        #: topic -> the next sequence number expected.
+        self.next_seq: Dict[str, int] = {}
+        #: topic -> {(group, block hash)} advertised and not removed since.
+        self.held: Dict[str, Set[Tuple[int, BlockHash]]] = {}
+        #: Every batch applied, in order: (topic, seq, batch).
+        self.log: List[Tuple[str, int, KVEventBatch]] = []
+        #: Gaps filled from the replay socket, and gaps it could not fill.
+        self.replayed = 0
+        self.unfilled = 0
+
+    def close(self) -> None:
+        self._sub.close(0)
+
+    def __enter__(self) -> "Subscriber":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def poll(self, timeout: Optional[float] = None) -> int:
+        """Applies the batches that arrive within ``timeout`` (after the
+        first, only those already queued); returns how many."""
+        n = 0
+        wait_ms = int(1000 * (self.timeout if timeout is None else timeout))
+        while self._sub.poll(wait_ms):
+            topic, seq, payload = self._sub.recv_multipart()
+            n += self._arrived(topic.decode(), int.from_bytes(seq, "big"), payload)
+            wait_ms = 0
+        return n
+
+    def wait_until(self, done, timeout: Optional[float] = None) -> None:
+        """Polls until ``done(self)`` holds (AssertionError past ``timeout``)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not done(self):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"the event stream never got there: {self.held}")
+            self.poll(min(left, 0.05))
+
+    def _arrived(self, topic: str, seq: int, payload: bytes) -> int:
+        want = self.next_seq.get(topic)
+        if seq != want:
+            # Missed batches, a restarted manager (its numbers jump ahead),
+            # or a late join: the replay socket has what the manager still
+            # buffers; the run of batches just before `seq` is applied.
+            start = want if want is not None and want < seq else 0
+            tail: List[Tuple[str, int, bytes]] = []
+            for b in sorted(self.replay(topic, start), key=lambda b: b[1], reverse=True):
+                if b[1] == (tail[-1][1] if tail else seq) - 1:
+                    tail.append(b)
+            tail.reverse()
+            if not (want is not None and tail and tail[0][1] == want):
+                # Not a continuation: start from nothing (never over-trust).
+                # A run that begins with AllBlocksCleared is a new manager's
+                # whole story; anything else after known state is a loss.
+                self.held[topic] = set()
+                if want is not None and not (tail and _clears(tail[0][2])):
+                    self.unfilled += 1
+            if tail:
+                self.replayed += 1
+            for _, s, p in tail:
+                self._apply(topic, s, p)
+        self._apply(topic, seq, payload)
+        return 1
+
+    def _apply(self, topic: str, seq: int, payload: bytes) -> None:
+        batch = decode(payload)
+        held = self.held.setdefault(topic, set())
+        for ev in batch.events:
+            if isinstance(ev, AllBlocksCleared):
+                held.clear()
+            elif isinstance(ev, BlockStored):
+                held.update((ev.group_idx or 0, h) for h in ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                held.difference_update((ev.group_idx or 0, h) for h in ev.block_hashes)
+        self.next_seq[topic] = seq + 1
+        self.log.append((topic, seq, batch))
+
+    def replay(self, topic: Optional[str], start: int) -> List[Tuple[str, int, bytes]]:
+        """The batches the manager still buffers from ``start`` on (of
+        ``topic``, or of every topic), as (topic, seq, payload)."""
+        if self._replay_addr is None:
+            return []
+        # A DEALER with REQ's empty delimiter: one request, many replies.
+        req = self._ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        try:
+            req.connect(self._replay_addr)
+            start_b = start.to_bytes(8, "big")
+            parts = [topic.encode(), start_b] if topic is not None else [start_b]
+            req.send_multipart([b"", *parts])
+            out = []
+            while True:
+                if not req.poll(int(1000 * self.timeout)):
+                    raise TimeoutError(f"no replay from {self._replay_addr} in {self.timeout}s")
+                t, s, p = req.recv_multipart()[-3:]
+                seq = int.from_bytes(s, "big", signed=True)
+                if seq == END_SEQ:
+                    return out
+                out.append((t.decode(), seq, p))
+        finally:
+            req.close(0)

@@ -93,6 +93,7 @@ def build_config(
     failure_policy: str = "recompute",
     layout: str = "LBNHC",
     role: str = "kv_both",
+    kv_events: Any = None,
 ):
     """(VllmConfig, KVCacheConfig, groups) of a CPU engine with the
     connector configured. The groups are vLLM's own (`get_kv_cache_groups`)
@@ -128,6 +129,7 @@ def build_config(
             kv_transfer_config=kvt,
             device_config=DeviceConfig("cpu"),
             attention_config=AttentionConfig(),
+            kv_events_config=kv_events,
         )
         specs = layer_specs(mc.hf_text_config, block_size, sliding_window)
         groups = get_kv_cache_groups(vc, specs)
@@ -198,6 +200,7 @@ class Engine:
         hash_algo: str = "sha256",
         failure_policy: str = "recompute",
         role: str = "kv_both",
+        kv_events: Any = None,
     ):
         # vLLM's own HMA tests do this (test_hma_auto_config.py): CPU
         # platforms turn the hybrid allocator off otherwise. (One group
@@ -218,6 +221,7 @@ class Engine:
                 hash_algo=hash_algo,
                 failure_policy=failure_policy,
                 role=role,
+                kv_events=kv_events,
             )
         except BaseException:
             # A refused startup leaves nothing behind for the next test.
@@ -240,6 +244,7 @@ class Engine:
         hash_algo: str,
         failure_policy: str,
         role: str,
+        kv_events: Any,
     ) -> None:
         self.bs = block_size
         self.tp = tp
@@ -256,6 +261,7 @@ class Engine:
             hash_algo=hash_algo,
             failure_policy=failure_policy,
             role=role,
+            kv_events=kv_events,
         )
         self.layers = [name for g in self.groups for name in g.layer_names]
         self.layers.sort(key=lambda name: int(name.split(".")[2]))

@@ -17,8 +17,9 @@ payload decodes the same with either.
 
 from __future__ import annotations
 
+import collections
 import time
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import msgspec
 import zmq
@@ -98,6 +99,7 @@ class Subscriber:
         replay: Optional[str] = None,
         topics: Iterable[str] = ("",),
         timeout: float = 5.0,
+        log_batches: int = 10_000,
     ) -> None:
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -111,11 +113,14 @@ class Subscriber:
         self.next_seq: Dict[str, int] = {}
         #: topic -> {(group, block hash)} advertised and not removed since.
         self.held: Dict[str, Set[Tuple[int, BlockHash]]] = {}
-        #: Every batch applied, in order: (topic, seq, batch).
-        self.log: List[Tuple[str, int, KVEventBatch]] = []
+        #: The last ``log_batches`` batches applied, in order: (topic, seq, batch).
+        self.log: Deque[Tuple[str, int, KVEventBatch]] = collections.deque(maxlen=log_batches)
         #: Gaps filled from the replay socket, and gaps it could not fill.
         self.replayed = 0
         self.unfilled = 0
+        #: Called as ``on_change(topic, added, removed)`` (sets of
+        #: (group, hash)) whenever what a topic holds changes.
+        self.on_change = None
 
     def close(self) -> None:
         self._sub.close(0)
@@ -146,42 +151,79 @@ class Subscriber:
                 raise AssertionError(f"the event stream never got there: {self.held}")
             self.poll(min(left, 0.05))
 
+    def catch_up(self, topics: Optional[Iterable[str]] = None) -> None:
+        """Applies what the replay socket holds past what was applied, for
+        ``topics`` (default: every topic seen). A new subscriber calls it
+        once its subscription is in place: batches sent before it joined
+        arrive no other way until the topic's next batch shows the gap."""
+        for topic in list(self.next_seq if topics is None else topics):
+            self._catch(topic, None)
+
     def _arrived(self, topic: str, seq: int, payload: bytes) -> int:
         want = self.next_seq.get(topic)
+        if want is not None and seq < want:
+            return 0  # already applied from a replay: numbers never go back
         if seq != want:
             # Missed batches, a restarted manager (its numbers jump ahead),
-            # or a late join: the replay socket has what the manager still
-            # buffers; the run of batches just before `seq` is applied.
-            start = want if want is not None and want < seq else 0
-            tail: List[Tuple[str, int, bytes]] = []
-            for b in sorted(self.replay(topic, start), key=lambda b: b[1], reverse=True):
-                if b[1] == (tail[-1][1] if tail else seq) - 1:
-                    tail.append(b)
-            tail.reverse()
-            if not (want is not None and tail and tail[0][1] == want):
-                # Not a continuation: start from nothing (never over-trust).
-                # A run that begins with AllBlocksCleared is a new manager's
-                # whole story; anything else after known state is a loss.
-                self.held[topic] = set()
-                if want is not None and not (tail and _clears(tail[0][2])):
-                    self.unfilled += 1
-            if tail:
-                self.replayed += 1
-            for _, s, p in tail:
-                self._apply(topic, s, p)
+            # or a late join.
+            self._catch(topic, seq)
         self._apply(topic, seq, payload)
         return 1
+
+    def _catch(self, topic: str, upto: Optional[int]) -> None:
+        """Applies the run of replayed batches that ends just before
+        ``upto`` (or at the last one buffered)."""
+        want = self.next_seq.get(topic)
+        got = sorted(
+            (b for b in self.replay(topic, want or 0) if upto is None or b[1] < upto),
+            key=lambda b: b[1],
+        )
+        end = upto if upto is not None else (got[-1][1] + 1 if got else None)
+        if end is None:
+            return
+        tail: List[Tuple[str, int, bytes]] = []
+        for b in reversed(got):
+            if b[1] != end - 1 - len(tail):
+                break
+            tail.append(b)
+        tail.reverse()
+        if want is not None and tail and tail[0][1] <= want:
+            tail = [b for b in tail if b[1] >= want]  # a continuation
+        else:
+            # Not a continuation: start from nothing (never over-trust). A
+            # run that begins with AllBlocksCleared is a new manager's whole
+            # story; anything else after known state is a loss.
+            self._forget(topic)
+            if want is not None and not (tail and _clears(tail[0][2])):
+                self.unfilled += 1
+        if tail:
+            self.replayed += 1
+        for _, seq, payload in tail:
+            self._apply(topic, seq, payload)
+
+    def _forget(self, topic: str) -> None:
+        gone = self.held.get(topic, set())
+        self.held[topic] = set()
+        if gone and self.on_change is not None:
+            self.on_change(topic, set(), gone)
 
     def _apply(self, topic: str, seq: int, payload: bytes) -> None:
         batch = decode(payload)
         held = self.held.setdefault(topic, set())
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared):
-                held.clear()
-            elif isinstance(ev, BlockStored):
-                held.update((ev.group_idx or 0, h) for h in ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                held.difference_update((ev.group_idx or 0, h) for h in ev.block_hashes)
+                self._forget(topic)
+                held = self.held[topic]
+                continue
+            keys = {(ev.group_idx or 0, h) for h in ev.block_hashes}
+            if isinstance(ev, BlockStored):
+                added, removed = keys - held, set()
+                held |= added
+            else:
+                added, removed = set(), keys & held
+                held -= removed
+            if (added or removed) and self.on_change is not None:
+                self.on_change(topic, added, removed)
         self.next_seq[topic] = seq + 1
         self.log.append((topic, seq, batch))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -44,6 +44,40 @@ def _tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
+
+
+def _events(vllm_config: Any, kv_cache_config: Any, settings: Any, spec: EngineSpec, sched: SchedulerSide):
+    """The scheduler's KV events, when both vLLM's and the manager's are
+    on; a half-configured pair is said at startup, never silently idle."""
+    kve = getattr(vllm_config, "kv_events_config", None)
+    on = kve is not None and bool(kve.enable_kv_cache_events)
+    if not on:
+        if settings.events:
+            log.warning(
+                "OrbitKV: kv_connector_extra_config.events is set but vLLM's KV events are off "
+                "(--kv-events-config enable_kv_cache_events): OrbitKV's pages are not published"
+            )
+        return None
+    if not settings.events:
+        log.warning(
+            "OrbitKV: vLLM publishes KV events but kv_connector_extra_config.events "
+            "(ORBITKV_EVENTS_ADDR) is not set: routers will not see the prefixes this engine "
+            "can load from OrbitKV (docs/events.md)"
+        )
+        return None
+    from .events import ConnectorEvents, GroupInfo
+
+    groups = {
+        g.id: GroupInfo(g.vllm_group, kv_cache_config.kv_cache_groups[g.vllm_group].kv_cache_spec)
+        for g in spec.groups
+    }
+    return ConnectorEvents(
+        settings.events,
+        settings.events_replay or None,
+        groups,
+        spec.page_tokens,
+        sched.namespaces,
+    )
 
 
 class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -86,6 +120,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._reporter = Reporter()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.settings, self.spec)
+            self.scheduler.events = _events(vllm_config, kv_cache_config, self.settings, self.spec, self.scheduler)
         else:
             self.worker = WorkerSide(
                 self.settings, self.spec, _tp_rank(), int(kv_cache_config.num_blocks)
@@ -204,6 +239,11 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return set()
         return self.worker.load_errors()
+
+    def take_events(self) -> Iterable[Any]:
+        if self.scheduler is None:
+            return ()
+        return self.scheduler.take_events()
 
     def shutdown(self) -> None:
         if self.worker is not None:

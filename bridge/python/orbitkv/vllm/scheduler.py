@@ -102,6 +102,8 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self.stats = SchedulerStats()
         self._group_ids = [g.id for g in spec.groups]
+        #: `ConnectorEvents` when vLLM's KV events and the manager's are on.
+        self.events: Any = None
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
         self.link.connect_at_startup()
@@ -216,7 +218,19 @@ class SchedulerSide:
             self.link.session.forget_lookup(state.pending.ticket)
         return bool(state is not None and state.saves_sent), None
 
+    def take_events(self) -> List[Any]:
+        if self.events is None:
+            return []
+        return self.events.take()
+
+    def namespaces(self) -> Optional[List[str]]:
+        """The instance's namespaces (one per rank) once connected."""
+        s = self.link.session
+        return list(s.namespaces) if s.up else None
+
     def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.link.close()
 
     # internals ------------------------------------------------------------
@@ -328,6 +342,12 @@ class SchedulerSide:
             if ids != nowhere
         ]
         state.saved_pages = done
+        if self.events is not None:
+            tokens = request.all_token_ids
+            for it in items:
+                p = it.page
+                parent = bytes(hashes[p - 1]) if p > 0 else None
+                self.events.record_save(it.hash, tuple(tokens[p * page : (p + 1) * page]), parent)
         if not items:
             return None
         state.saves_sent = True

@@ -81,6 +81,13 @@ class ConnectorSettings:
     max_pending_jobs: int = 4096
     """Bound on a worker's queued loads and saves; past it, saves are
     dropped and loads fail (recompute)."""
+    events: str = ""
+    """The manager's KV event stream (its ``[events] publish`` address, e.g.
+    ``ipc:///run/orbitkv/events``; default ``ORBITKV_EVENTS_ADDR``). With
+    vLLM's ``--kv-events-config`` on, the pages this engine can load from
+    OrbitKV go out through vLLM's own publisher (docs/events.md)."""
+    events_replay: str = ""
+    """The stream's replay address (``[events] replay``), to fill gaps."""
     load_mode: str = "async"
     """``"async"``: a request with a hit waits (``WAITING_FOR_REMOTE_KVS``)
     until its whole load landed, reported through ``get_finished``.
@@ -101,7 +108,10 @@ class ConnectorSettings:
                 + ", ".join(repr(k) for k in unknown)
                 + f" (known: {', '.join(sorted(known))})"
             )
-        values: Dict[str, Any] = {"socket": default_socket()}
+        values: Dict[str, Any] = {
+            "socket": default_socket(),
+            "events": os.environ.get("ORBITKV_EVENTS_ADDR", ""),
+        }
         for key, value in extra.items():
             want = known[key].type
             values[key] = _check(key, value, want)
@@ -118,6 +128,14 @@ class ConnectorSettings:
             )
         if not s.socket:
             raise ConfigError("kv_connector_extra_config.socket is empty")
+        for key in ("events", "events_replay"):
+            addr = getattr(s, key)
+            if addr and not addr.startswith(("tcp://", "ipc://")):
+                raise ConfigError(
+                    f"kv_connector_extra_config.{key} must be a tcp:// or ipc:// address, got {addr!r}"
+                )
+        if s.events_replay and not s.events:
+            raise ConfigError("kv_connector_extra_config.events_replay needs events (the stream itself)")
         if s.load_mode not in LOAD_MODES:
             raise ConfigError(
                 f"kv_connector_extra_config.load_mode must be one of {', '.join(map(repr, LOAD_MODES))}, "

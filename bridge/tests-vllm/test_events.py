@@ -9,16 +9,14 @@ them; a half-configured pair is said at startup."""
 
 from __future__ import annotations
 
-import shutil
+import logging
+import subprocess
 import time
 
 import msgspec
 import pytest
 import serve_support as ss
 import zmq
-import logging
-import subprocess
-
 from harness import engine
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -33,12 +31,8 @@ def manager(orbitkv_bin):
     m.pub = f"ipc://{m.dir}/events"
     m.rep = f"ipc://{m.dir}/replay"
     m.config.write_text(ss.CONFIG + f'[events]\npublish = "{m.pub}"\nreplay = "{m.rep}"\n')
-    try:
-        m.start()
+    with ss.running(m):
         yield m
-    finally:
-        m.stop()
-        shutil.rmtree(m.dir, ignore_errors=True)
 
 
 def test_saved_pages_are_advertised_in_vllms_own_format_with_vllms_hashes(model, manager):

@@ -13,10 +13,12 @@ prints ``ERROR ...`` (and a traceback on stderr) and exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -419,6 +421,17 @@ class Manager:
             if time.monotonic() > deadline:
                 raise AssertionError(f"orbitkv_{name} never reached {value} (now {now})")
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running(m: Manager):
+    """Starts `m`; stops it and removes its directory at the end."""
+    try:
+        m.start()
+        yield m
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)
 
 
 # Worker processes -----------------------------------------------------------

@@ -9,7 +9,6 @@ bad settings stop the start naming the setting."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 
@@ -37,13 +36,8 @@ def with_events(binary, dram: str = "128KiB", extra: str = "") -> ss.Manager:
 
 @pytest.fixture
 def manager(orbitkv_bin):
-    m = with_events(orbitkv_bin)
-    try:
-        m.start()
+    with ss.running(with_events(orbitkv_bin)) as m:
         yield m
-    finally:
-        m.stop()
-        shutil.rmtree(m.dir, ignore_errors=True)
 
 
 def hashes(n: int, seed: int):

@@ -131,13 +131,15 @@ class Subscriber:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def poll(self, timeout: Optional[float] = None) -> int:
+    def poll(self, timeout: Optional[float] = None, max_batches: Optional[int] = None) -> int:
         """Applies the batches that arrive within ``timeout`` (after the
-        first, only those already queued); returns how many."""
-        n = 0
+        first, only those already queued), taking at most ``max_batches``;
+        returns how many."""
+        n = received = 0
         wait_ms = int(1000 * (self.timeout if timeout is None else timeout))
-        while self._sub.poll(wait_ms):
+        while (max_batches is None or received < max_batches) and self._sub.poll(wait_ms):
             topic, seq, payload = self._sub.recv_multipart()
+            received += 1
             n += self._arrived(topic.decode(), int.from_bytes(seq, "big"), payload)
             wait_ms = 0
         return n

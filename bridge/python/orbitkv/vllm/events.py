@@ -89,9 +89,7 @@ class ConnectorEvents:
         if self._sub is None and not self._open():
             return []
         assert self._sub is not None
-        for _ in range(MAX_BATCHES_PER_STEP):
-            if not self._sub.poll(0):
-                break
+        self._sub.poll(0, max_batches=MAX_BATCHES_PER_STEP)
         if self._catch_ups and time.monotonic() >= self._catch_ups[0]:
             # What the manager sent before the subscription took effect
             # (ZMQ joins in its own time): from its replay buffer.

@@ -253,3 +253,27 @@ def test_over_a_randomized_run_every_advertised_page_is_restorable_or_withdrawn(
         finally:
             for s in sessions:
                 s.close()
+
+
+def test_a_subscriber_skips_what_is_not_a_batch_and_never_raises(tmp_path):
+    import msgspec
+    import zmq
+
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    addr = f"ipc://{tmp_path}/pub"
+    pub.bind(addr)
+    good = msgspec.msgpack.encode(
+        kv.KVEventBatch(ts=1.0, events=[kv.BlockStored([b"h"], None, [], 16, None, "CPU", None, group_idx=0)])
+    )
+    try:
+        # A replay socket that never answers: gaps stay unfilled, no error.
+        with kv.Subscriber(addr, f"ipc://{tmp_path}/silent", timeout=0.1) as sub:
+            time.sleep(0.3)
+            pub.send_multipart([b"t", (5).to_bytes(8, "big")])  # two frames
+            pub.send_multipart([b"t", b"\x00", good])  # a short seq
+            pub.send_multipart([b"t", (5).to_bytes(8, "big"), b"\xc1garbage"])
+            pub.send_multipart([b"u", (7).to_bytes(8, "big"), good])
+            sub.wait_until(lambda x: x.held.get("u") == {(0, b"h")})
+            assert sub.malformed == 3 and sub.held.get("t", set()) == set()
+    finally:
+        pub.close(0)

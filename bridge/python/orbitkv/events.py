@@ -118,6 +118,8 @@ class Subscriber:
         #: Gaps filled from the replay socket, and gaps it could not fill.
         self.replayed = 0
         self.unfilled = 0
+        #: Messages that were not a batch (skipped; their topic forgotten).
+        self.malformed = 0
         #: Called as ``on_change(topic, added, removed)`` (sets of
         #: (group, hash)) whenever what a topic holds changes.
         self.on_change = None
@@ -138,10 +140,20 @@ class Subscriber:
         n = received = 0
         wait_ms = int(1000 * (self.timeout if timeout is None else timeout))
         while (max_batches is None or received < max_batches) and self._sub.poll(wait_ms):
-            topic, seq, payload = self._sub.recv_multipart()
+            frames = self._sub.recv_multipart()
             received += 1
-            n += self._arrived(topic.decode(), int.from_bytes(seq, "big"), payload)
             wait_ms = 0
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.malformed += 1
+                continue
+            topic, seq, payload = frames
+            try:
+                n += self._arrived(topic.decode(), int.from_bytes(seq, "big"), payload)
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                # Not a batch this subscriber can follow: the topic is
+                # forgotten rather than half-applied.
+                self.malformed += 1
+                self._forget(topic.decode(errors="replace"))
         return n
 
     def wait_until(self, done, timeout: Optional[float] = None) -> None:
@@ -176,10 +188,11 @@ class Subscriber:
         """Applies the run of replayed batches that ends just before
         ``upto`` (or at the last one buffered)."""
         want = self.next_seq.get(topic)
-        got = sorted(
-            (b for b in self.replay(topic, want or 0) if upto is None or b[1] < upto),
-            key=lambda b: b[1],
-        )
+        try:
+            replayed = self.replay(topic, want or 0)
+        except (TimeoutError, zmq.ZMQError):
+            replayed = []  # the manager is not answering: the gap stays unfilled
+        got = sorted((b for b in replayed if upto is None or b[1] < upto), key=lambda b: b[1])
         end = upto if upto is not None else (got[-1][1] + 1 if got else None)
         if end is None:
             return

@@ -104,6 +104,7 @@ class SchedulerSide:
         self._group_ids = [g.id for g in spec.groups]
         #: `ConnectorEvents` when vLLM's KV events and the manager's are on.
         self.events: Any = None
+        self._events_logged = float("-inf")
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
         self.link.connect_at_startup()
@@ -221,7 +222,14 @@ class SchedulerSide:
     def take_events(self) -> List[Any]:
         if self.events is None:
             return []
-        return self.events.take()
+        try:
+            return self.events.take()
+        except Exception:  # never into vLLM's scheduler step
+            now = time.monotonic()
+            if now - self._events_logged > 10.0:
+                self._events_logged = now
+                log.exception("OrbitKV: KV events from the manager failed; none this step")
+            return []
 
     def namespaces(self) -> Optional[List[str]]:
         """The instance's namespaces (one per rank) once connected."""

@@ -298,7 +298,9 @@ impl EventStream {
                     reason: "journal_full".into(),
                 })
                 .inc();
-            warn!("KV events: page changes were lost (journal full); subscribers are told to forget");
+            warn!(
+                "KV events: page changes were lost (journal full); subscribers are told to forget"
+            );
             self.forget.extend(self.opened.iter().copied());
         }
         if self.changes.is_empty() && self.forget.is_empty() {
@@ -379,7 +381,9 @@ impl EventStream {
                                 reason: "queue_full".into(),
                             })
                             .inc();
-                        warn!("KV events: the publisher fell behind; subscribers are told to forget");
+                        warn!(
+                            "KV events: the publisher fell behind; subscribers are told to forget"
+                        );
                         self.forget.insert(namespace);
                         break;
                     }
@@ -641,9 +645,13 @@ mod tests {
         );
         use rmpv::Value;
         let v = rmpv::decode::read_value(&mut &out[..]).unwrap();
-        let Value::Array(batch) = v else { panic!("{v:?}") };
+        let Value::Array(batch) = v else {
+            panic!("{v:?}")
+        };
         assert_eq!(batch[0], Value::F64(1.5));
-        let Value::Array(events) = &batch[1] else { panic!("{batch:?}") };
+        let Value::Array(events) = &batch[1] else {
+            panic!("{batch:?}")
+        };
         let fields = |ev: &Value| -> Vec<(String, Value)> {
             ev.as_map()
                 .unwrap()
@@ -654,13 +662,27 @@ mod tests {
         let cleared = fields(&events[0]);
         assert_eq!(cleared, [("type".into(), "AllBlocksCleared".into())]);
         let stored = fields(&events[1]);
-        assert_eq!(stored[0], ("type".into(), "BlockStored".into()), "the tag first");
-        let get = |f: &[(String, Value)], k: &str| f.iter().find(|(n, _)| n == k).unwrap().1.clone();
-        assert_eq!(get(&stored, "block_hashes"), Value::Array(vec![Value::Binary(vec![7; 32])]));
+        assert_eq!(
+            stored[0],
+            ("type".into(), "BlockStored".into()),
+            "the tag first"
+        );
+        let get =
+            |f: &[(String, Value)], k: &str| f.iter().find(|(n, _)| n == k).unwrap().1.clone();
+        assert_eq!(
+            get(&stored, "block_hashes"),
+            Value::Array(vec![Value::Binary(vec![7; 32])])
+        );
         assert_eq!(get(&stored, "block_size"), Value::from(16));
         assert_eq!(get(&stored, "group_idx"), Value::from(1));
-        assert_eq!(get(&stored, "kv_cache_spec_kind"), Value::from("sliding_window"));
-        assert_eq!(get(&stored, "kv_cache_spec_sliding_window"), Value::from(127));
+        assert_eq!(
+            get(&stored, "kv_cache_spec_kind"),
+            Value::from("sliding_window")
+        );
+        assert_eq!(
+            get(&stored, "kv_cache_spec_sliding_window"),
+            Value::from(127)
+        );
         assert_eq!(get(&stored, "medium"), Value::from("CPU"));
         // vLLM's required fields are all there, null where unknown.
         for k in ["parent_block_hash", "lora_id", "lora_name"] {

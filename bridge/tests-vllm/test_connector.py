@@ -615,7 +615,17 @@ def test_a_lookup_sent_without_waiting_hits_when_vllm_asks_again(model, manager)
         real = sched.get_num_new_matched_tokens
 
         def record(request, n):
-            answers.append(real(request, n))
+            if answers:
+                answers.append(real(request, n))
+                return answers[-1]
+            # The first ask: the manager is held still, so the answer
+            # cannot be back yet however fast it would be (it could be
+            # already, on a quiet machine, which made this test flaky).
+            os.kill(manager.proc.pid, signal.SIGSTOP)
+            try:
+                answers.append(real(request, n))
+            finally:
+                os.kill(manager.proc.pid, signal.SIGCONT)
             return answers[-1]
 
         sched.get_num_new_matched_tokens = record

@@ -95,6 +95,20 @@ fn default_hwm() -> i32 {
 }
 
 impl EventsConfig {
+    /// Every bound at its default, publishing at `publish`.
+    pub fn at(publish: String) -> EventsConfig {
+        EventsConfig {
+            publish,
+            replay: None,
+            buffer_batches: default_buffer_batches(),
+            max_events_per_batch: default_max_events_per_batch(),
+            max_pending_changes: default_max_pending_changes(),
+            max_queued_batches: default_max_queued_batches(),
+            hwm: default_hwm(),
+            public: false,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ServeError> {
         let bad = |what: String| Err(ServeError::Setting(format!("[events] {what}")));
         for (name, v, max) in [

@@ -244,10 +244,7 @@ impl Settings {
                 e.publish = addr.clone();
                 Some(e)
             }
-            (Some(addr), None) => Some(
-                toml::from_str::<crate::events::EventsConfig>(&format!("publish = {addr:?}"))
-                    .map_err(|e| ServeError::Setting(format!("--events-addr: {}", e.message())))?,
-            ),
+            (Some(addr), None) => Some(crate::events::EventsConfig::at(addr.clone())),
             (None, e) => e,
         };
         if let Some(e) = &events {
@@ -463,6 +460,29 @@ mod tests {
             config: Some(path),
             ..Args::default()
         })
+    }
+
+    #[test]
+    fn the_events_address_comes_from_the_flag_or_the_file_and_is_checked() {
+        let s = Settings::from_args(&Args {
+            events_addr: Some("ipc:///tmp/x/events".into()),
+            ..Args::default()
+        })
+        .unwrap();
+        let e = s.events.unwrap();
+        assert_eq!(
+            (e.publish.as_str(), e.buffer_batches),
+            ("ipc:///tmp/x/events", 10_000)
+        );
+        let s = from_file("[events]\npublish = \"tcp://127.0.0.1:5557\"\nhwm = 10\n").unwrap();
+        assert_eq!(s.events.unwrap().hwm, 10);
+        assert!(from_file("[serve]\n").unwrap().events.is_none());
+        let e = Settings::from_args(&Args {
+            events_addr: Some("tcp://0.0.0.0:5557".into()),
+            ..Args::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("public"), "{e}");
     }
 
     #[test]

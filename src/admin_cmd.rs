@@ -134,6 +134,9 @@ pub struct LookupArgs {
     /// The prompt's chained page hashes, in order, as hex.
     #[arg(required = true)]
     hashes: Vec<String>,
+    /// The prompt's length in tokens: a load stops before its last token.
+    #[arg(long)]
+    prompt_len: Option<u64>,
     /// Print the reply as JSON.
     #[arg(long)]
     json: bool,
@@ -163,6 +166,7 @@ pub fn lookup(args: LookupArgs) -> Result<()> {
         namespace,
         group: args.group,
         hashes,
+        prompt_len: args.prompt_len,
     };
     let mut c = connect(args.socket, "orbitkv lookup")?;
     let reply = c.lookup(&request, Duration::from_secs(10))?;
@@ -195,6 +199,17 @@ pub fn lookup(args: LookupArgs) -> Result<()> {
                 format!(" ({})", tiers.join(", "))
             },
         );
+    }
+    if let Some(r) = &reply.restorable {
+        let tiers: Vec<String> = r.by_tier.iter().map(|(t, n)| format!("{t} {n}")).collect();
+        match r.miss {
+            Some(reason) => println!("a load would miss: {}", reason.as_str()),
+            None => println!(
+                "a load would restore {} tokens ({})",
+                r.tokens,
+                tiers.join(", ")
+            ),
+        }
     }
     Ok(())
 }
@@ -233,6 +248,7 @@ pub fn clear(args: ClearArgs) -> Result<()> {
                 namespace: None,
                 group: 0,
                 hashes: vec![],
+                prompt_len: None,
             };
             let reply = c.lookup(&request, Duration::from_secs(10))?;
             if let Some(e) = reply.error {

@@ -161,6 +161,74 @@ fn lookup_finds_the_stored_prefix_per_tier_and_leases_nothing() {
 }
 
 #[test]
+fn routers_post_lookups_and_get_restorable_tokens_per_tier_within_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = BASE_CONFIG.replacen(
+        "[serve]\n",
+        "[serve]\nlookup_per_second = 5\nlookup_max_body_bytes = 4096\n",
+        1,
+    );
+    let m = Manager::start(dir.path(), "router", "16MiB", &config, &[]);
+    let mut a = Client::connect(&m.socket, "engine").unwrap();
+    publish_four(&mut a, &hashes(4), payload);
+    let hs: Vec<String> = hashes(6).iter().map(hex).collect();
+    let ask = |body: serde_json::Value| {
+        let (status, text) = m.post("/lookup", body.to_string().as_bytes());
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status} {text:?}: {e}"));
+        (status, v)
+    };
+    // Four of six pages stored; the prompt is longer than the six pages.
+    let (status, v) = ask(serde_json::json!({"instance": "llama", "hashes": hs}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["restorable"]["tokens"], 4 * PAGE, "{v}");
+    assert_eq!(
+        v["restorable"]["by_tier"],
+        serde_json::json!({"dram": 4 * PAGE}),
+        "{v}"
+    );
+    assert_eq!(v["restorable"]["miss"], serde_json::Value::Null, "{v}");
+    // A prompt of exactly four pages: its last token is the engine's.
+    let (_, v) =
+        ask(serde_json::json!({"instance": "llama", "hashes": hs[..4], "prompt_len": 4 * PAGE}));
+    assert_eq!(v["restorable"]["tokens"], 3 * PAGE, "{v}");
+    // An unknown instance is the manager's refusal, in JSON.
+    let (status, v) = ask(serde_json::json!({"instance": "nope", "hashes": hs}));
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("no instance"), "{v}");
+    // Past the rate (5 a second, 4 used): refused with 429 and counted.
+    let mut limited = 0;
+    for _ in 0..10 {
+        let (status, _) = ask(serde_json::json!({"instance": "llama", "hashes": hs}));
+        limited += usize::from(status == 429);
+    }
+    assert!(limited >= 4, "{limited} of 10 refused at 5 a second");
+    // Malformed and oversized bodies are typed refusals.
+    std::thread::sleep(Duration::from_millis(1200));
+    let (status, text) = m.post("/lookup", b"{not json");
+    assert_eq!(status, 400, "{text}");
+    let big = serde_json::json!({"instance": "llama", "hashes": vec![&hs[0]; 400]});
+    let (status, text) = m.post("/lookup", big.to_string().as_bytes());
+    assert_eq!(status, 413, "{text}");
+    let (status, _) = {
+        let mut s = std::net::TcpStream::connect(&m.metrics).unwrap();
+        use std::io::{Read as _, Write as _};
+        s.write_all(b"GET /lookup HTTP/1.0\r\n\r\n").unwrap();
+        let mut t = String::new();
+        s.read_to_string(&mut t).unwrap();
+        (t.split(' ').nth(1).unwrap().to_owned(), t)
+    };
+    assert_eq!(status, "405");
+    assert!(m.metric("lookups_total{outcome=\"rate_limited\"}").unwrap() >= 4);
+    assert_eq!(m.metric("lookups_total{outcome=\"too_large\"}"), Some(1));
+    assert_eq!(m.metric("lookups_total{outcome=\"bad_request\"}"), Some(1));
+    assert_eq!(m.metric("lookups_total{outcome=\"refused\"}"), Some(1));
+    // Nothing was leased or left open.
+    let s = a.inspect(T).unwrap();
+    assert_eq!((s.leases, s.operations, s.bytes_reserved), (0, 0, 0));
+}
+
+#[test]
 fn clear_drops_an_instance_from_every_tier_and_waits_for_its_leases() {
     use orbitkv_components::api::{Command, Event, GroupHashes};
     let dir = tempfile::tempdir().unwrap();

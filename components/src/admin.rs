@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::api::MissReason;
 use crate::key::NativeHash;
 use crate::namespace::Namespace;
 
@@ -21,8 +22,16 @@ pub struct LookupRequest {
     pub instance: Option<String>,
     #[serde(default)]
     pub namespace: Option<Namespace>,
+    /// The group `found` and the `prefix_*` fields look in (0, the
+    /// attention group, by default); `restorable` covers every group.
+    #[serde(default)]
     pub group: u32,
     pub hashes: Vec<NativeHash>,
+    /// The prompt's length in tokens, when known: a load ends at most at
+    /// its last token but one (the engine computes that one). Without it,
+    /// every full page of `hashes` may be restored.
+    #[serde(default)]
+    pub prompt_len: Option<u64>,
 }
 
 /// One namespace's answer.
@@ -50,5 +59,28 @@ pub struct NamespacePages {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LookupReply {
     pub namespaces: Vec<NamespacePages>,
+    /// What a load of this prompt would restore now, by the recovery
+    /// contract (the router's answer): `hashes` taken as the chained
+    /// hashes of every group, every rank of the instance (or the one
+    /// namespace named) required. `None` when no registered instance owns
+    /// the namespaces, or the request was refused.
+    #[serde(default)]
+    pub restorable: Option<Restorable>,
     pub error: Option<String>,
+}
+
+/// Prefix tokens a load would restore now, as the runtime would select
+/// them (every group's rule on every rank, capped by the prompt and by
+/// `[restore] min_load_tokens`); nothing is leased, so a later load can
+/// still find less (an eviction in between).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Restorable {
+    /// Tokens a load would restore to; 0 on a miss.
+    pub tokens: u64,
+    /// Those tokens by the tier they would be read from (`dram`, `ssd`,
+    /// `remote`): a page position counts in the slowest tier any of its
+    /// required pages (any rank, any group) is read from.
+    pub by_tier: BTreeMap<String, u64>,
+    /// Why nothing is restorable, when `tokens` is 0.
+    pub miss: Option<MissReason>,
 }

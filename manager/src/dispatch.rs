@@ -51,23 +51,43 @@ pub fn frame(st: &mut State, id: ConnId, kind: Kind, payload: &[u8]) -> Result<u
         }
         (Stage::Ready, Kind::Lookup) => {
             let request: LookupRequest = frame::decode(Kind::Lookup, payload)?;
-            // A request the runtime refuses is answered, not a protocol
-            // error: the connection stays open.
-            let reply = match st.rt.locate(&request) {
-                Ok(namespaces) => LookupReply {
-                    namespaces,
-                    error: None,
-                },
-                Err(e) => LookupReply {
-                    namespaces: vec![],
-                    error: Some(e),
-                },
-            };
+            let reply = lookup(st, &request);
             push(st, id, frame::encode(Kind::LookupReply, &reply));
             Ok(0)
         }
         (Stage::Ready, other) => Err(Refusal::NotClientFrame(other)),
     }
+}
+
+/// A lookup's answer (a connection's `Lookup` frame, a router's `POST
+/// /lookup`). A request the runtime refuses is answered with the reason,
+/// not a protocol error: the connection stays open.
+pub fn lookup(st: &mut State, request: &LookupRequest) -> LookupReply {
+    let reply = match st.rt.locate(request) {
+        Ok((namespaces, restorable)) => LookupReply {
+            namespaces,
+            restorable,
+            error: None,
+        },
+        Err(e) => LookupReply {
+            namespaces: vec![],
+            restorable: None,
+            error: Some(e),
+        },
+    };
+    let outcome = if reply.error.is_none() {
+        "answered"
+    } else {
+        "refused"
+    };
+    st.metrics
+        .counters
+        .lookups
+        .get_or_create(&crate::metrics::Outcome {
+            outcome: outcome.into(),
+        })
+        .inc();
+    reply
 }
 
 fn push(st: &mut State, id: ConnId, bytes: Vec<u8>) {

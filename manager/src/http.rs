@@ -1,4 +1,5 @@
-//! The `/metrics` endpoint: hyper on a single-threaded tokio runtime in its
+//! The `/metrics` endpoint, and routers' `POST /lookup` (JSON; answered
+//! by the event loop through [`crate::lookups`]): hyper on a single-threaded tokio runtime in its
 //! own thread. Every connection is a task, so idle or slow connections cost
 //! a little memory and never delay a scrape; each must send its request
 //! headers within the timeout, and is closed after the timeout either way.
@@ -14,16 +15,18 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::Full;
+use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper::{Request, Response, StatusCode};
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
 use crate::ServeError;
+use crate::lookups::{Door, Turned};
+use orbitkv_components::admin::LookupRequest;
 
 /// A bound metrics listener, before the runtime takes it.
 enum Bound {
@@ -61,6 +64,7 @@ pub fn serve(
     addr: &str,
     public: bool,
     registry: Arc<Registry>,
+    door: Door,
     max_connections: usize,
     timeout: Duration,
 ) -> Result<String, ServeError> {
@@ -97,13 +101,14 @@ pub fn serve(
                         return;
                     };
                     let registry = registry.clone();
+                    let door = door.clone();
                     match &listener {
                         Listener::Tcp(l) => {
                             let Ok((stream, _)) = l.accept().await else {
                                 continue;
                             };
                             let io = TokioIo::new(stream);
-                            tokio::spawn(connection(io, registry, timeout, permit));
+                            tokio::spawn(connection(io, registry, door, timeout, permit));
                         }
                         Listener::Unix(l) => {
                             let Ok((stream, _)) = l.accept().await else {
@@ -117,14 +122,14 @@ pub fn serve(
                                 continue;
                             }
                             let io = TokioIo::new(stream);
-                            tokio::spawn(connection(io, registry, timeout, permit));
+                            tokio::spawn(connection(io, registry, door, timeout, permit));
                         }
                     }
                 }
             });
         })
         .map_err(bad)?;
-    info!(%local, "metrics at /metrics");
+    info!(%local, "metrics at /metrics, lookups at POST /lookup");
     Ok(local)
 }
 
@@ -133,12 +138,13 @@ pub fn serve(
 async fn connection<I>(
     io: I,
     registry: Arc<Registry>,
+    door: Door,
     timeout: Duration,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
-    let service = service_fn(move |req| answer(req, registry.clone()));
+    let service = service_fn(move |req| answer(req, registry.clone(), door.clone(), timeout));
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(timeout)
@@ -165,26 +171,125 @@ impl Listener {
 async fn answer(
     req: Request<Incoming>,
     registry: Arc<Registry>,
+    door: Door,
+    timeout: Duration,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
-    let (status, body) = if req.uri().path() == "/metrics" {
-        let mut text = String::new();
-        match prometheus_client::encoding::text::encode(&mut text, &registry) {
-            Ok(()) => (StatusCode::OK, text),
-            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+    const METRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    const JSON: &str = "application/json";
+    let (status, body, kind) = match req.uri().path() {
+        "/metrics" => {
+            let mut text = String::new();
+            match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                Ok(()) => (StatusCode::OK, text, METRICS),
+                Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n"), METRICS),
+            }
         }
-    } else {
-        (
+        "/lookup" if req.method() == Method::POST => {
+            let (status, body) = lookup(req, &door, timeout).await;
+            (status, body, JSON)
+        }
+        "/lookup" => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            error_json("POST a JSON lookup request (docs/events.md)"),
+            JSON,
+        ),
+        _ => (
             StatusCode::NOT_FOUND,
-            "not found; try /metrics\n".to_owned(),
-        )
+            "not found; try /metrics, or POST /lookup\n".to_owned(),
+            METRICS,
+        ),
     };
     let mut resp = Response::new(Full::new(Bytes::from(body)));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static(
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
+        hyper::header::HeaderValue::from_static(kind),
     );
     Ok(resp)
+}
+
+/// `{"error": why}`.
+fn error_json(why: &str) -> String {
+    serde_json::json!({ "error": why }).to_string()
+}
+
+/// A router's lookup: the body (at most `lookup_max_body_bytes`) is a
+/// `LookupRequest`; the loop answers it within `timeout`.
+async fn lookup(req: Request<Incoming>, door: &Door, timeout: Duration) -> (StatusCode, String) {
+    let body = match Limited::new(req.into_body(), door.max_body_bytes)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.is::<LengthLimitError>() => {
+            door.count("too_large");
+            let why = format!(
+                "the body is over [serve] lookup_max_body_bytes = {}",
+                door.max_body_bytes
+            );
+            return (StatusCode::PAYLOAD_TOO_LARGE, error_json(&why));
+        }
+        Err(e) => {
+            door.count("bad_request");
+            return (StatusCode::BAD_REQUEST, error_json(&e.to_string()));
+        }
+    };
+    let request: LookupRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            door.count("bad_request");
+            return (StatusCode::BAD_REQUEST, error_json(&e.to_string()));
+        }
+    };
+    let answer = match door.ask(request) {
+        Ok(a) => a,
+        Err(turned) => {
+            let (outcome, status, why) = match turned {
+                Turned::Rate => (
+                    "rate_limited",
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "past [serve] lookup_per_second",
+                ),
+                Turned::Busy => (
+                    "busy",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too many lookups wait for the manager",
+                ),
+                Turned::Closed => (
+                    "busy",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the manager is shutting down",
+                ),
+            };
+            door.count(outcome);
+            return (status, error_json(why));
+        }
+    };
+    match tokio::time::timeout(timeout, answer).await {
+        Ok(Ok(reply)) => {
+            let status = if reply.error.is_some() {
+                StatusCode::BAD_REQUEST
+            } else {
+                StatusCode::OK
+            };
+            match serde_json::to_string(&reply) {
+                Ok(text) => (status, text),
+                Err(e) => (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    error_json(&e.to_string()),
+                ),
+            }
+        }
+        Ok(Err(_)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            error_json("the manager is shutting down"),
+        ),
+        Err(_) => {
+            door.count("timeout");
+            (
+                StatusCode::GATEWAY_TIMEOUT,
+                error_json("the manager did not answer within [serve] metrics_timeout_ms"),
+            )
+        }
+    }
 }

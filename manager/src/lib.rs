@@ -23,6 +23,7 @@ pub mod events;
 pub mod http;
 pub mod inspect;
 pub mod listener;
+pub mod lookups;
 pub mod main_loop;
 pub mod metrics;
 pub mod remote_metrics;
@@ -156,14 +157,26 @@ pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError
         )?),
         None => None,
     };
+    let mut lookups = None;
     if let Some(addr) = &settings.metrics_addr {
+        let (desk, door) = lookups::open(
+            settings.lookup_per_second,
+            settings.lookup_max_body_bytes,
+            metrics.counters.lookups.clone(),
+        )
+        .map_err(|e| ServeError::Metrics {
+            addr: addr.clone(),
+            reason: e.to_string(),
+        })?;
         http::serve(
             addr,
             settings.metrics_public,
             metrics.registry.clone(),
+            door,
             settings.max_metrics_connections,
             settings.metrics_timeout,
         )?;
+        lookups = Some(desk);
     }
     info!(
         socket = %settings.socket.display(),
@@ -188,6 +201,8 @@ pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError
         metrics,
         hot,
         events,
+        lookups,
+        lookups_waiting: false,
         last_tick: Instant::now(),
         started: Instant::now(),
         now: Instant::now(),

@@ -61,7 +61,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
         };
         let since_tick = now.saturating_duration_since(st.last_tick);
         let spinning = now < busy_until;
-        let timeout = if spinning || backlog(st) || st.rt.inbox_len() > 0 {
+        let timeout = if spinning || backlog(st) || st.rt.inbox_len() > 0 || st.lookups_waiting {
             Duration::ZERO
         } else if io_pending {
             st.settings.idle_tick
@@ -87,6 +87,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             next_socket_poll = now + st.settings.socket_poll_interval;
         }
         read_sockets(st, readable);
+        answer_lookups(st);
         let from_sockets = take_frames(st);
         let submitted = from_sockets + read_hot(st, &mut incoming);
         let since_tick = now.saturating_duration_since(st.last_tick);
@@ -179,6 +180,21 @@ fn read_sockets(st: &mut State, readable: &[ConnId]) {
     }
 }
 
+/// Answers routers' lookups from the HTTP endpoint (a round's worth at
+/// most; metadata only, so between ticks is as good as anywhere).
+fn answer_lookups(st: &mut State) {
+    let Some(desk) = &st.lookups else {
+        return;
+    };
+    let mut asked = Vec::new();
+    st.lookups_waiting = desk.take(&mut asked);
+    for a in asked {
+        let reply = crate::dispatch::lookup(st, &a.request);
+        // The endpoint gave up on it (timeout): nothing to do.
+        let _ = a.reply.send(reply);
+    }
+}
+
 /// Whether a connection holds a whole frame the loop has not taken yet.
 fn backlog(st: &State) -> bool {
     st.conns
@@ -212,6 +228,9 @@ impl Poller {
         let listening = st.listener.is_some();
         if let Some(l) = &st.listener {
             self.fds.push(pollfd(l.as_raw_fd(), libc::POLLIN));
+        }
+        if let Some(d) = &st.lookups {
+            self.fds.push(pollfd(d.fd(), libc::POLLIN));
         }
         let base = self.fds.len();
         for (id, c) in &st.conns {

@@ -112,6 +112,11 @@ pub struct Counters {
     pub hot_responses: Counter,
     pub hot_fallbacks: Counter,
     pub hot_wakes: Counter,
+    /// Lookups (`orbitkv lookup`, routers' `POST /lookup`), by outcome:
+    /// `answered`, `refused` (by the runtime: unknown instance, too many
+    /// hashes), and the endpoint's own `rate_limited`, `busy`,
+    /// `too_large`, `bad_request`, `timeout`.
+    pub lookups: Family<Outcome, Counter>,
 }
 
 /// A clock a command starts: its own (answered by a command's reply), or
@@ -325,6 +330,7 @@ impl Metrics {
                 "Rounds of the manager's event loop (wake-ups)",
             ),
             disconnects: Family::default(),
+            lookups: Family::default(),
             protocol_errors: counter(
                 &mut r,
                 "protocol_errors",
@@ -352,6 +358,11 @@ impl Metrics {
             "disconnects",
             "Connections closed, by reason",
             counters.disconnects.clone(),
+        );
+        r.register(
+            "lookups",
+            "Lookups of where a prompt's pages are (orbitkv lookup, POST /lookup), by outcome",
+            counters.lookups.clone(),
         );
         let latency =
             Family::<Stage, Histogram>::new_with_constructor(latency_buckets as fn() -> _);

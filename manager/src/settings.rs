@@ -70,6 +70,8 @@ struct ServeFile {
     max_metrics_connections: Option<usize>,
     metrics_public: Option<bool>,
     metrics_timeout_ms: Option<u64>,
+    lookup_per_second: Option<u32>,
+    lookup_max_body_bytes: Option<SizeValue>,
     hot_path: Option<bool>,
     hot_area: Option<String>,
     spin_after_work_us: Option<u64>,
@@ -155,6 +157,11 @@ pub struct Settings {
     /// A metrics connection that does not finish its request (or sits idle
     /// between requests) for this long is closed.
     pub metrics_timeout: Duration,
+    /// Routers' `POST /lookup` requests answered per second, at most (a
+    /// token bucket: as many at once); past it `429`.
+    pub lookup_per_second: u32,
+    /// The largest `POST /lookup` body taken; past it `413`.
+    pub lookup_max_body_bytes: usize,
     pub hot_path: bool,
     pub hot_area_bytes: u64,
     /// How long the loop spins (polls without sleeping) after a command:
@@ -366,6 +373,18 @@ impl Settings {
             metrics_timeout: Duration::from_millis(
                 serve.metrics_timeout_ms.unwrap_or(10_000).max(1),
             ),
+            lookup_per_second: positive(
+                "lookup_per_second",
+                serve.lookup_per_second.unwrap_or(1_000) as usize,
+            )? as u32,
+            lookup_max_body_bytes: positive(
+                "lookup_max_body_bytes",
+                size(
+                    "lookup_max_body_bytes",
+                    &serve.lookup_max_body_bytes,
+                    4 << 20,
+                )?,
+            )?,
             hot_path: serve.hot_path.unwrap_or(true)
                 && std::env::var("ORBITKV_HOT_PATH").map_or(true, |v| v != "0"),
             hot_area_bytes: match &serve.hot_area {

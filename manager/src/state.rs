@@ -44,6 +44,11 @@ pub struct State {
     pub hot: Option<HotServer>,
     /// The KV event stream, when `[events]` is configured.
     pub events: Option<crate::events::EventStream>,
+    /// Routers' lookups from the HTTP endpoint, when it runs.
+    pub lookups: Option<crate::lookups::Desk>,
+    /// A full round of lookups was answered: more may wait, so the loop
+    /// does not sleep.
+    pub lookups_waiting: bool,
     pub last_tick: Instant,
     pub started: Instant,
     /// The round's clock: read once per loop round (after its wait) and

@@ -8,7 +8,7 @@ use bevy_ecs::prelude::*;
 use orbitkv_components::api::MissReason;
 use orbitkv_components::contract::Rule;
 use orbitkv_components::ecs::{Instance, OpState, Operation, RankState, Recovery, at};
-use orbitkv_components::{KeyRef, StateKey};
+use orbitkv_components::{KeyRef, NativeHash, StateKey};
 use orbitkv_io::tier::{BackingTier, TierError};
 
 use crate::lifecycle::set_state;
@@ -37,7 +37,12 @@ pub fn discover(
         }
         let mut candidates = Vec::new();
         for (index, rank) in instance.ranks.iter().enumerate() {
-            let found = rank_candidates(&rec, instance.page_tokens, rank, &dram, tiers);
+            let hashes = |group: u32| {
+                let g = rec.groups.iter().find(|g| g.group == group);
+                &g.expect("validated at ingest").hashes[..]
+            };
+            let span = (rec.origin, rec.end);
+            let found = rank_candidates(&hashes, span, instance.page_tokens, rank, &dram, tiers);
             candidates.extend(found.into_iter().map(|(g, ends)| (index as u32, g, ends)));
         }
         if candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
@@ -48,7 +53,7 @@ pub fn discover(
 }
 
 /// The reason of the first tier that cannot be reached now, if one cannot.
-pub(crate) fn unreachable(tiers: &[Box<dyn BackingTier>]) -> Option<MissReason> {
+pub fn unreachable(tiers: &[Box<dyn BackingTier>]) -> Option<MissReason> {
     let down = TierError::Unavailable("unreachable at discovery".into());
     tiers
         .iter()
@@ -56,27 +61,25 @@ pub(crate) fn unreachable(tiers: &[Box<dyn BackingTier>]) -> Option<MissReason> 
         .map(|t| t.miss_reason(&down))
 }
 
-/// Page ends present for each group of one rank, ascending.
-fn rank_candidates(
-    rec: &Recovery,
+/// Page ends present for each group of one rank within `span` (absolute
+/// tokens, page-aligned), ascending. `hashes` gives each group's chained
+/// hashes, at least `span.1 / page` of them (the caller checked).
+pub fn rank_candidates<'h>(
+    hashes: &dyn Fn(u32) -> &'h [NativeHash],
+    span: (u64, u64),
     page: u64,
     rank: &RankState,
     dram: &Dram,
     tiers: &[Box<dyn BackingTier>],
 ) -> Vec<(u32, Vec<u64>)> {
-    let first = rec.origin / page;
+    let first = span.0 / page;
     // Groups are sorted, so group 0 comes first (the prefix group when there
     // is one); every rule needs the page ending at a legal boundary, so pages
     // past group 0's last found page can never be part of one.
-    let mut last = rec.end / page;
+    let mut last = span.1 / page;
     let mut out = Vec::new();
     for group in rank.contract.groups() {
-        let hashes = &rec
-            .groups
-            .iter()
-            .find(|g| g.group == group.id)
-            .expect("validated at ingest")
-            .hashes;
+        let hashes = hashes(group.id);
         let mut ends = Vec::with_capacity(last.saturating_sub(first) as usize);
         for index in first..last {
             let native = &hashes[index as usize];

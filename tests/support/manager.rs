@@ -135,6 +135,30 @@ impl Manager {
         body
     }
 
+    /// `POST path` with `body` on the metrics endpoint: the status code
+    /// and the response body.
+    pub fn post(&self, path: &str, body: &[u8]) -> (u16, String) {
+        let mut s = std::net::TcpStream::connect(&self.metrics).unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.0\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        // The server may answer before the body is all sent (too large).
+        let _ = s.write_all(body);
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        let status = text
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, b)| b.to_owned());
+        (status, body)
+    }
+
     /// A sample from `/metrics` by its full series name, labels included as
     /// printed; `None` until the first snapshot.
     pub fn sample(&self, series: &str) -> Option<u64> {

@@ -109,6 +109,7 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::PySession>()?;
     m.add_class::<session::PyInstance>()?;
     m.add_class::<session::PyLookup>()?;
+    m.add_class::<session::PyLocated>()?;
     m.add_class::<session::PyLoaded>()?;
     m.add_class::<session::PySaved>()?;
     m.add_class::<session::PyReady>()?;

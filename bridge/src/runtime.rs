@@ -114,6 +114,29 @@ impl Port for EmbeddedPort<'_> {
         }
     }
 
+    fn locate(
+        &mut self,
+        requests: &[orbitkv_components::admin::LookupRequest],
+        _timeout: Duration,
+    ) -> Result<Vec<orbitkv_components::admin::LookupReply>, ClientError> {
+        use orbitkv_components::admin::LookupReply;
+        Ok(requests
+            .iter()
+            .map(|r| match self.0.rt.locate(r) {
+                Ok((namespaces, restorable)) => LookupReply {
+                    namespaces,
+                    restorable,
+                    error: None,
+                },
+                Err(e) => LookupReply {
+                    namespaces: vec![],
+                    restorable: None,
+                    error: Some(e),
+                },
+            })
+            .collect())
+    }
+
     fn wait_event(
         &mut self,
         timeout: Duration,

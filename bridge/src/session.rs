@@ -160,6 +160,38 @@ fn py_lookup(py: Python<'_>, l: Lookup) -> PyResult<PyLookup> {
     })
 }
 
+/// What a load of a prompt would restore on this host now (a router's
+/// question): `tokens`, `by_tier` (tokens per tier a page position would
+/// be read from: `dram`, `ssd`, `remote`), or `miss` (a `MissReason`).
+/// Nothing is held: an eviction before the load can still make it less.
+#[pyclass(module = "orbitkv", name = "Located", frozen, get_all)]
+pub struct PyLocated {
+    tokens: u64,
+    by_tier: std::collections::BTreeMap<String, u64>,
+    miss: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyLocated {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match &self.miss {
+            Some(m) => format!("Located(miss={})", m.bind(py)),
+            None => format!(
+                "Located(tokens={}, by_tier={:?})",
+                self.tokens, self.by_tier
+            ),
+        }
+    }
+}
+
+fn py_located(py: Python<'_>, r: orbitkv_components::admin::Restorable) -> PyResult<PyLocated> {
+    Ok(PyLocated {
+        tokens: r.tokens,
+        by_tier: r.by_tier,
+        miss: r.miss.map(|m| miss(py, m).map(Bound::unbind)).transpose()?,
+    })
+}
+
 /// A load's outcome: `hit` with the `boundary` restored to (every page
 /// named for it landed and was verified), or `miss` (a `MissReason`).
 #[pyclass(module = "orbitkv", name = "Loaded", frozen, get_all)]
@@ -1061,6 +1093,39 @@ impl PySession {
             .collect::<PyResult<Vec<_>>>()?;
         let ls = Self::run(slf, |s, c| s.lookup_many(c, &qs))?;
         ls.into_iter().map(|l| py_lookup(slf.py(), l)).collect()
+    }
+
+    /// What a load of a prompt would restore on this host now, and from
+    /// which tier (a router's question; the manager's `POST /lookup`
+    /// answers the same): `hashes` are the prompt's page hashes (`bytes`,
+    /// the same for every group), `prompt_len` its length when known.
+    /// Every rank and group of this session's instance is required;
+    /// nothing is held.
+    #[pyo3(signature = (hashes, prompt_len=None))]
+    fn locate(
+        slf: &Bound<'_, Self>,
+        hashes: &Bound<'_, PyAny>,
+        prompt_len: Option<u64>,
+    ) -> PyResult<PyLocated> {
+        let mut all = Self::locate_many(slf, vec![(hashes.clone(), prompt_len)])?;
+        all.pop()
+            .ok_or_else(|| PyValueError::new_err("locate: no answer"))
+    }
+
+    /// Many `locate`s (`(hashes, prompt_len)` each) in one round trip per
+    /// 64.
+    fn locate_many(
+        slf: &Bound<'_, Self>,
+        prompts: Vec<(Bound<'_, PyAny>, Option<u64>)>,
+    ) -> PyResult<Vec<PyLocated>> {
+        let owned = prompts
+            .iter()
+            .map(|(h, p)| Ok((hashes(h)?, *p)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let borrowed: Vec<(&[NativeHash], Option<u64>)> =
+            owned.iter().map(|(h, p)| (&h[..], *p)).collect();
+        let rs = Self::run(slf, |s, c| s.locate_many(c, &borrowed))?;
+        rs.into_iter().map(|r| py_located(slf.py(), r)).collect()
     }
 
     /// Loads a prompt (as for `lookup`) in one command: `targets` are

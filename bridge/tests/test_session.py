@@ -143,6 +143,27 @@ def test_a_batch_of_lookups_answers_as_single_ones(manager):
         assert s.lookup_many([]) == []
 
 
+def test_locate_says_what_a_load_would_restore_and_from_which_tier(manager):
+    e = Engine()
+    with session(manager, e) as s:
+        stored = hashes(4)
+        e.save(s, stored)
+        one = s.locate(stored + hashes(2, seed=7))
+        assert (one.tokens, one.by_tier, one.miss) == (4 * PAGE, {"dram": 4 * PAGE}, None), one
+        # The prompt caps it as it caps a load; a prompt nobody stored misses.
+        prompts = [(stored, 4 * PAGE), (stored[:2], None), (hashes(3, seed=9), None)] * 30
+        batch = s.locate_many(prompts)
+        assert [b.tokens for b in batch] == [3 * PAGE, 2 * PAGE, 0] * 30
+        assert batch[2].miss == orbitkv.MissReason.NOT_FOUND and batch[2].by_tier == {}
+        # The same answer as the load it predicts, and nothing held.
+        assert s.lookup([0], stored, 0, 4 * PAGE).selected == batch[0].tokens
+        assert s.locate_many([]) == []
+        with pytest.raises(ValueError):
+            s.locate([b""])
+        manager.wait_metric("leases", 0)
+        manager.wait_metric("operations", 0)
+
+
 def test_a_refusal_is_typed_and_raised_again_while_the_backoff_waits(manager):
     e = Engine()
     with session(manager, e) as first:

@@ -1,6 +1,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use orbitkv_components::admin::{LookupReply, LookupRequest, MAX_LOOKUP_HASHES, Restorable};
 use orbitkv_components::api::{
     AgentRegion, Candidates, Command, CommandError, CommandId, Event, GroupHashes, LeaseInfo,
     MissReason, PagePos, PublishPage, RestoreTarget, SessionHandle,
@@ -552,6 +553,64 @@ impl Session {
         Ok(())
     }
 
+    /// What a load of each prompt (`(hashes, prompt_len)`: vLLM's block
+    /// hashes, one list for every group) would restore on this host now,
+    /// and from which tier: the manager's own selection, every rank and
+    /// group of this session's instance, nothing leased (a router's
+    /// question; `POST /lookup` asks the same). One round trip per
+    /// [`MAX_BATCH`] prompts.
+    pub fn locate_many(
+        &mut self,
+        c: &mut dyn Port,
+        prompts: &[(&[NativeHash], Option<u64>)],
+    ) -> Result<Vec<Restorable>, EngineError> {
+        let mut out = Vec::with_capacity(prompts.len());
+        for chunk in prompts.chunks(MAX_BATCH) {
+            let mut requests = Vec::with_capacity(chunk.len());
+            for (hashes, prompt_len) in chunk {
+                if hashes.len() > MAX_LOOKUP_HASHES {
+                    return Err(EngineError::Invalid(format!(
+                        "{} hashes; a lookup names at most {MAX_LOOKUP_HASHES}",
+                        hashes.len()
+                    )));
+                }
+                requests.push(LookupRequest {
+                    instance: Some(self.instance.clone()),
+                    namespace: None,
+                    group: 0,
+                    hashes: hashes.to_vec(),
+                    prompt_len: *prompt_len,
+                });
+            }
+            let replies = c
+                .locate(&requests, self.options.timeout)
+                .map_err(|e| match e {
+                    ClientError::Timeout(timeout) => EngineError::TimedOut {
+                        command: "locate",
+                        timeout,
+                    },
+                    e => EngineError::client("locate", e),
+                })?;
+            for reply in replies {
+                match reply {
+                    LookupReply {
+                        restorable: Some(r),
+                        error: None,
+                        ..
+                    } => out.push(r),
+                    LookupReply { error: Some(e), .. } => return Err(EngineError::Invalid(e)),
+                    // The instance owns the namespaces it registered.
+                    LookupReply { .. } => {
+                        return Err(EngineError::Unavailable(
+                            "locate: the manager answered without a selection".into(),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Many lookups in one round trip per [`MAX_BATCH`] queries: all are
     /// sent before any answer is awaited.
     pub fn lookup_many(
@@ -1036,6 +1095,18 @@ pub trait Port {
     fn send_command(&mut self, command: Command) -> Result<Sending, ClientError>;
     /// A sent command's id once queued; `None` while unanswered.
     fn accepted_id(&mut self, sent: Sending) -> Result<Option<CommandId>, ClientError>;
+    /// Where prompts' pages are and what a load would restore (`orbitkv
+    /// lookup`, metadata only): one reply per request, in order.
+    fn locate(
+        &mut self,
+        requests: &[LookupRequest],
+        timeout: Duration,
+    ) -> Result<Vec<LookupReply>, ClientError> {
+        let _ = (requests, timeout);
+        Err(ClientError::Protocol(
+            "this port answers no lookups of where pages are".into(),
+        ))
+    }
 }
 
 /// A command sent without waiting: queued already (an embedded runtime),
@@ -1075,6 +1146,14 @@ impl Port for Client {
             Sending::Queued(id) => Ok(Some(id)),
             Sending::Sent(s) => Client::accepted_id(self, s),
         }
+    }
+
+    fn locate(
+        &mut self,
+        requests: &[LookupRequest],
+        timeout: Duration,
+    ) -> Result<Vec<LookupReply>, ClientError> {
+        Client::lookup_many(self, requests, timeout)
     }
 }
 

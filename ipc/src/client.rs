@@ -365,7 +365,11 @@ pub struct Client {
     adaptive: bool,
     pongs: u64,
     snapshot: Option<Snapshot>,
-    lookup_reply: Option<orbitkv_components::admin::LookupReply>,
+    /// Lookup replies not taken yet, in the order they came (the manager
+    /// answers a connection's lookups in the order it sent them).
+    lookup_replies: std::collections::VecDeque<orbitkv_components::admin::LookupReply>,
+    /// Lookups sent whose replies have not been taken.
+    lookups_unanswered: usize,
     hot: Option<HotPath>,
     hot_error: Option<String>,
     /// Commands sent, by kind (`Command::kind`).
@@ -431,7 +435,8 @@ impl Client {
             adaptive: true,
             pongs: 0,
             snapshot: None,
-            lookup_reply: None,
+            lookup_replies: Default::default(),
+            lookups_unanswered: 0,
             hot: None,
             hot_error: None,
             sent: HashMap::new(),
@@ -758,7 +763,9 @@ impl Client {
                 self.snapshot = Some(frame::decode(kind, &payload)?);
             }
             Kind::LookupReply => {
-                self.lookup_reply = Some(frame::decode(kind, &payload)?);
+                // Bounded by the lookups in flight: one reply each.
+                self.lookup_replies
+                    .push_back(frame::decode(kind, &payload)?);
             }
             Kind::Error => {
                 let e: ProtocolError = frame::decode(kind, &payload)?;
@@ -1113,17 +1120,49 @@ impl Client {
         request: &orbitkv_components::admin::LookupRequest,
         timeout: Duration,
     ) -> Result<orbitkv_components::admin::LookupReply, ClientError> {
-        self.lookup_reply = None;
-        self.send(&frame::encode(Kind::Lookup, request))?;
+        let mut replies = self.lookup_many(std::slice::from_ref(request), timeout)?;
+        replies
+            .pop()
+            .ok_or_else(|| ClientError::Protocol("a lookup without its reply".into()))
+    }
+
+    /// Several lookups: all are sent before any reply is awaited (one
+    /// round trip), and the replies come back in the order asked. Replies
+    /// of earlier lookups that timed out are dropped first.
+    pub fn lookup_many(
+        &mut self,
+        requests: &[orbitkv_components::admin::LookupRequest],
+        timeout: Duration,
+    ) -> Result<Vec<orbitkv_components::admin::LookupReply>, ClientError> {
+        // A lookup that timed out leaves its reply to come; none may be
+        // taken for a later request's.
         let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(r) = self.lookup_reply.take() {
-                return Ok(r);
+        while self.lookups_unanswered > 0 {
+            if let Some(_late) = self.lookup_replies.pop_front() {
+                self.lookups_unanswered -= 1;
+                continue;
             }
             if !self.pump(Some(deadline))? {
                 return Err(ClientError::Timeout(timeout));
             }
         }
+        self.lookup_replies.clear();
+        for r in requests {
+            self.send(&frame::encode(Kind::Lookup, r))?;
+        }
+        self.lookups_unanswered = requests.len();
+        let mut out = Vec::with_capacity(requests.len());
+        while out.len() < requests.len() {
+            if let Some(r) = self.lookup_replies.pop_front() {
+                self.lookups_unanswered -= 1;
+                out.push(r);
+                continue;
+            }
+            if !self.pump(Some(deadline))? {
+                return Err(ClientError::Timeout(timeout));
+            }
+        }
+        Ok(out)
     }
 
     /// Sends raw bytes (tests of the manager's handling of bad input).

@@ -39,10 +39,9 @@ impl Runtime {
         let mut known: Vec<Known> = Vec::new();
         // The ranks whose contracts decide what is restorable, with the
         // instance's page size.
-        let deciding: Option<(Vec<RankState>, u64)>;
         let mut q = w.query::<&Instance>();
         let instances: Vec<&Instance> = q.iter(w).filter(|i| !i.retired).collect();
-        match (&req.instance, &req.namespace) {
+        let deciding: Option<(Vec<RankState>, u64)> = match (&req.instance, &req.namespace) {
             (Some(name), None) => {
                 let i = instances
                     .iter()
@@ -55,7 +54,7 @@ impl Runtime {
                         Some(i.page_tokens),
                     ));
                 }
-                deciding = Some((i.ranks.clone(), i.page_tokens));
+                Some((i.ranks.clone(), i.page_tokens))
             }
             (None, Some(ns)) => {
                 let owner = instances.iter().find_map(|i| {
@@ -67,10 +66,10 @@ impl Runtime {
                     owner.map(|(r, _)| (r.rank.tp, r.rank.pp)),
                     owner.map(|o| o.1),
                 ));
-                deciding = owner.map(|(r, page)| (vec![r.clone()], page));
+                owner.map(|(r, page)| (vec![r.clone()], page))
             }
             _ => return Err("name an instance or a namespace (one of them)".into()),
-        }
+        };
         let mut out = Vec::with_capacity(known.len());
         for (namespace, rank, page_tokens) in known {
             let found: Vec<Option<String>> = req

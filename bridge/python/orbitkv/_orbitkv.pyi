@@ -179,6 +179,18 @@ class Lookup:
     def hit(self) -> bool: ...
 
 @final
+class Located:
+    """What a load of a prompt would restore on this host now. Nothing is
+    held: an eviction before the load can still make it less."""
+
+    tokens: int
+    """Tokens a load would restore to; 0 on a miss."""
+    by_tier: Dict[str, int]
+    """Those tokens by the tier each page position would be read from
+    (``dram``, ``ssd``, ``remote``; the slowest of its pages)."""
+    miss: Optional[MissReason]
+
+@final
 class Loaded:
     """A load's outcome: ``hit`` at ``boundary`` (every page named for it
     landed and was verified), or ``miss``."""
@@ -374,6 +386,16 @@ class Session:
     ) -> List[Lookup]:
         """Many lookups, ``(groups, hashes, origin, prompt_len)`` each, in one
         round trip per 64."""
+
+    def locate(self, hashes: Sequence[bytes], prompt_len: Optional[int] = None) -> Located:
+        """What a load of a prompt would restore now, and from which tier
+        (a router's question; ``POST /lookup`` answers the same): every rank
+        and group of this session's instance, ``hashes`` the same for every
+        group, capped below ``prompt_len`` when given. Holds nothing."""
+
+    def locate_many(self, prompts: Sequence[Tuple[Sequence[bytes], Optional[int]]]) -> List[Located]:
+        """Many ``locate``s, ``(hashes, prompt_len)`` each, in one round trip
+        per 64."""
 
     def load(
         self,

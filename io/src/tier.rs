@@ -74,6 +74,89 @@ pub struct ReadDone {
     pub result: Result<(), TierError>,
 }
 
+/// One change of what a tier's index holds: a page became readable from
+/// it (its record landed) or stopped being so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierChange {
+    Stored(StateKey),
+    Removed(StateKey),
+}
+
+/// A tier's index changes for the manager's event stream, between two
+/// drains: at most `cap` (past it they are dropped, the drain says so,
+/// and the whole index is listed again); and the pages already indexed
+/// when recording starts (a restart's rescan), listed as stored, `cap` a
+/// drain. A listed page is checked against the index as it is listed, so
+/// a page removed before its turn is never advertised.
+#[derive(Debug, Default)]
+pub struct TierJournal {
+    cap: usize,
+    changes: Vec<TierChange>,
+    lost: bool,
+    /// Pages indexed before recording began (or at a loss), not listed yet.
+    relist: Vec<StateKey>,
+}
+
+impl TierJournal {
+    /// Starts recording; `present` (the index now) is listed first.
+    pub fn start(&mut self, cap: usize, present: impl Iterator<Item = StateKey>) {
+        self.cap = cap;
+        self.relist = present.collect();
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.cap > 0
+    }
+
+    /// Lists `present` (the index now) again over the next drains: the
+    /// subscriber forgot what it was told (another medium's loss).
+    pub fn relist(&mut self, present: impl Iterator<Item = StateKey>) {
+        if self.is_on() {
+            self.relist = present.collect();
+        }
+    }
+
+    /// Records a change (nothing while off).
+    pub fn push(&mut self, change: TierChange) {
+        if self.cap == 0 {
+            return;
+        }
+        if self.changes.len() >= self.cap {
+            self.changes.clear();
+            self.lost = true;
+            return;
+        }
+        self.changes.push(change);
+    }
+
+    /// Moves what is due to `out`: up to `cap` listed pages still indexed
+    /// (`indexed`), then the recorded changes. True when changes were lost
+    /// since the last drain: the subscriber forgets, and `all` (the index
+    /// now) is listed again over the next drains.
+    pub fn take<'a>(
+        &mut self,
+        out: &mut Vec<TierChange>,
+        indexed: impl Fn(&StateKey) -> bool,
+        all: impl FnOnce() -> Box<dyn Iterator<Item = StateKey> + 'a>,
+    ) -> bool {
+        let lost = std::mem::take(&mut self.lost);
+        if lost {
+            self.changes.clear();
+            self.relist = all().collect();
+        }
+        let n = self.relist.len().min(self.cap.max(1));
+        let start = self.relist.len() - n;
+        out.extend(
+            self.relist
+                .drain(start..)
+                .filter(|k| indexed(k))
+                .map(TierChange::Stored),
+        );
+        out.append(&mut self.changes);
+        lost
+    }
+}
+
 pub trait BackingTier: Send {
     /// Tier name for reports and metrics (`ssd`, `remote`, `sim`).
     fn name(&self) -> &'static str;
@@ -202,6 +285,22 @@ pub trait BackingTier: Send {
     fn clear_namespace(&mut self, _namespace: &Namespace) -> Result<u64, String> {
         Err(format!("the {} tier cannot clear a namespace", self.name()))
     }
+
+    /// Starts recording what the tier's index gains and loses (the
+    /// manager's KV events), at most `cap` changes between drains; the
+    /// pages it holds now are reported as stored first. A tier whose index
+    /// others change out of sight (the remote store) records nothing.
+    fn record_changes(&mut self, _cap: usize) {}
+
+    /// Appends the index changes due since the last call (see
+    /// [`TierJournal::take`]); true when some were lost.
+    fn take_changes(&mut self, _out: &mut Vec<TierChange>) -> bool {
+        false
+    }
+
+    /// Lists every indexed page as stored again over the next drains
+    /// (while recording): the subscriber was told to forget.
+    fn relist_changes(&mut self) {}
 }
 
 /// Miss reasons of a tier on this host (SSD).
@@ -350,9 +449,20 @@ struct MemoryPages {
     in_place_us: Option<u64>,
     /// The latest time the tier was polled or submitted to.
     now_us: u64,
+    /// Changes of `pages` (local mode) for KV events, off unless asked.
+    journal: TierJournal,
 }
 
 impl MemoryPages {
+    /// Takes a page out (the one way one leaves, but `flush`).
+    fn unstore(&mut self, key: &StateKey) -> bool {
+        let gone = self.pages.remove(key).is_some();
+        if gone && self.remote.is_none() {
+            self.journal.push(TierChange::Removed(*key));
+        }
+        gone
+    }
+
     fn down(&self) -> bool {
         self.remote.is_some() && self.now_us < self.down_until_us
     }
@@ -421,7 +531,9 @@ impl MemoryPages {
         if self.remote.is_some() {
             self.meta.insert(key, (bytes.len() as u64, sum));
         }
-        self.pages.insert(key, (bytes, sum));
+        if self.pages.insert(key, (bytes, sum)).is_none() && self.remote.is_none() {
+            self.journal.push(TierChange::Stored(key));
+        }
     }
 }
 
@@ -549,7 +661,7 @@ impl MemoryTierHandle {
     /// The page is gone. In remote mode its metadata stays (stale, until a
     /// read finds the record missing).
     pub fn remove(&self, key: &StateKey) -> bool {
-        self.pages().pages.remove(key).is_some()
+        self.pages().unstore(key)
     }
 
     /// Flips one payload byte without updating the checksum.
@@ -692,10 +804,40 @@ impl BackingTier for MemoryTier {
 
     fn clear_namespace(&mut self, namespace: &Namespace) -> Result<u64, String> {
         let mut p = self.pages();
-        let before = p.pages.len();
-        p.pages.retain(|k, _| k.namespace != *namespace);
+        let gone: Vec<StateKey> = p
+            .pages
+            .keys()
+            .filter(|k| k.namespace == *namespace)
+            .copied()
+            .collect();
+        for k in &gone {
+            p.unstore(k);
+        }
         p.meta.retain(|k, _| k.namespace != *namespace);
-        Ok((before - p.pages.len()) as u64)
+        Ok(gone.len() as u64)
+    }
+
+    fn record_changes(&mut self, cap: usize) {
+        let mut p = self.pages();
+        let present: Vec<StateKey> = p.pages.keys().copied().collect();
+        p.journal.start(cap, present.into_iter());
+    }
+
+    fn relist_changes(&mut self) {
+        let mut p = self.pages();
+        let present: Vec<StateKey> = p.pages.keys().copied().collect();
+        p.journal.relist(present.into_iter());
+    }
+
+    fn take_changes(&mut self, out: &mut Vec<TierChange>) -> bool {
+        let mut guard = self.pages();
+        let p = &mut *guard;
+        let pages = &p.pages;
+        p.journal.take(
+            out,
+            |k| pages.contains_key(k),
+            || Box::new(pages.keys().copied()),
+        )
     }
 
     fn unavailable(&self) -> bool {

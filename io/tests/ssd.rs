@@ -8,7 +8,7 @@ use orbitkv_io::ssd::format::RecordHeader;
 use orbitkv_io::ssd::{
     IoBackend, SsdConfig, SsdError, SsdStore, SyncPolicy, WriteAdmission, WriteRefused,
 };
-use orbitkv_io::tier::{BackingTier, TierError};
+use orbitkv_io::tier::{BackingTier, TierChange, TierError};
 use ssd_common::*;
 
 /// Sizes that cover one block, several blocks, a large page, non-multiples
@@ -836,4 +836,86 @@ fn an_oversized_or_sparse_segment_file_is_not_walked() {
         dir.path().join("seg-00000000000000f0.okv").exists(),
         "left alone"
     );
+}
+
+/// Replays tier changes onto a set, asserting each is a change of it.
+fn replay(held: &mut std::collections::BTreeSet<u64>, changes: &[TierChange]) {
+    for c in changes {
+        match c {
+            TierChange::Stored(k) => assert!(held.insert(key_index(k)), "stored twice: {k:?}"),
+            TierChange::Removed(k) => assert!(held.remove(&key_index(k)), "removed absent {k:?}"),
+        }
+    }
+}
+
+fn indexed(store: &SsdStore, upto: u64) -> std::collections::BTreeSet<u64> {
+    (0..upto)
+        .filter(|&i| store.lookup(&key(i)).is_some())
+        .collect()
+}
+
+/// The SSD index's change journal (the manager's KV events): what a
+/// restart's scan found is listed first, then every landed write,
+/// capacity eviction and clear, so the changes replayed onto a set end
+/// where the index ends; past the cap the loss is said once and the whole
+/// index is listed again.
+#[test]
+fn index_changes_follow_the_index_through_restart_eviction_and_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = || SsdConfig {
+        segment_bytes: 256 << 10,
+        capacity_bytes: 768 << 10,
+        ..config(dir.path(), IoBackend::Blocking)
+    };
+    {
+        let mut store = SsdStore::open(cfg()).unwrap();
+        let first: Vec<_> = (0..10).map(|i| (key(i), payload(i, 16_000))).collect();
+        write_all(&mut store, &first);
+    }
+    let mut store = SsdStore::open(cfg()).unwrap();
+    let mut out = Vec::new();
+    assert!(
+        !store.take_changes(&mut out) && out.is_empty(),
+        "off until asked"
+    );
+    store.record_changes(1000);
+    let mut held = std::collections::BTreeSet::new();
+    assert!(!store.take_changes(&mut out));
+    assert_eq!(out.len(), 10, "the scan's records listed: {out:?}");
+    replay(&mut held, &out);
+    // Writes past the capacity evict the oldest segments.
+    let more: Vec<_> = (10..120).map(|i| (key(i), payload(i, 16_000))).collect();
+    for chunk in more.chunks(10) {
+        write_all(&mut store, chunk);
+        out.clear();
+        assert!(!store.take_changes(&mut out));
+        replay(&mut held, &out);
+        assert_eq!(held, indexed(&store, 120));
+    }
+    assert!(store.stats().evictions.capacity > 0);
+    // A clear removes the rest.
+    let n = store.clear_namespace(&key(0).namespace).unwrap();
+    assert!(n > 0);
+    out.clear();
+    assert!(!store.take_changes(&mut out));
+    assert_eq!(out.len() as u64, n);
+    replay(&mut held, &out);
+    assert!(held.is_empty());
+    // Past the cap: said once, and what is indexed is listed again.
+    store.record_changes(3);
+    write_all(&mut store, &more[..8]);
+    out.clear();
+    assert!(store.take_changes(&mut out), "a loss went unsaid");
+    let mut relisted = std::collections::BTreeSet::new();
+    loop {
+        replay(&mut relisted, &out);
+        out.clear();
+        assert!(!store.take_changes(&mut out), "a loss is said once");
+        if out.is_empty() {
+            break;
+        }
+        assert!(out.len() <= 3, "a drain lists at most the cap");
+    }
+    assert_eq!(relisted, indexed(&store, 120));
+    assert_eq!(relisted.len(), 8);
 }

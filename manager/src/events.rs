@@ -33,9 +33,10 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::Duration;
 
+use orbitkv_components::StateKey;
 use orbitkv_components::contract::Rule;
 use orbitkv_components::{Namespace, NativeHash};
-use orbitkv_world::{PageChange, Runtime};
+use orbitkv_world::{PageChange, Runtime, TierChange};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -206,13 +207,53 @@ enum Ev {
         group: u32,
         page_tokens: u64,
         rule: Option<Rule>,
+        medium: Medium,
     },
     Removed {
         hash: NativeHash,
         group: u32,
+        medium: Medium,
     },
     Cleared,
 }
+
+/// Where a page is, as vLLM's events say it: `medium` and `locality`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Medium {
+    /// The DRAM tier: `CPU`, `LOCAL`.
+    Dram,
+    /// A lower tier on this host (the SSD): `STORAGE`, `LOCAL`.
+    Storage,
+    /// A store shared with other hosts: `STORAGE`, `REMOTE`.
+    Remote,
+}
+
+impl Medium {
+    fn of_tier(name: &str) -> Medium {
+        if name == "remote" {
+            Medium::Remote
+        } else {
+            Medium::Storage
+        }
+    }
+
+    fn medium(self) -> &'static str {
+        match self {
+            Medium::Dram => "CPU",
+            Medium::Storage | Medium::Remote => "STORAGE",
+        }
+    }
+
+    fn locality(self) -> &'static str {
+        match self {
+            Medium::Remote => "REMOTE",
+            Medium::Dram | Medium::Storage => "LOCAL",
+        }
+    }
+}
+
+/// A change of what a medium holds: a page stored (true) or removed.
+type Change = (Medium, bool, StateKey);
 
 /// One topic's events of one tick.
 struct Batch {
@@ -227,6 +268,7 @@ pub struct EventStream {
     counters: EventCounters,
     max_events: usize,
     changes: Vec<PageChange>,
+    tier_changes: Vec<(&'static str, TierChange)>,
     /// What each namespace's pages are (`Runtime::namespaces`), refreshed
     /// when a change names one not here.
     described: HashMap<Namespace, (u64, Vec<(u32, Rule)>)>,
@@ -297,6 +339,7 @@ impl EventStream {
             counters,
             max_events: cfg.max_events_per_batch,
             changes: Vec::new(),
+            tier_changes: Vec::new(),
             described: HashMap::new(),
             opened: BTreeSet::new(),
             forget: BTreeSet::new(),
@@ -305,7 +348,12 @@ impl EventStream {
 
     /// Publishes what the last tick changed. Never blocks.
     pub fn drain(&mut self, rt: &mut Runtime) {
-        if rt.take_page_changes(&mut self.changes) {
+        // A loss in one medium makes subscribers forget the topic's every
+        // medium (AllBlocksCleared names none): each lists what it holds
+        // again after a loss of its own, so the others must too.
+        let dram_lost = rt.take_page_changes(&mut self.changes);
+        let tier_lost = rt.take_tier_changes(&mut self.tier_changes);
+        if dram_lost || tier_lost {
             self.counters
                 .lost
                 .get_or_create(&Why {
@@ -313,17 +361,36 @@ impl EventStream {
                 })
                 .inc();
             warn!(
-                "KV events: page changes were lost (journal full); subscribers are told to forget"
+                "KV events: page changes were lost (journal full); subscribers are told to forget, \
+                 and every stored page is listed again"
             );
             self.forget.extend(self.opened.iter().copied());
+            if !dram_lost {
+                self.changes.clear();
+                rt.list_pages(&mut self.changes);
+            }
+            if !tier_lost {
+                self.tier_changes.clear();
+                rt.relist_tiers();
+                rt.take_tier_changes(&mut self.tier_changes);
+            }
         }
-        if self.changes.is_empty() && self.forget.is_empty() {
+        if self.changes.is_empty() && self.tier_changes.is_empty() && self.forget.is_empty() {
             return;
         }
-        let changes = std::mem::take(&mut self.changes);
-        let namespace_of = |c: &PageChange| match c {
-            PageChange::Stored(k) | PageChange::Removed(k, _) => k.namespace,
-        };
+        let changes: Vec<Change> = self
+            .changes
+            .drain(..)
+            .map(|c| match c {
+                PageChange::Stored(k) => (Medium::Dram, true, k),
+                PageChange::Removed(k, _) => (Medium::Dram, false, k),
+            })
+            .chain(self.tier_changes.drain(..).map(|(tier, c)| match c {
+                TierChange::Stored(k) => (Medium::of_tier(tier), true, k),
+                TierChange::Removed(k) => (Medium::of_tier(tier), false, k),
+            }))
+            .collect();
+        let namespace_of = |c: &Change| c.2.namespace;
         if changes
             .iter()
             .any(|c| !self.described.contains_key(&namespace_of(c)))
@@ -345,7 +412,7 @@ impl EventStream {
         for c in &changes {
             let ns = namespace_of(c);
             let ev = match *c {
-                PageChange::Stored(k) => {
+                (medium, true, k) => {
                     let (page_tokens, rule) = match self.described.get(&ns) {
                         Some((t, groups)) => (
                             *t,
@@ -358,11 +425,13 @@ impl EventStream {
                         group: k.group,
                         page_tokens,
                         rule,
+                        medium,
                     }
                 }
-                PageChange::Removed(k, _) => Ev::Removed {
+                (medium, false, k) => Ev::Removed {
                     hash: k.native,
                     group: k.group,
+                    medium,
                 },
             };
             let at = match by_ns.iter().position(|(n, _)| *n == ns) {
@@ -554,6 +623,7 @@ fn encode_event(out: &mut Vec<u8>, ev: &Ev) {
             group,
             page_tokens,
             rule,
+            medium,
         } => {
             let (kind, window) = match rule {
                 Some(Rule::Prefix) => ("full_attention", None),
@@ -576,7 +646,7 @@ fn encode_event(out: &mut Vec<u8>, ev: &Ev) {
             key(out, "lora_id");
             let _ = e::write_nil(out);
             key(out, "medium");
-            key(out, "CPU");
+            key(out, medium.medium());
             key(out, "lora_name");
             let _ = e::write_nil(out);
             key(out, "group_idx");
@@ -588,9 +658,13 @@ fn encode_event(out: &mut Vec<u8>, ev: &Ev) {
                 let _ = e::write_uint(out, w);
             }
             key(out, "locality");
-            key(out, "LOCAL");
+            key(out, medium.locality());
         }
-        Ev::Removed { hash, group } => {
+        Ev::Removed {
+            hash,
+            group,
+            medium,
+        } => {
             let _ = e::write_map_len(out, 5);
             key(out, "type");
             key(out, "BlockRemoved");
@@ -598,11 +672,11 @@ fn encode_event(out: &mut Vec<u8>, ev: &Ev) {
             let _ = e::write_array_len(out, 1);
             let _ = e::write_bin(out, hash.as_bytes());
             key(out, "medium");
-            key(out, "CPU");
+            key(out, medium.medium());
             key(out, "group_idx");
             let _ = e::write_uint(out, u64::from(*group));
             key(out, "locality");
-            key(out, "LOCAL");
+            key(out, medium.locality());
         }
         Ev::Cleared => {
             let _ = e::write_map_len(out, 1);
@@ -653,8 +727,13 @@ mod tests {
                     group: 1,
                     page_tokens: 16,
                     rule: Some(Rule::Window { past_tokens: 127 }),
+                    medium: Medium::Dram,
                 },
-                Ev::Removed { hash, group: 1 },
+                Ev::Removed {
+                    hash,
+                    group: 1,
+                    medium: Medium::Storage,
+                },
             ],
         );
         use rmpv::Value;
@@ -706,6 +785,13 @@ mod tests {
         let removed = fields(&events[2]);
         assert_eq!(removed[0], ("type".into(), "BlockRemoved".into()));
         assert_eq!(get(&removed, "group_idx"), Value::from(1));
+        assert_eq!(get(&stored, "locality"), Value::from("LOCAL"));
+        assert_eq!(get(&removed, "medium"), Value::from("STORAGE"));
+        assert_eq!(get(&removed, "locality"), Value::from("LOCAL"));
         assert_eq!(removed.len(), 5);
+        assert_eq!(
+            (Medium::of_tier("ssd"), Medium::of_tier("remote").locality()),
+            (Medium::Storage, "REMOTE")
+        );
     }
 }

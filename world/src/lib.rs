@@ -12,6 +12,7 @@ pub mod schedule;
 
 pub use config::{Config, ConfigError};
 pub use orbitkv_components::api::{Command, CommandError, CommandId, Event, MissReason};
+pub use orbitkv_io::tier::TierChange;
 pub use orbitkv_systems::resources::{PageChange, Removal};
 pub use runtime::{
     Backends, NamespaceInfo, OperationInfo, Runtime, RuntimeError, RuntimeWorld, Stats, SubmitError,

@@ -10,7 +10,7 @@ use orbitkv_components::ecs::{
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
 use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
-use orbitkv_io::tier::BackingTier;
+use orbitkv_io::tier::{BackingTier, TierChange};
 use orbitkv_systems::resources::{
     Agents, Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, LoadRates, Metrics,
     Outbox, PageChange, Registry, SimulatedClock, Tiers, TransferIndex,
@@ -506,13 +506,52 @@ impl Runtime {
     /// Off (0) until a caller asks: nothing is kept for nobody.
     pub fn record_page_changes(&mut self, cap: usize) {
         self.world.resource_mut::<Dram>().journal.start(cap);
+        for t in self.world.resource_mut::<Tiers>().0.get_mut() {
+            t.record_changes(cap);
+        }
     }
 
-    /// Appends the page changes since the last call, in order; true when
-    /// some were dropped meanwhile (more than the cap), in which case `out`
-    /// holds only those after the loss.
+    /// Appends the DRAM page changes since the last call, in order; true
+    /// when some were dropped meanwhile (more than the cap): then `out`
+    /// lists every page DRAM holds now, as stored, for a subscriber that
+    /// forgot what it was told.
     pub fn take_page_changes(&mut self, out: &mut Vec<PageChange>) -> bool {
-        self.world.resource_mut::<Dram>().journal.take(out)
+        let mut dram = self.world.resource_mut::<Dram>();
+        let before = out.len();
+        let lost = dram.journal.take(out);
+        if lost {
+            out.truncate(before);
+            out.extend(dram.index.keys().map(|k| PageChange::Stored(*k)));
+        }
+        lost
+    }
+
+    /// Appends every page DRAM holds, as stored (a subscriber forgot).
+    pub fn list_pages(&mut self, out: &mut Vec<PageChange>) {
+        let dram = self.world.resource::<Dram>();
+        out.extend(dram.index.keys().map(|k| PageChange::Stored(*k)));
+    }
+
+    /// Makes each lower tier list its whole index again over the next
+    /// [`take_tier_changes`](Self::take_tier_changes) (a subscriber forgot).
+    pub fn relist_tiers(&mut self) {
+        for t in self.world.resource_mut::<Tiers>().0.get_mut() {
+            t.relist_changes();
+        }
+    }
+
+    /// Appends each lower tier's index changes due since the last call,
+    /// with the tier's name (see `TierJournal::take`: a restart's rescan
+    /// first); true when one lost changes (it lists its whole index again).
+    pub fn take_tier_changes(&mut self, out: &mut Vec<(&'static str, TierChange)>) -> bool {
+        let mut lost = false;
+        let mut changes = Vec::new();
+        for t in self.world.resource_mut::<Tiers>().0.get_mut() {
+            lost |= t.take_changes(&mut changes);
+            let name = t.name();
+            out.extend(changes.drain(..).map(|c| (name, c)));
+        }
+        lost
     }
 
     /// What a subscriber needs to describe the pages of each namespace:

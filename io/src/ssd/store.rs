@@ -294,6 +294,9 @@ pub struct SsdStore {
     /// Open flags of new segment files (O_DIRECT, O_DSYNC).
     create_flags: i32,
     index: orbitkv_components::KeyMap<IndexEntry>,
+    /// Changes of `index` for the manager's KV events (off unless asked);
+    /// `index_insert` and `index_remove` are the only ways it changes.
+    journal: crate::tier::TierJournal,
     indexed_bytes: u64,
     segments: BTreeMap<u64, Segment>,
     active: Option<u64>,
@@ -488,6 +491,7 @@ impl SsdStore {
             mem_align,
             create_flags,
             index: Default::default(),
+            journal: Default::default(),
             indexed_bytes: 0,
             segments: BTreeMap::new(),
             active: None,
@@ -717,14 +721,16 @@ impl SsdStore {
 
     fn index_insert(&mut self, key: StateKey, e: IndexEntry) {
         self.indexed_bytes += e.payload_len;
-        if let Some(old) = self.index.insert(key, e) {
-            self.indexed_bytes -= old.payload_len;
+        match self.index.insert(key, e) {
+            Some(old) => self.indexed_bytes -= old.payload_len,
+            None => self.journal.push(crate::tier::TierChange::Stored(key)),
         }
     }
 
     fn index_remove(&mut self, key: &StateKey) -> Option<IndexEntry> {
         let old = self.index.remove(key)?;
         self.indexed_bytes -= old.payload_len;
+        self.journal.push(crate::tier::TierChange::Removed(*key));
         Some(old)
     }
 
@@ -1706,6 +1712,23 @@ impl BackingTier for SsdStore {
     fn occupancy(&self) -> Option<(u64, u64)> {
         let s = self.stats();
         Some((s.bytes, s.capacity_bytes))
+    }
+
+    fn record_changes(&mut self, cap: usize) {
+        self.journal.start(cap, self.index.keys().copied());
+    }
+
+    fn relist_changes(&mut self) {
+        self.journal.relist(self.index.keys().copied());
+    }
+
+    fn take_changes(&mut self, out: &mut Vec<crate::tier::TierChange>) -> bool {
+        let index = &self.index;
+        self.journal.take(
+            out,
+            |k| index.contains_key(k),
+            || Box::new(index.keys().copied()),
+        )
     }
 
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {

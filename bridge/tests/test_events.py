@@ -4,7 +4,8 @@ remove reach the subscriber in order, with each topic's sequence numbers
 without gaps; every page advertised is restorable and every
 page not advertised is not; a missed batch comes back from the replay
 socket; a restarted manager starts each topic again, at higher numbers,
-with AllBlocksCleared;
+with AllBlocksCleared; pages demoted to the SSD are advertised as
+`STORAGE`, and a restarted manager lists what its SSD scan found;
 bad settings stop the start naming the setting."""
 
 from __future__ import annotations
@@ -195,6 +196,66 @@ def test_a_restarted_manager_starts_each_topic_again_above_with_a_clear(manager)
             assert sub.unfilled == 0
 
 
+def test_demotions_to_the_ssd_and_a_restarts_scan_are_advertised_as_storage(orbitkv_bin):
+    m = with_events(orbitkv_bin)
+    ssd = m.dir / "ssd"
+    ssd.mkdir()
+    m.config.write_text(
+        m.config.read_text() + f'[ssd]\ndir = "{ssd}"\ncapacity_bytes = 4194304\nsegment_bytes = 262144\n'
+    )
+    with ss.running(m), subscribe(m) as sub:
+        a, b = Engine(), Engine()
+        with session(m, a, "a") as sa, session(m, b, "b") as sb:
+            first, second = hashes(24, seed=11), hashes(24, seed=12)
+            assert a.save(sa, first).inserted == 24
+            # 32 pages of DRAM: the second engine's pages push the first's
+            # down to the SSD.
+            assert b.save(sb, second).inserted == 24
+            topic = sa.namespaces[0]
+            sub.wait_until(lambda s: "STORAGE" in s.media.get(topic, {}).get((0, first[0]), ()))
+            sub.poll(0.3)
+            media = sub.media[topic]
+            demoted = [h for h in first if "STORAGE" in media.get((0, h), ())]
+            assert demoted == first[: len(demoted)] and len(demoted) >= 16, demoted
+            for h in demoted:
+                assert media[(0, h)] == {"STORAGE"}, "left DRAM, on the SSD"
+            for h in second:
+                assert media[(0, h)] == {"CPU"}
+            evs = [ev for _, _, batch in sub.log for ev in batch.events]
+            on_ssd = [ev for ev in evs if isinstance(ev, kv.BlockStored) and ev.medium == "STORAGE"]
+            assert all(ev.locality == "LOCAL" and ev.block_size == PAGE for ev in on_ssd)
+            # Honest: what is advertised anywhere is what a load would find.
+            held = {h for _, h in sub.held[topic]}
+            for h in first + second:
+                assert stored(sa, h) == (h in held), h
+            # The router's answer agrees: the demoted prefix reads from the SSD.
+            where = sa.locate(first[: len(demoted)])
+            assert where.tokens == len(demoted) * PAGE and where.by_tier == {"ssd": len(demoted) * PAGE}, where
+
+        # A restart: DRAM starts empty, the SSD's scan finds the demoted
+        # pages, and the new manager advertises them after its clear.
+        m.restart()
+        c = Engine()
+        with session(m, c, "c") as sc:
+            saved = []
+            deadline = time.monotonic() + ss.T
+            # Until the subscriber saw the new manager's clear and scan (the
+            # old manager's DRAM pages stay advertised until then).
+            while {h for _, h in sub.held.get(topic, ())} != set(demoted) | set(saved) or not saved:
+                assert time.monotonic() < deadline, (sub.held, list(sub.log)[-3:])
+                more = hashes(1, seed=30 + len(saved))
+                assert c.save(sc, more).inserted == 1
+                saved += more
+                sub.poll(0.2)
+            sub.poll(0.3)
+            media = sub.media[topic]
+            assert all(media[(0, h)] == {"STORAGE"} for h in demoted)
+            assert {h for _, h in sub.held[topic]} == set(demoted) | set(saved)
+            for h in first + second + saved:
+                assert stored(sc, h) == (h in set(demoted) | set(saved)), h
+            assert sub.unfilled == 0
+
+
 @pytest.mark.parametrize(
     "events, named",
     [
@@ -219,16 +280,26 @@ def test_a_bad_events_setting_stops_the_start_naming_it(orbitkv_bin, tmp_path, e
     assert named in p.stderr and "events" in p.stderr, p.stderr
 
 
-def test_over_a_randomized_run_every_advertised_page_is_restorable_or_withdrawn(manager):
+@pytest.mark.parametrize("tiers", ["dram", "dram+ssd"])
+def test_over_a_randomized_run_every_advertised_page_is_restorable_or_withdrawn(orbitkv_bin, tiers):
     # Three engines storing random prompts into 32 pages of DRAM: eviction
-    # all along. After each round, every page the subscriber holds is looked
-    # up; one that misses must be withdrawn by an event received afterwards
-    # (it was evicted after its BlockStored: a race), never stay advertised.
+    # all along (with an SSD of about 32 records below it: demotions, and
+    # the SSD's own evictions). After each round, every page the subscriber
+    # holds is looked up; one that misses must be withdrawn by an event
+    # received afterwards (it was evicted after its BlockStored: a race),
+    # never stay advertised.
     import random
 
+    m = with_events(orbitkv_bin)
+    if tiers == "dram+ssd":
+        ssd = m.dir / "ssd"
+        ssd.mkdir()
+        m.config.write_text(
+            m.config.read_text() + f'[ssd]\ndir = "{ssd}"\ncapacity_bytes = 262144\nsegment_bytes = 65536\n'
+        )
     rng = random.Random(27)
     engines = [Engine() for _ in range(3)]
-    with subscribe(manager) as sub:
+    with ss.running(m) as manager, subscribe(manager) as sub:
         sessions = [session(manager, e, f"e{i}") for i, e in enumerate(engines)]
         try:
             topic = None
@@ -249,7 +320,9 @@ def test_over_a_randomized_run_every_advertised_page_is_restorable_or_withdrawn(
             every = {h for seed in range(40) for h in hashes(12, seed)}
             assert held == {h for h in every if stored(sessions[0], h)}
             assert sub.unfilled == 0
-            print(f"rounds 30, races {races}, pages advertised {len(held)}")
+            media = {x for where in sub.media[topic].values() for x in where}
+            assert media == ({"CPU", "STORAGE"} if tiers == "dram+ssd" else {"CPU"}), media
+            print(f"{tiers}: rounds 30, races {races}, pages advertised {len(held)}")
         finally:
             for s in sessions:
                 s.close()

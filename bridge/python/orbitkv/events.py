@@ -111,8 +111,12 @@ class Subscriber:
         self.timeout = timeout
         #: topic -> the next sequence number expected.
         self.next_seq: Dict[str, int] = {}
-        #: topic -> {(group, block hash)} advertised and not removed since.
+        #: topic -> {(group, block hash)} advertised in some medium and not
+        #: removed from it since: what the host holds, anywhere.
         self.held: Dict[str, Set[Tuple[int, BlockHash]]] = {}
+        #: topic -> {(group, block hash): {medium}}: where each held page is
+        #: (``CPU`` for DRAM, ``STORAGE`` for the SSD).
+        self.media: Dict[str, Dict[Tuple[int, BlockHash], Set[str]]] = {}
         #: The last ``log_batches`` batches applied, in order: (topic, seq, batch).
         self.log: Deque[Tuple[str, int, KVEventBatch]] = collections.deque(maxlen=log_batches)
         #: Gaps filled from the replay socket, and gaps it could not fill.
@@ -219,24 +223,38 @@ class Subscriber:
     def _forget(self, topic: str) -> None:
         gone = self.held.get(topic, set())
         self.held[topic] = set()
+        self.media[topic] = {}
         if gone and self.on_change is not None:
             self.on_change(topic, set(), gone)
 
     def _apply(self, topic: str, seq: int, payload: bytes) -> None:
         batch = decode(payload)
         held = self.held.setdefault(topic, set())
+        media = self.media.setdefault(topic, {})
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared):
                 self._forget(topic)
                 held = self.held[topic]
+                media = self.media[topic]
                 continue
             keys = {(ev.group_idx or 0, h) for h in ev.block_hashes}
-            if isinstance(ev, BlockStored):
-                added, removed = keys - held, set()
-                held |= added
-            else:
-                added, removed = set(), keys & held
-                held -= removed
+            medium = ev.medium or ""
+            added, removed = set(), set()
+            for k in keys:
+                where = media.get(k)
+                if isinstance(ev, BlockStored):
+                    if where is None:
+                        media[k] = {medium}
+                        added.add(k)
+                    else:
+                        where.add(medium)
+                elif where is not None:
+                    where.discard(medium)
+                    if not where:
+                        del media[k]
+                        removed.add(k)
+            held |= added
+            held -= removed
             if (added or removed) and self.on_change is not None:
                 self.on_change(topic, added, removed)
         self.next_seq[topic] = seq + 1

@@ -128,6 +128,69 @@ def test_pages_loadable_from_orbitkv_go_out_through_vllms_own_publisher(model, m
         sub.close(0)
 
 
+def test_pages_demoted_to_the_ssd_are_advertised_as_storage_and_come_back_on_a_load(model, orbitkv_bin):
+    # 8 KiB pages (2 layers, K and V, 2 heads of 16 float32, 16 tokens):
+    # 32 of them in 256 KiB of DRAM, an SSD below.
+    m = ss.Manager(orbitkv_bin, dram="256KiB")
+    m.pub = f"ipc://{m.dir}/events"
+    m.rep = f"ipc://{m.dir}/replay"
+    ssd = m.dir / "ssd"
+    ssd.mkdir()
+    m.config.write_text(
+        ss.CONFIG
+        + f'[events]\npublish = "{m.pub}"\nreplay = "{m.rep}"\n'
+        + f'[ssd]\ndir = "{ssd}"\ncapacity_bytes = 8388608\nsegment_bytes = 262144\n'
+    )
+    vllm_pub = f"ipc://{m.dir}/vllm-events"
+    kve = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=vllm_pub)
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    got = []
+    with ss.running(m):
+        sub = subscriber(vllm_pub)
+
+        def drain():
+            while sub.poll(0):
+                _, _, payload = sub.recv_multipart()
+                got.extend(
+                    ev for ev in decoder.decode(payload).events if getattr(ev, "medium", None) in ("CPU", "STORAGE")
+                )
+
+        def of(h):
+            """(kind, medium) of the events of hash `h`, in order."""
+            return [(type(ev).__name__, ev.medium) for ev in got if ev.block_hashes == [h]]
+
+        try:
+            extra = {"events": m.pub, "events_replay": m.rep}
+            with engine(model, m.socket, extra=extra, kv_events=kve) as e:
+                time.sleep(0.3)  # our subscription reaches vLLM's publisher
+                e.add("A", PROMPT)
+                a = [maybe_convert_block_hash(bytes(h)) for h in e.sched.requests["A"].block_hashes][:4]
+                e.run()
+                # Twenty other prompts (80 pages) push A's pages out of DRAM
+                # onto the SSD, and out of vLLM's own prefix cache.
+                for i in range(20):
+                    e.add(f"P{i}", [1000 * (i + 1) + j for j in range(70)])
+                    e.run()
+                e.run(until=lambda: drain() or all(("BlockStored", "STORAGE") in of(h) for h in a))
+                for h in a:
+                    assert of(h) == [("BlockStored", "CPU"), ("BlockRemoved", "CPU"), ("BlockStored", "STORAGE")], of(h)
+                stored = [ev for ev in got if isinstance(ev, BlockStored) and ev.block_hashes == [a[0]]]
+                assert stored[1].token_ids == PROMPT[:16] and stored[1].locality == "LOCAL"
+                # A load of A reads them from the SSD back into DRAM: CPU again.
+                assert e.sched.reset_prefix_cache()
+                e.wipe()
+                before = e.stats.hit_tokens
+                e.add("A2", PROMPT + [99, 98])
+                e.run()
+                assert e.stats.hit_tokens - before == 64, e.stats
+                e.run(until=lambda: drain() or all(of(h)[-1] == ("BlockStored", "CPU") for h in a))
+                for h in a:
+                    assert of(h)[3:] == [("BlockStored", "CPU")], of(h)
+                    assert ("BlockRemoved", "STORAGE") not in of(h), "still on the SSD"
+        finally:
+            sub.close(0)
+
+
 def test_half_configured_events_are_said_at_startup(model, manager, caplog):
     kve = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     with caplog.at_level(logging.WARNING, logger="orbitkv.vllm"):

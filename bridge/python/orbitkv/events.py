@@ -127,6 +127,10 @@ class Subscriber:
         #: Called as ``on_change(topic, added, removed)`` (sets of
         #: (group, hash)) whenever what a topic holds changes.
         self.on_change = None
+        #: Called as ``on_media_change(topic, medium, added, removed)``
+        #: (sets of (group, hash)) whenever what one medium of a topic
+        #: holds changes.
+        self.on_media_change = None
 
     def close(self) -> None:
         self._sub.close(0)
@@ -223,6 +227,13 @@ class Subscriber:
     def _forget(self, topic: str) -> None:
         gone = self.held.get(topic, set())
         self.held[topic] = set()
+        if self.on_media_change is not None:
+            by_medium: Dict[str, Set[Tuple[int, BlockHash]]] = {}
+            for k, where in self.media.get(topic, {}).items():
+                for medium in where:
+                    by_medium.setdefault(medium, set()).add(k)
+            for medium, keys in by_medium.items():
+                self.on_media_change(topic, medium, set(), keys)
         self.media[topic] = {}
         if gone and self.on_change is not None:
             self.on_change(topic, set(), gone)
@@ -240,21 +251,27 @@ class Subscriber:
             keys = {(ev.group_idx or 0, h) for h in ev.block_hashes}
             medium = ev.medium or ""
             added, removed = set(), set()
+            came, went = set(), set()
             for k in keys:
                 where = media.get(k)
                 if isinstance(ev, BlockStored):
                     if where is None:
                         media[k] = {medium}
                         added.add(k)
-                    else:
+                        came.add(k)
+                    elif medium not in where:
                         where.add(medium)
-                elif where is not None:
+                        came.add(k)
+                elif where is not None and medium in where:
                     where.discard(medium)
+                    went.add(k)
                     if not where:
                         del media[k]
                         removed.add(k)
             held |= added
             held -= removed
+            if (came or went) and self.on_media_change is not None:
+                self.on_media_change(topic, medium, came, went)
             if (added or removed) and self.on_change is not None:
                 self.on_change(topic, added, removed)
         self.next_seq[topic] = seq + 1

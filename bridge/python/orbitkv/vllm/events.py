@@ -4,10 +4,11 @@ engine can load from OrbitKV, with nothing new for the operator to wire.
 
 The scheduler follows the manager's event stream (``[events]``,
 docs/events.md) for the instance's namespaces, one per rank. A page is
-advertised (`BlockStored`, medium ``CPU``) once the manager holds it on
-every rank, which is when a load of it can succeed, and withdrawn
-(`BlockRemoved`) as soon as one rank lost it, or the stream could not be
-followed. The token ids and parent hash of pages this engine saved are
+advertised in a medium (`BlockStored`, ``CPU`` for the manager's DRAM,
+``STORAGE`` for its SSD) once the manager holds it there on every rank,
+which is when a load of it from there can succeed, and withdrawn
+(`BlockRemoved`) as soon as one rank lost it there, or the stream could
+not be followed. The token ids and parent hash of pages this engine saved are
 recorded when it plans the save (bounded); pages other engines of the same
 computation stored are advertised with empty token ids.
 """
@@ -35,7 +36,7 @@ MAX_BATCHES_PER_STEP = 256
 #: was sent before the subscription took effect.
 CATCH_UP_AFTER_S = (0.0, 0.5, 2.0)
 
-Key = Tuple[int, bytes]  # (storage group, block hash)
+Key = Tuple[str, int, bytes]  # (medium, storage group, block hash)
 
 
 class GroupInfo:
@@ -109,15 +110,17 @@ class ConnectorEvents:
             return False  # not connected yet: nothing is advertised
         self._topics = list(names)
         self._sub = stream.Subscriber(self._publish, self._replay, topics=self._topics, timeout=0.2)
-        self._sub.on_change = self._changed
+        self._sub.on_media_change = self._changed
         now = time.monotonic()
         self._catch_ups = [now + d for d in CATCH_UP_AFTER_S]
         log.info("OrbitKV: KV events from %s for %d namespace(s)", self._publish, len(self._topics))
         return True
 
-    def _changed(self, topic: str, added: Set[Key], removed: Set[Key]) -> None:
+    def _changed(self, topic: str, medium: str, added_: Set[Tuple[int, bytes]], removed_: Set[Tuple[int, bytes]]) -> None:
         if topic not in self._topics:
             return
+        added = {(medium, g, h) for g, h in added_}
+        removed = {(medium, g, h) for g, h in removed_}
         full = len(self._topics)
         gone: List[Key] = []
         for key in removed:
@@ -134,18 +137,18 @@ class ConnectorEvents:
             self._ranks[key] = n
             if n == full:
                 came.append(key)
-        for group, h in sorted(gone):
+        for where, group, h in sorted(gone):
             info = self._groups.get(group)
             if info is not None:
                 self._out.append(
                     BlockRemoved(
                         block_hashes=[maybe_convert_block_hash(h)],
-                        medium=MEDIUM_CPU,
+                        medium=where or MEDIUM_CPU,
                         group_idx=info.vllm_group,
                         locality="LOCAL",
                     )
                 )
-        for group, h in came:
+        for where, group, h in came:
             info = self._groups.get(group)
             if info is None:
                 continue
@@ -157,7 +160,7 @@ class ConnectorEvents:
                     token_ids=list(tokens),
                     block_size=self._page_tokens,
                     lora_id=None,
-                    medium=MEDIUM_CPU,
+                    medium=where or MEDIUM_CPU,
                     lora_name=None,
                     group_idx=info.vllm_group,
                     kv_cache_spec_kind=info.kind,

@@ -13,6 +13,7 @@ use orbitkv_io::remote::record::{
     RecordHeader, RecordMac, data_key, directory_key, encode_record, shard_of,
 };
 use orbitkv_io::remote::{RemoteConfig, RemoteTier, WritePolicy};
+use orbitkv_components::StateKey;
 use orbitkv_io::tier::{BackingTier, DemoteRefused, TierError};
 use redis::Commands;
 use remote_common::*;
@@ -769,4 +770,90 @@ fn a_tier_without_a_secret_is_refused_unless_trusted() {
     assert!(e.to_string().contains("mac_key_file"), "{e}");
     cfg.unauthenticated = true;
     RemoteTier::open(cfg, 1).unwrap();
+}
+
+/// The metadata cache's change journal (the manager's KV events, medium
+/// `STORAGE`, locality `REMOTE`): what another host writes reaches the
+/// events once the namespace is followed, this host's own writes as they
+/// land, a failed read withdraws its page; while the breaker is open every
+/// page is withdrawn, and listed again once it closes.
+#[test]
+fn metadata_changes_follow_what_lookups_would_find() {
+    use orbitkv_io::tier::TierChange;
+    use std::collections::BTreeSet;
+    let Some(_) = single_url("metadata_changes_follow_what_lookups_would_find") else {
+        return;
+    };
+    let r = PrivateRedis::node();
+    let port = r.ports[0];
+    let ns = fresh_namespace();
+    let mut a = RemoteTier::open(config(r.urls()), 1).unwrap();
+    let mut b = RemoteTier::open(config(r.urls()), 2).unwrap();
+    let mut out = Vec::new();
+    assert!(!b.take_changes(&mut out) && out.is_empty(), "off until asked");
+    b.record_changes(1000);
+    let mut held = BTreeSet::new();
+    let mut drain = |b: &mut RemoteTier, held: &mut BTreeSet<StateKey>| {
+        let mut out = Vec::new();
+        assert!(!b.take_changes(&mut out));
+        for c in out {
+            match c {
+                TierChange::Stored(k) => assert!(held.insert(k), "stored twice {k:?}"),
+                TierChange::Removed(k) => assert!(held.remove(&k), "removed absent {k:?}"),
+            }
+        }
+    };
+    let looked_up = |b: &RemoteTier, keys: &[StateKey]| -> BTreeSet<StateKey> {
+        keys.iter().copied().filter(|k| b.lookup(k).is_some()).collect()
+    };
+    // Another host's writes, once B follows the namespace.
+    let pages: Vec<_> = (0..4u64).map(|i| (key(ns, i), payload(i, 8192))).collect();
+    assert!(b.lookup(&pages[0].0).is_none());
+    write_all(&mut a, &pages);
+    for (k, _) in &pages {
+        wait_lookup(&b, k, Duration::from_secs(10)).expect("B learns A's page");
+    }
+    let mut keys: Vec<StateKey> = pages.iter().map(|(k, _)| *k).collect();
+    drain(&mut b, &mut held);
+    assert_eq!(held, looked_up(&b, &keys));
+    assert_eq!(held.len(), 4);
+    // B's own write.
+    let own = (key(ns, 10), payload(10, 8192));
+    write_all(&mut b, std::slice::from_ref(&own));
+    keys.push(own.0);
+    drain(&mut b, &mut held);
+    assert!(held.contains(&own.0));
+    assert_eq!(held, looked_up(&b, &keys));
+    // A record gone out of band: the failed read withdraws it.
+    let prefix = b.config().key_prefix.clone();
+    let mut raw = raw_single(&r.urls()[0]);
+    let _: () = redis::cmd("DEL")
+        .arg(data_key(&prefix, &pages[0].0))
+        .query(&mut raw)
+        .unwrap();
+    let mut pool = Pool::new(8192);
+    pool.register(&mut b);
+    assert!(read(&mut b, &pages[0].0, 0, 8192).is_err());
+    drain(&mut b, &mut held);
+    assert!(!held.contains(&pages[0].0));
+    assert_eq!(held, looked_up(&b, &keys));
+    // Down: everything withdrawn (lookups answer "absent"); up: listed again.
+    r.kill(port);
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while !b.is_down() && std::time::Instant::now() < until {
+        let _ = b.offer(&key(ns, now_us()), [0; 32], &own.1, page_checksum(&own.1));
+        b.flush_writes(Duration::from_secs(2));
+    }
+    assert!(b.is_down());
+    drain(&mut b, &mut held);
+    assert!(held.is_empty(), "{held:?}");
+    r.restart_single(port);
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while b.is_down() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!b.is_down());
+    drain(&mut b, &mut held);
+    assert_eq!(held, looked_up(&b, &keys));
+    assert_eq!(held.len(), 4, "the three of A's still promised, and B's own");
 }

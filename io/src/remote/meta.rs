@@ -9,6 +9,7 @@ use std::collections::{HashSet, VecDeque};
 use orbitkv_components::{Namespace, StateKey};
 
 use super::record::RecordHeader;
+use crate::tier::{TierChange, TierJournal};
 
 /// Failed reads remembered at most (oldest forgotten first).
 const MAX_TOMBSTONES: usize = 65536;
@@ -54,6 +55,9 @@ pub(crate) struct MetaCache {
     /// directory is not believed again. A newer write is.
     tombstones: orbitkv_components::KeyMap<u64>,
     tomb_order: VecDeque<StateKey>,
+    /// Changes of `map` for the manager's KV events (off unless asked):
+    /// `insert`, `remove_if` and `drop_where` are the only mutators.
+    pub journal: TierJournal,
 }
 
 impl MetaCache {
@@ -67,7 +71,23 @@ impl MetaCache {
             dropped: 0,
             tombstones: Default::default(),
             tomb_order: VecDeque::new(),
+            journal: TierJournal::default(),
         }
+    }
+
+    /// Every key believed held (the journal's relists).
+    pub(crate) fn keys(&self) -> impl Iterator<Item = StateKey> + '_ {
+        self.map.keys().copied()
+    }
+
+    /// The journal's changes due (see `TierJournal::take`).
+    pub(crate) fn take_changes(&mut self, out: &mut Vec<TierChange>) -> bool {
+        let map = &self.map;
+        self.journal.take(
+            out,
+            |k| map.contains_key(k),
+            || Box::new(map.keys().copied()),
+        )
     }
 
     pub(crate) fn get(&self, key: &StateKey) -> Option<&MetaEntry> {
@@ -95,7 +115,9 @@ impl MetaCache {
         }
         e.generation = self.next_gen;
         self.next_gen += 1;
-        self.map.insert(key, e);
+        if self.map.insert(key, e).is_none() {
+            self.journal.push(TierChange::Stored(key));
+        }
         self.order.push_back((key, e.generation));
         while self.map.len() > self.cap {
             let Some((k, g)) = self.order.pop_front() else {
@@ -103,6 +125,7 @@ impl MetaCache {
             };
             if self.map.get(&k).is_some_and(|e| e.generation == g) {
                 self.map.remove(&k);
+                self.journal.push(TierChange::Removed(k));
                 self.dropped += 1;
             }
         }
@@ -126,6 +149,7 @@ impl MetaCache {
             return false;
         }
         self.map.remove(key);
+        self.journal.push(TierChange::Removed(*key));
         self.dropped += 1;
         if self.tombstones.insert(*key, e.written_unix_ms).is_none() {
             self.tomb_order.push_back(*key);
@@ -141,7 +165,14 @@ impl MetaCache {
     /// Drops every entry `pred` selects.
     pub(crate) fn drop_where(&mut self, mut pred: impl FnMut(&StateKey, &MetaEntry) -> bool) {
         let before = self.map.len();
-        self.map.retain(|k, e| !pred(k, e));
+        let journal = &mut self.journal;
+        self.map.retain(|k, e| {
+            let drop = pred(k, e);
+            if drop {
+                journal.push(TierChange::Removed(*k));
+            }
+            !drop
+        });
         self.dropped += (before - self.map.len()) as u64;
     }
 

@@ -20,8 +20,8 @@ use super::record::{
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
 use crate::checksum::page_checksum;
 use crate::tier::{
-    BackingTier, DemoteFailed, DemoteRefused, Demoted, ReadDone, ReadToken, TierEntry, TierError,
-    remote_miss_reason,
+    BackingTier, DemoteFailed, DemoteRefused, Demoted, ReadDone, ReadToken, TierChange, TierEntry,
+    TierError, remote_miss_reason,
 };
 
 /// A read's destination, claimed by exactly one side: the worker (to copy
@@ -242,6 +242,9 @@ pub struct RemoteTier {
     /// Reads finished but not yet reported (drained outside `poll`).
     ready: Vec<ReadDone>,
     last_error: Option<String>,
+    /// Whether the KV events advertise the metadata now: not while the
+    /// breaker is open (a lookup answers "absent" then).
+    advertising: bool,
     _threads: Vec<JoinHandle<()>>,
 }
 
@@ -374,6 +377,7 @@ impl RemoteTier {
             demoted: Vec::new(),
             ready: Vec::new(),
             last_error: None,
+            advertising: false,
             _threads: threads,
         })
     }
@@ -594,6 +598,46 @@ impl BackingTier for RemoteTier {
     /// While the breaker is open, lookups answer "absent" without asking.
     fn unavailable(&self) -> bool {
         self.shared.breaker.is_open()
+    }
+
+    /// The metadata cache's changes: this manager's writes, other hosts'
+    /// writes the refresher reads from the directories it follows, expiry,
+    /// failed reads and the cache's own bound. While the breaker is open
+    /// every page is withdrawn (lookups answer "absent"), and listed again
+    /// when it closes.
+    fn record_changes(&mut self, cap: usize) {
+        let mut m = self.shared.meta_write();
+        let present: Vec<StateKey> = m.keys().collect();
+        m.journal.start(cap, present.into_iter());
+        self.advertising = true;
+    }
+
+    fn relist_changes(&mut self) {
+        let mut m = self.shared.meta_write();
+        let present: Vec<StateKey> = m.keys().collect();
+        m.journal.relist(present.into_iter());
+    }
+
+    fn take_changes(&mut self, out: &mut Vec<TierChange>) -> bool {
+        let open = self.shared.breaker.is_open();
+        let mut m = self.shared.meta_write();
+        if !m.journal.is_on() {
+            return false;
+        }
+        if open {
+            // Nothing is advertised meanwhile: the changes (and a loss of
+            // them) are moot; the cache is listed again when it closes.
+            m.take_changes(&mut Vec::new());
+            if std::mem::replace(&mut self.advertising, false) {
+                out.extend(m.keys().map(TierChange::Removed));
+            }
+            return false;
+        }
+        if !std::mem::replace(&mut self.advertising, true) {
+            let present: Vec<StateKey> = m.keys().collect();
+            m.journal.relist(present.into_iter());
+        }
+        m.take_changes(out)
     }
 
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {

@@ -793,7 +793,7 @@ fn metadata_changes_follow_what_lookups_would_find() {
     assert!(!b.take_changes(&mut out) && out.is_empty(), "off until asked");
     b.record_changes(1000);
     let mut held = BTreeSet::new();
-    let mut drain = |b: &mut RemoteTier, held: &mut BTreeSet<StateKey>| {
+    let drain = |b: &mut RemoteTier, held: &mut BTreeSet<StateKey>| {
         let mut out = Vec::new();
         assert!(!b.take_changes(&mut out));
         for c in out {

@@ -7,13 +7,13 @@ mod remote_common;
 
 use std::time::Duration;
 
+use orbitkv_components::StateKey;
 use orbitkv_components::api::MissReason;
 use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::remote::record::{
     RecordHeader, RecordMac, data_key, directory_key, encode_record, shard_of,
 };
 use orbitkv_io::remote::{RemoteConfig, RemoteTier, WritePolicy};
-use orbitkv_components::StateKey;
 use orbitkv_io::tier::{BackingTier, DemoteRefused, TierError};
 use redis::Commands;
 use remote_common::*;
@@ -790,7 +790,10 @@ fn metadata_changes_follow_what_lookups_would_find() {
     let mut a = RemoteTier::open(config(r.urls()), 1).unwrap();
     let mut b = RemoteTier::open(config(r.urls()), 2).unwrap();
     let mut out = Vec::new();
-    assert!(!b.take_changes(&mut out) && out.is_empty(), "off until asked");
+    assert!(
+        !b.take_changes(&mut out) && out.is_empty(),
+        "off until asked"
+    );
     b.record_changes(1000);
     let mut held = BTreeSet::new();
     let drain = |b: &mut RemoteTier, held: &mut BTreeSet<StateKey>| {
@@ -804,7 +807,10 @@ fn metadata_changes_follow_what_lookups_would_find() {
         }
     };
     let looked_up = |b: &RemoteTier, keys: &[StateKey]| -> BTreeSet<StateKey> {
-        keys.iter().copied().filter(|k| b.lookup(k).is_some()).collect()
+        keys.iter()
+            .copied()
+            .filter(|k| b.lookup(k).is_some())
+            .collect()
     };
     // Another host's writes, once B follows the namespace.
     let pages: Vec<_> = (0..4u64).map(|i| (key(ns, i), payload(i, 8192))).collect();
@@ -855,5 +861,9 @@ fn metadata_changes_follow_what_lookups_would_find() {
     assert!(!b.is_down());
     drain(&mut b, &mut held);
     assert_eq!(held, looked_up(&b, &keys));
-    assert_eq!(held.len(), 4, "the three of A's still promised, and B's own");
+    assert_eq!(
+        held.len(),
+        4,
+        "the three of A's still promised, and B's own"
+    );
 }

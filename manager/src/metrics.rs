@@ -78,6 +78,7 @@ struct Mirrored {
     bytes_read: Counter,
     checksum_failures: Counter,
     publish_checksum_refusals: Counter,
+    kv_events_races: Counter,
     transfers_overdue: Counter,
     commands_rejected: Counter,
     refusals: Family<Refusal, Counter>,
@@ -216,6 +217,12 @@ impl Metrics {
                 &mut r,
                 "checksum_failures",
                 "Pages whose bytes failed verification (never served)",
+            ),
+            kv_events_races: counter(
+                &mut r,
+                "kv_events_races",
+                "Queries that stopped at a page this host advertised in its KV events and removed \
+                 lately: a router routed on an event gone stale (a miss, never a false hit)",
             ),
             publish_checksum_refusals: counter(
                 &mut r,
@@ -599,6 +606,11 @@ impl Metrics {
             &x.publish_checksum_refusals,
             m.publish_checksum_refused,
             prev.map(|p| p.publish_checksum_refused),
+        );
+        inc(
+            &x.kv_events_races,
+            m.event_races,
+            prev.map(|p| p.event_races),
         );
         inc(
             &x.transfers_overdue,

@@ -12,7 +12,7 @@ use orbitkv_components::{KeyRef, NativeHash, StateKey};
 use orbitkv_io::tier::{BackingTier, TierError};
 
 use crate::lifecycle::set_state;
-use crate::resources::{Dram, Tiers};
+use crate::resources::{Dram, Metrics, Tiers};
 
 pub fn discover(
     mut commands: Commands,
@@ -20,6 +20,7 @@ pub fn discover(
     instances: Query<&Instance>,
     dram: Res<Dram>,
     mut tiers: ResMut<Tiers>,
+    mut metrics: ResMut<Metrics>,
 ) {
     let tiers = tiers.0.get_mut();
     for (entity, mut op, mut rec) in &mut ops {
@@ -36,6 +37,7 @@ pub fn discover(
             continue;
         }
         let mut candidates = Vec::new();
+        let mut raced = false;
         for (index, rank) in instance.ranks.iter().enumerate() {
             let hashes = |group: u32| {
                 let g = rec.groups.iter().find(|g| g.group == group);
@@ -43,13 +45,58 @@ pub fn discover(
             };
             let span = (rec.origin, rec.end);
             let found = rank_candidates(&hashes, span, instance.page_tokens, rank, &dram, tiers);
+            if dram.journal.is_on() && !raced {
+                raced = stopped_at_a_removed_page(
+                    &found,
+                    &hashes,
+                    span,
+                    instance.page_tokens,
+                    rank,
+                    &dram,
+                );
+            }
             candidates.extend(found.into_iter().map(|(g, ends)| (index as u32, g, ends)));
         }
         if candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
             rec.miss = unreachable(tiers);
         }
+        if raced {
+            metrics.event_races += 1;
+        }
         rec.candidates = candidates;
     }
+}
+
+/// Whether the prefix group's pages on this rank stop short at a page DRAM
+/// removed lately (see `PageJournal::removed_lately`).
+fn stopped_at_a_removed_page<'h>(
+    found: &[(u32, Vec<u64>)],
+    hashes: &dyn Fn(u32) -> &'h [NativeHash],
+    span: (u64, u64),
+    page: u64,
+    rank: &RankState,
+    dram: &Dram,
+) -> bool {
+    let Some(group) = rank.contract.groups().first() else {
+        return false;
+    };
+    if group.rule != Rule::Prefix || page == 0 {
+        return false;
+    }
+    let Some((_, ends)) = found.iter().find(|(g, _)| *g == group.id) else {
+        return false;
+    };
+    let gap = span.0 / page + ends.len() as u64;
+    if gap >= span.1 / page {
+        return false;
+    }
+    hashes(group.id).get(gap as usize).is_some_and(|native| {
+        dram.journal.removed_lately(&KeyRef {
+            namespace: &rank.namespace,
+            group: group.id,
+            native,
+        })
+    })
 }
 
 /// The reason of the first tier that cannot be reached now, if one cannot.

@@ -368,7 +368,15 @@ pub struct PageJournal {
     cap: usize,
     changes: Vec<PageChange>,
     lost: bool,
+    /// The last [`RECENT_REMOVALS`] pages removed (and not stored again):
+    /// a query that stops at one of them was likely routed on an event
+    /// that had gone stale (a race the metrics count).
+    recent: orbitkv_components::KeyMap<()>,
+    recent_order: std::collections::VecDeque<StateKey>,
 }
+
+/// Removed pages remembered for counting races, at most.
+pub const RECENT_REMOVALS: usize = 65_536;
 
 impl PageJournal {
     /// Starts recording, at most `cap` changes between drains.
@@ -384,12 +392,39 @@ impl PageJournal {
         if self.cap == 0 {
             return;
         }
+        match change {
+            PageChange::Stored(k) => {
+                self.recent.remove(&k);
+            }
+            PageChange::Removed(k, _) => {
+                if self.recent.insert(k, ()).is_none() {
+                    self.recent_order.push_back(k);
+                }
+                while self.recent.len() > RECENT_REMOVALS {
+                    let Some(old) = self.recent_order.pop_front() else {
+                        break;
+                    };
+                    self.recent.remove(&old);
+                }
+                // Keys stored again leave stale order entries; bounded.
+                if self.recent_order.len() > 2 * RECENT_REMOVALS {
+                    let recent = &self.recent;
+                    self.recent_order.retain(|k| recent.contains_key(k));
+                }
+            }
+        }
         if self.changes.len() >= self.cap {
             self.changes.clear();
             self.lost = true;
             return;
         }
         self.changes.push(change);
+    }
+
+    /// Whether `key` left DRAM lately (among the last
+    /// [`RECENT_REMOVALS`] removals) and was not stored again.
+    pub fn removed_lately(&self, key: &orbitkv_components::KeyRef<'_>) -> bool {
+        self.recent.contains_key(key)
     }
 
     /// Moves the recorded changes to `out`; true when some were lost
@@ -715,6 +750,10 @@ pub struct Metrics {
     /// unavailability. Bounded: both parts come from fixed sets.
     pub refusals: BTreeMap<String, u64>,
     pub transfers_overdue: u64,
+    /// Queries (with the KV event stream on) whose prefix stopped at a page
+    /// DRAM held and removed lately: a router that sent the request there
+    /// trusted an event that had gone stale (a race, never a false hit).
+    pub event_races: u64,
     /// Copy batches sent to copy agents, and those that failed, by reason.
     pub agent_copies: u64,
     pub agent_copy_failures: BTreeMap<String, u64>,

@@ -2568,3 +2568,43 @@ fn page_changes_follow_the_index_in_order() {
     assert!(!d.h.rt().take_page_changes(&mut out), "a loss is said once");
     assert!(out.is_empty(), "{out:?}");
 }
+
+#[test]
+fn a_query_stopped_by_a_page_removed_since_it_was_advertised_is_counted_as_a_race() {
+    // 8 slots of DRAM, the event journal on.
+    let mut c = config(32 << 10);
+    c.dram.extent_bytes = 16 << 10;
+    let mut d = dense_setup_with(c);
+    d.h.rt().record_page_changes(1024);
+    let races = |d: &mut Dense| d.h.rt().stats().metrics.event_races;
+    d.publish(40, 4, 0);
+    // Stored and there: a hit, no race.
+    let ev = d.h.step(vec![lookup(d.s, 1, 40, 4, 4 * PAGE + 1)]);
+    assert!(
+        matches!(
+            ev[0],
+            Event::QueryResult {
+                selected: Some(_),
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    // Never stored: a miss, but no race either.
+    d.h.step(vec![lookup(d.s, 2, 41, 4, 4 * PAGE + 1)]);
+    assert_eq!(races(&mut d), 0);
+    // Two more prompts evict the first: a query for it stops at a page
+    // that was advertised and is gone, once per query.
+    d.publish(42, 4, 4);
+    d.publish(43, 4, 8);
+    let ev = d.h.step(vec![lookup(d.s, 3, 40, 4, 4 * PAGE + 1)]);
+    assert!(
+        matches!(ev[0], Event::QueryResult { selected: None, .. }),
+        "{ev:?}"
+    );
+    assert_eq!(races(&mut d), 1);
+    // Stored again: no longer a race when it is there.
+    d.publish(40, 4, 12);
+    d.h.step(vec![lookup(d.s, 4, 40, 4, 4 * PAGE + 1)]);
+    assert_eq!(races(&mut d), 1);
+}

@@ -6,7 +6,11 @@ model's config declares it (`layer_types`, `sliding_window`), KV tensors
 from the model runner's allocator (`allocate_kv_cache`), and the workers'
 outputs merged by vLLM's own `KVOutputAggregator`. Only the model's
 forward is a stand-in: it writes a known value for every
-(layer, token, position) it computes.
+(layer, token, position) it computes, and for a recurrent (Mamba) layer
+the state after each prefix, where vLLM's align mode keeps it: it first
+checks that the state it resumes from is the one of the tokens before,
+as `preprocess_mamba` copies it, then writes the state at the step's end
+into the request's running state block.
 
 After every step the harness checks the engine's view of the truth: every
 position a running request counts as computed holds exactly the value the
@@ -50,7 +54,7 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -66,6 +70,23 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 def layer_name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
+
+
+def state(layer: int, tokens: Sequence[int], n: int) -> torch.Tensor:
+    """What the stand-in's recurrent layer `layer` holds after `tokens`
+    (float32, `n` values, exact): a digest of the whole prefix, so a state
+    of another prefix or another length never passes for it."""
+    digest = 0
+    for i, t in enumerate(tokens):
+        digest = (digest + (t + 1) * (i + 1)) % 499_979
+    base = layer * 1_000_000 + (digest + len(tokens) * 7919) % 500_000
+    return torch.arange(n, dtype=torch.float32) + float(base)
+
+
+def state_view(t: torch.Tensor, block: int, nbytes: int) -> torch.Tensor:
+    """One block's state bytes of a recurrent layer's cache (vLLM gives
+    `[blocks, 1, 1, padded page]` int8) as float32."""
+    return t[block].reshape(-1)[:nbytes].view(torch.float32)
 
 
 def make_model(path: Path, seed: int = 0) -> Path:
@@ -131,41 +152,76 @@ def build_config(
             attention_config=AttentionConfig(),
             kv_events_config=kv_events,
         )
-        specs = layer_specs(mc.hf_text_config, block_size, sliding_window)
+        specs = layer_specs(mc.hf_text_config, block_size, sliding_window, vc)
         groups = get_kv_cache_groups(vc, specs)
     vc.parallel_config.tensor_parallel_size = tp
-    page = next(iter(specs.values())).page_size_bytes
+    page = max(s.page_size_bytes for s in specs.values())
     kcc = get_kv_cache_config_from_groups(
         vc, groups, available_memory=page * num_blocks * len(specs)
     )
     return vc, kcc, groups
 
 
-def layer_types(hf_config: Any, sliding_window: Optional[int] = None) -> List[Optional[int]]:
-    """Each layer's sliding window (None: full attention), as vLLM's model
-    code reads the config: a layer is sliding when `layer_types` says
-    ``sliding_attention``, with the config's `sliding_window`."""
+#: A recurrent layer in `layer_types`' answer.
+MAMBA = "mamba"
+
+
+def layer_types(hf_config: Any, sliding_window: Optional[int] = None) -> List[Any]:
+    """Each layer's sliding window (None: full attention; `MAMBA`: a
+    recurrent layer), as vLLM's model code reads the config: a layer is
+    sliding when `layer_types` says ``sliding_attention``, with the
+    config's `sliding_window`; ``linear_attention`` (Qwen3-Next's gated
+    delta net) is recurrent."""
     n = int(hf_config.num_hidden_layers)
     if sliding_window is not None:
         return [None, sliding_window]
     kinds = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * n)
-    out: List[Optional[int]] = []
+    out: List[Any] = []
     for kind in kinds[:n]:
         if kind == "sliding_attention":
             out.append(int(hf_config.sliding_window))
         elif kind == "full_attention":
             out.append(None)
+        elif kind == "linear_attention":
+            out.append(MAMBA)
         else:
             raise ValueError(f"layer type {kind!r} has no stand-in")
     return out
 
 
-def layer_specs(hf_config: Any, block_size: int, sliding_window: Optional[int] = None):
-    """Each attention layer's KV cache spec, as vLLM's `Attention` builds it
-    for this config (float32, the tiny models' 2 KV heads of 16 dims)."""
+def mamba_spec(vc: Any, block_size: int) -> Any:
+    """A recurrent layer's spec as vLLM's `MambaBase.get_kv_cache_spec`
+    builds it: the state shapes and dtypes from the model class's own
+    `get_mamba_state_shape_from_config` / `..._dtype_from_config`, the
+    cache mode and padded page vLLM's config set."""
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    mc = vc.model_config
+    cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, model_config=mc)
+    kinds = {"qwen3_next": MambaAttentionBackendEnum.GDN_ATTN}
+    cc = vc.cache_config
+    return MambaSpec(
+        shapes=tuple(cls.get_mamba_state_shape_from_config(vc)),
+        dtypes=tuple(cls.get_mamba_state_dtype_from_config(vc)),
+        block_size=int(cc.mamba_block_size or block_size),
+        page_size_padded=cc.mamba_page_size_padded,
+        mamba_type=kinds[mc.hf_config.model_type],
+        mamba_cache_mode=cc.mamba_cache_mode,
+    )
+
+
+def layer_specs(
+    hf_config: Any, block_size: int, sliding_window: Optional[int] = None, vc: Any = None
+):
+    """Each layer's KV cache spec, as vLLM's `Attention` and `MambaBase`
+    build it for this config (float32, the tiny models' 2 KV heads of 16
+    dims)."""
     specs: Dict[str, Any] = {}
     for i, window in enumerate(layer_types(hf_config, sliding_window)):
-        if window is None:
+        if window == MAMBA:
+            specs[layer_name(i)] = mamba_spec(vc, block_size)
+        elif window is None:
             specs[layer_name(i)] = FullAttentionSpec(
                 block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
             )
@@ -265,6 +321,12 @@ class Engine:
         )
         self.layers = [name for g in self.groups for name in g.layer_names]
         self.layers.sort(key=lambda name: int(name.split(".")[2]))
+        #: Recurrent groups (vLLM's index) -> their state bytes per block.
+        self.mamba = {
+            gi: int(g.kv_cache_spec.real_page_size_bytes)
+            for gi, g in enumerate(self.groups)
+            if isinstance(g.kv_cache_spec, MambaSpec)
+        }
         self.vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
         sched_cls = AsyncScheduler if async_scheduling else Scheduler
         self.sched = sched_cls(
@@ -293,9 +355,7 @@ class Engine:
                         [block_size] * len(self.groups),
                     )
                 )
-        for kv in self.kv:
-            for t in kv.values():
-                t.fill_(-1.0)
+        self.wipe()
         self.glue = get_kv_connector(self.vc, self.kv[0])
         self.workers = [get_kv_transfer_group()]
         for rank in range(1, tp):
@@ -351,6 +411,9 @@ class Engine:
             start = req.num_computed_tokens - n
             blocks = self.sched.kv_cache_manager.get_blocks(rid).blocks
             for gi, g in enumerate(self.groups):
+                if gi in self.mamba:
+                    self._recur(kv, rid, req, blocks[gi], g, self.mamba[gi], start, n, only)
+                    continue
                 for pos in range(start, min(start + n, len(req.all_token_ids))):
                     blk = blocks[gi][pos // self.bs]
                     assert not blk.is_null, f"{rid}: computing position {pos} into a null block"
@@ -361,6 +424,34 @@ class Engine:
                         kv[layer][blk.block_id, :, pos % self.bs, :] = value(
                             li, req.all_token_ids[pos], pos
                         )
+
+    def _recur(self, kv, rid, req, blocks, g, nbytes: int, start: int, n: int, only) -> None:
+        """A recurrent layer's step in align mode: the state after `start`
+        tokens is where vLLM keeps it (block `(start - 1) // bs`, as
+        `preprocess_mamba` reads it) and must be that prefix's; the state
+        after the step goes into the running block `cdiv(end, bs) - 1`."""
+        end = min(start + n, len(req.all_token_ids))
+        if end <= start:
+            return
+        tokens = req.all_token_ids
+        cur = blocks[(end + self.bs - 1) // self.bs - 1]
+        assert not cur.is_null, f"{rid}: its running state block is the null block"
+        for layer in g.layer_names:
+            if only is not None and layer != only:
+                continue
+            li = self.layers.index(layer)
+            t = kv[layer]
+            if start > 0:
+                prev = blocks[(start - 1) // self.bs]
+                assert not prev.is_null, f"{rid}: resumes at {start} from the null block ({layer})"
+                got = state_view(t, prev.block_id, nbytes)
+                want = state(li, tokens[:start], nbytes // 4)
+                if not bool((got == want).all()):
+                    raise AssertionError(
+                        f"{rid} {layer}: the state it resumes from at {start} tokens (block "
+                        f"{prev.block_id}) is {got[:2].tolist()}, want {want[:2].tolist()}"
+                    )
+            state_view(t, cur.block_id, nbytes).copy_(state(li, tokens[:end], nbytes // 4))
 
     def step(self) -> Any:
         so = self.sched.schedule()
@@ -451,6 +542,20 @@ class Engine:
             upto = min(req.num_computed_tokens, len(req.all_token_ids))
             for rank in range(self.tp):
                 for gi, g in enumerate(self.groups):
+                    if gi in self.mamba:
+                        if upto == 0:
+                            continue
+                        blk = blocks[gi][(upto + self.bs - 1) // self.bs - 1]
+                        for layer in g.layer_names:
+                            li = self.layers.index(layer)
+                            got = state_view(self.kv[rank][layer], blk.block_id, self.mamba[gi])
+                            want = state(li, req.all_token_ids[:upto], self.mamba[gi] // 4)
+                            if not bool((got == want).all()):
+                                raise AssertionError(
+                                    f"{req.request_id} rank {rank} {layer}: the state after "
+                                    f"{upto} tokens (block {blk.block_id}) is {got[:2].tolist()}"
+                                )
+                        continue
                     for layer in g.layer_names:
                         li = self.layers.index(layer)
                         t = self.kv[rank][layer]
@@ -469,12 +574,14 @@ class Engine:
 
     def check_null_block(self) -> None:
         """No byte was ever written into vLLM's null block (block 0, the
-        stand-in for pages a sliding window dropped)."""
+        stand-in for pages a sliding window dropped, and for the states
+        align mode does not keep)."""
         null = self.sched.kv_cache_manager.block_pool.null_block.block_id
         for rank in range(self.tp):
             for layer, t in self.kv[rank].items():
                 got = t[null]
-                assert bool((got == -1.0).all()), f"rank {rank} {layer}: null block written"
+                want = self._wiped[rank][layer]
+                assert bool((got == want).all()), f"rank {rank} {layer}: null block written"
 
     def _aggregate(self, outputs: List[Optional[KVConnectorOutput]]) -> KVConnectorOutput:
         """vLLM's `KVOutputAggregator` over the workers' outputs, after
@@ -514,10 +621,14 @@ class Engine:
 
     def wipe(self) -> None:
         """Forgets every KV byte (after reset_prefix_cache): what is not
-        loaded or computed again reads as -1."""
+        loaded or computed again reads as -1. (Layers of different groups
+        share their memory in vLLM's hybrid allocation, each group in its
+        own blocks, so the last fill is what every view of block 0 keeps:
+        remembered for `check_null_block`.)"""
         for kv in self.kv:
             for t in kv.values():
                 t.fill_(-1.0)
+        self._wiped = [{name: t[0].clone() for name, t in kv.items()} for kv in self.kv]
 
     @property
     def stats(self):

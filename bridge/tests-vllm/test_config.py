@@ -126,10 +126,22 @@ def test_unknown_group_kinds_are_refused(model):
         "ChunkedLocalAttentionSpec, which OrbitKV has no recovery rule",
         mutate=_groups_with(chunked),
     )
-    mamba = MambaSpec(
-        block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    # A Mamba group outside align mode keeps no state at page boundaries;
+    # speculative state slots are not supported. (Align mode is accepted:
+    # test_recurrent.py.)
+    for mode in ("none", "all"):
+        mamba = MambaSpec(
+            block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode=mode
+        )
+        refused(model, f"mamba_cache_mode={mode!r}", mutate=_groups_with(mamba))
+    spec_mamba = MambaSpec(
+        block_size=16,
+        shapes=((4, 4),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=2,
     )
-    refused(model, "Mamba group", mutate=_groups_with(mamba))
+    refused(model, "speculative state blocks", mutate=_groups_with(spec_mamba))
 
 
 def test_identity_inputs(models, monkeypatch):

@@ -56,7 +56,9 @@ def make_hybrid(path: Path, family: str, seed: int = 0, *, window: int = 32) -> 
     - ``gemma2``: alternating, sliding first (vLLM's group 0 is sliding);
     - ``gpt_oss``: the same alternation, in gpt-oss's config;
     - ``qwen2``: full attention below ``max_window_layers``, sliding above;
-    - ``gemma3``: five sliding layers to one full (vLLM makes six groups).
+    - ``gemma3``: five sliding layers to one full (vLLM makes six groups);
+    - ``qwen3_next``: three recurrent (gated delta net) layers to one full
+      attention layer (vLLM makes Mamba groups beside the attention one).
 
     Every layer has 2 KV heads of 16 dims, as `make_llama(..., kv_heads=2,
     head_dim=16)`."""
@@ -90,6 +92,26 @@ def make_hybrid(path: Path, family: str, seed: int = 0, *, window: int = 32) -> 
     elif family == "gemma3":
         cfg = tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=16, **common)
         cls = tf.Gemma3ForCausalLM
+    elif family == "qwen3_next":
+        # Three gated-delta-net (recurrent) layers to one full-attention
+        # layer, as Qwen3-Next lays them out; tiny linear-attention heads.
+        del common["sliding_window"]
+        cfg = tf.Qwen3NextConfig(
+            num_hidden_layers=4,
+            head_dim=16,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            **common,
+        )
+        cls = tf.Qwen3NextForCausalLM
     else:
         raise ValueError(family)
     path.mkdir(parents=True, exist_ok=True)

@@ -147,16 +147,26 @@ def _compile_group(gid: int, spec: Any, names: Sequence[str]):
     if kind is MLAAttentionSpec:
         return "full", "prefix", ("mla_kv",)
     if kind is MambaSpec:
-        # Compiles to a checkpoint rule ("recurrent_checkpoint",
-        # "convolution_state"), but which engine block holds the state at a
-        # page boundary depends on the Mamba cache mode and has not been
-        # validated against a model: refused rather than risk restoring a
-        # state from the wrong boundary.
-        raise ConfigError(
-            f"KV cache group {gid} is a Mamba group (mamba_cache_mode="
-            f"{getattr(spec, 'mamba_cache_mode', 'none')!r}): checkpoint restore of "
-            "vLLM's Mamba cache is not supported yet by the OrbitKV connector"
-        )
+        # A checkpoint group: the page at a boundary is the recurrent state
+        # (every state component of every layer, all required) after
+        # exactly that many tokens. Only vLLM's align mode keeps such
+        # states, one block per page boundary it reached ("slot p holds the
+        # state after (p + 1) * block_size tokens"); in any other mode a
+        # block holds a state of whatever position the request is at.
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            raise ConfigError(
+                f"KV cache group {gid} is a Mamba group with mamba_cache_mode={mode!r}: "
+                "OrbitKV restores recurrent state only at page boundaries, which vLLM keeps "
+                'with mamba_cache_mode="align" (set --mamba-cache-mode align, or enable '
+                "prefix caching, which selects it)"
+            )
+        if int(getattr(spec, "num_speculative_blocks", 0)):
+            raise ConfigError(
+                f"KV cache group {gid} is a Mamba group with speculative state blocks "
+                "(num_speculative_blocks): not supported by the OrbitKV connector"
+            )
+        return "mamba", "checkpoint", ("recurrent_checkpoint", "convolution_state")
     raise ConfigError(
         f"KV cache group {gid} ({', '.join(names[:3])}{'...' if len(names) > 3 else ''}) "
         f"has a {_type_name(spec)}, which OrbitKV has no recovery rule for; "
@@ -178,6 +188,8 @@ def _group_representation(plan: GroupPlan, spec: Any) -> Dict[str, Any]:
         rep["shapes"] = [list(s) for s in spec.shapes]
         rep["dtypes"] = [str(d) for d in spec.dtypes]
         rep["mamba_type"] = str(getattr(spec, "mamba_type", ""))
+        rep["mamba_cache_mode"] = str(getattr(spec, "mamba_cache_mode", "none"))
+        rep["page_size_padded"] = int(getattr(spec, "page_size_padded", None) or 0)
     else:
         rep["num_kv_heads"] = int(spec.num_kv_heads)
         rep["head_size"] = int(spec.head_size)
@@ -372,6 +384,12 @@ def resolve_engine(
         "pipeline_parallel_size": 1,
         "prefix_caching_hash_algo": algo,
     }
+    if any(p.kind == "mamba" for p in plans):
+        # What the recurrent state's bytes are made of (the shapes and
+        # dtypes are in each group's representation too).
+        settings_map["mamba_cache_dtype"] = str(getattr(cc, "mamba_cache_dtype", "auto"))
+        settings_map["mamba_ssm_cache_dtype"] = str(getattr(cc, "mamba_ssm_cache_dtype", "auto"))
+        settings_map["mamba_cache_mode"] = str(getattr(cc, "mamba_cache_mode", "none"))
     representation = {
         "kv_cache_layout": layout,
         "block_size": int(hash_block),

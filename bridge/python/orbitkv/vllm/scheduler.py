@@ -102,6 +102,11 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self.stats = SchedulerStats()
         self._group_ids = [g.id for g in spec.groups]
+        #: vLLM's indices of the recurrent (Mamba, align mode) groups: their
+        #: pages are the exact state blocks vLLM hands off, never read from
+        #: the block table by position (align mode reuses and nulls its
+        #: interior).
+        self._recurrent = {g.vllm_group for g in spec.groups if g.kind == "mamba"}
         #: `ConnectorEvents` when vLLM's KV events and the manager's are on.
         self.events: Any = None
         self._events_logged = float("-inf")
@@ -171,8 +176,9 @@ class SchedulerSide:
         meta = OrbitKVMetadata(loads=self.pending_loads)
         self.pending_loads = []
         if self.settings.save:
+            handed = self._state_handoffs(scheduler_output)
             for rid, n in scheduler_output.num_scheduled_tokens.items():
-                save = self._plan_save(rid, n)
+                save = self._plan_save(rid, n, handed.get(rid))
                 if save is not None:
                     meta.saves.append(save)
         return meta
@@ -320,7 +326,29 @@ class SchedulerSide:
             raise TimeoutError(f"no answer to the lookup within {self.settings.query_timeout_s}s")
         return found
 
-    def _plan_save(self, rid: str, scheduled: int) -> Optional[SaveSpec]:
+    def _state_handoffs(self, scheduler_output: Any) -> Dict[str, Dict[Tuple[int, int], int]]:
+        """This step's recurrent state blocks, `{req: {(vLLM group,
+        boundary tokens): block id}}`: vLLM's align mode hands each state
+        it keeps at a page boundary to the connector
+        (`kv_connector_block_state.boundary_state_offloads`), written by
+        this step's forward, which the worker's save reads right after."""
+        if not self._recurrent:
+            return {}
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(state, "boundary_state_offloads", None) or {}
+        page = self.spec.page_tokens
+        out: Dict[str, Dict[Tuple[int, int], int]] = {}
+        for rid, entries in offloads.items():
+            for group, block, boundary in entries:
+                # The null block, or a state between page boundaries, is
+                # never a page.
+                if group in self._recurrent and block != NULL_BLOCK and boundary % page == 0:
+                    out.setdefault(rid, {})[(group, boundary)] = block
+        return out
+
+    def _plan_save(
+        self, rid: str, scheduled: int, handed: Optional[Dict[Tuple[int, int], int]] = None
+    ) -> Optional[SaveSpec]:
         state = self.requests.get(rid)
         if state is None:
             return None
@@ -338,7 +366,11 @@ class SchedulerSide:
         # scheduler's thread runs this for every scheduled request, every
         # step, so no Python loop runs per page and group.
         columns = []
-        for group_blocks in self.kv_cache_manager.get_blocks(rid).blocks:
+        for vg, group_blocks in enumerate(self.kv_cache_manager.get_blocks(rid).blocks):
+            if vg in self._recurrent:
+                got = handed or {}
+                columns.append([got.get((vg, (p + 1) * page), NULL_BLOCK) for p in range(saved, done)])
+                continue
             column = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[saved:done]]
             column += [NULL_BLOCK] * (done - saved - len(column))
             columns.append(column)

@@ -92,17 +92,20 @@ def make_hybrid(path: Path, family: str, seed: int = 0, *, window: int = 32) -> 
     elif family == "gemma3":
         cfg = tf.Gemma3TextConfig(num_hidden_layers=6, head_dim=16, **common)
         cls = tf.Gemma3ForCausalLM
-    elif family == "qwen3_next":
+    elif family in ("qwen3_next", "qwen3_next_cpu"):
         # Three gated-delta-net (recurrent) layers to one full-attention
-        # layer, as Qwen3-Next lays them out; tiny linear-attention heads.
+        # layer, as Qwen3-Next lays them out; tiny linear-attention heads
+        # (``qwen3_next_cpu``: the head sizes vLLM's CPU kernels take, 64
+        # for attention and 128 for the delta net).
         del common["sliding_window"]
+        cpu = family == "qwen3_next_cpu"
         cfg = tf.Qwen3NextConfig(
             num_hidden_layers=4,
-            head_dim=16,
+            head_dim=64 if cpu else 16,
             layer_types=["linear_attention"] * 3 + ["full_attention"],
             linear_conv_kernel_dim=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
+            linear_key_head_dim=128 if cpu else 8,
+            linear_value_head_dim=128 if cpu else 8,
             linear_num_key_heads=2,
             linear_num_value_heads=2,
             num_experts=2,

@@ -183,3 +183,31 @@ def test_the_recurrent_state_representation_is_part_of_the_identity(qwen3_next):
     for mutate in (ssm_dtype, conv_dtype, shapes):
         assert identity(mutate) != base, mutate.__name__
 
+
+
+def test_a_mamba_spec_field_the_connector_does_not_know_is_refused(qwen3_next, monkeypatch):
+    # A vLLM that adds a field to MambaSpec (stands in: a field this
+    # connector is made not to know) is refused, naming it; so is a spec
+    # class of its own.
+    import orbitkv.vllm as ov
+    import orbitkv.vllm.engine as eng
+    from harness import build_config
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    vc, kcc, _ = build_config(qwen3_next, "/nonexistent.sock")
+    settings = ov.ConnectorSettings.from_extra_config(vc.kv_transfer_config.kv_connector_extra_config)
+    monkeypatch.setattr(eng, "_MAMBA_SPEC_FIELDS", eng._MAMBA_SPEC_FIELDS - {"tp_replicated"})
+    with pytest.raises(ov.ConfigError, match="tp_replicated"):
+        ov.resolve_engine(vc, kcc, settings)
+    monkeypatch.undo()
+
+    @dataclasses.dataclass(frozen=True)
+    class NewerMambaSpec(MambaSpec):
+        state_quantization: str = "fp8"
+
+    for g in kcc.kv_cache_groups:
+        if isinstance(g.kv_cache_spec, MambaSpec):
+            fields = {f.name: getattr(g.kv_cache_spec, f.name) for f in dataclasses.fields(MambaSpec) if f.init}
+            g.kv_cache_spec = NewerMambaSpec(**fields)
+    with pytest.raises(ov.ConfigError, match="NewerMambaSpec"):
+        ov.resolve_engine(vc, kcc, settings)

@@ -11,6 +11,7 @@ a `ConfigError` that names it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -120,8 +121,54 @@ class EngineSpec:
         raise KeyError(gid)
 
 
+def _plain(v: Any) -> Any:
+    """A spec field as an identity value: numbers, booleans and text as
+    they are, anything else (None included) by its text."""
+    if isinstance(v, (bool, int, float, str)):
+        return v
+    return str(v)
+
+
 def _type_name(spec: Any) -> str:
     return type(spec).__name__
+
+
+#: `MambaSpec`'s fields in vLLM 0.32/0.33: each is in the identity, or
+#: refused when it would change the bytes (speculative blocks, modes).
+_MAMBA_SPEC_FIELDS = frozenset(
+    {
+        "block_size",
+        "shapes",
+        "dtypes",
+        "page_size_padded",
+        "mamba_type",
+        "mamba_cache_mode",
+        "num_speculative_blocks",
+        "num_prefill_checkpoint_blocks",
+        "prefill_checkpoint_alignment",
+        "num_heads",
+        "tokens_per_state",
+        "tp_replicated",
+        "dcp_sharded",
+        "block_stride_alignment",
+        "is_draft",
+    }
+)
+
+
+def _conv_state_layout() -> str:
+    """vLLM's convolution-state layout (``SD`` or ``DS``, from
+    VLLM_SSM_CONV_STATE_LAYOUT): the same shape can hold either when the
+    two sides are equal, so it is part of the identity; a vLLM that does
+    not say is refused."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    except ImportError as e:
+        raise ConfigError(
+            "this vLLM does not say its Mamba convolution-state layout "
+            "(mamba_utils.get_conv_state_layout): recurrent state cannot be keyed safely"
+        ) from e
+    return str(get_conv_state_layout())
 
 
 def _compile_group(gid: int, spec: Any, names: Sequence[str]):
@@ -166,6 +213,18 @@ def _compile_group(gid: int, spec: Any, names: Sequence[str]):
                 f"KV cache group {gid} is a Mamba group with speculative state blocks "
                 "(num_speculative_blocks): not supported by the OrbitKV connector"
             )
+        # A field this connector does not know may change what a state's
+        # bytes mean: refused rather than stored under an identity that
+        # does not cover it.
+        unknown = sorted(
+            f.name for f in dataclasses.fields(spec) if f.name not in _MAMBA_SPEC_FIELDS
+        )
+        if unknown:
+            raise ConfigError(
+                f"KV cache group {gid} is a Mamba group whose spec has fields the OrbitKV "
+                f"connector does not know ({', '.join(unknown)}): the stored state could "
+                "mean something else; not supported with this vLLM version"
+            )
         return "mamba", "checkpoint", ("recurrent_checkpoint", "convolution_state")
     raise ConfigError(
         f"KV cache group {gid} ({', '.join(names[:3])}{'...' if len(names) > 3 else ''}) "
@@ -190,6 +249,12 @@ def _group_representation(plan: GroupPlan, spec: Any) -> Dict[str, Any]:
         rep["mamba_type"] = str(getattr(spec, "mamba_type", ""))
         rep["mamba_cache_mode"] = str(getattr(spec, "mamba_cache_mode", "none"))
         rep["page_size_padded"] = int(getattr(spec, "page_size_padded", None) or 0)
+        # Every other field of the spec as it is (`_MAMBA_SPEC_FIELDS`).
+        rep["mamba_spec"] = {
+            f.name: _plain(getattr(spec, f.name))
+            for f in dataclasses.fields(spec)
+            if f.name not in ("block_size", "shapes", "dtypes", "mamba_type", "mamba_cache_mode")
+        }
     else:
         rep["num_kv_heads"] = int(spec.num_kv_heads)
         rep["head_size"] = int(spec.head_size)
@@ -390,6 +455,7 @@ def resolve_engine(
         settings_map["mamba_cache_dtype"] = str(getattr(cc, "mamba_cache_dtype", "auto"))
         settings_map["mamba_ssm_cache_dtype"] = str(getattr(cc, "mamba_ssm_cache_dtype", "auto"))
         settings_map["mamba_cache_mode"] = str(getattr(cc, "mamba_cache_mode", "none"))
+        settings_map["mamba_conv_state_layout"] = _conv_state_layout()
     representation = {
         "kv_cache_layout": layout,
         "block_size": int(hash_block),

@@ -182,8 +182,10 @@ def layer_types(hf_config: Any, sliding_window: Optional[int] = None) -> List[An
             out.append(int(hf_config.sliding_window))
         elif kind == "full_attention":
             out.append(None)
-        elif kind == "linear_attention":
+        elif kind in ("linear_attention", "mamba"):
             out.append(MAMBA)
+        elif kind == "attention":  # Granite 4's name for full attention
+            out.append(None)
         else:
             raise ValueError(f"layer type {kind!r} has no stand-in")
     return out
@@ -199,15 +201,24 @@ def mamba_spec(vc: Any, block_size: int) -> Any:
 
     mc = vc.model_config
     cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, model_config=mc)
-    kinds = {"qwen3_next": MambaAttentionBackendEnum.GDN_ATTN}
+    kinds = {
+        "qwen3_next": MambaAttentionBackendEnum.GDN_ATTN,
+        "granitemoehybrid": MambaAttentionBackendEnum.MAMBA2,
+    }
+    kind = kinds[mc.hf_config.model_type]
     cc = vc.cache_config
+    # Mamba2 exports block-boundary states from inside a prefill
+    # (`MambaMixer2.get_kv_cache_spec`): one reserved checkpoint block.
+    mamba2 = kind == MambaAttentionBackendEnum.MAMBA2
     return MambaSpec(
         shapes=tuple(cls.get_mamba_state_shape_from_config(vc)),
         dtypes=tuple(cls.get_mamba_state_dtype_from_config(vc)),
         block_size=int(cc.mamba_block_size or block_size),
         page_size_padded=cc.mamba_page_size_padded,
-        mamba_type=kinds[mc.hf_config.model_type],
+        mamba_type=kind,
         mamba_cache_mode=cc.mamba_cache_mode,
+        num_prefill_checkpoint_blocks=1 if mamba2 else 0,
+        prefill_checkpoint_alignment=1 if mamba2 else None,
     )
 
 
@@ -452,6 +463,23 @@ class Engine:
                         f"{prev.block_id}) is {got[:2].tolist()}, want {want[:2].tolist()}"
                     )
             state_view(t, cur.block_id, nbytes).copy_(state(li, tokens[:end], nbytes // 4))
+            # A layer that exports a block-boundary state from inside its
+            # prefill (Mamba2: `num_prefill_checkpoint_blocks`) writes it
+            # into the block the scheduler reserved, as the model runner's
+            # `compute_mamba_prefill_checkpoints` places it.
+            ckpt = self._checkpoint(rid, g)
+            if ckpt is not None and start < ckpt[0] < end:
+                position, idx = ckpt
+                blk = blocks[idx]
+                assert not blk.is_null, f"{rid}: its checkpoint block is the null block"
+                state_view(t, blk.block_id, nbytes).copy_(state(li, tokens[:position], nbytes // 4))
+
+    def _checkpoint(self, rid: str, g: Any):
+        """(position, block column) of the prefill checkpoint the scheduler
+        reserved for `rid` in group `g` this step, if any."""
+        gi = self.groups.index(g)
+        mgr = self.sched.kv_cache_manager.coordinator.single_type_managers[gi]
+        return getattr(mgr, "_checkpoints", {}).get(rid)
 
     def step(self) -> Any:
         so = self.sched.schedule()

@@ -1,8 +1,10 @@
 """Hybrid recurrent models through the real vLLM 0.33 classes: a
 Qwen3-Next-style config (three gated-delta-net layers to one full
-attention layer) grouped by vLLM's own `get_kv_cache_groups`, with the
-state shapes and dtypes from vLLM's own model class, in vLLM's
-`mamba_cache_mode="align"`. The stand-in forward checks, at every step,
+attention layer) and a Granite-4-style one (three Mamba2 layers to one
+attention layer; Mamba2 exports a block-boundary state from inside a
+prefill into a reserved checkpoint block), grouped by vLLM's own
+`get_kv_cache_groups`, with the state shapes and dtypes from vLLM's own
+model classes, in vLLM's `mamba_cache_mode="align"`. The stand-in forward checks, at every step,
 that a request resumes from exactly the state of the tokens before it (as
 `preprocess_mamba` reads it) and writes the state after its step where
 align mode keeps it; so a restored recurrent state that is not the
@@ -21,13 +23,36 @@ from tiny_models import make_hybrid
 PROMPT = [10 + (i * 7) % 400 for i in range(140)]
 
 
+FAMILIES = ["qwen3_next", "granite4"]
+
+
 @pytest.fixture(scope="session")
-def qwen3_next(tmp_path_factory):
-    return make_hybrid(tmp_path_factory.mktemp("hybrid") / "qwen3_next", "qwen3_next")
+def recurrent_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recurrent")
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = make_hybrid(root / family, family)
+        return made[family]
+
+    return get
 
 
-def test_a_prefix_loads_its_attention_pages_and_the_state_at_the_boundary(qwen3_next, manager):
-    with engine(qwen3_next, manager.socket, num_blocks=256) as e:
+@pytest.fixture(scope="session")
+def qwen3_next(recurrent_models):
+    return recurrent_models("qwen3_next")
+
+
+# "chunked": 64-token chunks, the state at 128 is where a chunk ends;
+# "one pass": the whole prompt in one step, the state at 128 exported from
+# inside it (Mamba2's checkpoint block; the delta net splits at 128).
+@pytest.mark.parametrize("max_batched", [64, 256], ids=["chunked", "one-pass"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefix_loads_its_attention_pages_and_the_state_at_the_boundary(
+    recurrent_models, manager, family, max_batched
+):
+    with engine(recurrent_models(family), manager.socket, num_blocks=256, max_batched=max_batched) as e:
         kinds = [type(g.kv_cache_spec).__name__ for g in e.kcc.kv_cache_groups]
         assert sorted(kinds) == ["FullAttentionSpec"] + ["MambaSpec"] * 3, kinds
         spec = e.connector.spec
@@ -98,11 +123,12 @@ def _produce_two(e):
     e.run()
 
 
-def test_a_prefix_whose_last_state_is_missing_resumes_at_the_state_before(qwen3_next, manager):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefix_whose_last_state_is_missing_resumes_at_the_state_before(recurrent_models, manager, family):
     # Without the state at 128 the longest attention prefix (8 pages) is
     # not a boundary: B resumes at 64, from the state at 64, and computes
     # the rest (the oracle checks the state it resumes from).
-    with engine(qwen3_next, manager.socket, num_blocks=256) as e:
+    with engine(recurrent_models(family), manager.socket, num_blocks=256) as e:
         _withhold(e, {128})
         _produce_two(e)
         assert _consume(e, PROMPT) == 64, e.stats
@@ -112,10 +138,11 @@ def test_a_prefix_whose_last_state_is_missing_resumes_at_the_state_before(qwen3_
     no_leaks(manager)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 def test_an_attention_prefix_without_any_state_is_a_miss_never_an_attention_only_load(
-    qwen3_next, manager
+    recurrent_models, manager, family
 ):
-    with engine(qwen3_next, manager.socket, num_blocks=256) as e:
+    with engine(recurrent_models(family), manager.socket, num_blocks=256) as e:
         _withhold(e, set(range(0, 4096, 16)))
         _produce_two(e)
         assert _consume(e, PROMPT) == 0, e.stats
@@ -129,8 +156,9 @@ def test_an_attention_prefix_without_any_state_is_a_miss_never_an_attention_only
     no_leaks(manager)
 
 
-def test_a_rank_missing_a_state_gives_the_boundary_every_rank_holds(qwen3_next, manager):
-    with engine(qwen3_next, manager.socket, num_blocks=256, tp=2) as e:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_rank_missing_a_state_gives_the_boundary_every_rank_holds(recurrent_models, manager, family):
+    with engine(recurrent_models(family), manager.socket, num_blocks=256, tp=2) as e:
         _withhold(e, {128}, rank=1)
         _produce_two(e)
         assert _consume(e, PROMPT) == 64, e.stats

@@ -115,6 +115,26 @@ def make_hybrid(path: Path, family: str, seed: int = 0, *, window: int = 32) -> 
             **common,
         )
         cls = tf.Qwen3NextForCausalLM
+    elif family == "granite4":
+        # Granite 4 (GraniteMoeHybrid): Mamba2 layers and one attention
+        # layer (`layer_types`).
+        del common["sliding_window"]
+        cfg = tf.GraniteMoeHybridConfig(
+            num_hidden_layers=4,
+            layer_types=["mamba", "mamba", "mamba", "attention"],
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            shared_intermediate_size=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=4,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_chunk_size=16,
+            **common,
+        )
+        cls = tf.GraniteMoeHybridForCausalLM
     else:
         raise ValueError(family)
     path.mkdir(parents=True, exist_ok=True)

@@ -122,18 +122,7 @@ impl Port for EmbeddedPort<'_> {
         use orbitkv_components::admin::LookupReply;
         Ok(requests
             .iter()
-            .map(|r| match self.0.rt.locate(r) {
-                Ok((namespaces, restorable)) => LookupReply {
-                    namespaces,
-                    restorable,
-                    error: None,
-                },
-                Err(e) => LookupReply {
-                    namespaces: vec![],
-                    restorable: None,
-                    error: Some(e),
-                },
-            })
+            .map(|r| LookupReply::from_result(self.0.rt.locate(r)))
             .collect())
     }
 

@@ -22,10 +22,17 @@ HERE = Path(__file__).resolve().parent
 RUN_LIMIT_S = 600
 
 
-def run_engine(model: Path, socket: str, out: Path, *flags: str) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}
+def run_engine(model: Path, socket: str, out: Path, *flags: str, script: str = "run_engine.py") -> dict:
+    """One engine run of `script` in its own interpreter (this directory on
+    its path, for connector modules of the tests); its JSON output."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONHASHSEED": "0",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
     p = subprocess.run(
-        [sys.executable, str(HERE / "run_engine.py"), str(model), socket, str(out), *flags],
+        [sys.executable, str(HERE / script), str(model), socket, str(out), *flags],
         env=env,
         capture_output=True,
         text=True,

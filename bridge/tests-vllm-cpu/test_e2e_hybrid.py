@@ -9,37 +9,16 @@ next engine a miss, never an attention-only hit."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import serve_support as ss
-
-HERE = Path(__file__).resolve().parent
-RUN_LIMIT_S = 600
+from test_e2e import run_engine
 
 
 def run(model: Path, socket: str, out: Path, *flags: str) -> dict:
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONHASHSEED": "0",
-        # `withheld` (the connector without states) for the engine's processes.
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    p = subprocess.run(
-        [sys.executable, str(HERE / "run_hybrid.py"), str(model), socket, str(out), *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_LIMIT_S,
-    )
-    assert p.returncode == 0, p.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_engine(model, socket, out, *flags, script="run_hybrid.py")
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,25 @@ pub struct LookupReply {
     pub error: Option<String>,
 }
 
+impl LookupReply {
+    /// The reply to a lookup the runtime answered (`Runtime::locate`) or
+    /// refused with the reason.
+    pub fn from_result(r: Result<(Vec<NamespacePages>, Option<Restorable>), String>) -> Self {
+        match r {
+            Ok((namespaces, restorable)) => LookupReply {
+                namespaces,
+                restorable,
+                error: None,
+            },
+            Err(e) => LookupReply {
+                namespaces: vec![],
+                restorable: None,
+                error: Some(e),
+            },
+        }
+    }
+}
+
 /// Prefix tokens a load would restore now, as the runtime would select
 /// them (every group's rule on every rank, capped by the prompt and by
 /// `[restore] min_load_tokens`); nothing is leased, so a later load can

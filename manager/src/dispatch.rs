@@ -63,18 +63,7 @@ pub fn frame(st: &mut State, id: ConnId, kind: Kind, payload: &[u8]) -> Result<u
 /// /lookup`). A request the runtime refuses is answered with the reason,
 /// not a protocol error: the connection stays open.
 pub fn lookup(st: &mut State, request: &LookupRequest) -> LookupReply {
-    let reply = match st.rt.locate(request) {
-        Ok((namespaces, restorable)) => LookupReply {
-            namespaces,
-            restorable,
-            error: None,
-        },
-        Err(e) => LookupReply {
-            namespaces: vec![],
-            restorable: None,
-            error: Some(e),
-        },
-    };
+    let reply = LookupReply::from_result(st.rt.locate(request));
     let outcome = if reply.error.is_none() {
         "answered"
     } else {

@@ -129,7 +129,11 @@ pub fn rank_candidates<'h>(
         let hashes = hashes(group.id);
         let mut ends = Vec::with_capacity(last.saturating_sub(first) as usize);
         for index in first..last {
-            let native = &hashes[index as usize];
+            // The caller gave at least `span.1 / page` hashes; a shorter list
+            // ends the group here rather than panicking.
+            let Some(native) = hashes.get(index as usize) else {
+                break;
+            };
             // The DRAM index by borrowed parts; a whole key only for the
             // lower tiers, and only when DRAM lacks the page.
             let parts = KeyRef {

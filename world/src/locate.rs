@@ -136,7 +136,7 @@ fn restorable(
         by_tier: BTreeMap::new(),
         miss: Some(reason),
     };
-    let end = req.hashes.len() as u64 * page.max(1);
+    let end = (req.hashes.len() as u64).saturating_mul(page);
     if page == 0 || end == 0 {
         return miss(MissReason::NotFound);
     }
@@ -184,10 +184,14 @@ fn restorable(
         };
         for range in ranges {
             for index in range.start / page..range.end / page {
+                // Ranges lie below the selected boundary, within the hashes.
+                let Some(native) = req.hashes.get(index as usize) else {
+                    return miss(MissReason::IncompleteGroup);
+                };
                 let key = StateKey {
                     namespace: rank.namespace,
                     group: range.group,
-                    native: req.hashes[index as usize],
+                    native: *native,
                 };
                 let source = if dram.index.contains_key(&key) {
                     0

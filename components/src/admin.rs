@@ -26,6 +26,9 @@ pub struct LookupRequest {
     /// attention group, by default); `restorable` covers every group.
     #[serde(default)]
     pub group: u32,
+    /// At most [`MAX_LOOKUP_HASHES`]: a longer list is refused while it is
+    /// read, before it takes memory.
+    #[serde(deserialize_with = "bounded_hashes")]
     pub hashes: Vec<NativeHash>,
     /// The prompt's length in tokens, when known: a load ends at most at
     /// its last token but one (the engine computes that one). Without it,
@@ -69,6 +72,34 @@ pub struct LookupReply {
     pub error: Option<String>,
 }
 
+/// Reads a list of hashes, refusing it past [`MAX_LOOKUP_HASHES`] as
+/// soon as the count is passed.
+fn bounded_hashes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<NativeHash>, D::Error> {
+    struct Bounded;
+    impl<'de> serde::de::Visitor<'de> for Bounded {
+        type Value = Vec<NativeHash>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a list of at most {MAX_LOOKUP_HASHES} hex hashes")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+            while let Some(h) = seq.next_element::<NativeHash>()? {
+                if out.len() == MAX_LOOKUP_HASHES {
+                    return Err(serde::de::Error::custom(format!(
+                        "more than {MAX_LOOKUP_HASHES} hashes; a lookup names at most {MAX_LOOKUP_HASHES}"
+                    )));
+                }
+                out.push(h);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded)
+}
+
 impl LookupReply {
     /// The reply to a lookup the runtime answered (`Runtime::locate`) or
     /// refused with the reason.
@@ -102,4 +133,29 @@ pub struct Restorable {
     pub by_tier: BTreeMap<String, u64>,
     /// Why nothing is restorable, when `tokens` is 0.
     pub miss: Option<MissReason>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(n: usize) -> String {
+        let hashes: Vec<String> = (0..n).map(|i| format!("\"{:04x}\"", i % 65536)).collect();
+        format!(r#"{{"instance": "m", "hashes": [{}]}}"#, hashes.join(","))
+    }
+
+    #[test]
+    fn a_lookup_past_its_hash_bound_is_refused_while_it_is_read() {
+        let ok: LookupRequest = serde_json::from_str(&request(MAX_LOOKUP_HASHES)).unwrap();
+        assert_eq!(ok.hashes.len(), MAX_LOOKUP_HASHES);
+        assert_eq!((ok.group, ok.prompt_len), (0, None));
+        let e = serde_json::from_str::<LookupRequest>(&request(MAX_LOOKUP_HASHES + 1)).unwrap_err();
+        assert!(e.to_string().contains("at most 16384"), "{e}");
+        let e = serde_json::from_str::<LookupRequest>(r#"{"instance": "m", "hashes": ["zz"]}"#)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("hash") || e.to_string().contains("Invalid"),
+            "{e}"
+        );
+    }
 }

@@ -216,6 +216,15 @@ fn error_json(why: &str) -> String {
 /// A router's lookup: the body (at most `lookup_max_body_bytes`) is a
 /// `LookupRequest`; the loop answers it within `timeout`.
 async fn lookup(req: Request<Incoming>, door: &Door, timeout: Duration) -> (StatusCode, String) {
+    // Bodies are read a few at a time: memory stays bounded whatever
+    // number of connections send one.
+    let Ok(_reading) = door.reading.clone().try_acquire_owned() else {
+        door.count("busy");
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            error_json("too many lookups are being read; try again"),
+        );
+    };
     let body = match Limited::new(req.into_body(), door.max_body_bytes)
         .collect()
         .await

@@ -22,6 +22,9 @@ use crate::metrics::Outcome;
 
 /// Lookups waiting for the loop, at most.
 pub const QUEUED: usize = 256;
+/// Request bodies read at once, at most: with `lookup_max_body_bytes` and
+/// the hashes a body may hold, the memory lookups can take.
+pub const READING: usize = 16;
 /// Lookups the loop answers per round, at most.
 pub const PER_ROUND: usize = 32;
 
@@ -45,6 +48,8 @@ pub struct Door {
     wake: Arc<UnixStream>,
     bucket: Arc<Mutex<Bucket>>,
     pub max_body_bytes: usize,
+    /// Permits to read a body ([`READING`]).
+    pub reading: Arc<tokio::sync::Semaphore>,
     /// `orbitkv_lookups_total`: the endpoint counts what it turns away.
     outcomes: Family<Outcome, Counter>,
 }
@@ -83,6 +88,7 @@ pub fn open(
             wake: Arc::new(theirs),
             bucket: Arc::new(Mutex::new(bucket)),
             max_body_bytes,
+            reading: Arc::new(tokio::sync::Semaphore::new(READING)),
             outcomes,
         },
     ))

@@ -382,7 +382,7 @@ impl Settings {
                 size(
                     "lookup_max_body_bytes",
                     &serve.lookup_max_body_bytes,
-                    4 << 20,
+                    3 << 20,
                 )?,
             )?,
             hot_path: serve.hot_path.unwrap_or(true)

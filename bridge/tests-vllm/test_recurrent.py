@@ -239,3 +239,58 @@ def test_a_mamba_spec_field_the_connector_does_not_know_is_refused(qwen3_next, m
             g.kv_cache_spec = NewerMambaSpec(**fields)
     with pytest.raises(ov.ConfigError, match="NewerMambaSpec"):
         ov.resolve_engine(vc, kcc, settings)
+
+
+def test_recurrent_states_reach_vllms_events_as_mamba_pages(qwen3_next, orbitkv_bin):
+    # With the manager's stream and vLLM's publisher on, the state pages
+    # a hybrid stores are advertised with their own group and kind: a
+    # router sees the checkpoint a prefix needs, not the attention pages
+    # alone.
+    import time
+
+    import msgspec
+    import serve_support as ss
+    from test_events import subscriber
+    from vllm.config.kv_events import KVEventsConfig
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    m = ss.Manager(orbitkv_bin, dram="64MiB")
+    m.pub, m.rep = f"ipc://{m.dir}/events", f"ipc://{m.dir}/replay"
+    m.config.write_text(ss.CONFIG + f'[events]\npublish = "{m.pub}"\nreplay = "{m.rep}"\n')
+    vllm_pub = f"ipc://{m.dir}/vllm-events"
+    kve = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=vllm_pub)
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    got = []
+    with ss.running(m):
+        sub = subscriber(vllm_pub)
+        try:
+            extra = {"events": m.pub, "events_replay": m.rep}
+            with engine(qwen3_next, m.socket, num_blocks=256, extra=extra, kv_events=kve) as e:
+                time.sleep(0.3)
+                e.add("A", PROMPT)
+                e.run()
+                mamba = [g for g in e.connector.spec.groups if g.kind == "mamba"]
+
+                def drain():
+                    while sub.poll(0):
+                        _, _, payload = sub.recv_multipart()
+                        got.extend(
+                            ev
+                            for ev in decoder.decode(payload).events
+                            if isinstance(ev, BlockStored) and ev.medium == "CPU"
+                        )
+
+                def states():
+                    return [ev for ev in got if ev.kv_cache_spec_kind == "mamba"]
+
+                e.run(until=lambda: drain() or len(states()) >= len(mamba))
+                assert sorted(ev.group_idx for ev in states()) == sorted(g.vllm_group for g in mamba)
+                # Each is the page ending at 128: the eighth block hash.
+                h = e.hasher(_request(PROMPT))[7]
+                from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+                assert all(ev.block_hashes == [maybe_convert_block_hash(h)] for ev in states())
+                attention = [ev for ev in got if ev.kv_cache_spec_kind == "full_attention"]
+                assert len(attention) == 8
+        finally:
+            sub.close(0)

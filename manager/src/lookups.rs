@@ -1,10 +1,12 @@
 //! Routers' lookups over HTTP (`POST /lookup` beside `/metrics`): the
 //! endpoint's thread hands each request to the event loop, which alone
-//! owns the runtime, and waits for its answer. Bounded three ways: a
-//! request body of at most `[serve] lookup_max_body_bytes`, at most
-//! `[serve] lookup_per_second` requests (a token bucket; past it `429`),
-//! and at most [`QUEUED`] waiting for the loop (past it `503`). The loop
-//! answers at most [`PER_ROUND`] per round, so a burst cannot hold it.
+//! owns the runtime, and waits for its answer. Bounded: a request body of
+//! at most `[serve] lookup_max_body_bytes`, at most [`READING`] bodies
+//! read at once (past it `503`), at most `MAX_LOOKUP_HASHES` hashes
+//! (refused while parsed), at most `[serve] lookup_per_second` requests
+//! (a token bucket; past it `429`), and at most [`QUEUED`] waiting for the
+//! loop (past it `503`). The loop answers at most [`PER_ROUND`] per round,
+//! so a burst cannot hold it.
 
 use std::io::{Read as _, Write as _};
 use std::os::fd::{AsRawFd, RawFd};

@@ -322,6 +322,7 @@ class Manager:
         self.log = self.dir / "manager.log"
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
+        self._port_retries = 0
 
     def start(self, idle: bool = True) -> "Manager":
         """Starts the manager and waits until it serves. `idle=False`: clients
@@ -329,6 +330,7 @@ class Manager:
         for the metrics endpoint, not for zero connections."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.port = free_port()
+        logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [
@@ -351,6 +353,12 @@ class Manager:
         deadline = time.monotonic() + T
         while True:
             if self.proc.poll() is not None:
+                # The free port was taken in between (another test's
+                # manager): start again on another one.
+                since = self.log.read_bytes()[logged:].decode(errors="replace")
+                if "Address already in use" in since and self._port_retries < 4:
+                    self._port_retries += 1
+                    return self.start(idle)
                 raise RuntimeError(f"manager exited ({self.proc.returncode}): {self.log_text()}")
             try:
                 orbitkv.Client(self.socket, "probe").close()

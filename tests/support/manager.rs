@@ -55,28 +55,40 @@ impl Manager {
         let socket = dir.join(format!("{name}.sock"));
         let config_path = dir.join(format!("{name}.toml"));
         std::fs::write(&config_path, config).unwrap();
-        let metrics = format!("127.0.0.1:{}", free_port());
-        let child = Proc::new(binary)
-            .args(["serve", "--socket", socket.to_str().unwrap()])
-            .args(["--dram", dram, "--config", config_path.to_str().unwrap()])
-            .args(["--metrics-addr", &metrics])
-            .args(args)
-            .env("RUST_LOG", "error")
-            .env_remove("ORBITKV_HOT_PATH")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let manager = Manager {
-            child,
-            socket,
-            metrics,
-        };
-        let deadline = Instant::now() + T;
-        while Client::connect(&manager.socket, "probe").is_err() {
-            assert!(Instant::now() < deadline, "manager did not come up");
-            std::thread::sleep(Duration::from_millis(20));
+        // The metrics port is chosen free, then bound by the manager: a
+        // test starting another manager at the same moment can take it in
+        // between. A manager that exits at once is started again on
+        // another port (a few times); one that is up but slow is waited for.
+        for attempt in 0.. {
+            let metrics = format!("127.0.0.1:{}", free_port());
+            let mut child = Proc::new(binary)
+                .args(["serve", "--socket", socket.to_str().unwrap()])
+                .args(["--dram", dram, "--config", config_path.to_str().unwrap()])
+                .args(["--metrics-addr", &metrics])
+                .args(args)
+                .env("RUST_LOG", "error")
+                .env_remove("ORBITKV_HOT_PATH")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            let deadline = Instant::now() + T;
+            loop {
+                if Client::connect(&socket, "probe").is_ok() {
+                    return Manager {
+                        child,
+                        socket,
+                        metrics,
+                    };
+                }
+                if let Some(status) = child.try_wait().unwrap() {
+                    assert!(attempt < 4, "manager exited at start ({status}), {attempt} times");
+                    break;
+                }
+                assert!(Instant::now() < deadline, "manager did not come up");
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
-        manager
+        unreachable!("the loop returns or panics")
     }
 
     /// The default test manager: `BASE_CONFIG`, 16 MiB of DRAM.

@@ -112,6 +112,20 @@ pub fn render(s: &Snapshot) -> String {
     for (name, (used, cap)) in &s.tiers {
         o.push_str(&format!("{name}: {} of {} used\n", gib(*used), gib(*cap)));
     }
+    let h = &s.handoffs;
+    if h.held > 0 {
+        o.push_str(&format!(
+            "p/d handoffs: {} standing, {} pages pinned, {} of {} reserved; {} held, {} taken, \
+             {} expired (the decode engine recomputed)\n",
+            h.standing,
+            h.pinned_pages,
+            gib(h.reserved_bytes),
+            gib(h.budget_bytes),
+            h.held,
+            h.taken,
+            h.expired
+        ));
+    }
     o.push_str(&window("last minute", &s.last_minute));
     o.push_str(&window("since start", &s.total));
     o.push_str(&format!("connections {}\n", s.connections.len()));

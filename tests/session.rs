@@ -76,6 +76,7 @@ fn plan_for(dps: &[u64]) -> LoadPlan {
             .map(|(i, &dp)| driver::target(0, 0, (i as u64 + 1) * PAGE, dp))
             .collect(),
         retained: vec![],
+        handoff: None,
     }
 }
 

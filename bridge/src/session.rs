@@ -335,6 +335,7 @@ fn plan(
                 page_end,
             })
             .collect(),
+        handoff: None,
     }
 }
 
@@ -1132,7 +1133,7 @@ impl PySession {
     /// `(rank, group, page_end, device_page)` for every page the engine
     /// could take, `retained` `(rank, group, page_end)` for the pages it
     /// holds. Returns after the last event.
-    #[pyo3(signature = (groups, hashes, origin, prompt_len, *, ranks, targets, retained=Vec::new()))]
+    #[pyo3(signature = (groups, hashes, origin, prompt_len, *, ranks, targets, retained=Vec::new(), handoff=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         slf: &Bound<'_, Self>,
@@ -1143,11 +1144,35 @@ impl PySession {
         ranks: Vec<u32>,
         targets: Vec<(u32, u32, u64, u64)>,
         retained: Vec<(u32, u32, u64)>,
+        handoff: Option<u64>,
     ) -> PyResult<PyLoaded> {
         let q = query(groups, hashes, origin, prompt_len)?;
-        let plan = plan(ranks, targets, retained);
+        let plan = LoadPlan {
+            handoff,
+            ..plan(ranks, targets, retained)
+        };
         let l = Self::run(slf, |s, c| s.load(c, &q, plan))?;
         py_loaded(slf.py(), l)
+    }
+
+    /// A P/D producer's promise to a decode engine: the pages of `hashes`
+    /// (bytes each) in `groups`, on every rank, stay pinned in the
+    /// manager's DRAM as they land, until a load passing
+    /// `handoff=handoff` took them or `deadline_ms` passed. Returns
+    /// `(promised, pinned_now, bytes_reserved)`; a bound or a duplicate
+    /// id raises `orbitkv.Refused` and pins nothing.
+    fn hold(
+        slf: &Bound<'_, Self>,
+        groups: Vec<u32>,
+        hashes: &Bound<'_, PyAny>,
+        handoff: u64,
+        deadline_ms: u64,
+    ) -> PyResult<(u64, u64, u64)> {
+        let q = query(groups, hashes, 0, 0)?;
+        let h = Self::run(slf, |s, c| {
+            s.hold(c, &q.groups, &q.hashes, handoff, deadline_ms)
+        })?;
+        Ok((h.promised, h.pinned, h.bytes))
     }
 
     /// Saves pages: `(rank, group, hash, device_page)` each, `hash` bytes.
@@ -1162,7 +1187,7 @@ impl PySession {
     /// Starts a `load` (arguments as for `load`); returns its ticket.
     /// `poll` reports a `Ready` once its pages are leased and copying,
     /// then its `Loaded` (or a `Refused`).
-    #[pyo3(signature = (groups, hashes, origin, prompt_len, *, ranks, targets, retained=Vec::new()))]
+    #[pyo3(signature = (groups, hashes, origin, prompt_len, *, ranks, targets, retained=Vec::new(), handoff=None))]
     #[allow(clippy::too_many_arguments)]
     fn start_load(
         slf: &Bound<'_, Self>,
@@ -1173,9 +1198,13 @@ impl PySession {
         ranks: Vec<u32>,
         targets: Vec<(u32, u32, u64, u64)>,
         retained: Vec<(u32, u32, u64)>,
+        handoff: Option<u64>,
     ) -> PyResult<Ticket> {
         let q = query(groups, hashes, origin, prompt_len)?;
-        let plan = plan(ranks, targets, retained);
+        let plan = LoadPlan {
+            handoff,
+            ..plan(ranks, targets, retained)
+        };
         Self::run(slf, |s, c| s.start_load(c, &q, plan))
     }
 

@@ -285,6 +285,24 @@ pub enum Command {
         targets: Vec<RestoreTarget>,
         #[serde(default)]
         retained: Vec<PagePos>,
+        /// A P/D handoff this load takes (`Hold`): once the load has
+        /// leased its pages (or ended), the handoff's pins are returned.
+        /// Unknown or expired ids are ignored: the load is the same load.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        handoff: Option<u64>,
+    },
+    /// A prefill engine's promise to a decode engine (P/D handoff
+    /// `handoff`, an id the producer chose at random): the pages of these
+    /// hashes, of every rank of the session's instance, stay pinned in DRAM
+    /// (never evicted, never demoted) as they land, until a `Load` naming
+    /// the handoff took them or `deadline_ms` passed. Bounded by
+    /// `limits.max_handoffs`, `limits.max_handoff_deadline_us` and the
+    /// budget's `handoff_bytes`; the reply is `Held`.
+    Hold {
+        session: SessionHandle,
+        handoff: u64,
+        groups: Vec<GroupHashes>,
+        deadline_ms: u64,
     },
     /// read_recovery for the selected boundary of a query.
     Prepare {
@@ -555,6 +573,12 @@ pub enum InvalidCommand {
     DuplicateTarget { device_page: u64 },
     #[error("no hash for page ending at {page_end}")]
     NoHash { page_end: u64 },
+    #[error("group {group} is named twice")]
+    DuplicateGroup { group: u32 },
+    #[error("handoff {handoff:#x} is already held")]
+    HandoffExists { handoff: u64 },
+    #[error("a handoff must name some pages and a deadline above zero")]
+    EmptyHandoff,
 }
 
 /// Why a restore's pages do not cover its required ranges exactly
@@ -709,6 +733,13 @@ pub enum LimitName {
     MaxSessionsPerUid,
     /// Sessions of one client process across its connections.
     MaxSessionsPerProcess,
+    /// P/D handoffs pinned at once (`limits.max_handoffs`).
+    MaxHandoffs,
+    /// Bytes P/D handoffs may pin together (`budget.handoff_bytes`).
+    HandoffBytes,
+    /// The longest a handoff may pin its pages
+    /// (`limits.max_handoff_deadline_us`).
+    MaxHandoffDeadline,
 }
 
 impl LimitName {
@@ -728,6 +759,9 @@ impl LimitName {
             LimitName::MaxRegionBytes => "max_region_bytes",
             LimitName::MaxSessionsPerUid => "max_sessions_per_uid",
             LimitName::MaxSessionsPerProcess => "max_sessions_per_process",
+            LimitName::MaxHandoffs => "max_handoffs",
+            LimitName::HandoffBytes => "handoff_bytes",
+            LimitName::MaxHandoffDeadline => "max_handoff_deadline",
         }
     }
 }
@@ -751,6 +785,7 @@ impl Command {
             Command::Query { .. } => "query",
             Command::Lookup { .. } => "lookup",
             Command::Load { .. } => "load",
+            Command::Hold { .. } => "hold",
             Command::Prepare { .. } => "prepare",
             Command::Restore { .. } => "restore",
             Command::Publish { .. } => "publish",
@@ -914,6 +949,15 @@ pub enum Event {
     Released {
         operation: u64,
     },
+    /// The answer to `Hold`: the handoff's pages are pinned as they land;
+    /// `pinned` of the `promised` were already in DRAM.
+    Held {
+        command: CommandId,
+        handoff: u64,
+        promised: u64,
+        pinned: u64,
+        bytes: u64,
+    },
     /// Addressed to the origin that owns the regions: run these page copies
     /// in its copy agent and answer with `Command::CopyDone { copy }`. The
     /// pages stay pinned and the pool pages leased until then.
@@ -942,6 +986,7 @@ impl Event {
             | Event::RestoreDone { .. }
             | Event::PublishDone { .. }
             | Event::Cleared { .. }
+            | Event::Held { .. }
             | Event::Released { .. } => true,
             Event::QueryResult { miss, .. } => miss.is_some(),
             Event::SessionClosed { .. }
@@ -965,6 +1010,7 @@ impl Event {
             | Event::DevicePageAllocated { command, .. }
             | Event::QueryResult { command, .. }
             | Event::PublishDone { command, .. }
+            | Event::Held { command, .. }
             | Event::Cleared { command, .. } => Some(*command),
             _ => None,
         }

@@ -590,6 +590,30 @@ pub struct HeldBy(pub Entity);
 #[relationship_target(relationship = HeldBy, linked_spawn)]
 pub struct HeldLeases(Vec<Entity>);
 
+/// A P/D handoff (`Command::Hold`): its leases (`HeldLeases`, each
+/// `HeldBy` it) pin the promised pages that have landed in DRAM, so they
+/// are neither evicted nor demoted, until a `Load` naming it has taken
+/// them (`taker`) or `deadline_us` passed. It belongs to no session: a
+/// producer that exits after its prefill leaves its promise standing.
+#[derive(Component, Debug, Clone)]
+pub struct Handoff {
+    pub id: u64,
+    /// Who promised (for reports).
+    pub origin: Origin,
+    pub instance: Entity,
+    pub deadline_us: u64,
+    /// Every promised page: each rank's namespace × group × hash.
+    pub promised: Vec<StateKey>,
+    /// Promised pages pinned so far.
+    pub pinned: u64,
+    /// Bytes reserved from the handoff budget (every promised page at its
+    /// rank's page size), returned when the handoff ends.
+    pub bytes: u64,
+    /// The load that takes the pages: the pins return once it has leased
+    /// them itself (it is past reading) or has ended.
+    pub taker: Option<Entity>,
+}
+
 /// Device region → Session: a closed session's regions (and their pages)
 /// go with it.
 #[derive(Component, Debug, Clone, Copy, PartialEq, Eq)]

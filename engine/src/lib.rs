@@ -30,6 +30,6 @@ mod session;
 pub use backoff::Backoff;
 pub use error::EngineError;
 pub use session::{
-    LoadPlan, Loaded, Lookup, MAX_BATCH, MAX_PENDING_LOOKUPS, Port, Progress, Query, Region, Saved,
-    Sending, Session, SessionOptions, Ticket,
+    Held, LoadPlan, Loaded, Lookup, MAX_BATCH, MAX_PENDING_LOOKUPS, Port, Progress, Query, Region,
+    Saved, Sending, Session, SessionOptions, Ticket,
 };

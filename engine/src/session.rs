@@ -61,6 +61,21 @@ pub struct LoadPlan {
     pub ranks: Vec<u32>,
     pub targets: Vec<RestoreTarget>,
     pub retained: Vec<PagePos>,
+    /// The P/D handoff this load takes (`Session::hold` on the producer):
+    /// its pins return once the load has leased the pages.
+    pub handoff: Option<u64>,
+}
+
+/// The answer to [`Session::hold`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub handoff: u64,
+    /// Pages promised over every rank and group, and those already in DRAM
+    /// (pinned now; the rest are pinned as they land).
+    pub promised: u64,
+    pub pinned: u64,
+    /// Bytes reserved from the manager's handoff budget.
+    pub bytes: u64,
 }
 
 /// A load's outcome.
@@ -698,6 +713,49 @@ impl Session {
             ranks: plan.ranks,
             targets: plan.targets,
             retained: plan.retained,
+            handoff: plan.handoff,
+        }
+    }
+
+    /// A P/D producer's promise: the pages of `hashes` in `groups`, on
+    /// every rank, stay pinned in the manager's DRAM as they land, until a
+    /// load naming `handoff` took them or `deadline_ms` passed. One round
+    /// trip; a refusal (a bound, a duplicate id) is
+    /// [`EngineError::Refused`] and pins nothing.
+    pub fn hold(
+        &mut self,
+        c: &mut dyn Port,
+        groups: &[u32],
+        hashes: &[NativeHash],
+        handoff: u64,
+        deadline_ms: u64,
+    ) -> Result<Held, EngineError> {
+        let command = Command::Hold {
+            session: self.handle,
+            handoff,
+            groups: groups
+                .iter()
+                .map(|&group| GroupHashes {
+                    group,
+                    hashes: hashes.to_vec(),
+                })
+                .collect(),
+            deadline_ms,
+        };
+        match call(c, "hold", command, self.options.timeout)? {
+            Event::Held {
+                handoff,
+                promised,
+                pinned,
+                bytes,
+                ..
+            } => Ok(Held {
+                handoff,
+                promised,
+                pinned,
+                bytes,
+            }),
+            other => Err(unexpected("hold", &other)),
         }
     }
 

@@ -1164,6 +1164,7 @@ pub fn encode_request(
             ranks,
             targets,
             retained,
+            handoff: None,
         } => {
             let q = (session, *request, groups.as_slice(), *origin, *prompt_len);
             query_head(&mut r, &mut parts, Op::Load, q, expect_namespaces)?;
@@ -1285,6 +1286,7 @@ pub fn decode_request(r: &HotRequest, area: &Area) -> Result<Command, HotError> 
                 ranks,
                 targets,
                 retained,
+                handoff: None,
             }
         }
         Op::Prepare => Command::Prepare {
@@ -1757,6 +1759,7 @@ mod tests {
                     group: 0,
                     page_end: 48,
                 }],
+                handoff: None,
             },
             Command::Load {
                 session: s,
@@ -1771,6 +1774,7 @@ mod tests {
                 ranks: vec![],
                 targets: vec![],
                 retained: vec![],
+                handoff: None,
             },
             Command::Restore {
                 session: s,

@@ -69,6 +69,21 @@ pub struct Snapshot {
     /// What `orbitkv health` decides readiness on.
     #[serde(default)]
     pub health: Health,
+    /// P/D handoffs (`Hold`): standing now, and how the ended ones ended.
+    #[serde(default)]
+    pub handoffs: Handoffs,
+}
+
+/// The P/D handoffs' line of `orbitkv inspect`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handoffs {
+    pub standing: usize,
+    pub pinned_pages: u64,
+    pub reserved_bytes: u64,
+    pub budget_bytes: u64,
+    pub held: u64,
+    pub taken: u64,
+    pub expired: u64,
 }
 
 /// Readiness signals (`orbitkv health`).

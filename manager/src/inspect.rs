@@ -43,6 +43,15 @@ pub fn snapshot(st: &mut State) -> Snapshot {
         total,
         last_minute,
         health: health(st),
+        handoffs: orbitkv_ipc::snapshot::Handoffs {
+            standing: s.handoffs.standing,
+            pinned_pages: s.handoffs.pinned_pages,
+            reserved_bytes: s.handoffs.reserved_bytes,
+            budget_bytes: s.handoffs.budget_bytes,
+            held: s.handoffs.counts.held,
+            taken: s.handoffs.counts.taken,
+            expired: s.handoffs.counts.expired,
+        },
     }
 }
 

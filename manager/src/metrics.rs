@@ -86,6 +86,8 @@ struct Mirrored {
     evictions: Family<Reason, Counter>,
     demotions: Family<Outcome, Counter>,
     write_through: Family<Outcome, Counter>,
+    /// P/D handoffs: `held`, then `taken` or `expired`.
+    handoffs: Family<Outcome, Counter>,
 }
 
 struct Gauges {
@@ -100,6 +102,9 @@ struct Gauges {
     connections: Gauge,
     outbox_bytes: Gauge,
     hot_open_requests: Gauge,
+    handoffs_standing: Gauge,
+    handoff_pinned_pages: Gauge,
+    handoff_reserved_bytes: Gauge,
 }
 
 /// Manager-side counters (the loop's own events).
@@ -236,8 +241,21 @@ impl Metrics {
             evictions: Family::default(),
             demotions: Family::default(),
             write_through: Family::default(),
+            handoffs: Family::default(),
         };
         r.register("misses", "Misses by reason", mirrored.misses.clone());
+        r.register(
+            "handoffs",
+            "P/D handoffs (a prefill engine's promise of a prompt's pages to a decode engine), by \
+             outcome: held, then taken (a decode engine's load took the pages) or expired (its \
+             deadline passed first: the decode engine recomputes)",
+            mirrored.handoffs.clone(),
+        );
+        for outcome in ["held", "taken", "expired"] {
+            let _ = mirrored.handoffs.get_or_create(&Outcome {
+                outcome: outcome.into(),
+            });
+        }
         r.register(
             "refusals",
             "Commands refused, by command and reason (a refusal is not unavailability)",
@@ -329,6 +347,21 @@ impl Metrics {
             connections: gauge(&mut r, "connections", "Connected clients"),
             outbox_bytes: gauge(&mut r, "outbox_bytes", "Bytes queued for clients, unread"),
             hot_open_requests: gauge(&mut r, "hot_open_requests", "Hot requests open"),
+            handoffs_standing: gauge(
+                &mut r,
+                "handoffs_standing",
+                "P/D handoffs whose pages are promised now",
+            ),
+            handoff_pinned_pages: gauge(
+                &mut r,
+                "handoff_pinned_pages",
+                "Pages pinned in DRAM for standing P/D handoffs (never evicted or demoted)",
+            ),
+            handoff_reserved_bytes: gauge(
+                &mut r,
+                "handoff_reserved_bytes",
+                "Bytes standing P/D handoffs reserved from [budget] handoff_bytes",
+            ),
         };
         let counters = Counters {
             loop_rounds: counter(
@@ -677,10 +710,30 @@ impl Metrics {
                 before,
             );
         }
+        let (h, before) = (
+            &s.handoffs.counts,
+            self.last.as_ref().map(|p| p.handoffs.counts),
+        );
+        for (outcome, now, was) in [
+            ("held", h.held, before.map(|b| b.held)),
+            ("taken", h.taken, before.map(|b| b.taken)),
+            ("expired", h.expired, before.map(|b| b.expired)),
+        ] {
+            inc(
+                &x.handoffs.get_or_create(&Outcome {
+                    outcome: outcome.into(),
+                }),
+                now,
+                was,
+            );
+        }
         let g = &self.gauges;
         let set = |g: &Gauge, v: u64| {
             g.set(i64::try_from(v).unwrap_or(i64::MAX));
         };
+        set(&g.handoffs_standing, s.handoffs.standing as u64);
+        set(&g.handoff_pinned_pages, s.handoffs.pinned_pages);
+        set(&g.handoff_reserved_bytes, s.handoffs.reserved_bytes);
         set(&g.pages, s.pages as u64);
         set(&g.dram_bytes_used, s.pool_bytes_used);
         set(&g.dram_capacity_bytes, s.pool_capacity_bytes);

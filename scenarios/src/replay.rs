@@ -1684,6 +1684,7 @@ impl<'o> Replay<'o> {
                 ranks: (0..info.ranks).collect(),
                 targets: targets.clone(),
                 retained: vec![],
+                handoff: None,
             });
             self.load_plans.insert(id, (session, targets));
             id
@@ -1779,6 +1780,7 @@ impl<'o> Replay<'o> {
             | Event::SessionOpened { .. }
             | Event::RegionRegistered { .. }
             | Event::DevicePageAllocated { .. }
+            | Event::Held { .. }
             | Event::Cleared { .. } => {}
             Event::DevicePageFreed { device_page, .. } => {
                 if let Some(dp) = self.device_pages.remove(device_page)
@@ -2320,6 +2322,7 @@ fn session_of(command: &Command) -> Option<u64> {
         | Command::Query { session, .. }
         | Command::Lookup { session, .. }
         | Command::Load { session, .. }
+        | Command::Hold { session, .. }
         | Command::Prepare { session, .. }
         | Command::Restore { session, .. }
         | Command::Publish { session, .. }

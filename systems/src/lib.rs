@@ -8,6 +8,7 @@ pub mod copies;
 pub mod discover;
 pub mod evict;
 pub mod fence;
+pub mod handoff;
 pub mod ingest;
 pub mod lifecycle;
 mod load;

@@ -208,6 +208,10 @@ pub struct Limits {
     /// for the manager (publishes from agent-owned regions land there
     /// before the manager moves them into the pool).
     pub max_staging_bytes: u64,
+    /// P/D handoffs (`Hold`) standing at once.
+    pub max_handoffs: usize,
+    /// The longest a handoff may pin its pages.
+    pub max_handoff_deadline_us: u64,
 }
 
 impl Default for Limits {
@@ -236,6 +240,8 @@ impl Default for Limits {
             max_agent_copies_per_origin: 64,
             agent_copy_deadline_us: 10_000_000,
             max_staging_bytes: 64 << 20,
+            max_handoffs: 4096,
+            max_handoff_deadline_us: 120_000_000,
         }
     }
 }
@@ -339,6 +345,10 @@ pub struct Dram {
     /// kept only while one is on. Change `index` through
     /// [`Dram::index_page`] and [`Dram::unindex_page`] so none is missed.
     pub journal: PageJournal,
+    /// Keys indexed since the handoff stage last looked, kept only while a
+    /// handoff waits for pages (`watch_landings`).
+    pub landed: Vec<StateKey>,
+    pub watch_landings: bool,
 }
 
 /// One change of what DRAM holds: a page became restorable (its bytes and
@@ -456,6 +466,8 @@ impl Dram {
             demoting_by_class: BTreeMap::new(),
             evicted: BTreeMap::new(),
             journal: PageJournal::default(),
+            landed: Vec::new(),
+            watch_landings: false,
         }
     }
 
@@ -465,6 +477,9 @@ impl Dram {
         let previous = self.index.insert(key, page);
         assert!(previous.is_none(), "a key was indexed twice");
         self.journal.push(PageChange::Stored(key));
+        if self.watch_landings {
+            self.landed.push(key);
+        }
     }
 
     /// Takes a page out of the index: no query finds it from now on.
@@ -702,6 +717,30 @@ pub struct Registry {
     pub next_epoch: u64,
     pub sessions: usize,
     pub operations: usize,
+}
+
+/// The standing P/D handoffs (`Handoff` entities): by id, the promised
+/// keys not yet in DRAM (each may be promised by several handoffs: prompts
+/// share prefixes), and the bytes they reserved.
+#[derive(Resource, Debug, Default)]
+pub struct Handoffs {
+    pub by_id: HashMap<u64, Entity>,
+    pub wanted: KeyMap<Vec<Entity>>,
+    pub reserved: u64,
+    pub budget: u64,
+    pub counts: HandoffCounts,
+}
+
+/// How handoffs ended (`orbitkv_handoffs_total{outcome}`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct HandoffCounts {
+    pub held: u64,
+    /// A load naming it took the pages.
+    pub taken: u64,
+    /// Its deadline passed first.
+    pub expired: u64,
+    /// Promised pages pinned as they landed after the `Hold`.
+    pub pinned_late: u64,
 }
 
 /// In-flight transfers by completion token.

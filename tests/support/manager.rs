@@ -81,7 +81,10 @@ impl Manager {
                     };
                 }
                 if let Some(status) = child.try_wait().unwrap() {
-                    assert!(attempt < 4, "manager exited at start ({status}), {attempt} times");
+                    assert!(
+                        attempt < 4,
+                        "manager exited at start ({status}), {attempt} times"
+                    );
                     break;
                 }
                 assert!(Instant::now() < deadline, "manager did not come up");

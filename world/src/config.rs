@@ -80,6 +80,10 @@ pub struct BudgetConfig {
     pub instance_budget_bytes: Option<u64>,
     /// Share of the query budget speculative work may hold, in percent.
     pub speculative_percent: u8,
+    /// Bytes P/D handoffs (`Hold`) may pin together; default 25% of DRAM.
+    /// A handoff reserves every page it promises at once; past this it is
+    /// refused (`limit_handoff_bytes`) and its pages are not pinned.
+    pub handoff_bytes: Option<u64>,
 }
 
 impl Default for BudgetConfig {
@@ -88,6 +92,7 @@ impl Default for BudgetConfig {
             query_budget_bytes: None,
             instance_budget_bytes: None,
             speculative_percent: 25,
+            handoff_bytes: None,
         }
     }
 }
@@ -143,6 +148,13 @@ impl Config {
             self.query_budget(),
             u64::from(self.budget.speculative_percent),
         )
+    }
+
+    /// Bytes P/D handoffs may pin together.
+    pub fn handoff_budget(&self) -> u64 {
+        self.budget
+            .handoff_bytes
+            .unwrap_or(percent_of(self.dram.capacity_bytes, 25))
     }
 
     pub fn instance_budget(&self) -> u64 {

@@ -13,16 +13,17 @@ use std::collections::{HashMap, HashSet};
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::Origin;
 use orbitkv_components::ecs::{
-    DevicePage, DeviceRegion, Executor, HeldBy, Instance, ItemState, LeaseOf, Leases, NeedState,
-    Operation, Page, PageOf, PublishJob, Recovery, RegionPages, Session, Transfer, TransferKind,
-    TransferOf, at,
+    DevicePage, DeviceRegion, Executor, Handoff, HeldBy, HeldLeases, Instance, ItemState, LeaseOf,
+    Leases, NeedState, Operation, Page, PageOf, PublishJob, Recovery, RegionPages, Session,
+    Transfer, TransferKind, TransferOf, at,
 };
 use orbitkv_io::dram::SlotKey;
-use orbitkv_systems::resources::{Agents, Budget, Dram, Registry, Tiers};
+use orbitkv_systems::resources::{Agents, Budget, Dram, Handoffs, Registry, Tiers};
 
 pub fn check(world: &mut World) -> Vec<String> {
     let mut v = Vec::new();
     leases(world, &mut v);
+    handoffs(world, &mut v);
     pages(world, &mut v);
     bytes(world, &mut v);
     needs(world, &mut v);
@@ -160,7 +161,7 @@ fn agents(world: &mut World, v: &mut Vec<String>) {
     }
 }
 
-/// A lease pins a live page for a live operation of the page's instance
+/// A lease pins a live page for a live operation (or handoff) of the page's instance
 /// (a hit always has the querying instance's namespace).
 fn leases(world: &mut World, v: &mut Vec<String>) {
     let mut q = world.query::<(Entity, &LeaseOf, &HeldBy)>();
@@ -169,16 +170,66 @@ fn leases(world: &mut World, v: &mut Vec<String>) {
             v.push(format!("lease {e:?} points at a missing page"));
             continue;
         };
-        let Some(op) = world.get::<Operation>(op.0) else {
-            v.push(format!("lease {e:?} is held by a missing operation"));
-            continue;
+        // A lease is held by an operation, or by a P/D handoff's promise.
+        let holder = match (world.get::<Operation>(op.0), world.get::<Handoff>(op.0)) {
+            (Some(op), _) => op.instance,
+            (None, Some(h)) => h.instance,
+            (None, None) => {
+                v.push(format!("lease {e:?} is held by a missing operation"));
+                continue;
+            }
         };
-        match world.get::<Instance>(op.instance) {
+        match world.get::<Instance>(holder) {
             Some(inst) if inst.ranks.iter().any(|r| r.namespace == page.key.namespace) => {}
             _ => v.push(format!(
                 "lease {e:?} holds a page outside its instance's namespaces"
             )),
         }
+    }
+}
+
+/// The handoff index matches the standing handoffs: every id once, the
+/// reserved bytes their sum, each one's pins its leases, and no key
+/// wanted that is in DRAM already (it would never be pinned).
+fn handoffs(world: &mut World, v: &mut Vec<String>) {
+    let mut q = world.query::<(Entity, &Handoff, Option<&HeldLeases>)>();
+    let mut bytes = 0u64;
+    let mut count = 0usize;
+    let idx = world.resource::<Handoffs>();
+    for (e, h, leases) in q.iter(world) {
+        count += 1;
+        bytes = bytes.saturating_add(h.bytes);
+        if idx.by_id.get(&h.id) != Some(&e) {
+            v.push(format!(
+                "handoff {e:?} ({:#x}) is not indexed by its id",
+                h.id
+            ));
+        }
+        let held = leases.map_or(0, |l| l.len()) as u64;
+        if held != h.pinned {
+            v.push(format!(
+                "handoff {e:?} counts {} pins but holds {held} leases",
+                h.pinned
+            ));
+        }
+    }
+    if count != idx.by_id.len() {
+        v.push(format!(
+            "{} handoffs indexed, {count} standing",
+            idx.by_id.len()
+        ));
+    }
+    if bytes != idx.reserved {
+        v.push(format!(
+            "handoffs reserve {bytes} bytes, the index says {}",
+            idx.reserved
+        ));
+    }
+    let dram = world.resource::<Dram>();
+    if let Some(k) = idx.wanted.keys().find(|k| dram.index.contains_key(*k))
+        && !dram.landed.contains(k)
+    {
+        v.push(format!("a handoff waits for a key DRAM holds: {k:?}"));
     }
 }
 

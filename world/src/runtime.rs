@@ -5,15 +5,16 @@ use std::time::Instant;
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Addressed, Command, CommandId, Origin};
 use orbitkv_components::ecs::{
-    DevicePage, HeldLeases, Instance, Lease, Operation, Session, Transfer, TransferOf, Transfers,
+    DevicePage, Handoff, HeldLeases, Instance, Lease, Operation, Session, Transfer, TransferOf,
+    Transfers,
 };
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
 use orbitkv_io::dram::{FirstTouchReport, HostPool, HostPoolConfig, PoolStats};
 use orbitkv_io::tier::{BackingTier, TierChange};
 use orbitkv_systems::resources::{
-    Agents, Budget, Clock, Copier, Dram, Exclusive, Inbound, Inbox, Limits, LoadRates, Metrics,
-    Outbox, PageChange, Registry, SimulatedClock, Tiers, TransferIndex,
+    Agents, Budget, Clock, Copier, Dram, Exclusive, Handoffs, Inbound, Inbox, Limits, LoadRates,
+    Metrics, Outbox, PageChange, Registry, SimulatedClock, Tiers, TransferIndex,
 };
 use serde::Serialize;
 
@@ -68,6 +69,18 @@ pub struct Stats {
     /// What a load reads, measured (`LoadRates`): the copies into device
     /// pages, then each lower tier's reads.
     pub load_rates: Vec<LoadRate>,
+    pub handoffs: HandoffStats,
+}
+
+/// The P/D handoffs (`Hold`) standing now, and how the ended ones ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct HandoffStats {
+    pub standing: usize,
+    /// Promised pages pinned now, over every standing handoff.
+    pub pinned_pages: u64,
+    pub reserved_bytes: u64,
+    pub budget_bytes: u64,
+    pub counts: orbitkv_systems::resources::HandoffCounts,
 }
 
 /// A namespace as [`Runtime::namespaces`] describes it.
@@ -196,6 +209,10 @@ impl RuntimeWorld {
             speculative_limit: config.speculative_budget(),
             reserved: 0,
             speculative_reserved: 0,
+        });
+        world.insert_resource(Handoffs {
+            budget: config.handoff_budget(),
+            ..Default::default()
         });
         world.insert_resource(Registry {
             incarnation: config.incarnation,
@@ -471,6 +488,21 @@ impl Runtime {
             pool_capacity_bytes: w.resource::<Dram>().pool.capacity(),
             metrics: w.resource::<Metrics>().clone(),
             load_rates: self.load_rates(),
+            handoffs: self.handoff_stats(),
+        }
+    }
+
+    /// The P/D handoffs standing now, and how many ended each way.
+    pub fn handoff_stats(&mut self) -> HandoffStats {
+        let w = &mut self.world;
+        let pinned = w.query::<&Handoff>().iter(w).map(|h| h.pinned).sum();
+        let h = w.resource::<Handoffs>();
+        HandoffStats {
+            standing: h.by_id.len(),
+            pinned_pages: pinned,
+            reserved_bytes: h.reserved,
+            budget_bytes: h.budget,
+            counts: h.counts,
         }
     }
 

@@ -3,9 +3,11 @@
 use bevy_ecs::prelude::*;
 use bevy_ecs::query::QueryFilter;
 use bevy_ecs::schedule::SingleThreadedExecutor;
-use orbitkv_components::ecs::{Operation, Session, at};
+use orbitkv_components::ecs::{Handoff, Operation, Session, at};
 use orbitkv_systems::resources::{Agents, Dram, Inbox};
-use orbitkv_systems::{copies, discover, evict, fence, ingest, publish, read, restore, validate};
+use orbitkv_systems::{
+    copies, discover, evict, fence, handoff, ingest, publish, read, restore, validate,
+};
 
 /// The seven stages, run in this order every tick.
 #[derive(SystemSet, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -74,6 +76,8 @@ pub fn build() -> Schedule {
                 >,
             ),
             fence::close_sessions.run_if(any_with_component::<Session>),
+            handoff::pin.run_if(watching_landings),
+            handoff::sweep.run_if(any_with_component::<Handoff>),
         )
             .chain()
             .in_set(Stage::Fence),
@@ -94,6 +98,11 @@ fn commands_queued(inbox: Res<Inbox>) -> bool {
 /// The copy stages sent work to copy agents this tick.
 fn agent_events(agents: Res<Agents>) -> bool {
     !agents.events.is_empty()
+}
+
+/// A handoff waits for pages that may have landed.
+fn watching_landings(dram: Res<Dram>) -> bool {
+    dram.watch_landings
 }
 
 /// An allocation failed this tick: the evict stage has work.

@@ -1805,6 +1805,7 @@ fn load_with(d: &mut Dense, seed: u64, pages: u64, first_slot: u32, edit: Plan) 
         ranks,
         targets,
         retained,
+        handoff: None,
     }
 }
 
@@ -2607,4 +2608,221 @@ fn a_query_stopped_by_a_page_removed_since_it_was_advertised_is_counted_as_a_rac
     d.publish(40, 4, 12);
     d.h.step(vec![lookup(d.s, 4, 40, 4, 4 * PAGE + 1)]);
     assert_eq!(races(&mut d), 1);
+}
+
+// P/D handoffs -------------------------------------------------------------
+
+/// Eight 4 KiB DRAM slots, one dense instance.
+fn small_dense() -> Dense {
+    let mut c = config(32 << 10);
+    c.dram.extent_bytes = 16 << 10;
+    c.budget.query_budget_bytes = Some(24 << 10);
+    c.budget.handoff_bytes = Some(24 << 10);
+    dense_setup_with(c)
+}
+
+/// Publishes pages `range` of prompt `seed` from slots `first_slot..`
+/// and frees the sources once done.
+fn publish_pages(d: &mut Dense, seed: u64, range: std::ops::Range<u64>, first_slot: u32) {
+    let mut pages = Vec::new();
+    for (k, i) in range.enumerate() {
+        let slot = first_slot + k as u32;
+        let dp = d.h.alloc(d.s, d.region, slot);
+        let native = hash(seed, 0, i);
+        d.h.write_slot(d.engine_region, slot, &payload(&d.ns, 0, &native));
+        pages.push((0, native, dp));
+    }
+    let sources: Vec<u64> = pages.iter().map(|p| p.2).collect();
+    d.h.step(vec![publish_cmd(d.s, seed, 0, pages)]);
+    d.h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
+    d.free(&sources);
+}
+
+fn hold_cmd(d: &Dense, handoff: u64, seed: u64, pages: u64, deadline_ms: u64) -> Command {
+    Command::Hold {
+        session: d.s,
+        handoff,
+        groups: hashes(seed, &[0], pages),
+        deadline_ms,
+    }
+}
+
+fn found_pages(d: &mut Dense, seed: u64, pages: u64) -> usize {
+    match d.h.one(Command::Lookup {
+        session: d.s,
+        request: seed,
+        groups: hashes(seed, &[0], pages),
+        origin: 0,
+        prompt_len: pages * PAGE + 1,
+        expect_namespaces: Vec::new(),
+    }) {
+        Event::QueryResult { candidates, .. } => candidates[0].page_ends.len(),
+        other => panic!("lookup: {other:?}"),
+    }
+}
+
+#[test]
+fn a_handoff_pins_its_pages_as_they_land_until_the_load_naming_it_took_them() {
+    let mut d = small_dense();
+    publish_pages(&mut d, 40, 0..2, 0);
+    // The producer promises 4 pages; 2 are in DRAM already.
+    let held = d.h.one(hold_cmd(&d, 0xfeed, 40, 4, 10_000));
+    assert!(
+        matches!(
+            held,
+            Event::Held { handoff: 0xfeed, promised: 4, pinned: 2, bytes, .. } if bytes == 4 * PAGE_BYTES
+        ),
+        "{held:?}"
+    );
+    // Another request shares the first two pages: its own promise.
+    d.h.one(hold_cmd(&d, 0xbeef, 40, 2, 10_000));
+    // The other two land after the promise, and are pinned as they do.
+    publish_pages(&mut d, 40, 2..4, 2);
+    let st = d.h.rt().stats();
+    assert_eq!(
+        (st.handoffs.standing, st.handoffs.pinned_pages, st.leases),
+        (2, 6, 6)
+    );
+    assert_eq!(st.handoffs.counts.pinned_late, 2);
+    assert_eq!(st.handoffs.reserved_bytes, 6 * PAGE_BYTES);
+    // Eight slots, four pinned: two more prompts of four pages evict only
+    // each other, never a promised page.
+    publish_pages(&mut d, 41, 0..4, 8);
+    publish_pages(&mut d, 42, 0..4, 12);
+    let st = d.h.rt().stats();
+    assert_eq!(st.metrics.evictions.values().sum::<u64>(), 4);
+    assert_eq!(found_pages(&mut d, 40, 4), 4);
+    assert_eq!(found_pages(&mut d, 41, 4), 0);
+    // The decode engine's load takes them: exact bytes, and the pins of
+    // this handoff return (the other's stay).
+    let mut load = load_cmd(&mut d, 40, 4, 20);
+    if let Command::Load { handoff, .. } = &mut load {
+        *handoff = Some(0xfeed);
+    }
+    let events = load_events(&mut d, load);
+    assert!(
+        events
+            .iter()
+            .any(|a| matches!(a.event, Event::RestoreDone { pages: 4, .. })),
+        "{events:?}"
+    );
+    d.assert_restored(40, &[20, 21, 22, 23]);
+    d.h.advance();
+    let st = d.h.rt().stats();
+    assert_eq!(
+        (st.handoffs.standing, st.handoffs.pinned_pages, st.leases),
+        (1, 2, 2)
+    );
+    assert_eq!(st.handoffs.counts.taken, 1);
+    assert_eq!(st.handoffs.reserved_bytes, 2 * PAGE_BYTES);
+    // Nobody takes the other: it ends at its deadline, and nothing is
+    // left pinned or reserved.
+    d.h.step(vec![Command::AdvanceClock { us: 10_000_000 }]);
+    d.h.advance();
+    let st = d.h.rt().stats();
+    assert_eq!(st.handoffs.standing, 0);
+    assert_eq!(st.handoffs.counts.expired, 1);
+    assert_eq!(st.handoffs.reserved_bytes, 0);
+    d.h.assert_idle();
+}
+
+#[test]
+fn a_handoff_whose_pages_never_land_ends_at_its_deadline_and_pins_nothing_later() {
+    let mut d = small_dense();
+    let held = d.h.one(hold_cmd(&d, 7, 43, 3, 5));
+    assert!(
+        matches!(
+            held,
+            Event::Held {
+                pinned: 0,
+                promised: 3,
+                ..
+            }
+        ),
+        "{held:?}"
+    );
+    d.h.step(vec![Command::AdvanceClock { us: 6_000 }]);
+    d.h.advance();
+    let st = d.h.rt().stats();
+    assert_eq!(
+        (st.handoffs.standing, st.handoffs.counts.expired),
+        (1 - 1, 1)
+    );
+    // Its pages land after the deadline: nothing pins them.
+    publish_pages(&mut d, 43, 0..3, 0);
+    let st = d.h.rt().stats();
+    assert_eq!((st.leases, st.handoffs.pinned_pages), (0, 0));
+    // A load naming the ended handoff is an ordinary load.
+    let mut load = load_cmd(&mut d, 43, 3, 10);
+    if let Command::Load { handoff, .. } = &mut load {
+        *handoff = Some(7);
+    }
+    let events = load_events(&mut d, load);
+    assert!(
+        events
+            .iter()
+            .any(|a| matches!(a.event, Event::RestoreDone { pages: 3, .. })),
+        "{events:?}"
+    );
+    d.h.assert_idle();
+}
+
+#[test]
+fn handoffs_past_their_bounds_are_refused_and_pin_nothing() {
+    let mut c = config(32 << 10);
+    c.dram.extent_bytes = 16 << 10;
+    c.budget.handoff_bytes = Some(4 * PAGE_BYTES);
+    c.limits.max_handoffs = 2;
+    c.limits.max_handoff_deadline_us = 60_000_000;
+    let mut d = dense_setup_with(c);
+    publish_pages(&mut d, 44, 0..4, 0);
+    let refused = |e: Event| match e {
+        Event::Rejected { error, .. } => error,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    // More than the budget.
+    let e = refused(d.h.one(hold_cmd(&d, 1, 44, 5, 1000)));
+    assert!(
+        matches!(e, CommandError::Limit { limit, .. } if limit == 4 * PAGE_BYTES),
+        "{e:?}"
+    );
+    assert_eq!(e.reason(), "limit_handoff_bytes");
+    // Longer than the deadline bound.
+    let e = refused(d.h.one(hold_cmd(&d, 1, 44, 1, 61_000)));
+    assert_eq!(e.reason(), "limit_max_handoff_deadline");
+    // Nothing promised, or no time.
+    let e = refused(d.h.one(hold_cmd(&d, 1, 44, 0, 1000)));
+    assert_eq!(e.reason(), "empty_handoff");
+    let e = refused(d.h.one(hold_cmd(&d, 1, 44, 1, 0)));
+    assert_eq!(e.reason(), "empty_handoff");
+    // A group the instance does not have.
+    let e = refused(d.h.one(Command::Hold {
+        session: d.s,
+        handoff: 1,
+        groups: hashes(44, &[3], 1),
+        deadline_ms: 1000,
+    }));
+    assert_eq!(e.reason(), "unknown_group");
+    // The same id twice, and more handoffs than allowed.
+    assert!(matches!(
+        d.h.one(hold_cmd(&d, 1, 44, 1, 1000)),
+        Event::Held { .. }
+    ));
+    let e = refused(d.h.one(hold_cmd(&d, 1, 44, 1, 1000)));
+    assert_eq!(e.reason(), "handoff_exists");
+    assert!(matches!(
+        d.h.one(hold_cmd(&d, 2, 44, 1, 1000)),
+        Event::Held { .. }
+    ));
+    let e = refused(d.h.one(hold_cmd(&d, 3, 44, 1, 1000)));
+    assert_eq!(e.reason(), "limit_max_handoffs");
+    let st = d.h.rt().stats();
+    assert_eq!((st.handoffs.standing, st.leases), (2, 2));
+    assert_eq!(
+        st.metrics.refusals.get("hold.limit_handoff_bytes"),
+        Some(&1)
+    );
+    d.h.step(vec![Command::AdvanceClock { us: 2_000_000 }]);
+    d.h.advance();
+    d.h.assert_idle();
 }

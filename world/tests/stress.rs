@@ -423,6 +423,7 @@ fn load_all(
         ranks: (0..ranks).collect(),
         targets,
         retained: Vec::new(),
+        handoff: None,
     };
     Some((load, p))
 }

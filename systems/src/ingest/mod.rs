@@ -10,6 +10,7 @@
 mod agents;
 mod clear;
 mod devices;
+mod handoff;
 mod instances;
 mod publish;
 mod recovery;
@@ -117,6 +118,7 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
                 speculative,
                 peek: false,
                 load: None,
+                handoff: None,
             };
             recovery::query(world, ctx, session, q)
         }
@@ -138,6 +140,7 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
                 speculative: false,
                 peek: true,
                 load: None,
+                handoff: None,
             };
             recovery::query(world, ctx, session, q)
         }
@@ -151,6 +154,7 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
             ranks,
             targets,
             retained,
+            handoff,
         } => {
             let q = recovery::QueryArgs {
                 request,
@@ -166,9 +170,25 @@ fn handle(world: &mut World, ctx: Ctx, command: Command) -> Result<()> {
                     targets,
                     retained,
                 }),
+                handoff,
             };
             recovery::query(world, ctx, session, q)
         }
+        Command::Hold {
+            session,
+            handoff,
+            groups,
+            deadline_ms,
+        } => handoff::hold(
+            world,
+            ctx,
+            session,
+            handoff::Args {
+                handoff,
+                groups,
+                deadline_ms,
+            },
+        ),
         Command::Prepare { session, operation } => {
             recovery::prepare(world, ctx, session, operation)
         }

@@ -30,6 +30,8 @@ pub(super) struct QueryArgs {
     pub peek: bool,
     /// A `Load`: restores by itself once ready.
     pub load: Option<LoadPlan>,
+    /// The P/D handoff a `Load` takes.
+    pub handoff: Option<u64>,
 }
 
 pub(super) fn query(
@@ -64,7 +66,12 @@ pub(super) fn query(
         load: q.load.take(),
         ..Recovery::new(q.groups, q.origin, end, q.prompt_len)
     };
-    world.spawn((op, at::Discover, OperationOf(owned.session), recovery));
+    let op = world
+        .spawn((op, at::Discover, OperationOf(owned.session), recovery))
+        .id();
+    if let Some(handoff) = q.handoff {
+        super::handoff::take(world, handoff, op);
+    }
     Ok(())
 }
 

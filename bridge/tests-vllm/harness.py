@@ -268,6 +268,7 @@ class Engine:
         failure_policy: str = "recompute",
         role: str = "kv_both",
         kv_events: Any = None,
+        glue: bool = True,
     ):
         # vLLM's own HMA tests do this (test_hma_auto_config.py): CPU
         # platforms turn the hybrid allocator off otherwise. (One group
@@ -289,10 +290,12 @@ class Engine:
                 failure_policy=failure_policy,
                 role=role,
                 kv_events=kv_events,
+                glue=glue,
             )
         except BaseException:
             # A refused startup leaves nothing behind for the next test.
-            ensure_kv_transfer_shutdown()
+            if glue:
+                ensure_kv_transfer_shutdown()
             self._platform.stop()
             raise
 
@@ -312,6 +315,7 @@ class Engine:
         failure_policy: str,
         role: str,
         kv_events: Any,
+        glue: bool,
     ) -> None:
         self.bs = block_size
         self.tp = tp
@@ -350,11 +354,14 @@ class Engine:
         tp_group = MagicMock()
         tp_group.broadcast_object.side_effect = lambda v, src=0: v
         # Worker 0 through vLLM's own path: the global agent and the glue.
-        with (
-            patch("vllm.distributed.parallel_state.get_tp_group", return_value=tp_group),
-            patch("orbitkv.vllm.connector._tp_rank", return_value=0),
-        ):
-            ensure_kv_transfer_initialized(self.vc, self.kcc)
+        # (`glue=False`: a second engine in the process, whose worker 0 is
+        # driven as the other ranks are: vLLM keeps one global agent.)
+        if glue:
+            with (
+                patch("vllm.distributed.parallel_state.get_tp_group", return_value=tp_group),
+                patch("orbitkv.vllm.connector._tp_rank", return_value=0),
+            ):
+                ensure_kv_transfer_initialized(self.vc, self.kcc)
         self.kv: List[Dict[str, torch.Tensor]] = []
         with set_current_vllm_config(self.vc):
             for _ in range(tp):
@@ -367,9 +374,13 @@ class Engine:
                     )
                 )
         self.wipe()
-        self.glue = get_kv_connector(self.vc, self.kv[0])
-        self.workers = [get_kv_transfer_group()]
-        for rank in range(1, tp):
+        if glue:
+            self.glue = get_kv_connector(self.vc, self.kv[0])
+            self.workers = [get_kv_transfer_group()]
+        else:
+            self.glue = None
+            self.workers = []
+        for rank in range(len(self.workers), tp):
             with patch("orbitkv.vllm.connector._tp_rank", return_value=rank):
                 w = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, self.kcc)
             w.register_kv_caches(self.kv[rank])
@@ -397,11 +408,26 @@ class Engine:
         self.produced: Dict[int, List[KVConnectorOutput]] = {}
         #: (step, aggregated output) of every step that reported anything.
         self.reports: List[tuple] = []
+        #: request id -> the `kv_transfer_params` vLLM returned when it
+        #: finished (P/D: the prefill engine's handoff).
+        self.transfer_params: Dict[str, Any] = {}
+        #: request id -> tokens the engine computed for it (scheduled
+        #: tokens, summed over steps).
+        self.computed: Dict[str, int] = {}
 
     # requests
 
-    def add(self, rid: str, prompt: Sequence[int], max_tokens: int = 3) -> Request:
+    def add(
+        self,
+        rid: str,
+        prompt: Sequence[int],
+        max_tokens: int = 3,
+        kv_transfer_params: Optional[Dict[str, Any]] = None,
+    ) -> Request:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if kv_transfer_params is not None:
+            # How vLLM's OpenAI server hands them to the engine.
+            sp.extra_args = {"kv_transfer_params": kv_transfer_params}
         sp.update_from_generation_config({}, EOS)
         req = Request(
             request_id=rid,
@@ -484,25 +510,28 @@ class Engine:
     def step(self) -> Any:
         so = self.sched.schedule()
         self.preemptions += len(getattr(so, "preempted_req_ids", None) or ())
+        for rid, n in so.num_scheduled_tokens.items():
+            self.computed[rid] = self.computed.get(rid, 0) + n
         outputs = []
-        # Worker 0: the model runner's glue around the forward.
-        self.glue.pre_forward(so)
-        with set_forward_context(None, self.vc):
-            if self.layerwise:
-                for layer in self.layers:
-                    self.workers[0].wait_for_layer_load(layer)
-                    self.layer_waits.append(layer)
-                    if self.layer_hook is not None:
-                        self.layer_hook(so, layer)
-                    self._forward(so, 0, only=layer)
-            else:
-                self._forward(so, 0)
-            if self.forward_hook is not None:
-                self.forward_hook(so)
-        self.glue.finish_forward()
-        outputs.append(self.glue.post_forward(so.finished_req_ids))
+        if self.glue is not None:
+            # Worker 0: the model runner's glue around the forward.
+            self.glue.pre_forward(so)
+            with set_forward_context(None, self.vc):
+                if self.layerwise:
+                    for layer in self.layers:
+                        self.workers[0].wait_for_layer_load(layer)
+                        self.layer_waits.append(layer)
+                        if self.layer_hook is not None:
+                            self.layer_hook(so, layer)
+                        self._forward(so, 0, only=layer)
+                else:
+                    self._forward(so, 0)
+                if self.forward_hook is not None:
+                    self.forward_hook(so)
+            self.glue.finish_forward()
+            outputs.append(self.glue.post_forward(so.finished_req_ids))
         # Other ranks: the same calls, in the same order.
-        for rank in range(1, self.tp):
+        for rank in range(1 if self.glue is not None else 0, self.tp):
             w = self.workers[rank]
             meta = so.kv_connector_metadata
             w.handle_preemptions(meta)
@@ -541,6 +570,7 @@ class Engine:
             for o in outs.outputs:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
+                    self.transfer_params[o.request_id] = o.kv_transfer_params
         self.steps += 1
         self.check_running()
         return so
@@ -663,9 +693,10 @@ class Engine:
         return self.connector.scheduler.stats
 
     def close(self) -> None:
-        for w in self.workers[1:]:
+        for w in self.workers[1 if self.glue is not None else 0 :]:
             w.shutdown()
-        ensure_kv_transfer_shutdown()
+        if self.glue is not None:
+            ensure_kv_transfer_shutdown()
         self.connector.shutdown()
         self._platform.stop()
 

@@ -609,8 +609,7 @@ pub struct Handoff {
     /// Bytes reserved from the handoff budget (every promised page at its
     /// rank's page size), returned when the handoff ends.
     pub bytes: u64,
-    /// The load that takes the pages: the pins return once it has leased
-    /// them itself (it is past reading) or has ended.
+    /// The load that takes the pages: the pins return once it retired.
     pub taker: Option<Entity>,
 }
 

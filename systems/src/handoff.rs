@@ -1,10 +1,11 @@
 //! The P/D handoffs' part of the fence stage: promised pages are pinned as
 //! they land, and a handoff ends (its pins and reserved bytes returned)
-//! once the load that names it has leased the pages itself or ended, or
+//! once the load that names it has retired (its own leases held the pages
+//! until then), or
 //! when its deadline passes.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::ecs::{Handoff, OpState, Operation};
+use orbitkv_components::ecs::{Handoff, Operation};
 
 use crate::lifecycle::take_lease;
 use crate::resources::{Clock, Dram, Handoffs, decrement};
@@ -46,13 +47,12 @@ pub fn sweep(
 ) {
     let now = clock.now_us;
     for (entity, h) in &held {
-        let taken = h.taker.is_some_and(|t| match operations.get(t) {
-            Ok(op) => matches!(
-                op.state(),
-                OpState::Ready | OpState::RestorePending | OpState::Restoring | OpState::Finishing
-            ),
-            Err(_) => true,
-        });
+        // Taken once the load that named it has retired: every rank's
+        // loads of a tensor-parallel engine start together, so the pins
+        // stand while the first one's leases do, and the others have
+        // leased the pages by then (a page lost meanwhile is a failed load
+        // the engine recomputes, never a wrong one).
+        let taken = h.taker.is_some_and(|t| operations.get(t).is_err());
         let expired = now >= h.deadline_us;
         if !(taken || expired) {
             continue;

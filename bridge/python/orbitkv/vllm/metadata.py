@@ -5,7 +5,7 @@ worker processes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -28,6 +28,8 @@ class LoadSpec:
     block_ids: Tuple[List[int], ...]
     """Per KV cache group, the engine block of each page index (or
     `NULL_BLOCK`), for pages [0, boundary / page_tokens)."""
+    handoff: Optional[int] = None
+    """P/D: the prefill engine's handoff this load takes."""
 
 
 class SaveItem(NamedTuple):

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import orbitkv
 
+from . import handoff as pd
 from .engine import EngineSpec
 from .link import LINK_ERRORS, ManagerLink, Refused, Unavailable
 from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveItem, SaveSpec
@@ -52,6 +53,15 @@ class _Request:
     pending: Optional["_Pending"] = None
     """``lookup_wait: false``: the lookup sent for this request whose
     answer has not been collected yet."""
+    handoff: Optional[pd.Handoff] = None
+    """P/D, the decode engine: the prefill engine's handoff this request
+    waits for (until ``handoff_until``), then loads naming it."""
+    handoff_until: float = 0.0
+    handoff_since: float = 0.0
+    handoff_seen: bool = False
+    """The request's params were read (once)."""
+    load_handoff: Optional[int] = None
+    """The handoff id its load takes (the manager's pins return then)."""
 
 
 @dataclass
@@ -76,6 +86,13 @@ class SchedulerStats:
     reason, e.g. ``unknown_rank``, ``contract``, ``instance_conflict``."""
     pages_saved: int = 0
     load_failures: int = 0
+    handoffs_promised: int = 0
+    """P/D, the prefill engine: requests handed to a decode engine."""
+    handoffs_taken: int = 0
+    """P/D, the decode engine: handoffs whose pages all landed in time."""
+    handoff_wait_ms: int = 0
+    """Their total wait, from the request's first lookup to the pages'
+    arrival."""
 
     def miss(self, reason: str) -> None:
         # Copied, not updated in place: a report may be reading the old one.
@@ -110,6 +127,7 @@ class SchedulerSide:
         #: `ConnectorEvents` when vLLM's KV events and the manager's are on.
         self.events: Any = None
         self._events_logged = float("-inf")
+        self._logged: Dict[str, float] = {}
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
         self.link.connect_at_startup()
@@ -133,9 +151,17 @@ class SchedulerSide:
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // page)
         if usable * page <= num_computed_tokens or num_computed_tokens % page:
             return 0, False
-        selected = self._lookup(state, num_computed_tokens, usable)
-        if selected is _NOT_YET:
-            return None, False  # vLLM skips the request and asks again later
+        if not state.handoff_seen:
+            state.handoff_seen = True
+            self._read_handoff(state)
+        if state.handoff is not None:
+            selected = self._await_handoff(state, num_computed_tokens, usable)
+            if selected is _NOT_YET:
+                return None, False  # the prefill engine's pages are on their way
+        else:
+            selected = self._lookup(state, num_computed_tokens, usable)
+            if selected is _NOT_YET:
+                return None, False  # vLLM skips the request and asks again later
         if selected is None or selected <= num_computed_tokens:
             return 0, False
         self.stats.hits += 1
@@ -169,6 +195,7 @@ class SchedulerSide:
                 boundary=boundary,
                 hashes=[bytes(h) for h in request.block_hashes[:pages]],
                 block_ids=tuple(per_group),
+                handoff=state.load_handoff if state is not None else None,
             )
         )
 
@@ -223,7 +250,10 @@ class SchedulerSide:
         state = self.requests.pop(request.request_id, None)
         if state is not None and state.pending is not None:
             self.link.session.forget_lookup(state.pending.ticket)
-        return bool(state is not None and state.saves_sent), None
+        params = None
+        if state is not None and self.settings.save and pd.wants_remote_decode(request):
+            params = self._promise(state)
+        return bool(state is not None and state.saves_sent), params
 
     def take_events(self) -> List[Any]:
         if self.events is None:
@@ -247,46 +277,178 @@ class SchedulerSide:
             self.events.close()
         self.link.close()
 
-    # internals ------------------------------------------------------------
+    # P/D handoff ------------------------------------------------------------
 
-    def _lookup(self, state: _Request, origin: int, pages: int) -> Any:
-        """The selected boundary, None (a miss, whatever the reason), or
-        `_NOT_YET` (``lookup_wait: false``, the answer has not come)."""
+    def _promise(self, state: _Request) -> Optional[Dict[str, Any]]:
+        """The prefill engine's side: the pages this request saved (or
+        found stored) are promised to a decode engine, and the manager pins
+        them as they land (``handoff_pin_ms``). The params go back through
+        ``kv_transfer_params``; None when nothing can be promised (the
+        decode engine then computes the prompt itself)."""
+        request = state.request
+        page = self.spec.page_tokens
+        if self._recurrent:
+            self.stats.miss("handoff_unsupported")
+            self._log_once(
+                "handoff_unsupported",
+                "OrbitKV: request %s asked for a remote decode; P/D handoffs of hybrid recurrent "
+                "models are not supported (docs/pd.md): the decode engine computes the prompt",
+                request.request_id,
+            )
+            return None
+        pages = min(max(state.saved_pages, 0), len(request.block_hashes))
+        if pages == 0:
+            self.stats.miss("handoff_nothing_saved")
+            return None
+        hashes = [bytes(h) for h in request.block_hashes[:pages]]
+        hid = pd.new_id()
+        pinned = False
         try:
             session = self.link.get()
+            session.hold(self._group_ids, hashes, hid, self.settings.handoff_pin_ms)
+            pinned = True
         except Refused as e:
             self.stats.refused(e.reason)
             return None
         except Unavailable:
             self.stats.unavailable += 1
-            self.stats.miss("unavailable")
+            return None  # its saves were dropped too: nothing will land
+        except orbitkv.Refused as e:
+            # A bound of the manager's ([budget] handoff_bytes,
+            # limits.max_handoffs): the pages land all the same, unpinned.
+            reason = str(e.args[0])
+            self.stats.refused(reason)
+            self._log_once(
+                "hold",
+                "OrbitKV: the manager refused to pin request %s's pages for its decode engine "
+                "(%s); they are handed over unpinned",
+                state.request.request_id,
+                e,
+            )
+        except LINK_ERRORS as e:
+            self.link.drop(f"{type(e).__name__}: {e}")
+            return None
+        self.stats.handoffs_promised += 1
+        namespaces = self.namespaces() or []
+        return pd.Handoff(hid, namespaces, page, pages * page, hashes, self.settings.handoff_pin_ms, pinned).params()
+
+    def _read_handoff(self, state: _Request) -> None:
+        """The decode engine's side: the request's handoff, checked against
+        this engine (page size, namespaces, the prompt's hashes); a
+        mismatch is a miss with its reason, logged, and the request goes on
+        as any other (an ordinary lookup)."""
+        try:
+            h = pd.parse(state.request)
+            if h is None:
+                return
+            if self._recurrent:
+                raise pd.HandoffMismatch(
+                    "handoff_unsupported", "P/D handoffs of hybrid recurrent models are not supported"
+                )
+            namespaces = self.namespaces() if self.link.session.up else None
+            pd.check(h, self.spec.page_tokens, namespaces, state.request.block_hashes)
+        except pd.HandoffMismatch as e:
+            self.stats.miss(e.reason)
+            self._log_once(e.reason, "OrbitKV: request %s: its P/D handoff is not usable here: %s", state.request.request_id, e)
+            return
+        now = time.monotonic()
+        wait = self.settings.handoff_wait_s
+        if h.pin_ms > 0:
+            wait = min(wait, h.pin_ms / 1000.0)
+        state.handoff = h
+        state.handoff_since = now
+        state.handoff_until = now + wait
+
+    def _await_handoff(self, state: _Request, origin: int, usable: int) -> Any:
+        """`_NOT_YET` while the promised pages have not all landed and the
+        wait is not over; then the boundary to load (the load takes the
+        handoff), or None: the wait ended with nothing to load
+        (``handoff_timeout``)."""
+        h = state.handoff
+        assert h is not None
+        page = self.spec.page_tokens
+        want = min(h.pages, usable) * page
+        got = self._lookup(state, origin, usable, quiet=True)
+        if got is _NOT_YET:
+            got = None if time.monotonic() >= state.handoff_until else _NOT_YET
+            if got is _NOT_YET:
+                return _NOT_YET
+        if got is not None and got >= want:
+            self._count(origin, usable)
+            self.stats.handoffs_taken += 1
+            self.stats.handoff_wait_ms += int((time.monotonic() - state.handoff_since) * 1000)
+            state.load_handoff = h.id
+            state.handoff = None
+            return got
+        if time.monotonic() < state.handoff_until:
+            return _NOT_YET
+        self._count(origin, usable)
+        self.stats.miss("handoff_timeout")
+        self._log_once(
+            "handoff_timeout",
+            "OrbitKV: request %s waited %.1fs for its prefill engine's pages (%d of %d tokens "
+            "arrived); it computes the rest itself (handoff_wait_s)",
+            state.request.request_id,
+            time.monotonic() - state.handoff_since,
+            got or 0,
+            want,
+        )
+        state.load_handoff = h.id  # what did land is loaded; the pins return with it
+        state.handoff = None
+        return got
+
+    def _log_once(self, key: str, msg: str, *args: Any) -> None:
+        """Logs `msg` at most once a minute per `key` (a misconfigured
+        P/D pair would say it for every request)."""
+        now = time.monotonic()
+        last = self._logged.get(key, float("-inf"))
+        if now - last >= 60.0:
+            self._logged[key] = now
+            log.error(msg, *args)
+
+    # internals ------------------------------------------------------------
+
+    def _lookup(self, state: _Request, origin: int, pages: int, quiet: bool = False) -> Any:
+        """The selected boundary, None (a miss, whatever the reason), or
+        `_NOT_YET` (``lookup_wait: false``, the answer has not come).
+        `quiet`: a P/D wait's repeated look, counted in no statistic."""
+        stats = SchedulerStats() if quiet else self.stats
+        try:
+            session = self.link.get()
+        except Refused as e:
+            stats.refused(e.reason)
+            return None
+        except Unavailable:
+            stats.unavailable += 1
+            stats.miss("unavailable")
             return None
         request = state.request
         query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
         try:
             if self.settings.lookup_wait:
-                self._count(origin, pages)
+                if not quiet:
+                    self._count(origin, pages)
                 found = session.lookup(*query, timeout=self.settings.query_timeout_s)
             else:
-                found = self._collect(session, state, query)
+                found = self._collect(session, state, query, quiet)
                 if found is None:
                     return _NOT_YET
         except orbitkv.Refused as e:
             kind = str(e.args[0])
             if kind == "stale_session":
                 self.link.drop("stale session")
-            self.stats.miss(kind)
+            stats.miss(kind)
             return None
         except TimeoutError:
             # A lookup holds nothing: a late answer is dropped.
-            self.stats.miss("timeout")
+            stats.miss("timeout")
             return None
         except LINK_ERRORS as e:
             self.link.drop(f"{type(e).__name__}: {e}")
-            self.stats.miss("unavailable")
+            stats.miss("unavailable")
             return None
         if found.miss is not None:
-            self.stats.miss(str(found.miss))
+            stats.miss(str(found.miss))
             return None
         return found.selected
 
@@ -294,7 +456,9 @@ class SchedulerSide:
         self.stats.queries += 1
         self.stats.queried_tokens += pages * self.spec.page_tokens - origin
 
-    def _collect(self, session: orbitkv.Session, state: _Request, query: Tuple[Any, ...]) -> Any:
+    def _collect(
+        self, session: orbitkv.Session, state: _Request, query: Tuple[Any, ...], quiet: bool = False
+    ) -> Any:
         """``lookup_wait: false``: the request's lookup is sent once and its
         answer collected without waiting; `None` until it has come.
         `TimeoutError` past ``query_timeout_s``."""
@@ -305,7 +469,8 @@ class SchedulerSide:
             session.forget_lookup(p.ticket)  # asked of another session, or for other tokens
             p = state.pending = None
         if p is None:
-            self._count(origin, pages)
+            if not quiet:
+                self._count(origin, pages)
             p = state.pending = _Pending(
                 session.start_lookup(*query),
                 origin,

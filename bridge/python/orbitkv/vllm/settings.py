@@ -97,6 +97,17 @@ class ConnectorSettings:
     layer's attention runs while later layers still copy. A failed load is
     reported through ``get_block_ids_with_load_errors`` and vLLM
     recomputes. Needs ``copy_agent`` and a single KV cache group."""
+    handoff_pin_ms: int = 30_000
+    """P/D, the prefill engine (``kv_producer``): how long the manager keeps
+    the pages it promised a decode engine pinned in DRAM (never evicted,
+    never demoted) when no decode engine takes them (1..=120000, the
+    manager's ``limits.max_handoff_deadline_us``). docs/pd.md."""
+    handoff_wait_s: float = 10.0
+    """P/D, the decode engine (``kv_consumer``): how long a request with a
+    handoff waits for the prefill engine's pages to land before it gives
+    up (a miss with reason ``handoff_timeout``: vLLM recomputes the
+    prompt). The wait keeps the request in vLLM's waiting queue, holding
+    no KV blocks. docs/pd.md."""
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "ConnectorSettings":
@@ -119,12 +130,16 @@ class ConnectorSettings:
         for key in ("staging_pages", "publish_batch_pages", "max_pending_jobs"):
             if getattr(s, key) < 1:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be >= 1")
-        for key in ("timeout_s", "query_timeout_s", "reconnect_interval_s"):
+        for key in ("timeout_s", "query_timeout_s", "reconnect_interval_s", "handoff_wait_s"):
             if not getattr(s, key) > 0:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0")
         if not 0 <= s.lookup_spin_us <= 10_000:
             raise ConfigError(
                 f"kv_connector_extra_config.lookup_spin_us must be in 0..=10000, got {s.lookup_spin_us}"
+            )
+        if not 1 <= s.handoff_pin_ms <= 120_000:
+            raise ConfigError(
+                f"kv_connector_extra_config.handoff_pin_ms must be in 1..=120000, got {s.handoff_pin_ms}"
             )
         if not s.socket:
             raise ConfigError("kv_connector_extra_config.socket is empty")

@@ -714,7 +714,9 @@ class _IoState:
             log.info("OrbitKV: load of %s: %s", spec.req_id, e)
             self.w._finish_load(spec, None, "restore_alloc")
             return
-        ticket = s.start_load(*self.query(spec), ranks=[rank], targets=targets, retained=retained)
+        ticket = s.start_load(
+            *self.query(spec), ranks=[rank], targets=targets, retained=retained, handoff=spec.handoff
+        )
         self.jobs[ticket] = ("load", job)
 
     def start_publish(self, job: _Publish) -> None:

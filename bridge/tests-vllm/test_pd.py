@@ -1,0 +1,208 @@
+"""P/D handoff with the real vLLM 0.33 classes: a prefill engine
+(`kv_producer`) and a decode engine (`kv_consumer`) in one process, each
+with its own scheduler, worker and session, against one real `orbitkv
+serve` (harness.py says what is real). The decode engine gets the prefill
+engine's `kv_transfer_params`, as vLLM's OpenAI server and a P/D proxy pass
+them."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+from harness import Engine
+from orbitkv.vllm import handoff as pd
+from orbitkv.vllm.worker import _IoState
+
+PROMPT = [10 + i for i in range(70)]  # 4 whole pages of 16 below the last token
+
+
+def counter(manager, name: str, outcome: str) -> int:
+    m = re.search(rf'^orbitkv_{name}_total\{{outcome="{outcome}"\}} (\d+)$', manager.metrics_text(), re.M)
+    return int(m.group(1)) if m else 0
+
+
+def no_leaks(manager) -> None:
+    for name in ("leases", "bytes_reserved", "operations", "handoffs_standing", "handoff_reserved_bytes"):
+        manager.wait_metric(name, 0)
+
+
+class Gate:
+    """Holds a worker's publishes back (its I/O thread waits at the gate)
+    until `open()`; `drop()` makes them vanish, as a producer killed before
+    it sent them."""
+
+    def __init__(self, monkeypatch, worker) -> None:
+        self.opened = threading.Event()
+        self.dropped = False
+        self.waiting = 0
+        real = _IoState.start_publish
+        gate = self
+
+        def start_publish(io, job):
+            if io.w is worker:
+                gate.waiting += 1
+                gate.opened.wait(30)
+                if gate.dropped:
+                    return
+            real(io, job)
+
+        monkeypatch.setattr(_IoState, "start_publish", start_publish)
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def drop(self) -> None:
+        self.dropped = True
+        self.opened.set()
+
+
+def prefill(p: Engine, rid: str, prompt) -> dict:
+    """The proxy's first step: the prompt with max_tokens=1 and
+    `do_remote_decode`; returns the params vLLM returned."""
+    p.add(rid, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.run(until=lambda: rid in p.finished)
+    params = p.transfer_params[rid]
+    assert params is not None and pd.KEY in params, params
+    return params
+
+
+def both(p: Engine, d: Engine, until, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not until():
+        assert time.monotonic() < deadline, (list(p.sched.requests), list(d.sched.requests))
+        so_p = p.step() if p.sched.requests else None
+        so_d = d.step()
+        if not so_d.total_num_scheduled_tokens and (so_p is None or not so_p.total_num_scheduled_tokens):
+            time.sleep(0.001)
+
+
+@pytest.fixture
+def pair(model, manager):
+    p = Engine(model, manager.socket, role="kv_producer", extra={"handoff_pin_ms": 20_000})
+    try:
+        d = Engine(model, manager.socket, role="kv_consumer", glue=False, extra={"handoff_wait_s": 20.0})
+    except BaseException:
+        p.close()
+        raise
+    try:
+        yield p, d
+    finally:
+        d.close()
+        p.close()
+
+
+def test_the_decode_engine_waits_for_the_promised_pages_then_loads_exactly_them(pair, manager, monkeypatch):
+    p, d = pair
+    gate = Gate(monkeypatch, p.workers[0].worker)
+    params = prefill(p, "P", PROMPT)
+    h = params[pd.KEY]
+    assert h["tokens"] == 64 and len(h["hashes"]) == 4 and h["pinned"], h
+    assert h["namespaces"] == d.connector.scheduler.namespaces() or d.connector.scheduler.namespaces() is None
+    assert gate.waiting >= 1  # the prefill's pages are still on their way
+    # The decode request arrives first: it waits in vLLM's waiting queue,
+    # holding no blocks, computing nothing.
+    d.add("D", PROMPT, max_tokens=3, kv_transfer_params=params)
+    for _ in range(50):
+        d.step()
+    assert d.computed.get("D", 0) == 0
+    assert d.stats.handoffs_taken == 0 and d.stats.hits == 0
+    assert "D" in [r.request_id for r in d.sched.waiting]
+    # The pages land: the decode engine loads the four pages, computes only
+    # the 6 tokens after them, and the oracle checks every byte it attends.
+    gate.open()
+    both(p, d, lambda: "D" in d.finished)
+    s = d.stats
+    assert (s.handoffs_taken, s.hits, s.hit_tokens) == (1, 1, 64), s
+    assert d.computed["D"] == 70 - 64 + 2, d.computed  # the rest of the prompt, then 2 decode steps
+    w = d.workers[0].worker.stats
+    assert w.pages_loaded == 4 and w.loads_failed == 0, w
+    assert not s.misses_by_reason, s.misses_by_reason
+    assert p.stats.handoffs_promised == 1
+    # The promise ended when the load took the pages: nothing is left
+    # pinned, leased or reserved.
+    p.run()
+    no_leaks(manager)
+    assert counter(manager, "handoffs", "held") == 1
+    assert counter(manager, "handoffs", "taken") == 1
+    assert counter(manager, "handoffs", "expired") == 0
+
+
+def test_pages_already_stored_are_handed_over_at_once(pair, manager):
+    p, d = pair
+    params = prefill(p, "P", PROMPT)
+    p.run()  # the saves landed before the decode request arrives
+    d.add("D", PROMPT, max_tokens=2, kv_transfer_params=params)
+    d.run()
+    s = d.stats
+    assert (s.handoffs_taken, s.hit_tokens) == (1, 64), s
+    no_leaks(manager)
+    assert counter(manager, "handoffs", "taken") == 1
+
+
+def test_a_producer_that_died_before_publishing_ends_in_a_timeout_and_a_recompute(model, manager, monkeypatch):
+    p = Engine(model, manager.socket, role="kv_producer", extra={"handoff_pin_ms": 1500})
+    try:
+        d = Engine(model, manager.socket, role="kv_consumer", glue=False, extra={"handoff_wait_s": 1.0})
+        try:
+            gate = Gate(monkeypatch, p.workers[0].worker)
+            params = prefill(p, "P", PROMPT)
+            # The producer dies with its publishes unsent.
+            gate.drop()
+            p.close()
+            t0 = time.monotonic()
+            d.add("D", PROMPT, max_tokens=2, kv_transfer_params=params)
+            d.run(limit_s=30)
+            waited = time.monotonic() - t0
+            s = d.stats
+            assert s.misses_by_reason.get("handoff_timeout") == 1, s
+            assert (s.handoffs_taken, s.hit_tokens) == (0, 0), s
+            assert d.computed["D"] == 70 + 1  # the whole prompt, recomputed
+            assert 1.0 <= waited < 10.0, waited
+            # The promise expires at its own deadline; nothing leaks.
+            no_leaks(manager)
+            assert counter(manager, "handoffs", "expired") == 1
+        finally:
+            d.close()
+    finally:
+        if p.connector is not None:
+            try:
+                p.close()
+            except Exception:
+                pass
+
+
+def test_a_handoff_from_another_prompt_or_hash_seed_is_refused_and_logged(pair, manager, caplog):
+    p, d = pair
+    params = prefill(p, "P", PROMPT)
+    p.run()
+    # The same params on another prompt: its block hashes differ.
+    other = [11 + i for i in range(70)]
+    d.add("D", other, max_tokens=2, kv_transfer_params=params)
+    with caplog.at_level("ERROR", logger="orbitkv.vllm"):
+        d.run()
+    s = d.stats
+    assert s.misses_by_reason.get("handoff_mismatch") == 1, s
+    assert s.handoffs_taken == 0 and s.hit_tokens == 0
+    assert any("block hashes differ" in r.getMessage() for r in caplog.records)
+    # Malformed params: a miss with its reason, never an exception in vLLM.
+    bad = {pd.KEY: {"id": "zz", "tokens": 16}}
+    d.add("E", PROMPT, max_tokens=2, kv_transfer_params=bad)
+    d.run()
+    assert d.stats.misses_by_reason.get("handoff_malformed") == 1
+    # Only the unused promise's pins are left.
+    manager.wait_metric("handoffs_standing", 1)
+    manager.wait_metric("handoff_pinned_pages", 4)
+    manager.wait_metric("leases", 4)
+    manager.wait_metric("bytes_reserved", 0)
+
+
+def test_a_plain_request_to_the_producer_promises_nothing(pair, manager):
+    p, _ = pair
+    p.add("X", PROMPT, max_tokens=1)
+    p.run()
+    assert p.transfer_params["X"] is None
+    assert p.stats.handoffs_promised == 0
+    no_leaks(manager)

@@ -8,13 +8,16 @@ them."""
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 import time
+import uuid
 
 import pytest
-from harness import Engine
+import serve_support as ss
+from harness import HEAD, HEADS, Engine
 from orbitkv.vllm import handoff as pd
-from orbitkv.vllm.worker import _IoState
+from orbitkv.vllm.worker import WorkerSide, _IoState
 
 PROMPT = [10 + i for i in range(70)]  # 4 whole pages of 16 below the last token
 
@@ -59,6 +62,32 @@ class Gate:
         self.opened.set()
 
 
+class Clock:
+    """When the prefill engine's last publish was answered (its pages
+    landed) and when the decode engine's load ended: the handoff's latency
+    is the difference."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.published = 0.0
+        self.loaded = 0.0
+        done, finish = WorkerSide._publish_done, WorkerSide._finish_load
+        clock = self
+
+        def publish_done(w, *a, **kw):
+            clock.published = time.monotonic()
+            return done(w, *a, **kw)
+
+        def finish_load(w, *a, **kw):
+            clock.loaded = time.monotonic()
+            return finish(w, *a, **kw)
+
+        monkeypatch.setattr(WorkerSide, "_publish_done", publish_done)
+        monkeypatch.setattr(WorkerSide, "_finish_load", finish_load)
+
+    def ms(self) -> float:
+        return (self.loaded - self.published) * 1000
+
+
 def prefill(p: Engine, rid: str, prompt) -> dict:
     """The proxy's first step: the prompt with max_tokens=1 and
     `do_remote_decode`; returns the params vLLM returned."""
@@ -97,6 +126,7 @@ def pair(model, manager):
 def test_the_decode_engine_waits_for_the_promised_pages_then_loads_exactly_them(pair, manager, monkeypatch):
     p, d = pair
     gate = Gate(monkeypatch, p.workers[0].worker)
+    clock = Clock(monkeypatch)
     params = prefill(p, "P", PROMPT)
     h = params[pd.KEY]
     assert h["tokens"] == 64 and len(h["hashes"]) == 4 and h["pinned"], h
@@ -121,6 +151,7 @@ def test_the_decode_engine_waits_for_the_promised_pages_then_loads_exactly_them(
     assert w.pages_loaded == 4 and w.loads_failed == 0, w
     assert not s.misses_by_reason, s.misses_by_reason
     assert p.stats.handoffs_promised == 1
+    print(f"\nhandoff on one host: last publish landed -> load done in {clock.ms():.1f} ms")
     # The promise ended when the load took the pages: nothing is left
     # pinned, leased or reserved.
     p.run()
@@ -206,3 +237,59 @@ def test_a_plain_request_to_the_producer_promises_nothing(pair, manager):
     assert p.transfer_params["X"] is None
     assert p.stats.handoffs_promised == 0
     no_leaks(manager)
+
+
+def test_across_hosts_the_decode_engine_reads_the_promised_pages_from_the_remote_tier(
+    model, orbitkv_bin, tmp_path, monkeypatch
+):
+    """Two managers (two hosts) sharing the run's Redis Cluster: the prefill
+    engine's pages are written through to it, and the decode engine, on
+    the other manager, waits until its manager sees them there."""
+    urls = ss.redis_cluster("pd across hosts")
+    if urls is None:
+        pytest.skip("ORBITKV_TEST_REDIS_CLUSTER is unset (scripts/redis.sh start)")
+    prefix = f"pd-{uuid.uuid4().hex[:8]}:"
+    config = ss.remote_config(urls, prefix, tmp_path / "mac.key")
+    a = ss.Manager(orbitkv_bin, dram="64MiB", config=config)
+    b = ss.Manager(orbitkv_bin, dram="64MiB", config=config)
+    try:
+        a.start()
+        b.start()
+        p = Engine(model, a.socket, role="kv_producer", extra={"handoff_pin_ms": 4000})
+        try:
+            d = Engine(model, b.socket, role="kv_consumer", glue=False, extra={"handoff_wait_s": 20.0})
+            try:
+                gate = Gate(monkeypatch, p.workers[0].worker)
+                clock = Clock(monkeypatch)
+                params = prefill(p, "P", PROMPT)
+                d.add("D", PROMPT, max_tokens=3, kv_transfer_params=params)
+                for _ in range(30):
+                    d.step()
+                assert d.computed.get("D", 0) == 0 and d.stats.hits == 0
+                gate.open()
+                both(p, d, lambda: "D" in d.finished)
+                s = d.stats
+                assert (s.handoffs_taken, s.hit_tokens) == (1, 64), s
+                assert d.computed["D"] == 70 - 64 + 2
+                assert d.workers[0].worker.stats.pages_loaded == 4
+                print(f"\nhandoff across hosts (remote tier): last publish landed -> load done in {clock.ms():.1f} ms")
+                # Manager B read the four pages from the remote tier.
+                read = re.search(r'^orbitkv_tier_read_bytes_total\{tier="remote"\} (\d+)$', b.metrics_text(), re.M)
+                assert read and int(read.group(1)) >= 4 * 16 * 2 * HEADS * HEAD * 4 * 2, read
+                p.run()
+                for name in ("leases", "bytes_reserved", "operations", "handoffs_standing"):
+                    b.wait_metric(name, 0)
+                # The promise pinned A's copies, which nobody takes there:
+                # they stay pinned until its deadline (handoff_pin_ms).
+                assert counter(a, "handoffs", "held") == 1
+                for name in ("leases", "bytes_reserved", "operations", "handoffs_standing"):
+                    a.wait_metric(name, 0, timeout=15)
+                assert counter(a, "handoffs", "expired") == 1
+            finally:
+                d.close()
+        finally:
+            p.close()
+    finally:
+        for m in (a, b):
+            m.stop()
+            shutil.rmtree(m.dir, ignore_errors=True)

@@ -302,6 +302,31 @@ def orbitkv_binary(profile: str = "debug") -> Path:
     return path
 
 
+def redis_cluster(test: str) -> Optional[str]:
+    """The Redis Cluster of the test run (`ORBITKV_TEST_REDIS_CLUSTER`,
+    comma-separated seed URLs; scripts/redis.sh), or None when unset
+    (a skip, unless `ORBITKV_REQUIRE_REDIS` says it must be there)."""
+    urls = os.environ.get("ORBITKV_TEST_REDIS_CLUSTER", "")
+    if not urls:
+        assert not os.environ.get("ORBITKV_REQUIRE_REDIS"), f"{test}: Redis is required here but unset"
+    return urls or None
+
+
+def remote_config(urls: str, prefix: str, key_file: Path, extra: str = "") -> str:
+    """`CONFIG` with a remote tier on `urls` under `prefix`; managers given
+    the same `key_file` share records, as one deployment's do."""
+    if not key_file.exists():
+        key_file.write_bytes(os.urandom(32))
+        key_file.chmod(0o600)
+    seeds = ", ".join(f'"{u}"' for u in urls.split(","))
+    return (
+        CONFIG
+        + f'[remote]\nurls = [{seeds}]\nkey_prefix = "{prefix}"\nmac_key_file = "{key_file}"\n'
+        + "refresh_interval_ms = 20\n"
+        + extra
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -413,7 +438,7 @@ class Manager:
         for line in text.splitlines():
             if line.startswith("orbitkv_") and "{" not in line:
                 name, value = line.split()
-                out[name[len("orbitkv_") :]] = int(value)
+                out[name[len("orbitkv_") :]] = int(float(value))
         return out
 
     def metric(self, name: str) -> Optional[int]:

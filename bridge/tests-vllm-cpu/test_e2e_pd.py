@@ -183,8 +183,11 @@ def test_one_host_the_decode_engine_takes_the_prompt_from_the_prefill_engine(pd)
     # pinned, leased or reserved.
     for name in ("leases", "bytes_reserved", "operations", "handoffs_standing"):
         a.wait_metric(name, 0, timeout=30)
-    text = a.metrics_text()
-    assert f'orbitkv_handoffs_total{{outcome="taken"}} {len(ONE_HOST)}' in text, text
+    want = f'orbitkv_handoffs_total{{outcome="taken"}} {len(ONE_HOST)}'
+    deadline = time.monotonic() + 10
+    while want not in (text := a.metrics_text()):  # /metrics is refreshed every 100 ms
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
 
 
 def test_across_hosts_the_decode_engine_reads_the_prompt_from_the_remote_tier(pd):

@@ -7,11 +7,13 @@ them."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import threading
 import time
 import uuid
+from typing import Optional
 
 import pytest
 import serve_support as ss
@@ -22,9 +24,16 @@ from orbitkv.vllm.worker import WorkerSide, _IoState
 PROMPT = [10 + i for i in range(70)]  # 4 whole pages of 16 below the last token
 
 
-def counter(manager, name: str, outcome: str) -> int:
-    m = re.search(rf'^orbitkv_{name}_total\{{outcome="{outcome}"\}} (\d+)$', manager.metrics_text(), re.M)
-    return int(m.group(1)) if m else 0
+def counter(manager, name: str, outcome: str, want: Optional[int] = None) -> int:
+    """`orbitkv_<name>_total{outcome}`; with `want`, waits (bounded) until
+    /metrics, refreshed every 100 ms, shows it."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = re.search(rf'^orbitkv_{name}_total\{{outcome="{outcome}"\}} (\d+)$', manager.metrics_text(), re.M)
+        got = int(m.group(1)) if m else 0
+        if want is None or got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
 
 
 def no_leaks(manager) -> None:
@@ -108,11 +117,12 @@ def both(p: Engine, d: Engine, until, limit_s: float = 30.0) -> None:
             time.sleep(0.001)
 
 
-@pytest.fixture
-def pair(model, manager):
-    p = Engine(model, manager.socket, role="kv_producer", extra={"handoff_pin_ms": 20_000})
+@contextlib.contextmanager
+def engines(model, socket, consumer: Optional[dict] = None, tp: int = 1):
+    p = Engine(model, socket, role="kv_producer", tp=tp, extra={"handoff_pin_ms": 20_000})
     try:
-        d = Engine(model, manager.socket, role="kv_consumer", glue=False, extra={"handoff_wait_s": 20.0})
+        extra = {"handoff_wait_s": 20.0, **(consumer or {})}
+        d = Engine(model, socket, role="kv_consumer", glue=False, tp=tp, extra=extra)
     except BaseException:
         p.close()
         raise
@@ -123,8 +133,25 @@ def pair(model, manager):
         p.close()
 
 
-def test_the_decode_engine_waits_for_the_promised_pages_then_loads_exactly_them(pair, manager, monkeypatch):
-    p, d = pair
+@pytest.fixture
+def pair(model, manager):
+    with engines(model, manager.socket) as e:
+        yield e
+
+
+@pytest.mark.parametrize(
+    "consumer,tp",
+    [({}, 1), ({"lookup_wait": False}, 1), ({}, 2)],
+    ids=["lookup_wait", "lookup_sent_without_waiting", "tp2"],
+)
+def test_the_decode_engine_waits_for_the_promised_pages_then_loads_exactly_them(
+    model, manager, monkeypatch, consumer, tp
+):
+    with engines(model, manager.socket, consumer, tp) as (p, d):
+        wait_then_load(p, d, manager, monkeypatch, tp)
+
+
+def wait_then_load(p, d, manager, monkeypatch, tp):
     gate = Gate(monkeypatch, p.workers[0].worker)
     clock = Clock(monkeypatch)
     params = prefill(p, "P", PROMPT)
@@ -147,8 +174,9 @@ def test_the_decode_engine_waits_for_the_promised_pages_then_loads_exactly_them(
     s = d.stats
     assert (s.handoffs_taken, s.hits, s.hit_tokens) == (1, 1, 64), s
     assert d.computed["D"] == 70 - 64 + 2, d.computed  # the rest of the prompt, then 2 decode steps
-    w = d.workers[0].worker.stats
-    assert w.pages_loaded == 4 and w.loads_failed == 0, w
+    for rank in range(tp):
+        w = d.workers[rank].worker.stats
+        assert w.pages_loaded == 4 and w.loads_failed == 0, (rank, w)
     assert not s.misses_by_reason, s.misses_by_reason
     assert p.stats.handoffs_promised == 1
     print(f"\nhandoff on one host: last publish landed -> load done in {clock.ms():.1f} ms")
@@ -156,9 +184,9 @@ def test_the_decode_engine_waits_for_the_promised_pages_then_loads_exactly_them(
     # pinned, leased or reserved.
     p.run()
     no_leaks(manager)
-    assert counter(manager, "handoffs", "held") == 1
-    assert counter(manager, "handoffs", "taken") == 1
-    assert counter(manager, "handoffs", "expired") == 0
+    assert counter(manager, "handoffs", "held", 1) == 1
+    assert counter(manager, "handoffs", "taken", 1) == 1
+    assert counter(manager, "handoffs", "expired", 0) == 0
 
 
 def test_pages_already_stored_are_handed_over_at_once(pair, manager):
@@ -170,7 +198,7 @@ def test_pages_already_stored_are_handed_over_at_once(pair, manager):
     s = d.stats
     assert (s.handoffs_taken, s.hit_tokens) == (1, 64), s
     no_leaks(manager)
-    assert counter(manager, "handoffs", "taken") == 1
+    assert counter(manager, "handoffs", "taken", 1) == 1
 
 
 def test_a_producer_that_died_before_publishing_ends_in_a_timeout_and_a_recompute(model, manager, monkeypatch):
@@ -194,7 +222,7 @@ def test_a_producer_that_died_before_publishing_ends_in_a_timeout_and_a_recomput
             assert 1.0 <= waited < 10.0, waited
             # The promise expires at its own deadline; nothing leaks.
             no_leaks(manager)
-            assert counter(manager, "handoffs", "expired") == 1
+            assert counter(manager, "handoffs", "expired", 1) == 1
         finally:
             d.close()
     finally:
@@ -281,10 +309,10 @@ def test_across_hosts_the_decode_engine_reads_the_promised_pages_from_the_remote
                     b.wait_metric(name, 0)
                 # The promise pinned A's copies, which nobody takes there:
                 # they stay pinned until its deadline (handoff_pin_ms).
-                assert counter(a, "handoffs", "held") == 1
+                assert counter(a, "handoffs", "held", 1) == 1
                 for name in ("leases", "bytes_reserved", "operations", "handoffs_standing"):
                     a.wait_metric(name, 0, timeout=15)
-                assert counter(a, "handoffs", "expired") == 1
+                assert counter(a, "handoffs", "expired", 1) == 1
             finally:
                 d.close()
         finally:

@@ -175,6 +175,11 @@ impl Config {
         if self.query_budget() > self.dram.capacity_bytes {
             return bad("budget.query_budget_bytes exceeds dram.capacity_bytes");
         }
+        // Zero is allowed: no P/D handoff pins anything (each `hold` is
+        // refused, and the prefill engine hands its pages over unpinned).
+        if self.handoff_budget() > self.dram.capacity_bytes {
+            return bad("budget.handoff_bytes exceeds dram.capacity_bytes");
+        }
         for (name, v) in [
             ("limits.max_commands_per_tick", l.max_commands_per_tick),
             ("limits.max_inbox", l.max_inbox),

@@ -321,3 +321,30 @@ def test_across_hosts_the_decode_engine_reads_the_promised_pages_from_the_remote
         for m in (a, b):
             m.stop()
             shutil.rmtree(m.dir, ignore_errors=True)
+
+
+def test_a_refused_pin_is_logged_and_the_pages_are_handed_over_unpinned(model, orbitkv_bin, caplog):
+    m = ss.Manager(orbitkv_bin, dram="64MiB", config=ss.CONFIG + "[budget]\nhandoff_bytes = 4096\n")
+    try:
+        m.start()
+        with engines(model, m.socket) as (p, d):
+            with caplog.at_level("ERROR", logger="orbitkv.vllm"):
+                params = prefill(p, "P", PROMPT)
+            h = params[pd.KEY]
+            assert h["pinned"] is False and h["tokens"] == 64, h
+            assert p.stats.refusals_by_reason == {"limit_handoff_bytes": 1}, p.stats
+            assert any("refused to pin" in r.getMessage() for r in caplog.records)
+            # Unpinned, but there: the decode engine takes them all the same.
+            d.add("D", PROMPT, max_tokens=2, kv_transfer_params=params)
+            both(p, d, lambda: "D" in d.finished)
+            assert (d.stats.handoffs_taken, d.stats.hit_tokens) == (1, 64), d.stats
+            p.run()
+            line = 'orbitkv_refusals_total{command="hold",reason="limit_handoff_bytes"} 1'
+            deadline = time.monotonic() + 10
+            while line not in (text := m.metrics_text()):  # refreshed every 100 ms
+                assert time.monotonic() < deadline, text
+                time.sleep(0.05)
+        no_leaks(m)
+    finally:
+        m.stop()
+        shutil.rmtree(m.dir, ignore_errors=True)

@@ -389,3 +389,39 @@ def test_a_prefix_not_worth_loading_is_a_typed_miss_counted_on_metrics(orbitkv_b
     finally:
         m.stop()
         shutil.rmtree(m.dir, ignore_errors=True)
+
+
+def test_a_hold_pins_promised_pages_until_the_load_naming_it_retired(manager):
+    e = Engine()
+    with session(manager, e) as s:
+        hs = hashes(4, seed=3)
+        e.save(s, hs[:2])
+        # Two of the four promised pages are in DRAM already.
+        promised, pinned, reserved = s.hold([0], hs, 0xABCD, 10_000)
+        assert (promised, pinned, reserved) == (4, 2, 4 * PAGE_BYTES)
+        manager.wait_metric("handoffs_standing", 1)
+        manager.wait_metric("leases", 2)
+        with pytest.raises(orbitkv.Refused) as info:
+            s.hold([0], hs, 0xABCD, 10_000)
+        assert info.value.args[:2] == ("invalid", "handoff_exists") and s.up
+        with pytest.raises(orbitkv.Refused) as info:
+            s.hold([0], hs, 1, 10_000_000)
+        assert info.value.args[:2] == ("limit", "limit_max_handoff_deadline")
+        # The other two land and are pinned as they do.
+        for i, h in enumerate(hs[2:]):
+            e.page(s, 20 + i)[:] = payload(2 + i)
+        dps = s.device_pages(e.region, [20, 21])
+        s.save([(0, 0, h, dp) for h, dp in zip(hs[2:], dps)])
+        manager.wait_metric("handoff_pinned_pages", 4)
+        # The load that names the handoff takes the pages: byte-exact, and
+        # the pins are returned once it retired.
+        dps = s.device_pages(e.region, [8, 9, 10, 11])
+        got = s.load(
+            [0], hs, 0, 4 * PAGE + 1, ranks=[0],
+            targets=[(0, 0, (i + 1) * PAGE, dp) for i, dp in enumerate(dps)], handoff=0xABCD,
+        )  # fmt: skip
+        assert got.hit and got.boundary == 4 * PAGE
+        for i in range(4):
+            assert np.array_equal(e.page(s, 8 + i), payload(i)), i
+        for name in ("handoffs_standing", "handoff_pinned_pages", "handoff_reserved_bytes", "leases"):
+            manager.wait_metric(name, 0)

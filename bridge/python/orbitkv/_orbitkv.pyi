@@ -407,17 +407,32 @@ class Session:
         ranks: Sequence[int],
         targets: Sequence[Tuple[int, int, int, int]],
         retained: Sequence[Tuple[int, int, int]] = (),
+        handoff: Optional[int] = None,
     ) -> Loaded:
         """One command: the manager selects the boundary, leases and reads
         its pages and copies them into ``targets`` (``(rank, group,
         page_end, device_page)`` for every page the engine could take);
         ``retained`` (``(rank, group, page_end)``) are pages the engine
-        holds. Returns after the last event.
+        holds. Returns after the last event. ``handoff``: the P/D handoff
+        (:meth:`hold`) this load takes; its pins return once it retired.
 
         :raises Refused: the plan does not cover the selected ranges
             (``load_invalid``) or names what is not this session's.
         :raises Unavailable: no outcome in time, or a copy passed its
             deadline (the connection is given up; its agent drains first).
+        """
+
+    def hold(self, groups: Sequence[int], hashes: Sequence[bytes], handoff: int, deadline_ms: int) -> Tuple[int, int, int]:
+        """A P/D prefill engine's promise (docs/pd.md): the pages of
+        ``hashes`` in ``groups``, on every rank, stay pinned in the
+        manager's DRAM as they land, until a load passing
+        ``handoff=handoff`` retired or ``deadline_ms`` passed. Returns
+        ``(promised, pinned_now, bytes_reserved)``.
+
+        :raises Refused: a bound (``limit_handoff_bytes``,
+            ``limit_max_handoffs``, ``limit_max_handoff_deadline``), a
+            duplicate id (``handoff_exists``), nothing promised
+            (``empty_handoff``); nothing is pinned.
         """
 
     def save(self, pages: Sequence[Tuple[int, int, bytes, int]]) -> Saved:
@@ -433,6 +448,7 @@ class Session:
         ranks: Sequence[int],
         targets: Sequence[Tuple[int, int, int, int]],
         retained: Sequence[Tuple[int, int, int]] = (),
+        handoff: Optional[int] = None,
     ) -> int:
         """Starts a :meth:`load`; returns its ticket. :meth:`poll` reports
         its :class:`Ready`, then its :class:`Loaded` (or a :class:`Refused`)."""

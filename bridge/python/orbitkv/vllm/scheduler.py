@@ -316,7 +316,7 @@ class SchedulerSide:
         except orbitkv.Refused as e:
             # A bound of the manager's ([budget] handoff_bytes,
             # limits.max_handoffs): the pages land all the same, unpinned.
-            reason = str(e.args[0])
+            reason = str(e.args[1]) if len(e.args) > 1 else str(e.args[0])
             self.stats.refused(reason)
             self._log_once(
                 "hold",

@@ -53,7 +53,8 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         // `st.now` is the previous round's last reading.
         let now = st.now;
-        let io_pending = st.rt.in_flight() > 0;
+        // Transfers in flight, or operations the next tick moves on.
+        let io_pending = st.rt.in_flight() > 0 || st.rt.progressing();
         let every = if st.conns.is_empty() && !io_pending {
             UNUSED_TICK
         } else {

@@ -6,7 +6,7 @@ use bevy_ecs::prelude::*;
 use orbitkv_components::api::{Addressed, Command, CommandId, Origin};
 use orbitkv_components::ecs::{
     DevicePage, Handoff, HeldLeases, Instance, Lease, Operation, Session, Transfer, TransferOf,
-    Transfers,
+    Transfers, at,
 };
 use orbitkv_gpu::CopyEngine;
 use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
@@ -682,6 +682,30 @@ impl Runtime {
     pub fn in_flight(&self) -> usize {
         let t = self.world.resource::<TransferIndex>();
         t.copies.len() + t.reads.len()
+    }
+
+    /// Whether a tick would move some operation on without any new
+    /// command or I/O: a read that landed leaves its operation `Reading`
+    /// until the next tick's read stage leases the page; a restore or
+    /// publish just accepted, or an operation retiring, likewise. A host
+    /// loop ticks again soon while this holds, instead of sleeping its idle
+    /// wait (it made every lower-tier hit 100 ms slower). Operations that
+    /// wait for a client (`Selected`, `Ready`) or for room (`Admit`) do not
+    /// count: they would keep the loop spinning. O(1) without operations.
+    pub fn progressing(&mut self) -> bool {
+        if self.world.resource::<Registry>().operations == 0 {
+            return false;
+        }
+        let w = &mut self.world;
+        w.query_filtered::<(), Or<(
+            With<at::Reading>,
+            With<at::RestorePending>,
+            With<at::PublishPending>,
+            With<at::Finishing>,
+        )>>()
+        .iter(w)
+        .next()
+        .is_some()
     }
 
     /// Each lower tier's (bytes held, capacity), where it says.

@@ -600,6 +600,8 @@ pub struct Handoff {
     pub id: u64,
     /// Who promised (for reports).
     pub origin: Origin,
+    /// The instance it was promised for (it may retire first: nothing
+    /// relies on it being live).
     pub instance: Entity,
     pub deadline_us: u64,
     /// Every promised page: each rank's namespace × group × hash.

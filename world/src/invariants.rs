@@ -170,10 +170,19 @@ fn leases(world: &mut World, v: &mut Vec<String>) {
             v.push(format!("lease {e:?} points at a missing page"));
             continue;
         };
-        // A lease is held by an operation, or by a P/D handoff's promise.
+        // A lease is held by an operation, or by a P/D handoff, of one of
+        // the pages it promised (a handoff outlives its instance: a
+        // re-registration may retire it).
         let holder = match (world.get::<Operation>(op.0), world.get::<Handoff>(op.0)) {
             (Some(op), _) => op.instance,
-            (None, Some(h)) => h.instance,
+            (None, Some(h)) => {
+                if !h.promised.contains(&page.key) {
+                    v.push(format!(
+                        "lease {e:?} pins a page its handoff never promised"
+                    ));
+                }
+                continue;
+            }
             (None, None) => {
                 v.push(format!("lease {e:?} is held by a missing operation"));
                 continue;

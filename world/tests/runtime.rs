@@ -2826,3 +2826,27 @@ fn handoffs_past_their_bounds_are_refused_and_pin_nothing() {
     d.h.advance();
     d.h.assert_idle();
 }
+
+#[test]
+fn a_handoff_outlives_its_instance_being_replaced_and_still_ends_at_its_deadline() {
+    let mut d = small_dense();
+    publish_pages(&mut d, 45, 0..2, 0);
+    assert!(matches!(
+        d.h.one(hold_cmd(&d, 9, 45, 2, 1000)),
+        Event::Held { pinned: 2, .. }
+    ));
+    // The producer exits and a new computation takes the instance's name:
+    // the old instance is gone, its promise stands (the invariants hold
+    // after every tick).
+    d.h.step(vec![Command::CloseSession { session: d.s }]);
+    d.h.advance();
+    d.h.register("llama", ID_B, dense(), 1);
+    d.h.advance();
+    let st = d.h.rt().stats();
+    assert_eq!((st.handoffs.standing, st.leases), (1, 2));
+    d.h.step(vec![Command::AdvanceClock { us: 2_000_000 }]);
+    d.h.advance();
+    let st = d.h.rt().stats();
+    assert_eq!((st.handoffs.standing, st.handoffs.counts.expired), (0, 1));
+    d.h.assert_idle();
+}

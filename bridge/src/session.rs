@@ -313,6 +313,7 @@ fn plan(
     ranks: Vec<u32>,
     targets: Vec<(u32, u32, u64, u64)>,
     retained: Vec<(u32, u32, u64)>,
+    handoff: Option<u64>,
 ) -> LoadPlan {
     LoadPlan {
         ranks,
@@ -335,7 +336,7 @@ fn plan(
                 page_end,
             })
             .collect(),
-        handoff: None,
+        handoff,
     }
 }
 
@@ -1147,10 +1148,7 @@ impl PySession {
         handoff: Option<u64>,
     ) -> PyResult<PyLoaded> {
         let q = query(groups, hashes, origin, prompt_len)?;
-        let plan = LoadPlan {
-            handoff,
-            ..plan(ranks, targets, retained)
-        };
+        let plan = plan(ranks, targets, retained, handoff);
         let l = Self::run(slf, |s, c| s.load(c, &q, plan))?;
         py_loaded(slf.py(), l)
     }
@@ -1201,10 +1199,7 @@ impl PySession {
         handoff: Option<u64>,
     ) -> PyResult<Ticket> {
         let q = query(groups, hashes, origin, prompt_len)?;
-        let plan = LoadPlan {
-            handoff,
-            ..plan(ranks, targets, retained)
-        };
+        let plan = plan(ranks, targets, retained, handoff);
         Self::run(slf, |s, c| s.start_load(c, &q, plan))
     }
 

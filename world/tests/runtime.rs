@@ -2647,6 +2647,22 @@ fn hold_cmd(d: &Dense, handoff: u64, seed: u64, pages: u64, deadline_ms: u64) ->
     }
 }
 
+/// Loads pages `0..pages` of prompt `seed` into slots from `first_slot`,
+/// naming `handoff`; asserts every page was restored.
+fn load_taking(d: &mut Dense, seed: u64, pages: u64, first_slot: u32, handoff: u64) {
+    let mut load = load_cmd(d, seed, pages, first_slot);
+    if let Command::Load { handoff: h, .. } = &mut load {
+        *h = Some(handoff);
+    }
+    let events = load_events(d, load);
+    assert!(
+        events
+            .iter()
+            .any(|a| matches!(a.event, Event::RestoreDone { pages: p, .. } if p == pages)),
+        "{events:?}"
+    );
+}
+
 fn found_pages(d: &mut Dense, seed: u64, pages: u64) -> usize {
     match d.h.one(Command::Lookup {
         session: d.s,
@@ -2695,17 +2711,7 @@ fn a_handoff_pins_its_pages_as_they_land_until_the_load_naming_it_took_them() {
     assert_eq!(found_pages(&mut d, 41, 4), 0);
     // The decode engine's load takes them: exact bytes, and the pins of
     // this handoff return (the other's stay).
-    let mut load = load_cmd(&mut d, 40, 4, 20);
-    if let Command::Load { handoff, .. } = &mut load {
-        *handoff = Some(0xfeed);
-    }
-    let events = load_events(&mut d, load);
-    assert!(
-        events
-            .iter()
-            .any(|a| matches!(a.event, Event::RestoreDone { pages: 4, .. })),
-        "{events:?}"
-    );
+    load_taking(&mut d, 40, 4, 20, 0xfeed);
     d.assert_restored(40, &[20, 21, 22, 23]);
     d.h.advance();
     let st = d.h.rt().stats();
@@ -2753,17 +2759,7 @@ fn a_handoff_whose_pages_never_land_ends_at_its_deadline_and_pins_nothing_later(
     let st = d.h.rt().stats();
     assert_eq!((st.leases, st.handoffs.pinned_pages), (0, 0));
     // A load naming the ended handoff is an ordinary load.
-    let mut load = load_cmd(&mut d, 43, 3, 10);
-    if let Command::Load { handoff, .. } = &mut load {
-        *handoff = Some(7);
-    }
-    let events = load_events(&mut d, load);
-    assert!(
-        events
-            .iter()
-            .any(|a| matches!(a.event, Event::RestoreDone { pages: 3, .. })),
-        "{events:?}"
-    );
+    load_taking(&mut d, 43, 3, 10, 7);
     d.h.assert_idle();
 }
 

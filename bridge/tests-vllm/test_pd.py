@@ -390,3 +390,16 @@ def test_a_gemma_style_model_hands_over_its_full_and_sliding_window_pages(tmp_pa
         assert w.pages_loaded == 8 + 2 and w.loads_failed == 0, w
         p.run()
     no_leaks(manager)
+
+
+def test_an_aborted_prefill_promises_nothing(pair, manager):
+    from vllm.v1.request import RequestStatus
+
+    p, _ = pair
+    p.add("A", PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.step()  # 64 of 70 prompt tokens computed (and saved)
+    p.sched.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    p.run()
+    assert p.stats.handoffs_promised == 0
+    assert counter(manager, "handoffs", "held", 0) == 0
+    no_leaks(manager)

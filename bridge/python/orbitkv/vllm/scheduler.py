@@ -251,7 +251,9 @@ class SchedulerSide:
         if state is not None and state.pending is not None:
             self.link.session.forget_lookup(state.pending.ticket)
         params = None
-        if state is not None and self.settings.save and pd.wants_remote_decode(request):
+        # An aborted request (its client went away) hands nothing over.
+        aborted = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED"
+        if state is not None and self.settings.save and not aborted and pd.wants_remote_decode(request):
             params = self._promise(state)
         return bool(state is not None and state.saves_sent), params
 
@@ -345,6 +347,10 @@ class SchedulerSide:
                 raise pd.HandoffMismatch(
                     "handoff_unsupported", "P/D handoffs of hybrid recurrent models are not supported"
                 )
+            try:
+                self.link.get()  # the namespaces to check against, once connected
+            except (Refused, Unavailable):
+                pass
             namespaces = self.namespaces() if self.link.session.up else None
             pd.check(h, self.spec.page_tokens, namespaces, state.request.block_hashes)
         except pd.HandoffMismatch as e:

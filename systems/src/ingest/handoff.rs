@@ -61,7 +61,7 @@ fn plan(world: &World, ctx: Ctx, session: SessionHandle, args: &Args) -> Result<
             return Err(limit(LimitName::MaxQueryPages, limits.max_query_pages));
         }
     }
-    let mut promised = Vec::with_capacity(pages.saturating_mul(instance.ranks.len()));
+    // The bytes first: the budget bounds what the keys below may take.
     let mut bytes = 0u64;
     for rank in &instance.ranks {
         for g in &args.groups {
@@ -69,11 +69,6 @@ fn plan(world: &World, ctx: Ctx, session: SessionHandle, args: &Args) -> Result<
                 return Err(invalid(InvalidCommand::UnknownGroup { group: g.group }));
             };
             bytes = bytes.saturating_add(page_bytes.saturating_mul(g.hashes.len() as u64));
-            promised.extend(g.hashes.iter().map(|h| StateKey {
-                namespace: rank.namespace,
-                group: g.group,
-                native: *h,
-            }));
         }
     }
     if handoffs.reserved.saturating_add(bytes) > handoffs.budget {
@@ -81,6 +76,16 @@ fn plan(world: &World, ctx: Ctx, session: SessionHandle, args: &Args) -> Result<
             name: LimitName::HandoffBytes,
             limit: handoffs.budget,
         });
+    }
+    let mut promised = Vec::with_capacity(pages.saturating_mul(instance.ranks.len()));
+    for rank in &instance.ranks {
+        for g in &args.groups {
+            promised.extend(g.hashes.iter().map(|h| StateKey {
+                namespace: rank.namespace,
+                group: g.group,
+                native: *h,
+            }));
+        }
     }
     let now = world.resource::<Clock>().now_us;
     Ok(Plan {

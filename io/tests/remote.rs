@@ -88,6 +88,57 @@ fn cluster_shares_pages_between_hosts() {
     assert_eq!(t.stats().mode, "cluster");
 }
 
+/// Writes queued behind a busy writer go out as pipelines of at most
+/// `write_batch_pages` records and `write_batch_bytes` bytes; every record
+/// lands whole and is found and read back, byte for byte, by another host.
+#[test]
+fn queued_writes_go_out_in_bounded_pipelines() {
+    let Some(_) = single_url("queued_writes_go_out_in_bounded_pipelines") else {
+        return;
+    };
+    let r = PrivateRedis::node();
+    let urls = r.urls();
+    let ns = fresh_namespace();
+    let mut cfg = config(urls.clone());
+    cfg.write_workers = 1;
+    cfg.write_batch_pages = 8;
+    // Three pages fit; a fourth would pass the byte bound.
+    cfg.write_batch_bytes = 3 * PAGE as u64 + 100;
+    let mut a = RemoteTier::open(cfg, 1).unwrap();
+    // Connected before the pause.
+    write_all(&mut a, &[(key(ns, 1000), payload(1000, PAGE))]);
+    let mut raw = raw_single(&urls[0]);
+    // The writer's next pipeline waits in the server while the rest queue.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(400)
+        .arg("ALL")
+        .query(&mut raw)
+        .unwrap();
+    let pages: Vec<_> = (0..48u64).map(|i| (key(ns, i), payload(i, PAGE))).collect();
+    write_all(&mut a, &pages);
+    let s = a.stats();
+    assert_eq!(s.writes_ok, 49);
+    assert_eq!(s.bytes_written, 49 * PAGE as u64);
+    // 1 before the pause; then at most 3 per pipeline, and the writer took
+    // at most one pipeline before the rest were queued.
+    let batches = s.write_batches - 1;
+    assert!(
+        (16..=17).contains(&batches),
+        "{batches} pipelines for 48 records"
+    );
+    let mut b = RemoteTier::open(config(urls), 2).unwrap();
+    let mut pool = Pool::new(PAGE);
+    pool.register(&mut b);
+    assert!(b.lookup(&pages[0].0).is_none());
+    for (k, p) in &pages {
+        let e = wait_lookup(&b, k, Duration::from_secs(10)).expect("B learns every record");
+        assert_eq!(e.checksum, page_checksum(p));
+        read(&mut b, k, 0, PAGE as u64).unwrap();
+        assert_eq!(&pool.0[..], &p[..], "exact bytes");
+    }
+}
+
 #[test]
 fn a_single_seed_of_a_cluster_is_detected() {
     let Some(urls) = cluster_urls("a_single_seed_of_a_cluster_is_detected") else {

@@ -89,6 +89,12 @@ fn encode(s: &RemoteStatsSnapshot, e: &mut DescriptorEncoder) -> Encoded {
     counter(e, "read_bytes", "Verified bytes read", s.bytes_read)?;
     counter(e, "written_bytes", "Page bytes written", s.bytes_written)?;
     counter(e, "writes", "Records stored", s.writes_ok)?;
+    counter(
+        e,
+        "write_batches",
+        "Pipelines (one round trip each) that stored those records",
+        s.write_batches,
+    )?;
     let mut errors = Vec::new();
     for (op, c) in [
         ("read", &s.read_errors),
@@ -164,7 +170,7 @@ fn encode(s: &RemoteStatsSnapshot, e: &mut DescriptorEncoder) -> Encoded {
     histogram(
         e,
         "write_latency_seconds",
-        "Latency of successful writes",
+        "Latency of successful write pipelines (one record or a batch)",
         &s.write_latency,
     )
 }

@@ -95,6 +95,13 @@ pub struct RemoteConfig {
     pub read_workers: usize,
     /// Threads that write (one connection each). Default 2.
     pub write_workers: usize,
+    /// Writes one writer sends as one pipeline when several are queued
+    /// (one round trip for all of them). Default 16; 1 writes one at a time.
+    pub write_batch_pages: usize,
+    /// Record bytes one pipeline carries at most (a batch is cut before the
+    /// write that would pass it; a single larger record still goes alone).
+    /// Default 8 MiB.
+    pub write_batch_bytes: u64,
     /// A read not complete this long after submission is reported as a
     /// timeout; also the socket timeout of read connections. Default 500 ms.
     pub read_timeout_ms: u64,
@@ -151,6 +158,8 @@ impl Default for RemoteConfig {
             max_queued_write_bytes: 256 << 20,
             read_workers: 4,
             write_workers: 2,
+            write_batch_pages: 16,
+            write_batch_bytes: 8 << 20,
             read_timeout_ms: 500,
             write_timeout_ms: 2_000,
             connect_timeout_ms: 500,
@@ -258,6 +267,7 @@ impl RemoteConfig {
             ("ttl_ms", self.ttl_ms),
             ("max_page_bytes", self.max_page_bytes),
             ("max_queued_write_bytes", self.max_queued_write_bytes),
+            ("write_batch_bytes", self.write_batch_bytes),
             ("read_timeout_ms", self.read_timeout_ms),
             ("write_timeout_ms", self.write_timeout_ms),
             ("connect_timeout_ms", self.connect_timeout_ms),
@@ -277,6 +287,7 @@ impl RemoteConfig {
             ("max_queued_writes", self.max_queued_writes),
             ("read_workers", self.read_workers),
             ("write_workers", self.write_workers),
+            ("write_batch_pages", self.write_batch_pages),
             ("refresh_batch", self.refresh_batch),
             ("max_refresh_entries", self.max_refresh_entries),
             ("metadata_max_entries", self.metadata_max_entries),
@@ -288,6 +299,12 @@ impl RemoteConfig {
         }
         if self.read_workers > 256 || self.write_workers > 256 {
             return bad("read_workers and write_workers are at most 256".into());
+        }
+        if self.write_batch_pages > 1024 {
+            return bad("write_batch_pages is at most 1024".into());
+        }
+        if self.write_batch_bytes > 1 << 30 {
+            return bad("write_batch_bytes is at most 1 GiB".into());
         }
         if self.directory_shards > 1024 {
             return bad("directory_shards is at most 1024".into());
@@ -426,6 +443,19 @@ mod tests {
         c.unauthenticated = true;
         c.read_workers = 0;
         assert!(c.validate().is_err());
+        for (pages, bytes, what) in [
+            (0, 1 << 20, "write_batch_pages is 0"),
+            (1025, 1 << 20, "write_batch_pages is at most 1024"),
+            (16, 0, "write_batch_bytes is 0"),
+            (16, (1 << 30) + 1, "write_batch_bytes is at most 1 GiB"),
+        ] {
+            let mut c = RemoteConfig::new(["redis://a:1"]);
+            c.unauthenticated = true;
+            c.write_batch_pages = pages;
+            c.write_batch_bytes = bytes;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        }
         let mut c = RemoteConfig::new(["redis://a:1"]);
         c.key_prefix = "{x}".into();
         assert!(c.validate().is_err());

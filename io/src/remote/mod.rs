@@ -115,7 +115,10 @@
 //! and is done by a writer thread: `SET` of the
 //! record with `PX ttl_ms`, then `XADD` of the directory entry (trimmed to
 //! about `directory_max_entries`) and `PEXPIRE` of the directory. The value
-//! goes first, so a directory entry never precedes its record.
+//! goes first, so a directory entry never precedes its record. A writer
+//! sends the writes queued behind the one it took (at most
+//! `write_batch_pages` records, `write_batch_bytes` bytes) as one
+//! pipeline, each record still ahead of its entry.
 //!
 //! # Threads and bounds
 //!

@@ -160,6 +160,7 @@ pub(crate) struct RemoteStats {
     pub writes_submitted: AtomicU64,
     pub writes_ok: AtomicU64,
     pub bytes_written: AtomicU64,
+    pub write_batches: AtomicU64,
     pub write_errors: Errors,
     pub write_latency: Histogram,
     pub refusal_unavailable: AtomicU64,
@@ -219,6 +220,7 @@ impl RemoteStats {
             writes_submitted: g(&self.writes_submitted),
             writes_ok: g(&self.writes_ok),
             bytes_written: g(&self.bytes_written),
+            write_batches: g(&self.write_batches),
             writes_queued: live.writes_queued,
             write_bytes_queued: live.write_bytes_queued,
             write_errors: self.write_errors.snapshot(),
@@ -284,9 +286,13 @@ pub struct RemoteStatsSnapshot {
     /// Records stored (value and directory entry).
     pub writes_ok: u64,
     pub bytes_written: u64,
+    /// Pipelines that stored them (`writes_ok / write_batches` records
+    /// per round trip).
+    pub write_batches: u64,
     pub writes_queued: u64,
     pub write_bytes_queued: u64,
     pub write_errors: ErrorCounts,
+    /// Per pipeline: one record's write, or a batch's.
     pub write_latency: LatencyHistogram,
     pub write_refusals: WriteRefusals,
     pub refresh_rounds: u64,

@@ -12,13 +12,13 @@ use orbitkv_components::api::MissReason;
 use orbitkv_components::{Namespace, StateKey};
 
 use super::config::{RemoteConfig, RemoteError};
-use super::conn::{Bounded, Conn, Connector, DirPut, classify};
+use super::conn::{Bounded, Conn, Connector, DirPut, Put, Scratch, classify};
 use super::meta::{MetaCache, MetaEntry};
 use super::record::{
     Expect, RecordHeader, RecordMac, data_key, directory_key, max_record_len, shard_of, verify,
 };
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
-use crate::checksum::page_checksum;
+use crate::checksum::copy_with_checksum;
 use crate::tier::{
     BackingTier, DemoteFailed, DemoteRefused, Demoted, ReadDone, ReadToken, TierChange, TierEntry,
     TierError, remote_miss_reason,
@@ -109,9 +109,43 @@ struct Shared {
     reads_abandoned: AtomicU64,
     writes_queued: AtomicU64,
     write_bytes_queued: AtomicU64,
+    /// Write buffers the writers are done with, reused for the next writes
+    /// of the same size (a fresh buffer costs page faults and zeroing on
+    /// the caller's thread, the manager's tick); at most
+    /// `max_queued_write_bytes` kept, what the queue may hold anyway.
+    spare: Mutex<Spare>,
+}
+
+#[derive(Default)]
+struct Spare {
+    buffers: Vec<Vec<u8>>,
+    bytes: u64,
 }
 
 impl Shared {
+    /// A buffer of exactly `len` bytes (contents unspecified).
+    fn write_buffer(&self, len: usize) -> Vec<u8> {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = spare.buffers.iter().rposition(|b| b.len() == len) {
+            let b = spare.buffers.swap_remove(i);
+            spare.bytes -= len as u64;
+            return b;
+        }
+        drop(spare);
+        vec![0; len]
+    }
+
+    /// Keeps `buffer` for reuse while the bound allows.
+    fn recycle(&self, buffer: Vec<u8>) {
+        let cap = self.cfg.max_queued_write_bytes;
+        let len = buffer.len() as u64;
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.bytes + len <= cap {
+            spare.bytes += len;
+            spare.buffers.push(buffer);
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
     }
@@ -321,6 +355,7 @@ impl RemoteTier {
             reads_abandoned: AtomicU64::new(0),
             writes_queued: AtomicU64::new(0),
             write_bytes_queued: AtomicU64::new(0),
+            spare: Mutex::new(Spare::default()),
             connector,
             mac,
             cfg,
@@ -490,8 +525,11 @@ impl RemoteTier {
         {
             return refuse(s, DemoteRefused::QueueFull);
         }
-        let kept = payload.to_vec();
-        if page_checksum(&kept) != checksum {
+        // Copied and hashed in one pass: the record holds exactly the
+        // bytes that matched.
+        let mut kept = s.write_buffer(payload.len());
+        if copy_with_checksum(&mut kept, payload) != checksum {
+            s.recycle(kept);
             return refuse(s, DemoteRefused::Checksum);
         }
         let job = WriteJob {
@@ -981,43 +1019,77 @@ impl Renewals {
     }
 }
 
+/// Takes a write and whatever else is queued behind it, up to
+/// `write_batch_pages` and `write_batch_bytes`, and sends them as one
+/// pipeline: several writes queued on one connection cost one round trip.
 fn write_worker(s: &Shared, rx: &Receiver<WriteJob>, tx: &Sender<Reply>) {
     let mut conn: Option<Conn> = None;
     let mut renewals = Renewals(HashMap::new());
-    for job in rx.iter() {
+    // A batch's packed commands: its records plus their keys, headers and
+    // directory commands (a few hundred bytes each).
+    let keep = s.cfg.write_batch_bytes as usize + s.cfg.write_batch_pages * 1024;
+    let mut scratch = Scratch::new(keep);
+    let mut batch: Vec<WriteJob> = Vec::new();
+    let mut carry: Option<WriteJob> = None;
+    loop {
+        let first = match carry.take() {
+            Some(job) => job,
+            None => match rx.recv() {
+                Ok(job) => job,
+                Err(_) => return,
+            },
+        };
+        let mut bytes = first.payload.len() as u64;
+        batch.push(first);
+        while batch.len() < s.cfg.write_batch_pages {
+            let Ok(job) = rx.try_recv() else { break };
+            let len = job.payload.len() as u64;
+            if bytes + len > s.cfg.write_batch_bytes {
+                carry = Some(job);
+                break;
+            }
+            bytes += len;
+            batch.push(job);
+        }
         let started = Instant::now();
-        let bytes = job.payload.len() as u64;
-        let result = write_one(s, &mut conn, &mut renewals, &job);
+        let result = write_batch(s, &mut conn, &mut renewals, &mut scratch, &batch);
+        let us = started.elapsed().as_micros() as u64;
         match &result {
             Ok(()) => {
-                s.stats.writes_ok.fetch_add(1, Ordering::Relaxed);
+                let n = batch.len() as u64;
+                s.stats.writes_ok.fetch_add(n, Ordering::Relaxed);
                 s.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
-                s.stats
-                    .write_latency
-                    .record(started.elapsed().as_micros() as u64);
+                s.stats.write_batches.fetch_add(1, Ordering::Relaxed);
+                s.stats.write_latency.record(us);
             }
             Err((kind, _)) => {
-                s.stats.write_errors.bump(*kind);
+                for _ in &batch {
+                    s.stats.write_errors.bump(*kind);
+                }
                 s.failed(*kind);
             }
         }
-        let reply = Reply::Write {
-            key: job.key,
-            origin: job.origin,
-            bytes,
-            result,
-        };
-        if tx.send(reply).is_err() {
-            return;
+        for job in batch.drain(..) {
+            let reply = Reply::Write {
+                key: job.key,
+                origin: job.origin,
+                bytes: job.payload.len() as u64,
+                result: result.clone(),
+            };
+            s.recycle(job.payload);
+            if tx.send(reply).is_err() {
+                return;
+            }
         }
     }
 }
 
-fn write_one(
+fn write_batch(
     s: &Shared,
     conn: &mut Option<Conn>,
     renewals: &mut Renewals,
-    job: &WriteJob,
+    scratch: &mut Scratch,
+    jobs: &[WriteJob],
 ) -> Result<(), (ErrorKind, String)> {
     if s.stop.load(Ordering::Acquire) {
         return Err((ErrorKind::Unavailable, "tier shutting down".into()));
@@ -1026,43 +1098,52 @@ fn write_one(
         return Err((ErrorKind::Unavailable, "breaker open".into()));
     }
     let cfg = &s.cfg;
-    let header = RecordHeader {
-        key: job.key,
-        format_digest: job.format,
-        payload_len: job.payload.len() as u64,
-        payload_checksum: job.checksum,
-        payload_mac: s.mac.payload_mac(&job.payload),
-        writer: s.writer_id,
-        written_unix_ms: unix_ms(),
-        ttl_ms: cfg.ttl_ms,
-    };
-    let entry = header.encode(&s.mac);
     let shards = cfg.directory_shards;
-    let dir = directory_key(
-        &cfg.key_prefix,
-        &job.key.namespace,
-        shard_of(&job.key, shards),
-    );
     let per_shard = cfg.directory_max_entries.div_ceil(u64::from(shards)).max(1);
+    let mut headers = Vec::with_capacity(jobs.len());
+    let mut puts = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let header = RecordHeader {
+            key: job.key,
+            format_digest: job.format,
+            payload_len: job.payload.len() as u64,
+            payload_checksum: job.checksum,
+            payload_mac: s.mac.payload_mac(&job.payload),
+            writer: s.writer_id,
+            written_unix_ms: unix_ms(),
+            ttl_ms: cfg.ttl_ms,
+        };
+        let dir = directory_key(
+            &cfg.key_prefix,
+            &job.key.namespace,
+            shard_of(&job.key, shards),
+        );
+        let renew = renewals.due(&dir, cfg.ttl_ms);
+        puts.push(Put {
+            data_key: data_key(&cfg.key_prefix, &job.key),
+            header: header.encode(&s.mac),
+            payload: &job.payload,
+            dir: DirPut {
+                key: dir,
+                max_entries: per_shard,
+                renew,
+            },
+        });
+        headers.push(header);
+    }
     let c = s.conn(conn, cfg.write_timeout())?;
-    if let Err(e) = c.put(
-        &data_key(&cfg.key_prefix, &job.key),
-        &entry,
-        &job.payload,
-        cfg.ttl_ms,
-        &DirPut {
-            key: &dir,
-            max_entries: per_shard,
-            renew: renewals.due(&dir, cfg.ttl_ms),
-        },
-    ) {
+    if let Err(e) = c.put_many(&puts, cfg.ttl_ms, scratch) {
         *conn = None;
-        renewals.0.remove(&dir);
+        for p in &puts {
+            renewals.0.remove(&p.dir.key);
+        }
         return Err((classify(&e), e.to_string()));
     }
     s.breaker.success();
     let mut m = s.meta_write();
-    m.insert(job.key, MetaEntry::from_header(&header));
+    for header in &headers {
+        m.insert(header.key, MetaEntry::from_header(header));
+    }
     s.publish_meta_stats(&mut m);
     Ok(())
 }

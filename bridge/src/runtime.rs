@@ -144,8 +144,13 @@ impl Port for EmbeddedPort<'_> {
                 .tick()
                 .map_err(|e| ClientError::Command(inbox_full(e)))?;
             if events.is_empty() {
-                // Copies and reads run on other threads; let them run.
-                std::thread::yield_now();
+                // Copies and reads run on other threads: sleep until the
+                // runtime's own copies land when they are all there is to
+                // wait for, else let the others run.
+                let left = deadline.saturating_duration_since(Instant::now());
+                if !self.0.rt.wait_io(left.min(Duration::from_micros(200))) {
+                    std::thread::yield_now();
+                }
             }
             self.0.queue.extend(events.into_iter().map(|a| Delivered {
                 event: a.event,

@@ -423,6 +423,8 @@ pub struct HostCopyEngine {
     host: Option<HostPool>,
     jobs: Sender<Job>,
     done: Receiver<Completion>,
+    /// Completions `wait` took, reported by the next `poll`.
+    waited: Vec<Completion>,
     workers: Vec<JoinHandle<()>>,
     next_token: u64,
     in_flight: usize,
@@ -454,6 +456,7 @@ impl HostCopyEngine {
             host: None,
             jobs: job_tx,
             done,
+            waited: Vec::new(),
             workers,
             next_token: 0,
             in_flight: 0,
@@ -643,7 +646,9 @@ impl CopyEngine for HostCopyEngine {
     }
 
     fn poll(&mut self, _now_us: u64, out: &mut Vec<Completion>) {
-        while let Ok(completion) = self.done.try_recv() {
+        let waited = self.waited.drain(..);
+        for completion in waited.chain(std::iter::from_fn(|| self.done.try_recv().ok())) {
+            assert!(self.in_flight > 0, "a completion without a batch in flight");
             self.in_flight -= 1;
             out.push(completion);
         }
@@ -651,6 +656,22 @@ impl CopyEngine for HostCopyEngine {
 
     fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    fn wait(&mut self, timeout: std::time::Duration) -> bool {
+        if !self.waited.is_empty() {
+            return true;
+        }
+        if self.in_flight == 0 {
+            return false;
+        }
+        match self.done.recv_timeout(timeout) {
+            Ok(completion) => {
+                self.waited.push(completion);
+                true
+            }
+            Err(_) => false,
+        }
     }
 }
 

@@ -272,6 +272,15 @@ pub trait CopyEngine: Send {
     /// Batches submitted and not yet reported by `poll`.
     fn in_flight(&self) -> usize;
 
+    /// Blocks until a batch in flight finishes or `timeout` passes; `true`
+    /// if one did (the next `poll` reports it). An engine that cannot
+    /// block answers `false` at once and its caller polls. Lets a host loop
+    /// with nothing but copies to wait for sleep instead of spinning on
+    /// cores the copies need.
+    fn wait(&mut self, _timeout: std::time::Duration) -> bool {
+        false
+    }
+
     /// A descriptor for a region's memory, for the engine process that owns
     /// it, when the backend keeps regions in shared memory.
     fn export_region(&self, _region: RegionId) -> Option<std::os::fd::OwnedFd> {

@@ -397,6 +397,9 @@ fn unexpected<T, E: std::fmt::Debug>(what: &'static str, event: Event) -> Driven
     })
 }
 
+/// The longest a wall-clock step sleeps for the runtime's own copies.
+const WAIT_FOR_COPIES: std::time::Duration = std::time::Duration::from_micros(200);
+
 /// The embedded runtime as a port, for one origin. With a simulated clock,
 /// each step first moves time by `advance_us` (`AdvanceClock`); with a wall
 /// clock it yields the thread.
@@ -456,7 +459,13 @@ impl Port for Embedded {
             Some(us) if advance && us > 0 => {
                 self.rt.submit(self.origin, Command::AdvanceClock { us })?;
             }
-            None if advance => std::thread::yield_now(),
+            None if advance => {
+                // Copies run on other threads: sleep until one lands when
+                // they are all there is to wait for, else let them run.
+                if !self.rt.wait_io(WAIT_FOR_COPIES) {
+                    std::thread::yield_now();
+                }
+            }
             _ => {}
         }
         self.report()?;

@@ -684,6 +684,28 @@ impl Runtime {
         t.copies.len() + t.reads.len()
     }
 
+    /// Sleeps until the local copy engine finishes a batch, or `timeout`
+    /// passes, when nothing else could move meanwhile: the engine's copies
+    /// are the only transfers in flight, the inbox is empty and no
+    /// operation moves on by itself. `true` if a batch finished (the next
+    /// tick lands it); `false` at once otherwise, and the caller yields or
+    /// waits as it would. A wall-clock host loop waiting for its own
+    /// copies calls this instead of spinning ticks on the cores the
+    /// copies run on.
+    pub fn wait_io(&mut self, timeout: std::time::Duration) -> bool {
+        if self.inbox_len() > 0 || self.progressing() {
+            return false;
+        }
+        let index = self.world.resource::<TransferIndex>();
+        let (copies, reads) = (index.copies.len(), index.reads.len());
+        let mut copier = self.world.resource_mut::<Copier>();
+        let engine = copier.0.get_mut();
+        if reads > 0 || copies == 0 || engine.in_flight() != copies {
+            return false;
+        }
+        engine.wait(timeout)
+    }
+
     /// Whether a tick would move some operation on without any new
     /// command or I/O: a read that landed leaves its operation `Reading`
     /// until the next tick's read stage leases the page; a restore or

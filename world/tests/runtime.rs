@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use orbitkv_components::api::{
     Addressed, Command, CommandError, Event, InvalidCommand, LoadRefusal, MissReason, Origin,
@@ -1523,6 +1525,76 @@ fn wall_clock_runtime_runs_with_host_engine() {
         ),
         "{ev:?}"
     );
+}
+
+/// On a wall clock, `wait_io` sleeps until the host engine's copy lands
+/// and the next tick finds it; it answers `false` at once when a command
+/// waits in the inbox or nothing is in flight.
+#[test]
+fn wait_io_sleeps_until_the_host_engines_copy_lands() {
+    use orbitkv_gpu::host::{HostCopyConfig, HostCopyEngine};
+    use orbitkv_world::Backends;
+    use orbitkv_world::driver::{Driver, Embedded, register_command};
+    let engine = HostCopyEngine::new(HostCopyConfig::default());
+    let arena = engine.arena();
+    let rt = Runtime::with_backends(
+        config(16 << 20),
+        Backends {
+            copy: Box::new(engine),
+            tiers: Vec::new(),
+            simulated_clock: false,
+        },
+    )
+    .unwrap();
+    let mut d = Driver::new(Embedded::new(rt, Origin::EMBEDDED, None));
+    let ns = d
+        .register(register_command("w", ID_A, dense(), 1, PAGE, PAGE_BYTES))
+        .unwrap()[0];
+    let s = d.open("w").unwrap();
+    let region = d.region(s, (0, 0), 4).unwrap();
+    let dp = d.alloc(s, region.region, 0).unwrap();
+    let native = hash(61, 0, 0);
+    let bytes = payload(&ns, 0, &native);
+    arena.write(region.engine_region, 0, &bytes).unwrap();
+    let rt = &mut d.port.rt;
+    assert!(!rt.wait_io(Duration::from_secs(5)), "nothing in flight");
+    rt.submit(
+        Origin::EMBEDDED,
+        Command::Publish {
+            session: s,
+            request: 1,
+            pages: vec![orbitkv_components::api::PublishPage {
+                rank: 0,
+                group: 0,
+                hash: native,
+                device_page: dp,
+            }],
+        },
+    )
+    .unwrap();
+    assert!(!rt.wait_io(Duration::from_secs(5)), "a command waits");
+    // The copy may land within the tick that starts it; if it did not,
+    // `wait_io` returns when it lands and the next tick reports it.
+    // Bounded: a lost completion fails the test instead of hanging it.
+    let mut done = None;
+    for _ in 0..100 {
+        let ev = common::embedded(rt.tick());
+        if let Some(e) = ev
+            .into_iter()
+            .find(|e| matches!(e, Event::PublishDone { .. }))
+        {
+            done = Some(e);
+            break;
+        }
+        assert_eq!(rt.stats().transfers, 1);
+        assert!(rt.wait_io(Duration::from_secs(5)), "the copy landed");
+    }
+    assert!(
+        matches!(done, Some(Event::PublishDone { inserted: 1, .. })),
+        "{done:?}"
+    );
+    assert_eq!(rt.stats().transfers, 0);
+    assert!(!rt.wait_io(Duration::from_secs(5)), "nothing in flight");
 }
 
 #[test]

@@ -459,13 +459,9 @@ impl Port for Embedded {
             Some(us) if advance && us > 0 => {
                 self.rt.submit(self.origin, Command::AdvanceClock { us })?;
             }
-            None if advance => {
-                // Copies run on other threads: sleep until one lands when
-                // they are all there is to wait for, else let them run.
-                if !self.rt.wait_io(WAIT_FOR_COPIES) {
-                    std::thread::yield_now();
-                }
-            }
+            // Copies run on other threads: sleep until one lands when they
+            // are all there is to wait for, else let them run.
+            None if advance && !self.rt.wait_io(WAIT_FOR_COPIES) => std::thread::yield_now(),
             _ => {}
         }
         self.report()?;

@@ -514,7 +514,7 @@ fn publisher_still_served(c: &mut Client) -> Result<()> {
         d.submit(Command::CloseSession { session: s })?;
         d.wait(
             "close",
-            |e| matches!(e, Event::SessionClosed { session } if *session == s),
+            |e| matches!(e, Event::SessionClosed { session, .. } if *session == s),
         )
     })
     .map_err(|e| format!("{e:?}"))?;

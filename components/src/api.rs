@@ -870,7 +870,11 @@ pub enum Event {
         command: CommandId,
         session: SessionHandle,
     },
+    /// The session is gone, once its I/O drained: the answer to the
+    /// `CloseSession` named by `command`; `None` when its origin went away.
     SessionClosed {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        command: Option<CommandId>,
         session: SessionHandle,
     },
     RegionRegistered {
@@ -888,8 +892,11 @@ pub enum Event {
         command: CommandId,
         device_page: u64,
     },
-    /// The device page is gone; `deferred` when a copy held it past the free.
+    /// The device page is gone: the answer to the `DevicePageFree` named by
+    /// `command`; `deferred` when a copy held it past the free, so the
+    /// answer came with the copy's last pin.
     DevicePageFreed {
+        command: CommandId,
         device_page: u64,
         deferred: bool,
     },
@@ -987,11 +994,11 @@ impl Event {
             | Event::PublishDone { .. }
             | Event::Cleared { .. }
             | Event::Held { .. }
+            | Event::DevicePageFreed { .. }
             | Event::Released { .. } => true,
             Event::QueryResult { miss, .. } => miss.is_some(),
-            Event::SessionClosed { .. }
-            | Event::DevicePageFreed { .. }
-            | Event::Loading { .. }
+            Event::SessionClosed { command, .. } => command.is_some(),
+            Event::Loading { .. }
             | Event::Ready { .. }
             | Event::TransferOverdue { .. }
             | Event::AgentCopy { .. } => false,
@@ -1011,7 +1018,9 @@ impl Event {
             | Event::QueryResult { command, .. }
             | Event::PublishDone { command, .. }
             | Event::Held { command, .. }
+            | Event::DevicePageFreed { command, .. }
             | Event::Cleared { command, .. } => Some(*command),
+            Event::SessionClosed { command, .. } => *command,
             _ => None,
         }
     }

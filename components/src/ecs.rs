@@ -86,6 +86,9 @@ pub struct Session {
     pub origin: Origin,
     pub epoch: u64,
     pub closing: bool,
+    /// The `CloseSession` that began the close, answered by its
+    /// `SessionClosed`; `None` when its origin went away.
+    pub closed_by: Option<CommandId>,
 }
 
 /// Where a page's bytes are. Only DRAM exists in this issue; lower tiers are
@@ -527,8 +530,9 @@ pub struct DevicePage {
     /// Copies that target or read this page, planned or in flight: the page
     /// is not despawned while any does.
     pub pins: u32,
-    /// The engine freed it while pinned: despawn when the last pin goes.
-    pub free_deferred: bool,
+    /// The engine freed it while pinned (this `DevicePageFree`): despawn
+    /// when the last pin goes, and answer that command then.
+    pub free_deferred: Option<CommandId>,
 }
 
 // Relationships: the source holds the target entity; the ECS keeps the

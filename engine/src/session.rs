@@ -1110,12 +1110,8 @@ impl Session {
             },
         )?;
         let t = self.options.timeout;
-        let handle = self.handle;
         match c
-            .wait_event(t, &|e| {
-                e.command() == Some(id)
-                    || matches!(e, Event::SessionClosed { session } if *session == handle)
-            })
+            .wait_event(t, &|e| e.command() == Some(id))
             .map_err(|e| EngineError::client("close_session", e))?
             .map(|d| d.event)
         {

@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 pub const MAGIC: [u8; 4] = *b"OKVP";
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 pub const HEADER_BYTES: usize = 16;
 /// The largest payload accepted (a query's hash lists fit comfortably).
 pub const MAX_FRAME_BYTES: u32 = 16 << 20;

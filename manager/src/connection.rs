@@ -262,7 +262,7 @@ impl Conn {
                     self.regions.insert(*region, session);
                 }
             }
-            Event::SessionClosed { session } => {
+            Event::SessionClosed { session, .. } => {
                 self.sessions.remove(&session.id);
                 self.regions.retain(|_, s| *s != session.id);
             }

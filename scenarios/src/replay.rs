@@ -1792,7 +1792,7 @@ impl<'o> Replay<'o> {
                     r.live.remove(&dp.slot);
                 }
             }
-            Event::SessionClosed { session } => {
+            Event::SessionClosed { session, .. } => {
                 if let Some(s) = self.sessions.remove(&session.id) {
                     let _ = s;
                     self.device_pages.retain(|_, d| d.session != session.id);

@@ -235,7 +235,7 @@ fn recorded_trace_replays_to_the_same_events() {
     log.extend(events(rt.tick()));
     assert!(
         log.iter()
-            .any(|e| matches!(e, Event::SessionClosed { session } if *session == s)),
+            .any(|e| matches!(e, Event::SessionClosed { session, .. } if *session == s)),
         "{log:?}"
     );
     rt.stop_recording().unwrap();
@@ -254,6 +254,26 @@ fn recorded_trace_replays_to_the_same_events() {
         .unwrap()
         .run_logged(&trace)
         .unwrap();
+    // The departure is recorded as `close_session` commands, so in the
+    // replay the close answers one: the same event, with its command.
+    for e in &log {
+        if let Event::SessionClosed { command, .. } = e {
+            assert_eq!(*command, None, "no command closed it");
+        }
+    }
+    let replayed: Vec<Event> = replayed
+        .into_iter()
+        .map(|e| match e {
+            Event::SessionClosed {
+                command: Some(_),
+                session,
+            } => Event::SessionClosed {
+                command: None,
+                session,
+            },
+            e => e,
+        })
+        .collect();
     assert_eq!(replayed, log, "replay diverged");
     assert_eq!(report.invariant_violations, 0);
 }

@@ -221,7 +221,7 @@ impl Devices<'_, '_> {
         let (page, of) = self.pages.get(entity).ok()?;
         let region = self.regions.get(of.0).ok()?;
         let owner = self.owners.get(of.0).ok()?;
-        let fits = !page.free_deferred
+        let fits = page.free_deferred.is_none()
             && owner.0 == session
             && (region.rank, region.group) == (rank, group);
         fits.then_some((entity, page, region))

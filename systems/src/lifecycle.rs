@@ -80,9 +80,12 @@ pub fn unpin_device_page(
     of: PageOf,
 ) {
     decrement(&mut page.pins, 1, "device page pins");
-    if page.pins > 0 || !page.free_deferred {
+    if page.pins > 0 {
         return;
     }
+    let Some(command) = page.free_deferred else {
+        return;
+    };
     let Ok(mut region) = regions.get_mut(of.0) else {
         unreachable!("a pinned device page keeps its region");
     };
@@ -91,6 +94,7 @@ pub fn unpin_device_page(
     outbox.push(
         owner,
         Event::DevicePageFreed {
+            command,
             device_page: entity.to_bits(),
             deferred: true,
         },

@@ -365,7 +365,7 @@ fn pins(world: &mut World, v: &mut Vec<String>) {
         if page.pins > 0 && !pins.contains_key(&e) {
             v.push(format!("device page {e:?} is pinned by nothing"));
         }
-        if page.free_deferred && page.pins == 0 {
+        if page.free_deferred.is_some() && page.pins == 0 {
             v.push(format!("device page {e:?} was freed but outlived its pins"));
         }
     }

@@ -141,7 +141,7 @@ impl Recorder {
                     self.sessions
                         .insert(session.id, (format!("$c{command}"), *to));
                 }
-                Event::SessionClosed { session } => {
+                Event::SessionClosed { session, .. } => {
                     self.sessions.remove(&session.id);
                 }
                 Event::RegionRegistered {

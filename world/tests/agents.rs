@@ -569,12 +569,16 @@ fn an_agent_past_its_deadline_fails_the_copy_but_holds_everything_until_it_repor
         "{ev:?}"
     );
     let freed = h.until("freed", |e| matches!(e, Event::DevicePageFreed { .. }));
-    assert_eq!(
-        freed,
-        Event::DevicePageFreed {
-            device_page: pages[0],
-            deferred: true
-        }
+    assert!(
+        matches!(
+            freed,
+            Event::DevicePageFreed {
+                device_page,
+                deferred: true,
+                ..
+            } if device_page == pages[0]
+        ),
+        "{freed:?}"
     );
     assert_eq!(h.rt().stats().pages, 0);
     let m = h.rt().stats().metrics;
@@ -658,12 +662,16 @@ fn a_hung_agent_restore_misses_at_the_deadline_and_holds_until_it_reports() {
         "{ev:?}"
     );
     let freed = h.until("freed", |e| matches!(e, Event::DevicePageFreed { .. }));
-    assert_eq!(
-        freed,
-        Event::DevicePageFreed {
-            device_page: pages[1],
-            deferred: true
-        }
+    assert!(
+        matches!(
+            freed,
+            Event::DevicePageFreed {
+                device_page,
+                deferred: true,
+                ..
+            } if device_page == pages[1]
+        ),
+        "{freed:?}"
     );
     let m = h.rt().stats().metrics;
     assert_eq!(

@@ -402,16 +402,17 @@ fn every_cross_origin_command_is_refused_without_effect() {
             session: a.s,
             device_page: dp,
         };
-        h.rt().submit(A, free).unwrap();
+        let command = h.rt().submit(A, free).unwrap();
         assert_eq!(
             h.rt().tick(),
             vec![Addressed {
                 to: A,
                 event: Event::DevicePageFreed {
+                    command,
                     device_page: dp,
                     deferred: false
                 },
-                terminal: false,
+                terminal: true,
             }]
         );
     }
@@ -543,7 +544,11 @@ fn close_origin_returns_leases_and_bytes_once_submitted_io_drained() {
         closed,
         Addressed {
             to: A,
-            event: Event::SessionClosed { session: a.s },
+            // No command closed it: its origin went away.
+            event: Event::SessionClosed {
+                command: None,
+                session: a.s
+            },
             terminal: false,
         }
     );
@@ -603,8 +608,9 @@ fn close_origin_leaves_other_origins_and_later_sessions_alone() {
     let mut closed: Vec<u64> = events
         .iter()
         .filter_map(|x| match x.event {
-            Event::SessionClosed { session } => {
+            Event::SessionClosed { session, command } => {
                 assert_eq!(x.to, A);
+                assert_eq!(command, None);
                 Some(session.id)
             }
             _ => None,

@@ -555,6 +555,7 @@ fn free_while_a_copy_targets_the_page_is_deferred_to_the_fence() {
                 Event::DevicePageFreed {
                     device_page,
                     deferred,
+                    ..
                 } => {
                     assert_eq!((device_page, deferred), (src, true));
                     order.push("freed".into());
@@ -580,17 +581,40 @@ fn free_while_a_copy_targets_the_page_is_deferred_to_the_fence() {
         targets: vec![target(0, 0, PAGE, dst)],
         retained: vec![],
     }]);
-    let ev = h.step(vec![Command::DevicePageFree {
-        session: s,
-        device_page: dst,
-    }]);
+    let free = h
+        .rt()
+        .submit(
+            Origin::EMBEDDED,
+            Command::DevicePageFree {
+                session: s,
+                device_page: dst,
+            },
+        )
+        .unwrap();
+    let ev = h.rt().tick();
     assert!(ev.is_empty(), "{ev:?}");
-    let done = h.until("restore", |e| matches!(e, Event::RestoreDone { .. }));
-    assert!(matches!(done, Event::RestoreDone { pages: 1, .. }));
-    assert!(h.events.contains(&Event::DevicePageFreed {
-        device_page: dst,
-        deferred: true
-    }));
+    // The free is answered with the copy's last pin, after the restore's
+    // reply, and that answer ends the free command.
+    let mut out = Vec::new();
+    for _ in 0..1000 {
+        out.extend(h.step_from(vec![(Origin::EMBEDDED, Command::AdvanceClock { us: 10 })]));
+        if out
+            .iter()
+            .any(|a| matches!(a.event, Event::DevicePageFreed { .. }))
+        {
+            break;
+        }
+    }
+    let kinds: Vec<&Event> = out.iter().map(|a| &a.event).collect();
+    assert!(
+        matches!(
+            kinds[..],
+            [Event::RestoreDone { pages: 1, .. }, Event::DevicePageFreed { command, device_page, deferred: true }]
+                if *command == free && *device_page == dst
+        ),
+        "{out:?}"
+    );
+    assert!(out[1].terminal, "{out:?}");
     assert_eq!(h.read_slot(engine, 5), payload(&ns, 0, &native));
     h.assert_idle();
     assert_eq!(h.rt().stats().device_pages, 0);
@@ -938,12 +962,16 @@ fn accepted_restore_gives_up_its_unsent_batches_at_its_deadline() {
             session: d.s,
             device_page: dp,
         }]);
-        assert_eq!(
-            ev,
-            vec![Event::DevicePageFreed {
-                device_page: dp,
-                deferred: false
-            }]
+        assert!(
+            matches!(
+                ev.as_slice(),
+                [Event::DevicePageFreed {
+                    device_page,
+                    deferred: false,
+                    ..
+                }] if *device_page == dp
+            ),
+            "{ev:?}"
         );
     }
     d.h.assert_idle();
@@ -996,6 +1024,7 @@ fn a_destination_freed_mid_restore_is_released_after_the_reply() {
             Event::DevicePageFreed {
                 device_page,
                 deferred: true,
+                ..
             } if *device_page == targets[0] => order.push("freed"),
             _ => {}
         }
@@ -1644,13 +1673,16 @@ fn multi_rank_publish_pins_every_source_until_one_reply() {
         "{done:?}"
     );
     let tail: Vec<&Event> = h.events.iter().rev().take(2).collect();
-    assert_eq!(
-        tail[0],
-        &Event::DevicePageFreed {
-            device_page: sources[0],
-            deferred: true
-        },
-        "freed after the reply"
+    assert!(
+        matches!(
+            tail[0],
+            Event::DevicePageFreed {
+                device_page,
+                deferred: true,
+                ..
+            } if *device_page == sources[0]
+        ),
+        "freed after the reply: {tail:?}"
     );
     h.assert_idle();
     assert_eq!(h.rt().stats().pages, 2);
@@ -2350,12 +2382,45 @@ fn every_command_that_is_answered_ends_with_exactly_one_terminal_event() {
             ..
         }]
     ));
-    // Not here: device_page_free and close_session are answered by events
-    // that carry no command id (`DevicePageFreed` may come later, with the
-    // last pin; `SessionClosed` after the session's I/O drained), so they
-    // end by kind, not by the flag; advance_clock has no reply; copy_done
-    // answers an `AgentCopy` and its operation's terminal event is the
-    // load's or publish's (tests/agent*.rs).
+    // device_page_free: its `DevicePageFreed` names it (a free deferred by
+    // a copy's pin is answered with the last pin, terminal too: see
+    // `restore_then_free_during_copy_defers`).
+    let dp = d.h.alloc(s, region, 41);
+    let out = ends_once(
+        &mut d,
+        Command::DevicePageFree {
+            session: s,
+            device_page: dp,
+        },
+    );
+    assert!(
+        matches!(
+            &out[..],
+            [Addressed {
+                event: Event::DevicePageFreed { device_page, deferred: false, .. },
+                ..
+            }] if *device_page == dp
+        ),
+        "{out:?}"
+    );
+    // close_session: its `SessionClosed` names it.
+    let out = ends_once(&mut d, Command::CloseSession { session: other });
+    assert!(
+        matches!(
+            out[..],
+            [Addressed {
+                event: Event::SessionClosed {
+                    command: Some(_),
+                    ..
+                },
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    // Not here: advance_clock has no reply; copy_done answers an
+    // `AgentCopy` and its operation's terminal event is the load's or
+    // publish's (tests/agent*.rs).
     let st = d.h.rt().stats();
     assert_eq!((st.operations, st.leases), (0, 0), "{st:?}");
 }

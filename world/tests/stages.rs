@@ -60,6 +60,7 @@ fn bench(tune: impl FnOnce(&mut Config)) -> Bench {
         origin: ORIGIN,
         epoch: 1,
         closing: false,
+        closed_by: None,
     };
     let session = w.spawn((session, SessionOf(instance))).id();
     w.resource_mut::<Registry>().sessions = 1;
@@ -182,7 +183,7 @@ impl Bench {
             let page = DevicePage {
                 slot,
                 pins: 0,
-                free_deferred: false,
+                free_deferred: None,
             };
             let p = self.w.spawn((page, PageOf(r))).id();
             let mut region = self.w.get_mut::<DeviceRegion>(r).unwrap();
@@ -541,7 +542,7 @@ fn retire_settles_a_drained_restore_and_unpins_after_the_reply() {
     b.check();
     // The engine freed a destination meanwhile: the free takes effect, and
     // is reported, only after the restore's reply.
-    b.w.get_mut::<DevicePage>(targets[0]).unwrap().free_deferred = true;
+    b.w.get_mut::<DevicePage>(targets[0]).unwrap().free_deferred = Some(1);
     b.run(fence::retire);
     assert!(b.w.get_entity(op).is_err(), "settled and retired");
     let events: Vec<Event> = b.events().into_iter().map(|a| a.event).collect();

@@ -262,7 +262,13 @@ pub fn close_sessions(
         let registry = &mut executors.registry;
         decrement(&mut registry.sessions, 1, "registry.sessions");
         let handle = session_handle(entity, session.epoch, registry.incarnation);
-        outbox.push(session.origin, Event::SessionClosed { session: handle });
+        outbox.push(
+            session.origin,
+            Event::SessionClosed {
+                command: session.closed_by,
+                session: handle,
+            },
+        );
         // Its regions and their pages go with it.
         commands.entity(entity).despawn();
     }

@@ -158,7 +158,7 @@ pub(super) fn alloc(
     let page = DevicePage {
         slot,
         pins: 0,
-        free_deferred: false,
+        free_deferred: None,
     };
     let page = world.spawn((page, PageOf(region_entity))).id();
     world
@@ -182,7 +182,7 @@ pub(super) fn free(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64
     let mut page = world.get_mut::<DevicePage>(entity).expect("resolved");
     if page.pins > 0 {
         // A copy still uses it: it is freed with the last pin.
-        page.free_deferred = true;
+        page.free_deferred = Some(ctx.id);
         return Ok(());
     }
     let slot = page.slot;
@@ -192,6 +192,7 @@ pub(super) fn free(world: &mut World, ctx: Ctx, handle: SessionHandle, bits: u64
         region.by_slot.remove(&slot);
     }
     let event = Event::DevicePageFreed {
+        command: ctx.id,
         device_page: bits,
         deferred: false,
     };

@@ -106,7 +106,7 @@ pub(super) fn device_page(world: &World, session: Entity, bits: u64) -> Result<(
     let (Some(page), Some(of)) = (e.get::<DevicePage>(), e.get::<PageOf>()) else {
         return Err(stale);
     };
-    if page.free_deferred {
+    if page.free_deferred.is_some() {
         return Err(stale);
     }
     match world.get::<RegionOf>(of.0) {

@@ -4,7 +4,7 @@
 //! once it owns no operation.
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::api::{Event, LimitName, MissReason, Origin, SessionHandle};
+use orbitkv_components::api::{CommandId, Event, LimitName, MissReason, Origin, SessionHandle};
 use orbitkv_components::ecs::{
     OpState, Operation, Operations, Outcome, Session, SessionOf, session_handle,
 };
@@ -35,6 +35,7 @@ pub(super) fn open(world: &mut World, ctx: Ctx, instance: &str) -> Result<()> {
         origin: ctx.origin,
         epoch,
         closing: false,
+        closed_by: None,
     };
     let entity = world.spawn((session, SessionOf(inst))).id();
     let event = Event::SessionOpened {
@@ -47,7 +48,7 @@ pub(super) fn open(world: &mut World, ctx: Ctx, instance: &str) -> Result<()> {
 
 pub(super) fn close(world: &mut World, ctx: Ctx, handle: SessionHandle) -> Result<()> {
     let owned = resolve::session(world, ctx.origin, handle)?;
-    begin_close(world, owned.session);
+    begin_close(world, owned.session, Some(ctx.id));
     Ok(())
 }
 
@@ -62,13 +63,15 @@ pub(super) fn close_origin(world: &mut World, origin: Origin) {
         .map(|(e, _)| e)
         .collect();
     for entity in open {
-        begin_close(world, entity);
+        begin_close(world, entity, None);
     }
 }
 
 /// Marks the session closing and cancels everything it owns.
-fn begin_close(world: &mut World, session: Entity) {
-    world.get_mut::<Session>(session).expect("resolved").closing = true;
+fn begin_close(world: &mut World, session: Entity, command: Option<CommandId>) {
+    let mut s = world.get_mut::<Session>(session).expect("resolved");
+    s.closing = true;
+    s.closed_by = command;
     let ops: Vec<Entity> = world
         .get::<Operations>(session)
         .map(|o| o.iter().collect())

@@ -232,8 +232,22 @@ impl RuntimeWorld {
     }
 }
 
+/// Operations a tick moves on without new input (`Runtime::progressing`).
+type Progressing = QueryState<
+    (),
+    Or<(
+        With<at::Reading>,
+        With<at::RestorePending>,
+        With<at::PublishPending>,
+        With<at::Finishing>,
+    )>,
+>;
+
 pub struct Runtime {
     pub(crate) world: RuntimeWorld,
+    /// Built once: a query state costs allocations and archetype matching
+    /// to build, and the manager asks every round of its loop.
+    progressing: Progressing,
     schedule: Schedule,
     started: Instant,
     simulated: bool,
@@ -291,9 +305,11 @@ impl Runtime {
 
     pub fn with_backends(config: Config, backends: Backends) -> Result<Self, RuntimeError> {
         let simulated = backends.simulated_clock;
-        let (world, first_touch) = RuntimeWorld::build(&config, backends)?;
+        let (mut world, first_touch) = RuntimeWorld::build(&config, backends)?;
+        let progressing = Progressing::new(&mut world);
         Ok(Runtime {
             world,
+            progressing,
             schedule: schedule::build(),
             started: Instant::now(),
             simulated,
@@ -718,16 +734,7 @@ impl Runtime {
         if self.world.resource::<Registry>().operations == 0 {
             return false;
         }
-        let w = &mut self.world;
-        w.query_filtered::<(), Or<(
-            With<at::Reading>,
-            With<at::RestorePending>,
-            With<at::PublishPending>,
-            With<at::Finishing>,
-        )>>()
-        .iter(w)
-        .next()
-        .is_some()
+        self.progressing.iter(&self.world).next().is_some()
     }
 
     /// Each lower tier's (bytes held, capacity), where it says.

@@ -206,19 +206,31 @@ fn send(
     }
 }
 
+/// An agent's publish batch takes at most this share of its staging area,
+/// so the agent fills the next batch while the manager moves the last one
+/// into the pool: one batch as large as the area serializes the two.
+const STAGING_PARTS: u64 = 4;
+
 /// Gives the leading items of `batch` a staging slot each, stopping at the
-/// first that does not fit; returns how many got one.
+/// first that does not fit, or once the batch holds its share of the area
+/// (`STAGING_PARTS`; always at least one page); returns how many got one.
 fn stage(job: &mut PublishJob, batch: &[usize], copies: &mut Copies, origin: Origin) -> usize {
     let Some(staging) = copies.staging(origin) else {
         return 0; // no staging area: the items wait and drop at the deadline
     };
+    let share = staging.capacity() / STAGING_PARTS;
+    let mut bytes = 0;
     let mut staged = 0;
     for &i in batch {
         let item = &mut job.items[i];
         debug_assert!(item.staging.is_none(), "waiting items hold no staging");
+        if staged > 0 && bytes + item.bytes > share {
+            break;
+        }
         let Ok(slot) = staging.alloc(item.bytes) else {
             break;
         };
+        bytes += item.bytes;
         let offset = staging.offset(slot).expect("a fresh slot has an offset");
         item.staging = Some((slot.to_bits(), offset));
         staged += 1;

@@ -189,6 +189,74 @@ fn publish_and_restore_through_the_agent_move_exact_bytes() {
     h.assert_idle();
 }
 
+/// An agent's publish is staged in batches of at most a quarter of its
+/// staging area, so the agent fills one while the manager moves another
+/// into the pool; every page still lands, byte for byte.
+#[test]
+fn an_agent_publish_is_staged_in_quarters_of_the_staging_area() {
+    let mut mem = EngineMemory::new();
+    let mut c = agent_config();
+    // One extent, 16 pages: a quarter is 4.
+    c.limits.max_staging_bytes = c.dram.extent_bytes;
+    assert_eq!(c.limits.max_staging_bytes, 16 * PAGE_BYTES);
+    let (mut h, s, ns) = with_agent(c);
+    let region = agent_region(&mut h, s, &mut mem);
+    let pages = allocs(&mut h, s, region, 0..SLOTS);
+    let bytes: Vec<Vec<u8>> = (0..SLOTS as u64)
+        .map(|i| payload(&ns, 0, &hash(3, 0, i)))
+        .collect();
+    for (slot, b) in bytes.iter().enumerate() {
+        mem.write(slot as u32, b);
+    }
+    let publish = publish_cmd(
+        s,
+        1,
+        0,
+        (0..SLOTS as u64)
+            .map(|i| (0, hash(3, 0, i), pages[i as usize]))
+            .collect(),
+    );
+    h.step(vec![publish]);
+    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
+    assert!(
+        matches!(
+            done,
+            Event::PublishDone {
+                inserted: 8,
+                dropped: 0,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    let m = h.rt().stats().metrics;
+    assert_eq!(m.agent_copies, 2, "8 pages in batches of 4");
+    h.assert_idle();
+    // Every page reads back exactly.
+    for slot in 0..SLOTS {
+        mem.write(slot, &[0u8; PAGE_BYTES as usize]);
+    }
+    let q =
+        h.d.query(query(s, 2, 3, &[0], 8, 8 * PAGE + 1, true))
+            .expect("query");
+    assert_eq!(q.selected, Some(8 * PAGE));
+    h.d.ready(q.operation).expect("ready");
+    let targets: Vec<_> = (0..8u64)
+        .map(|i| target(0, 0, (i + 1) * PAGE, pages[i as usize]))
+        .collect();
+    let done =
+        h.d.restore(s, q.operation, targets, vec![])
+            .expect("restore");
+    assert!(
+        matches!(done, Event::RestoreDone { pages: 8, .. }),
+        "{done:?}"
+    );
+    for (i, b) in bytes.iter().enumerate() {
+        assert_eq!(&mem.read(i as u32), b, "page {i}");
+    }
+    h.assert_idle();
+}
+
 /// Plays the agent by hand: no agent in the port, so `AgentCopy` events
 /// reach the test.
 fn manual(config: Config) -> (Harness, SessionHandle, orbitkv_components::Namespace, u64) {

@@ -418,7 +418,9 @@ fn main() {
         summary.push((label, gbps(rt_ns) / gbps(mc_ns)));
     }
     for (label, r) in summary {
-        println!("ratio {label}: {r:.2}x (goal >= 0.8x)");
+        // The data-path goals: 0.8x at 16 KiB, at least memcpy above.
+        let goal = if label == "16 KiB" { 0.8 } else { 1.0 };
+        println!("ratio {label}: {r:.2}x (goal >= {goal:.1}x)");
     }
     eprintln!("throughput: total {:.1} s", secs(t0));
 }

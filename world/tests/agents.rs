@@ -113,6 +113,55 @@ fn allocs(h: &mut Harness, s: SessionHandle, region: u64, slots: std::ops::Range
     slots.map(|slot| h.alloc(s, region, slot)).collect()
 }
 
+/// Saves page `i` of prompt `seed` from `pages[i]` (slot `i`) through the
+/// agent; every page is stored. Returns the bytes.
+fn save_through_agent(
+    h: &mut Harness,
+    s: SessionHandle,
+    ns: orbitkv_components::Namespace,
+    mem: &mut EngineMemory,
+    pages: &[u64],
+    seed: u64,
+) -> Vec<Vec<u8>> {
+    let n = pages.len() as u64;
+    let bytes: Vec<Vec<u8>> = (0..n).map(|i| payload(&ns, 0, &hash(seed, 0, i))).collect();
+    for (slot, b) in bytes.iter().enumerate() {
+        mem.write(slot as u32, b);
+    }
+    let items = (0..n).map(|i| (0, hash(seed, 0, i), pages[i as usize]));
+    h.step(vec![publish_cmd(s, seed, 0, items.collect())]);
+    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
+    assert!(
+        matches!(done, Event::PublishDone { inserted, dropped: 0, .. } if inserted == n),
+        "{done:?}"
+    );
+    bytes
+}
+
+/// Restores prompt `seed`'s first `targets.len()` pages into `targets`
+/// through the agent, every page leased and copied.
+fn restore_through_agent(h: &mut Harness, s: SessionHandle, targets: &[u64], seed: u64) {
+    let n = targets.len() as u64;
+    let q =
+        h.d.query(query(s, 100 + seed, seed, &[0], n, n * PAGE + 1, true))
+            .expect("query");
+    assert_eq!(q.selected, Some(n * PAGE));
+    let Event::Ready { leases, .. } = h.d.ready(q.operation).expect("ready") else {
+        panic!("not ready");
+    };
+    assert_eq!(leases.len() as u64, n);
+    let targets: Vec<_> = (0..n)
+        .map(|i| target(0, 0, (i + 1) * PAGE, targets[i as usize]))
+        .collect();
+    let done =
+        h.d.restore(s, q.operation, targets, vec![])
+            .expect("restore");
+    assert!(
+        matches!(done, Event::RestoreDone { pages, .. } if pages == n),
+        "{done:?}"
+    );
+}
+
 #[test]
 fn publish_and_restore_through_the_agent_move_exact_bytes() {
     let mut mem = EngineMemory::new();
@@ -120,31 +169,7 @@ fn publish_and_restore_through_the_agent_move_exact_bytes() {
     let region = agent_region(&mut h, s, &mut mem);
     let pages = allocs(&mut h, s, region, 0..SLOTS);
     // Save three pages from slots 0..3.
-    let bytes: Vec<Vec<u8>> = (0..3).map(|i| payload(&ns, 0, &hash(1, 0, i))).collect();
-    for (slot, b) in bytes.iter().enumerate() {
-        mem.write(slot as u32, b);
-    }
-    let publish = publish_cmd(
-        s,
-        1,
-        0,
-        (0..3)
-            .map(|i| (0, hash(1, 0, i), pages[i as usize]))
-            .collect(),
-    );
-    h.step(vec![publish]);
-    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
-    assert!(
-        matches!(
-            done,
-            Event::PublishDone {
-                inserted: 3,
-                dropped: 0,
-                ..
-            }
-        ),
-        "{done:?}"
-    );
+    let bytes = save_through_agent(&mut h, s, ns, &mut mem, &pages[..3], 1);
     h.assert_idle();
     assert_eq!(h.rt().staging_capacity(Origin::EMBEDDED), Some(1 << 20));
     // The agent writes the staging area but cannot resize it under the
@@ -155,24 +180,7 @@ fn publish_and_restore_through_the_agent_move_exact_bytes() {
     for slot in 5..8 {
         mem.write(slot, &[0u8; PAGE_BYTES as usize]);
     }
-    let q =
-        h.d.query(query(s, 2, 1, &[0], 3, 3 * PAGE + 1, true))
-            .expect("query");
-    assert_eq!(q.selected, Some(3 * PAGE));
-    let Event::Ready { leases, .. } = h.d.ready(q.operation).expect("ready") else {
-        panic!("not ready");
-    };
-    assert_eq!(leases.len(), 3);
-    let targets: Vec<_> = (0..3u64)
-        .map(|i| target(0, 0, (i + 1) * PAGE, pages[5 + i as usize]))
-        .collect();
-    let done =
-        h.d.restore(s, q.operation, targets, vec![])
-            .expect("restore");
-    assert!(
-        matches!(done, Event::RestoreDone { pages: 3, .. }),
-        "{done:?}"
-    );
+    restore_through_agent(&mut h, s, &pages[5..8], 1);
     for (i, b) in bytes.iter().enumerate() {
         assert_eq!(&mem.read(5 + i as u32), b, "restored page {i}");
     }
@@ -202,33 +210,7 @@ fn an_agent_publish_is_staged_in_quarters_of_the_staging_area() {
     let (mut h, s, ns) = with_agent(c);
     let region = agent_region(&mut h, s, &mut mem);
     let pages = allocs(&mut h, s, region, 0..SLOTS);
-    let bytes: Vec<Vec<u8>> = (0..SLOTS as u64)
-        .map(|i| payload(&ns, 0, &hash(3, 0, i)))
-        .collect();
-    for (slot, b) in bytes.iter().enumerate() {
-        mem.write(slot as u32, b);
-    }
-    let publish = publish_cmd(
-        s,
-        1,
-        0,
-        (0..SLOTS as u64)
-            .map(|i| (0, hash(3, 0, i), pages[i as usize]))
-            .collect(),
-    );
-    h.step(vec![publish]);
-    let done = h.until("publish", |e| matches!(e, Event::PublishDone { .. }));
-    assert!(
-        matches!(
-            done,
-            Event::PublishDone {
-                inserted: 8,
-                dropped: 0,
-                ..
-            }
-        ),
-        "{done:?}"
-    );
+    let bytes = save_through_agent(&mut h, s, ns, &mut mem, &pages, 3);
     let m = h.rt().stats().metrics;
     assert_eq!(m.agent_copies, 2, "8 pages in batches of 4");
     h.assert_idle();
@@ -236,21 +218,7 @@ fn an_agent_publish_is_staged_in_quarters_of_the_staging_area() {
     for slot in 0..SLOTS {
         mem.write(slot, &[0u8; PAGE_BYTES as usize]);
     }
-    let q =
-        h.d.query(query(s, 2, 3, &[0], 8, 8 * PAGE + 1, true))
-            .expect("query");
-    assert_eq!(q.selected, Some(8 * PAGE));
-    h.d.ready(q.operation).expect("ready");
-    let targets: Vec<_> = (0..8u64)
-        .map(|i| target(0, 0, (i + 1) * PAGE, pages[i as usize]))
-        .collect();
-    let done =
-        h.d.restore(s, q.operation, targets, vec![])
-            .expect("restore");
-    assert!(
-        matches!(done, Event::RestoreDone { pages: 8, .. }),
-        "{done:?}"
-    );
+    restore_through_agent(&mut h, s, &pages, 3);
     for (i, b) in bytes.iter().enumerate() {
         assert_eq!(&mem.read(i as u32), b, "page {i}");
     }
@@ -344,6 +312,18 @@ fn store_one(h: &mut Harness, s: SessionHandle, request: u64, device_page: u64, 
     h.until("publish", |e| {
         matches!(e, Event::PublishDone { inserted: 1, .. })
     });
+}
+
+/// Waits for the deferred free of `device_page`, reported with its pin.
+fn deferred_free_reported(h: &mut Harness, device_page: u64) {
+    let freed = h.until("freed", |e| matches!(e, Event::DevicePageFreed { .. }));
+    assert!(
+        matches!(
+            freed,
+            Event::DevicePageFreed { device_page: d, deferred: true, .. } if d == device_page
+        ),
+        "{freed:?}"
+    );
 }
 
 fn rejected(events: &[Event]) -> Option<CommandError> {
@@ -636,18 +616,7 @@ fn an_agent_past_its_deadline_fails_the_copy_but_holds_everything_until_it_repor
         !ev.iter().any(|e| matches!(e, Event::PublishDone { .. })),
         "{ev:?}"
     );
-    let freed = h.until("freed", |e| matches!(e, Event::DevicePageFreed { .. }));
-    assert!(
-        matches!(
-            freed,
-            Event::DevicePageFreed {
-                device_page,
-                deferred: true,
-                ..
-            } if device_page == pages[0]
-        ),
-        "{freed:?}"
-    );
+    deferred_free_reported(&mut h, pages[0]);
     assert_eq!(h.rt().stats().pages, 0);
     let m = h.rt().stats().metrics;
     assert_eq!(m.agent_copy_failures.get("lost"), Some(&1));
@@ -729,18 +698,7 @@ fn a_hung_agent_restore_misses_at_the_deadline_and_holds_until_it_reports() {
             .any(|e| matches!(e, Event::Miss { .. } | Event::RestoreDone { .. })),
         "{ev:?}"
     );
-    let freed = h.until("freed", |e| matches!(e, Event::DevicePageFreed { .. }));
-    assert!(
-        matches!(
-            freed,
-            Event::DevicePageFreed {
-                device_page,
-                deferred: true,
-                ..
-            } if device_page == pages[1]
-        ),
-        "{freed:?}"
-    );
+    deferred_free_reported(&mut h, pages[1]);
     let m = h.rt().stats().metrics;
     assert_eq!(
         m.misses.get(&MissReason::Deadline),

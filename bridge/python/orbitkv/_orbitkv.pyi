@@ -727,12 +727,13 @@ class Client:
         the manager refused it (the command had no effect), otherwise
         ``instance_registered``, ``session_opened``, ``region_registered``
         (the region's shared memory is mapped by then), ``device_page_allocated``,
+        ``device_page_freed`` (later, with the last pin, when a copy holds
+        the page), ``session_closed`` (once the session's I/O drained),
         ``query_result`` or ``publish_done``. Commands without a reply of
-        their own (``prepare``, ``restore``, ``release``, ``cancel``,
-        ``close_session``, ``device_page_free``) are answered only if
-        rejected: :meth:`submit` them and :meth:`wait_event` for what follows
-        (``ready``, ``restore_done``, ``released``, ...). Other events that
-        arrive meanwhile stay queued.
+        their own (``prepare``, ``restore``, ``release``, ``cancel``) are
+        answered only if rejected: :meth:`submit` them and
+        :meth:`wait_event` for what follows (``ready``, ``restore_done``,
+        ``released``, ...). Other events that arrive meanwhile stay queued.
 
         :raises TimeoutError: no reply within ``timeout`` seconds.
         :raises ValueError: not a command, or a bad ``timeout``.

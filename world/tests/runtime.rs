@@ -1615,8 +1615,10 @@ fn wait_io_sleeps_until_the_host_engines_copy_lands() {
             done = Some(e);
             break;
         }
-        assert_eq!(rt.stats().transfers, 1);
-        assert!(rt.wait_io(Duration::from_secs(5)), "the copy landed");
+        // The copy is still in flight (else the next tick reports it).
+        if rt.stats().transfers == 1 {
+            assert!(rt.wait_io(Duration::from_secs(5)), "the copy landed");
+        }
     }
     assert!(
         matches!(done, Some(Event::PublishDone { inserted: 1, .. })),

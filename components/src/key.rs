@@ -142,21 +142,42 @@ impl Hash for StateKey {
 }
 
 /// What `StateKey` and `KeyRef` hash: they must agree. The namespace's
-/// first 8 bytes (a digest's, uniform) and the group in one word; an
-/// integer native hash (8 bytes or fewer: vLLM's builtin hash, SGLang's
-/// ids) as one more word, zero-padded (bytes past `len` are zero, and equal
-/// keys have equal lengths); longer ones as bytes.
+/// first 8 bytes (a digest's, uniform) and the group in one word; the
+/// native hash as 1, 2 or 4 zero-padded words for up to 8, 16 or 32 bytes
+/// (bytes past `len` are zero, and equal keys have equal lengths), longer
+/// ones as bytes.
 fn hash_parts<H: Hasher>(namespace: &Namespace, group: u32, native: &NativeHash, state: &mut H) {
     let ns = &namespace.0;
     let ns = u64::from_le_bytes([ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6], ns[7]]);
-    state.write_u64(ns ^ u64::from(group));
-    if native.len <= 8 {
-        let b = &native.bytes;
-        state.write_u64(u64::from_le_bytes([
-            b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
-        ]));
-    } else {
-        native.hash(state);
+    // Whole words, two at a time (foldhash mixes 128 bits in one step),
+    // not the hasher's slice loop: discovery hashes every page of a query.
+    // Every used byte is hashed, so a client cannot collide keys by
+    // varying bytes the hash skips.
+    let words = match native.len {
+        0..=8 => 1,
+        9..=16 => 2,
+        17..=32 => 4,
+        _ => {
+            state.write_u64(ns ^ u64::from(group));
+            native.hash(state);
+            return;
+        }
+    };
+    let mut w = [0u64; 4];
+    for (word, bytes) in w.iter_mut().zip(native.bytes.chunks_exact(8)).take(words) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(bytes);
+        *word = u64::from_le_bytes(b);
+    }
+    let pair = |lo: u64, hi: u64| u128::from(lo) | (u128::from(hi) << 64);
+    state.write_u128(pair(ns ^ u64::from(group), w[0]));
+    match words {
+        1 => {}
+        2 => state.write_u64(w[1]),
+        _ => {
+            state.write_u128(pair(w[1], w[2]));
+            state.write_u64(w[3]);
+        }
     }
 }
 

@@ -222,6 +222,47 @@ fn state_format_golden_digest() {
     assert!(bad.digest().is_err());
 }
 
+/// The key hash reads native hashes in whole words by length class (up to
+/// 8, 16, 32 bytes, then the slice): at every class's edges a key and one
+/// that differs only in its last used byte are distinct entries with
+/// different hashes (every used byte is hashed), and borrowed parts find
+/// each.
+#[test]
+fn key_hash_covers_every_used_byte_of_each_length_class() {
+    use orbitkv_components::{KeyHasher, KeyMap, KeyRef};
+    use std::hash::BuildHasher;
+    let hasher = KeyHasher::default();
+    let mut map: KeyMap<(usize, u8)> = KeyMap::default();
+    for len in [1usize, 8, 9, 16, 17, 31, 32, 33, 64] {
+        let a: Vec<u8> = (0..len as u8).map(|b| b.wrapping_mul(37) | 1).collect();
+        let mut b = a.clone();
+        b[len - 1] ^= 0x80;
+        let ka = StateKey::new(ns(3), 5, &a).unwrap();
+        let kb = StateKey::new(ns(3), 5, &b).unwrap();
+        assert_ne!(
+            hasher.hash_one(ka),
+            hasher.hash_one(kb),
+            "{len}-byte hashes differing in their last byte hash alike"
+        );
+        assert_eq!(map.insert(ka, (len, 0)), None);
+        assert_eq!(map.insert(kb, (len, 1)), None);
+    }
+    for len in [1usize, 8, 9, 16, 17, 31, 32, 33, 64] {
+        let a: Vec<u8> = (0..len as u8).map(|b| b.wrapping_mul(37) | 1).collect();
+        let native = NativeHash::new(&a).unwrap();
+        let parts = KeyRef {
+            namespace: &ns(3),
+            group: 5,
+            native: &native,
+        };
+        assert_eq!(map.get(&parts), Some(&(len, 0)));
+        assert_eq!(
+            hasher.hash_one(parts),
+            hasher.hash_one(StateKey::new(ns(3), 5, &a).unwrap())
+        );
+    }
+}
+
 /// `KeyMap` hashes only part of the namespace and the used native bytes;
 /// equality must still tell apart every field, so keys that differ only past
 /// the hashed namespace prefix, only in length, or only in group are all

@@ -46,6 +46,21 @@ pub fn hash(seed: u64, group: u32, i: u64) -> NativeHash {
     NativeHash::from_u64(seed.wrapping_mul(1_000_003) ^ ((group as u64) << 48) ^ i)
 }
 
+/// Page `i`'s hash as vLLM computes it by default (`sha256_cbor`): 32
+/// bytes, uniform. Sequential integers would flatter a multiplicative
+/// hasher (consecutive keys land in evenly strided buckets, which the
+/// prefetcher follows); engine hashes are digests.
+#[allow(dead_code)]
+pub fn digest(seed: u64, group: u32, i: u64) -> NativeHash {
+    let mut input = [0u8; 20];
+    input[..8].copy_from_slice(&seed.to_le_bytes());
+    input[8..12].copy_from_slice(&group.to_le_bytes());
+    input[12..].copy_from_slice(&i.to_le_bytes());
+    let lo = xxhash_rust::xxh3::xxh3_128_with_seed(&input, 1).to_le_bytes();
+    let hi = xxhash_rust::xxh3::xxh3_128_with_seed(&input, 2).to_le_bytes();
+    NativeHash::new(&[lo, hi].concat()).expect("32 bytes fit")
+}
+
 /// Deterministic page bytes.
 pub fn payload(seed: u64, slot: u64, len: u64) -> Vec<u8> {
     let mut state = (seed ^ 0x9e37_79b9_7f4a_7c15).wrapping_mul(slot | 1) | 1;

@@ -22,6 +22,12 @@ back is compared after its timing.
   (query, prepare and restore in one command) until `restore_done`. Checksums are always on: the publish copy
   computes each page's XXH3-64, the restore copy verifies it.
 
+- LMCache's multi-process server (`--peers` includes `mp`; see
+  `lmcache_mp.py`): its recommended deployment, a per-node process with a
+  shared DRAM pool, the closest peer to `orbitkv serve`. Save = `STORE`
+  requests of `--batch` chunks, timed until the pool has committed the
+  last; retrieve = per request a `LOOKUP` and a `RETRIEVE`.
+
 What is not equal, on purpose or not (printed with the results):
 - OrbitKV crosses a process boundary (the manager) and LMCache does not.
 - OrbitKV's save copies twice (engine memory -> the agent's staging area,
@@ -39,6 +45,10 @@ Run (release builds of the manager and of the extension in the venv):
     cargo build --release --bin orbitkv
     scripts/develop.sh $V release
     $V/bin/python bridge/bench/lmcache_peer.py --total 2GiB --page-bytes 256KiB --repeat 2
+
+Memory: the payload twice, plus about 1.25x of it for each system's pool
+and, with the MP server, twice more for the KV cache it registers (2 GiB
+pages need about 16 GiB).
 
 Not a test: the figures depend on the machine; compare the ratios.
 """
@@ -239,7 +249,13 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=4, help="OrbitKV publishes outstanding at once during save")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profile", default="release", choices=["release", "debug"])
+    ap.add_argument("--peers", default="inproc,mp", help="LMCache peers: inproc (CPU backend), mp (MP server)")
+    ap.add_argument("--mp-mode", default="lmcache_driven", choices=["lmcache_driven", "engine_driven"])
+    ap.add_argument("--mp-workers", type=int, default=1, help="the MP server's --max-workers")
     a = ap.parse_args()
+    peers = [p.strip() for p in a.peers.split(",") if p.strip()]
+    if not peers or any(p not in ("inproc", "mp") for p in peers):
+        sys.exit(f"--peers: expected a list of inproc, mp; got {a.peers!r}")
     if orbitkv._orbitkv._debug_build and a.profile == "release":
         progress("WARNING: the orbitkv extension is a debug build; figures will be low")
     pages = a.total // a.page_bytes
@@ -266,65 +282,95 @@ def main() -> None:
         f"[budget]\nquery_budget_bytes = {total}\n"
     )
     m = ss.Manager(ss.orbitkv_binary(a.profile), dram=f"{int(total * 1.25) >> 20}MiB", config=config)
-    runs = {"lmcache": [], "orbitkv": []}
+    names = {"inproc": "lmcache", "mp": "lmcache_mp"}
+    others = [names[p] for p in peers]
+    runs: dict = {name: [] for name in others + ["orbitkv"]}
+    systems: dict = {}
     try:
         m.start()
         with orbitkv.Client(m.socket, "peer-bench") as c:
-            lm = Lmcache(total, a.page_bytes)
-            # Round 0 warms both (faults in LMCache's memory and the
+            if "inproc" in peers:
+                systems["lmcache"] = Lmcache(total, a.page_bytes)
+            if "mp" in peers:
+                from lmcache_mp import MpServer
+
+                progress("starting LMCache's MP server")
+                systems["lmcache_mp"] = MpServer(total, a.page_bytes, a.batch, a.mp_mode, a.mp_workers)
+            # Round 0 warms every system (faults in the pools and the
             # manager's staging); it is not counted.
             for r in range(a.repeat + 1):
-                for name in ("lmcache", "orbitkv"):
+                for name in runs:
                     dst[:] = 0
                     what = "warm-up" if r == 0 else f"round {r}/{a.repeat}"
                     progress(f"{what}: {name}, {pages} pages of {a.page_bytes} bytes")
-                    if name == "lmcache":
-                        res = lm.round(src, dst, a.page_bytes, a.batch, r)
-                    else:
+                    if name == "orbitkv":
                         res = run_orbitkv(c, src, dst, a.page_bytes, a.batch, r, a.inflight)
+                    else:
+                        res = systems[name].round(src, dst, a.page_bytes, a.batch, r)
                     if not res["exact"]:
                         sys.exit(f"{name}: the bytes read back differ from what was saved")
                     if r > 0:
                         runs[name].append(res)
-            lm.close()
     finally:
+        for peer in systems.values():
+            peer.close()
         m.stop()
 
     def gbs(name: str, key: str) -> float:
         return total / statistics.median(x[key] for x in runs[name]) / 1e9
 
-    out = {
+    def both(name: str) -> float:
+        return 2 * total / statistics.median(x["save_s"] + x["retrieve_s"] for x in runs[name]) / 1e9
+
+    out: dict = {
         "total_bytes": total,
         "page_bytes": a.page_bytes,
         "pages": pages,
         "batch": a.batch,
         "repeat": a.repeat,
         "memcpy_gbs": memcpy_gbs,
-        "lmcache": {"save_gbs": gbs("lmcache", "save_s"), "retrieve_gbs": gbs("lmcache", "retrieve_s")},
-        "orbitkv": {"save_gbs": gbs("orbitkv", "save_s"), "retrieve_gbs": gbs("orbitkv", "retrieve_s")},
         "runs": runs,
-        "unfair": [
-            "OrbitKV goes through a manager process; LMCache's CPU backend is in-process",
-            "OrbitKV's save copies twice (engine -> staging -> pool, hashing in the second pass)",
-            "OrbitKV verifies a checksum on restore; LMCache verifies nothing",
-            "OrbitKV's device pages are allocated before timing, as its adapters do at startup",
-            f"OrbitKV keeps up to {a.inflight} publishes in flight; LMCache's puts are synchronous copies in this process",
-        ],
     }
-    for d in ("save", "retrieve"):
-        out[f"ratio_{d}"] = out["orbitkv"][f"{d}_gbs"] / out["lmcache"][f"{d}_gbs"]
-    both_o = 2 * total / statistics.median(x["save_s"] + x["retrieve_s"] for x in runs["orbitkv"]) / 1e9
-    both_l = 2 * total / statistics.median(x["save_s"] + x["retrieve_s"] for x in runs["lmcache"]) / 1e9
-    out["orbitkv"]["save_retrieve_gbs"] = both_o
-    out["lmcache"]["save_retrieve_gbs"] = both_l
-    out["ratio_save_retrieve"] = both_o / both_l
+    for name in runs:
+        out[name] = {
+            "save_gbs": gbs(name, "save_s"),
+            "retrieve_gbs": gbs(name, "retrieve_s"),
+            "save_retrieve_gbs": both(name),
+        }
+    unfair = [
+        "OrbitKV's save copies twice (engine -> staging -> pool, hashing in the second pass)",
+        "OrbitKV verifies a checksum on restore; LMCache verifies nothing",
+        "OrbitKV's device pages are allocated before timing, as its adapters do at startup",
+    ]
+    if "lmcache" in runs:
+        unfair += [
+            "LMCache's CPU backend is in-process; OrbitKV goes through a manager process",
+            f"OrbitKV keeps up to {a.inflight} publishes in flight; LMCache's in-process puts are synchronous copies",
+        ]
+    if "lmcache_mp" in runs:
+        unfair += [
+            f"LMCache's MP server runs {a.mp_workers} store/retrieve worker(s) ({a.mp_mode}), its copies are "
+            "torch ops with torch's default threads (one per core); OrbitKV's manager and copy agent use "
+            "their default copy workers (one per core)",
+            "LMCache's MP server keeps 4 requests in flight; OrbitKV keeps "
+            f"{a.inflight} publishes in flight and restores in one load",
+            "LMCache's retrieve includes a LOOKUP per request, as OrbitKV's load includes its query",
+        ]
+    out["unfair"] = unfair
+    rows = [f"{'':14} {'save GB/s':>10} {'retrieve':>10} {'both':>10}"]
+    for name in runs:
+        o = out[name]
+        rows.append(f"{name:14} {o['save_gbs']:10.2f} {o['retrieve_gbs']:10.2f} {o['save_retrieve_gbs']:10.2f}")
+    for name in others:
+        ratio = {k: out["orbitkv"][f"{k}_gbs"] / out[name][f"{k}_gbs"] for k in ("save", "retrieve", "save_retrieve")}
+        out[f"ratio_vs_{name}"] = ratio
+        rows.append(
+            f"{'vs ' + name:14} {ratio['save']:10.2f} {ratio['retrieve']:10.2f} {ratio['save_retrieve']:10.2f}"
+        )
     print(json.dumps(out, indent=2))
     print(
         f"\n{total / 2**30:.2f} GiB in {a.page_bytes >> 10} KiB pages; memcpy floor {memcpy_gbs:.1f} GB/s\n"
-        f"{'':10} {'save GB/s':>10} {'retrieve':>10} {'both':>10}\n"
-        f"{'LMCache':10} {out['lmcache']['save_gbs']:10.2f} {out['lmcache']['retrieve_gbs']:10.2f} {both_l:10.2f}\n"
-        f"{'OrbitKV':10} {out['orbitkv']['save_gbs']:10.2f} {out['orbitkv']['retrieve_gbs']:10.2f} {both_o:10.2f}\n"
-        f"{'ratio':10} {out['ratio_save']:10.2f} {out['ratio_retrieve']:10.2f} {out['ratio_save_retrieve']:10.2f}",
+        + "\n".join(rows),
         file=sys.stderr,
     )
 

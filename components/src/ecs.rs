@@ -15,6 +15,7 @@
 //! a reference to a despawned entity never resolves to its successor: that is
 //! the page-generation fence.
 
+use bevy_ecs::entity::EntityHashSet;
 use bevy_ecs::prelude::*;
 
 use crate::api::{
@@ -590,9 +591,12 @@ pub struct Leases(Vec<Entity>);
 #[relationship(relationship_target = HeldLeases)]
 pub struct HeldBy(pub Entity);
 
+/// A set, not a list: a restore returns its leases one by one in page
+/// order (`return_leases`), and each removal from a `Vec` would scan and
+/// shift it, quadratic in the pages of one operation.
 #[derive(Component, Debug, Default)]
 #[relationship_target(relationship = HeldBy, linked_spawn)]
-pub struct HeldLeases(Vec<Entity>);
+pub struct HeldLeases(EntityHashSet);
 
 /// A P/D handoff (`Command::Hold`): its leases (`HeldLeases`, each
 /// `HeldBy` it) pin the promised pages that have landed in DRAM, so they
@@ -634,9 +638,11 @@ pub struct Regions(Vec<Entity>);
 #[relationship(relationship_target = RegionPages)]
 pub struct PageOf(pub Entity);
 
+/// A set: a region holds a page per engine slot (thousands), and each
+/// free would scan and shift a `Vec`.
 #[derive(Component, Debug, Default)]
 #[relationship_target(relationship = PageOf, linked_spawn)]
-pub struct RegionPages(Vec<Entity>);
+pub struct RegionPages(EntityHashSet);
 
 /// The session handle an entity answers to.
 pub fn session_handle(entity: Entity, epoch: u64, incarnation: u64) -> SessionHandle {

@@ -408,6 +408,31 @@ impl Recovery {
         let index = (page_end / page_tokens).checked_sub(1)?;
         g.hashes.get(index as usize).copied()
     }
+
+    /// The need at each of `positions`, in order (`None` where no page is
+    /// needed). Engines name their targets in the order the needs were
+    /// made, so each position is tried at its own index first; any other
+    /// order is looked up in a map built once: linear either way, where a
+    /// search per target was quadratic in the pages of one restore.
+    pub fn needs_at<'a>(
+        &'a self,
+        positions: impl IntoIterator<Item = &'a PagePos>,
+    ) -> impl Iterator<Item = Option<&'a PageNeed>> {
+        let mut by_pos: Option<std::collections::HashMap<PagePos, usize>> = None;
+        positions.into_iter().enumerate().map(move |(i, pos)| {
+            if let Some(need) = self.needs.get(i).filter(|n| n.pos == *pos) {
+                return Some(need);
+            }
+            let map = by_pos.get_or_insert_with(|| {
+                self.needs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| (n.pos, i))
+                    .collect()
+            });
+            map.get(pos).and_then(|&i| self.needs.get(i))
+        })
+    }
 }
 
 /// Where one published page is.

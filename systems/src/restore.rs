@@ -77,17 +77,14 @@ fn plan(
     devices: &Devices,
 ) -> Result<Vec<PlannedCopy>, MissReason> {
     let mut plan = Vec::with_capacity(rec.restore.len());
-    for target in &rec.restore {
+    let needs = rec.needs_at(rec.restore.iter().map(|t| &t.pos));
+    for (target, need) in rec.restore.iter().zip(needs) {
         let at = (target.pos.rank, target.pos.group);
         let Some((device_page, dp, region)) = devices.destination(target.device_page, session, at)
         else {
             return Err(MissReason::StaleGeneration);
         };
-        let need = rec
-            .needs
-            .iter()
-            .find(|n| n.pos == target.pos)
-            .expect("validated at ingest");
+        let need = need.expect("validated at ingest");
         let NeedState::Leased(lease) = need.state else {
             unreachable!("restore is accepted only when ready");
         };

@@ -4,7 +4,9 @@
 //! The real threaded `HostCopyEngine` (default config: 2 workers) and the
 //! wall clock. A dense instance; one iteration publishes 16 MiB of pages
 //! (N = 1024, 256 or 8 pages) from device slots, queries and prepares them,
-//! restores them into other device slots, and frees the restore targets.
+//! and restores them into other device slots. Device pages are allocated
+//! once, for every slot, as the engine side's slot table does: no alloc or
+//! free rounds around loads and saves.
 //! Every iteration publishes distinct keys, so every iteration really
 //! copies; the 256 MiB pool fills after 16 iterations and eviction runs
 //! from then on. Publishes are checksummed in the copy pass, restores
@@ -40,10 +42,11 @@ struct Setup {
     n: u64,
     page_bytes: u64,
     session: SessionHandle,
-    region: u64,
     engine_region: u32,
     /// Publish sources: device slots 0..N.
     sources: Vec<u64>,
+    /// Restore targets: device slots N..2N.
+    targets: Vec<u64>,
     /// Keys are distinct per iteration.
     iteration: u64,
 }
@@ -73,6 +76,7 @@ fn setup(page_bytes: u64) -> Setup {
     let (region, engine_region, got) = d.region(session, 0, 0, 2 * n as u32);
     assert_eq!(got, page_bytes);
     let sources = d.alloc_many(session, region, 0..n as u32);
+    let targets = d.alloc_many(session, region, n as u32..2 * n as u32);
     for slot in 0..2 * n {
         d.arena
             .write(
@@ -87,9 +91,9 @@ fn setup(page_bytes: u64) -> Setup {
         n,
         page_bytes,
         session,
-        region,
         engine_region,
         sources,
+        targets,
         iteration: 0,
     }
 }
@@ -105,8 +109,8 @@ struct Ticks {
     restore_us: f64,
 }
 
-/// One iteration; `verify` checks the restored bytes before the targets are
-/// freed (and rewrites the sources first, so stale bytes cannot pass).
+/// One iteration; `verify` checks the restored bytes (and rewrites the
+/// sources and zeroes the targets first, so stale bytes cannot pass).
 #[inline(never)]
 fn iteration(s: &mut Setup, verify: bool) -> Ticks {
     s.iteration += 1;
@@ -151,7 +155,7 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
     ticks.publish = s.d.ticks() - t;
     ticks.publish_us = phase.elapsed().as_secs_f64() * 1e6;
 
-    // Query + prepare, with the restore targets allocated in the same tick.
+    // Query + prepare.
     let t = s.d.ticks();
     let phase = Instant::now();
     let q = s.d.submit(Command::Query {
@@ -167,7 +171,6 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
         prepare: true,
         speculative: false,
     });
-    let targets = s.d.alloc_many(session, s.region, n as u32..2 * n as u32);
     let op = match s.d.wait(
         "query result",
         |e| matches!(e, Event::QueryResult { command, .. } if *command == q),
@@ -197,7 +200,8 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
     s.d.submit(Command::Restore {
         session,
         operation: op,
-        targets: targets
+        targets: s
+            .targets
             .iter()
             .enumerate()
             .map(|(i, &device_page)| RestoreTarget {
@@ -233,14 +237,6 @@ fn iteration(s: &mut Setup, verify: bool) -> Ticks {
         }
     }
 
-    // Free the restore targets.
-    for device_page in targets {
-        s.d.submit(Command::DevicePageFree {
-            session,
-            device_page,
-        });
-    }
-    s.d.tick();
     s.d.clear();
     ticks
 }

@@ -138,9 +138,8 @@ impl Returns<'_, '_> {
             Outcome::Released => Event::Released { operation },
             Outcome::Restored => {
                 let bytes: u64 = rec
-                    .restore
-                    .iter()
-                    .filter_map(|t| rec.needs.iter().find(|n| n.pos == t.pos))
+                    .needs_at(rec.restore.iter().map(|t| &t.pos))
+                    .flatten()
                     .map(|n| n.bytes)
                     .sum();
                 let m = &mut *self.metrics;

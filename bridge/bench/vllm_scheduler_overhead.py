@@ -19,6 +19,10 @@ requests (512-token prompts, one output token):
             misses, then its 32 pages are planned for saving;
   hit       the connector, every prefix stored (published beforehand): a
             lookup that selects 496 tokens, a load planned, one page saved.
+            With `--load-mode async` (the default) the request then waits
+            in WAITING_FOR_REMOTE_KVS and vLLM schedules it again once the
+            load is reported; with `--load-mode layerwise` the load runs in
+            the step that schedules the request.
 
 For each loop it prints the wall time per request of `schedule()` +
 `update_from_output()`, the ratio to the baseline, and the part spent in
@@ -75,10 +79,12 @@ class Timed:
         setattr(obj, name, wrapper)
 
 
-def loop(sched, hasher, reqs: List[List[int]], tag: str) -> float:
+def loop(sched, hasher, reqs: List[List[int]], tag: str, async_loads: bool = True) -> float:
     """Runs every request to completion; returns wall seconds. The stand-in
     runner samples one token per finished prefill and reports each planned
-    load / delayed free done on the next step."""
+    load / delayed free done on the next step (`async_loads`; synchronous
+    loads finish inside the step that plans them, and vLLM expects no
+    report of them)."""
     from vllm import SamplingParams
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
@@ -121,7 +127,7 @@ def loop(sched, hasher, reqs: List[List[int]], tag: str) -> float:
             kv_connector_output=kvo,
         )
         engine_out = sched.update_from_output(so, out)
-        recving = loads
+        recving = loads if async_loads else set()
         sending = {
             o.request_id
             for outs in engine_out.values()
@@ -132,7 +138,14 @@ def loop(sched, hasher, reqs: List[List[int]], tag: str) -> float:
 
 
 def timed_loop(
-    scheduler, hasher, reqs: List[List[int]], name: str, connector: bool, no_gc: bool, warm_seed: int
+    scheduler,
+    hasher,
+    reqs: List[List[int]],
+    name: str,
+    connector: bool,
+    no_gc: bool,
+    warm_seed: int,
+    async_loads: bool = True,
 ) -> Dict[str, Any]:
     """One timed loop over `reqs` on a new scheduler (with a new connector,
     when `connector`), after a short warm-up loop."""
@@ -140,7 +153,7 @@ def timed_loop(
 
     sched = scheduler(connector)
     # Warm the process (and, with the connector, the connection).
-    loop(sched, hasher, prompts(8, seed=warm_seed), f"w{name}{warm_seed}")
+    loop(sched, hasher, prompts(8, seed=warm_seed), f"w{name}{warm_seed}", async_loads)
     lookup = meta = None
     if connector:
         lookup = Timed(sched.connector, "get_num_new_matched_tokens")
@@ -153,7 +166,7 @@ def timed_loop(
         # frozen, so collections scan only what serving made.
         freeze_gc_heap()
     try:
-        seconds = loop(sched, hasher, reqs, f"{name}{warm_seed}")
+        seconds = loop(sched, hasher, reqs, f"{name}{warm_seed}", async_loads)
     finally:
         gc.enable()
         gc.unfreeze()
@@ -180,6 +193,14 @@ def main() -> None:
         action="store_true",
         help="the connector's lookup_wait: false (lookups sent without waiting, "
         "collected when vLLM asks again)",
+    )
+    ap.add_argument(
+        "--load-mode",
+        default="async",
+        choices=["async", "layerwise"],
+        help="the connector's load_mode: async (a hit waits in WAITING_FOR_REMOTE_KVS "
+        "and is scheduled again once loaded) or layerwise (loads run inside the "
+        "step that schedules them)",
     )
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
@@ -223,6 +244,7 @@ def main() -> None:
         "manager": os.environ["ORBITKV_BIN"],
         "spin_after_work_us": args.spin_after_work_us,
         "lookup_wait": not args.no_lookup_wait,
+        "load_mode": args.load_mode,
         "gc": not args.no_gc,
     }
     try:
@@ -248,7 +270,7 @@ def main() -> None:
                 manager.socket,
                 num_blocks=4096,
                 max_batched=8192,
-                extra={"lookup_wait": not args.no_lookup_wait},
+                extra={"lookup_wait": not args.no_lookup_wait, "load_mode": args.load_mode},
             )
             if not connector:
                 vc.kv_transfer_config = None
@@ -272,7 +294,16 @@ def main() -> None:
                 ("miss", True, prompts(args.requests, seed=3 + 10 * r)),
                 ("hit", True, hit_prompts),
             )):
-                rows[name] = timed_loop(scheduler, hasher, reqs, name, connector, args.no_gc, 1000 + 3 * r + k)
+                rows[name] = timed_loop(
+                    scheduler,
+                    hasher,
+                    reqs,
+                    name,
+                    connector,
+                    args.no_gc,
+                    1000 + 3 * r + k,
+                    async_loads=args.load_mode == "async",
+                )
             base = rows["baseline"]["us_per_request"]
             for name in ("miss", "hit"):
                 row = rows[name]
@@ -294,7 +325,7 @@ def main() -> None:
         f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}"
         f" (spin_after_work_us {'default' if spin is None else spin}), load {os.getloadavg()[0]:.2f},"
         f" garbage collector {'off' if args.no_gc else 'on (startup heap frozen, as vLLM does)'} in the timed loops,"
-        f" lookup_wait {not args.no_lookup_wait}"
+        f" lookup_wait {not args.no_lookup_wait}, load_mode {args.load_mode}"
     )
     print(
         f"{'round':5} {'loop':9} {'us/req':>8} {'ratio':>6} {'lookup us/req':>13} {'p50':>7} {'p99':>7} "

@@ -350,8 +350,8 @@ def main() -> None:
     if "lmcache_mp" in runs:
         unfair += [
             f"LMCache's MP server runs {a.mp_workers} store/retrieve worker(s) ({a.mp_mode}), its copies are "
-            "torch ops with torch's default threads (one per core); OrbitKV's manager and copy agent use "
-            "their default copy workers (one per core)",
+            "torch ops with torch's default threads (one per core); OrbitKV's manager copies with its default "
+            "2 workers ([copy] workers) and the client's copy agent with 2",
             "LMCache's MP server keeps 4 requests in flight; OrbitKV keeps "
             f"{a.inflight} publishes in flight and restores in one load",
             "LMCache's retrieve includes a LOOKUP per request, as OrbitKV's load includes its query",

@@ -289,8 +289,16 @@ fn store_demote_batch(
                 Ok(Demoted::InPlace(_)) => break,
                 Ok(Demoted::Copied) => panic!("a pool page was copied"),
                 Err(DemoteRefused::QueueFull) => {
+                    let before = done.len() + released.len();
                     store.poll_demotions(now, &mut done);
                     store.poll_released(&mut released);
+                    if done.len() + released.len() == before {
+                        // Nothing landed: give the CPU away, as the read
+                        // loop does and as the raw baseline blocks in
+                        // `submit_and_wait` and `fdatasync` (2 cores: the
+                        // kernel's io_uring workers run the syncs).
+                        std::thread::yield_now();
+                    }
                 }
                 Err(e) => panic!("{e}"),
             }

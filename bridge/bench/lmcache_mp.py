@@ -86,8 +86,6 @@ class MpServer:
         self.page_bytes = page_bytes
         self.per_request = max(1, min(batch, self.pages))
         self.window = window
-        self.mode = mode
-        self.workers = workers
         port = _free_port()
         pool_gb = round((total * 1.25 + (256 << 20)) / 2**30, 3)
         self.shm_before = set(glob.glob("/dev/shm/*"))
@@ -107,6 +105,7 @@ class MpServer:
         ]  # fmt: skip
         if mode == "engine_driven":
             cmd += ["--shm-name", self.shm_pool]
+        #: The server's command line, for the report.
         self.command = " ".join(cmd[1:])
         self.log = open(log, "w")
         self.server = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

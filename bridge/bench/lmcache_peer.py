@@ -357,6 +357,8 @@ def main() -> None:
             "LMCache's retrieve includes a LOOKUP per request, as OrbitKV's load includes its query",
         ]
     out["unfair"] = unfair
+    if "lmcache_mp" in systems:
+        out["lmcache_mp_server"] = systems["lmcache_mp"].command
     rows = [f"{'':14} {'save GB/s':>10} {'retrieve':>10} {'both':>10}"]
     for name in runs:
         o = out[name]

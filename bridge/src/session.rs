@@ -28,7 +28,7 @@ use orbitkv_ipc::Client;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::client::PyClient;
 use crate::convert::{deserialize, deserialize_dict, serialize};
@@ -96,16 +96,20 @@ fn py_err(py: Python<'_>, e: EngineError) -> PyErr {
 }
 
 fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<NativeHash>> {
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
-    for (i, h) in obj.try_iter()?.enumerate() {
-        let h = h?;
+    let one = |i: usize, h: &Bound<'_, PyAny>| {
         let bytes = h.cast::<PyBytes>().map_err(|_| {
             PyValueError::new_err(format!("hash {i} is not bytes but {}", h.get_type()))
         })?;
-        out.push(
-            NativeHash::new(bytes.as_bytes())
-                .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))?,
-        );
+        NativeHash::new(bytes.as_bytes())
+            .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))
+    };
+    // A list (what adapters pass) without the iterator protocol.
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().enumerate().map(|(i, h)| one(i, &h)).collect();
+    }
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for (i, h) in obj.try_iter()?.enumerate() {
+        out.push(one(i, &h?)?);
     }
     Ok(out)
 }

@@ -86,17 +86,11 @@ def _withhold(e, boundaries, rank=None):
 
         sched._state_handoffs = handoffs
         return
-    from orbitkv.vllm.metadata import NULL_BLOCK, SaveItem
-
     w = e.workers[rank].worker
     real_gather = w._gather
 
     def gather(save):
-        for i, it in enumerate(save.items):
-            if (it.page + 1) * page in boundaries:
-                ids = tuple(NULL_BLOCK if vg in recurrent else b for vg, b in enumerate(it.block_ids))
-                save.items[i] = SaveItem(it.page, it.hash, ids)
-        return real_gather(save)
+        return real_gather(save.without(lambda p, vg: vg in recurrent and (p + 1) * page in boundaries))
 
     w._gather = gather
 

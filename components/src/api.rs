@@ -250,9 +250,9 @@ pub enum Command {
         speculative: bool,
     },
     /// A peek: the same discovery and boundary selection as `Query`
-    /// without `prepare`, but the operation ends with its `QueryResult`
-    /// (terminal): nothing is leased, reserved or parked, and there is
-    /// nothing to release.
+    /// without `prepare`, answered at once with a terminal `QueryResult`
+    /// whose `operation` is 0: nothing is leased, reserved or parked, and
+    /// there is nothing to release.
     Lookup {
         session: SessionHandle,
         request: u64,

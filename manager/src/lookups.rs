@@ -11,6 +11,7 @@
 use std::io::{Read as _, Write as _};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -41,6 +42,9 @@ pub struct Asked {
 pub struct Desk {
     rx: Receiver<Asked>,
     wake: UnixStream,
+    /// Set by a door after its wake byte: the loop looks at the channel
+    /// and the socket only then (an atomic load a round, not a syscall).
+    asked: Arc<AtomicBool>,
 }
 
 /// The endpoint's side.
@@ -48,6 +52,7 @@ pub struct Desk {
 pub struct Door {
     tx: SyncSender<Asked>,
     wake: Arc<UnixStream>,
+    asked: Arc<AtomicBool>,
     bucket: Arc<Mutex<Bucket>>,
     pub max_body_bytes: usize,
     /// Permits to read a body ([`READING`]).
@@ -83,11 +88,17 @@ pub fn open(
         tokens: f64::from(per_second),
         at: Instant::now(),
     };
+    let asked = Arc::new(AtomicBool::new(false));
     Ok((
-        Desk { rx, wake: ours },
+        Desk {
+            rx,
+            wake: ours,
+            asked: asked.clone(),
+        },
         Door {
             tx,
             wake: Arc::new(theirs),
+            asked,
             bucket: Arc::new(Mutex::new(bucket)),
             max_body_bytes,
             reading: Arc::new(tokio::sync::Semaphore::new(READING)),
@@ -124,6 +135,10 @@ impl Door {
         }
         // A full socket buffer means the loop has wakes pending already.
         let _ = (&*self.wake).write(&[1]);
+        // After the byte: a set flag is always followed by a drain of
+        // every byte written before it, so none lingers to keep `poll`
+        // readable once the flag is down.
+        self.asked.store(true, Ordering::Release);
         Ok(answer)
     }
 }
@@ -139,6 +154,11 @@ impl Desk {
     /// whether more may wait (a full round was taken): the loop must not
     /// sleep then.
     pub fn take(&self, out: &mut Vec<Asked>) -> bool {
+        // Most rounds: nobody asked (the loop spins through here while
+        // engines' lookups come).
+        if !self.asked.swap(false, Ordering::AcqRel) {
+            return false;
+        }
         let mut sink = [0u8; 256];
         while matches!((&self.wake).read(&mut sink), Ok(n) if n > 0) {}
         while out.len() < PER_ROUND {
@@ -147,6 +167,9 @@ impl Desk {
                 Err(_) => return false,
             }
         }
+        // A full round: more may wait, and their doors' flags may be
+        // down already (swapped above).
+        self.asked.store(true, Ordering::Release);
         true
     }
 }
@@ -215,5 +238,35 @@ mod tests {
         drop(desk);
         out.clear();
         assert_eq!(door.ask(request()).unwrap_err(), Turned::Closed);
+    }
+
+    #[test]
+    fn the_desk_looks_only_when_asked_and_keeps_looking_after_a_full_round() {
+        let (desk, door) = open(10_000, 1 << 20, Family::default()).unwrap();
+        let mut out = Vec::new();
+        // Nobody asked: nothing taken, and the wake socket is not read.
+        assert!(!desk.take(&mut out));
+        assert!(out.is_empty());
+        let mut answers: Vec<_> = (0..PER_ROUND + 1)
+            .map(|_| door.ask(request()).unwrap())
+            .collect();
+        assert!(desk.take(&mut out));
+        assert_eq!(out.len(), PER_ROUND);
+        // The flag stays up after a full round: the one left is taken next,
+        // although no door raised it since.
+        out.clear();
+        assert!(!desk.take(&mut out));
+        assert_eq!(out.len(), 1);
+        out.clear();
+        // Every wake byte was drained: the descriptor is not readable.
+        let mut pfd = libc::pollfd {
+            fd: desk.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 0) }, 0);
+        assert!(!desk.take(&mut out));
+        answers.clear();
     }
 }

@@ -25,46 +25,57 @@ pub fn discover(
     let tiers = tiers.0.get_mut();
     for (entity, mut op, mut rec) in &mut ops {
         set_state(&mut commands, entity, &mut op, OpState::Validate);
-        let Ok(instance) = instances.get(op.instance) else {
-            rec.miss = Some(MissReason::Namespace);
-            continue;
-        };
-        let namespaces = instance.ranks.iter().map(|r| r.namespace);
-        if !rec.expect_namespaces.is_empty()
-            && !namespaces.eq(rec.expect_namespaces.iter().copied())
-        {
-            rec.miss = Some(MissReason::Namespace);
-            continue;
-        }
-        let mut candidates = Vec::new();
-        let mut raced = false;
-        for (index, rank) in instance.ranks.iter().enumerate() {
-            let hashes = |group: u32| {
-                let g = rec.groups.iter().find(|g| g.group == group);
-                &g.expect("validated at ingest").hashes[..]
-            };
-            let span = (rec.origin, rec.end);
-            let found = rank_candidates(&hashes, span, instance.page_tokens, rank, &dram, tiers);
-            if dram.journal.is_on() && !raced {
-                raced = stopped_at_a_removed_page(
-                    &found,
-                    &hashes,
-                    span,
-                    instance.page_tokens,
-                    rank,
-                    &dram,
-                );
-            }
-            candidates.extend(found.into_iter().map(|(g, ends)| (index as u32, g, ends)));
-        }
-        if candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
-            rec.miss = unreachable(tiers);
-        }
-        if raced {
-            metrics.event_races += 1;
-        }
-        rec.candidates = candidates;
+        discover_one(
+            &mut rec,
+            instances.get(op.instance).ok(),
+            &dram,
+            tiers,
+            &mut metrics,
+        );
     }
+}
+
+/// One recovery's discovery: its candidates per (rank, group), or the
+/// miss it already is (`rec.miss`). `instance`: the operation's, `None`
+/// once it is gone. Also answers a `Lookup` inline, at ingest.
+pub fn discover_one(
+    rec: &mut Recovery,
+    instance: Option<&Instance>,
+    dram: &Dram,
+    tiers: &[Box<dyn BackingTier>],
+    metrics: &mut Metrics,
+) {
+    let Some(instance) = instance else {
+        rec.miss = Some(MissReason::Namespace);
+        return;
+    };
+    let namespaces = instance.ranks.iter().map(|r| r.namespace);
+    if !rec.expect_namespaces.is_empty() && !namespaces.eq(rec.expect_namespaces.iter().copied()) {
+        rec.miss = Some(MissReason::Namespace);
+        return;
+    }
+    let mut candidates = Vec::new();
+    let mut raced = false;
+    for (index, rank) in instance.ranks.iter().enumerate() {
+        let hashes = |group: u32| {
+            let g = rec.groups.iter().find(|g| g.group == group);
+            &g.expect("validated at ingest").hashes[..]
+        };
+        let span = (rec.origin, rec.end);
+        let found = rank_candidates(&hashes, span, instance.page_tokens, rank, dram, tiers);
+        if dram.journal.is_on() && !raced {
+            raced =
+                stopped_at_a_removed_page(&found, &hashes, span, instance.page_tokens, rank, dram);
+        }
+        candidates.extend(found.into_iter().map(|(g, ends)| (index as u32, g, ends)));
+    }
+    if candidates.iter().all(|(_, _, ends)| ends.is_empty()) {
+        rec.miss = unreachable(tiers);
+    }
+    if raced {
+        metrics.event_races += 1;
+    }
+    rec.candidates = candidates;
 }
 
 /// Whether the prefix group's pages on this rank stop short at a page DRAM

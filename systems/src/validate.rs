@@ -4,7 +4,7 @@
 
 use bevy_ecs::prelude::*;
 use bevy_ecs::system::SystemParam;
-use orbitkv_components::api::{Candidates, Event, MissReason};
+use orbitkv_components::api::{Candidates, CommandId, Event, MissReason};
 use orbitkv_components::contract::{GroupEvidence, StateBundle};
 use orbitkv_components::ecs::{Instance, OpState, Operation, Outcome, Recovery, at};
 use orbitkv_components::{StateKey, common_boundaries, prompt_limit, select_boundary};
@@ -29,56 +29,24 @@ pub fn validate(
     } = &mut worth;
     let tiers = tiers.0.get_mut();
     for (entity, mut op, mut rec) in &mut ops {
-        metrics.queried_tokens += rec.end - rec.origin;
-        // Nothing after this stage reads the evidence: it moves into the
-        // event.
-        let mut candidates = std::mem::take(&mut rec.candidates);
-        let (selected, common, miss) = match (rec.miss, instances.get(op.instance)) {
-            (Some(reason), _) => (None, Vec::new(), Some(reason)),
-            (None, Err(_)) => (None, Vec::new(), Some(MissReason::Namespace)),
-            (None, Ok(instance)) => select(instance, &mut rec, &mut candidates),
+        let judge = Judge {
+            policy,
+            rates,
+            dram,
+            tiers,
         };
-        let slower = |rec: &Recovery| {
-            instances.get(op.instance).is_ok_and(|instance| {
-                slower_than_recompute(policy, rates, rec, instance, dram, tiers)
-            })
-        };
-        let (selected, miss) = match selected {
-            Some(b)
-                if b.saturating_sub(rec.origin) < policy.min_load_tokens
-                    || (policy.prefill_tokens_per_s > 0 && slower(&rec)) =>
-            {
-                // Found, but too little to be worth a load: nothing is
-                // selected, so nothing is leased or read.
-                rec.selected = None;
-                rec.ranges.clear();
-                (None, Some(MissReason::NotWorthLoading))
-            }
-            _ => (selected, miss),
-        };
+        let (result, miss) = conclude(
+            (op.command, op.request),
+            entity.to_bits(),
+            &mut rec,
+            instances.get(op.instance).ok(),
+            &judge,
+            &mut metrics,
+        );
         // A lookup's result ends it whatever it says; a query's only with
         // a miss (a hit goes on to prepare, or waits for its release).
         let terminal = rec.peek || miss.is_some();
-        outbox.push_ending(
-            op.origin,
-            Event::QueryResult {
-                command: op.command,
-                request: op.request,
-                operation: entity.to_bits(),
-                candidates: candidates
-                    .into_iter()
-                    .map(|(rank, group, page_ends)| Candidates {
-                        rank,
-                        group,
-                        page_ends,
-                    })
-                    .collect(),
-                common,
-                selected,
-                miss,
-            },
-            terminal,
-        );
+        outbox.push_ending(op.origin, result, terminal);
         let next = match miss {
             Some(reason) => {
                 metrics.miss(reason);
@@ -97,6 +65,81 @@ pub fn validate(
         };
         set_state(&mut commands, entity, &mut op, next);
     }
+}
+
+/// What `conclude` reads besides the recovery: whether a found prefix is
+/// worth loading, and where its pages are.
+pub struct Judge<'a> {
+    pub policy: &'a RestorePolicy,
+    pub rates: &'a LoadRates,
+    pub dram: &'a Dram,
+    pub tiers: &'a [Box<dyn BackingTier>],
+}
+
+/// One discovered recovery's `QueryResult` (answering `(command,
+/// request)`, for the operation named `operation`)
+/// and its miss reason, if it missed: candidates → legal boundaries →
+/// the selected boundary (`rec.selected`, `rec.ranges`), or nothing when
+/// it is too little to be worth a load. Counts the queried tokens; the
+/// caller counts the miss. Also answers a `Lookup` inline, at ingest.
+pub fn conclude(
+    (command, request): (CommandId, u64),
+    operation: u64,
+    rec: &mut Recovery,
+    instance: Option<&Instance>,
+    judge: &Judge,
+    metrics: &mut Metrics,
+) -> (Event, Option<MissReason>) {
+    let Judge {
+        policy,
+        rates,
+        dram,
+        tiers,
+    } = *judge;
+    metrics.queried_tokens += rec.end - rec.origin;
+    // Nothing after this stage reads the evidence: it moves into the
+    // event.
+    let mut candidates = std::mem::take(&mut rec.candidates);
+    let (selected, common, miss) = match (rec.miss, instance) {
+        (Some(reason), _) => (None, Vec::new(), Some(reason)),
+        (None, None) => (None, Vec::new(), Some(MissReason::Namespace)),
+        (None, Some(instance)) => select(instance, rec, &mut candidates),
+    };
+    let slower = |rec: &Recovery| {
+        instance.is_some_and(|instance| {
+            slower_than_recompute(policy, rates, rec, instance, dram, tiers)
+        })
+    };
+    let (selected, miss) = match selected {
+        Some(b)
+            if b.saturating_sub(rec.origin) < policy.min_load_tokens
+                || (policy.prefill_tokens_per_s > 0 && slower(rec)) =>
+        {
+            // Found, but too little to be worth a load: nothing is
+            // selected, so nothing is leased or read.
+            rec.selected = None;
+            rec.ranges.clear();
+            (None, Some(MissReason::NotWorthLoading))
+        }
+        _ => (selected, miss),
+    };
+    let result = Event::QueryResult {
+        command,
+        request,
+        operation,
+        candidates: candidates
+            .into_iter()
+            .map(|(rank, group, page_ends)| Candidates {
+                rank,
+                group,
+                page_ends,
+            })
+            .collect(),
+        common,
+        selected,
+        miss,
+    };
+    (result, miss)
 }
 
 /// What decides whether a found prefix is worth loading.

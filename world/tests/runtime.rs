@@ -1827,6 +1827,8 @@ fn a_lookup_ends_with_its_result_and_leaves_nothing_to_release() {
         other => panic!("lookup: {other:?}"),
     };
     assert!(terminal, "a lookup's result ends it");
+    // Answered at ingest: it never had an operation.
+    assert_eq!(op, 0);
     let st = d.h.rt().stats();
     assert_eq!((st.operations, st.leases, st.bytes_reserved), (0, 0, 0));
     // Nothing more is addressed to it, and it cannot be released or
@@ -1884,7 +1886,47 @@ fn a_lookup_ends_with_its_result_and_leaves_nothing_to_release() {
         "{out:?}"
     );
     assert_eq!(d.h.rt().stats().operations, 1);
-    assert_eq!(d.h.rt().stats().metrics.queries, 3);
+    let m = d.h.rt().stats().metrics;
+    assert_eq!(m.queries, 3);
+    // Counted as a query's are: every hashed token, and the miss's reason.
+    assert_eq!(m.queried_tokens, 3 * 4 * PAGE);
+    assert_eq!(m.misses.get(&MissReason::NotFound), Some(&1));
+}
+
+#[test]
+fn a_lookup_sees_the_commands_before_it_in_its_tick() {
+    let mut d = dense_setup(16 << 20);
+    d.publish(60, 4, 0);
+    // Answered where it stands among the tick's commands: the lookup
+    // before the namespace is cleared finds the prefix, the one after it
+    // finds nothing, and a query sent between them (answered at the
+    // validate stage, after every command) misses too.
+    let clear = Command::Clear {
+        namespaces: vec![d.ns],
+    };
+    let out = d.h.step_from(vec![
+        (Origin::EMBEDDED, lookup(d.s, 1, 60, 4, 4 * PAGE + 1)),
+        (
+            Origin::EMBEDDED,
+            query(d.s, 2, 60, &[0], 4, 4 * PAGE + 1, false),
+        ),
+        (Origin::EMBEDDED, clear),
+        (Origin::EMBEDDED, lookup(d.s, 3, 60, 4, 4 * PAGE + 1)),
+    ]);
+    let results: Vec<(u64, Option<u64>)> = out
+        .iter()
+        .filter_map(|a| match &a.event {
+            Event::QueryResult {
+                request, selected, ..
+            } => Some((*request, *selected)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        vec![(1, Some(4 * PAGE)), (3, None), (2, None)],
+        "{out:?}"
+    );
 }
 
 /// The parts of a `Load` plan a test may edit before it is sent.

@@ -15,8 +15,12 @@ use orbitkv_components::ecs::{
 use super::resolve::{self, Owned, invalid, limit, wrong_state};
 use super::sessions::{self, finish_now};
 use super::{Ctx, Result};
+use crate::discover;
 use crate::lifecycle::set_state_now;
-use crate::resources::{Clock, Limits, Metrics, Registry};
+use crate::resources::{
+    Clock, Dram, Limits, LoadRates, Metrics, Outbox, Registry, RestorePolicy, Tiers,
+};
+use crate::validate::{Judge, conclude};
 
 pub(super) struct QueryArgs {
     pub request: u64,
@@ -42,6 +46,10 @@ pub(super) fn query(
 ) -> Result<()> {
     let owned = resolve::session(world, ctx.origin, handle)?;
     let (mut q, end) = plan_query(world, owned, q)?;
+    if q.peek && q.load.is_none() && q.handoff.is_none() {
+        lookup_now(world, ctx, owned, q, end);
+        return Ok(());
+    }
     if let Some(plan) = &q.load {
         check_plan(world, owned, plan, end)?;
     }
@@ -73,6 +81,49 @@ pub(super) fn query(
         super::handoff::take(world, handoff, op);
     }
     Ok(())
+}
+
+/// A `Lookup`, answered here: discovery and selection exactly as the
+/// discover and validate stages run them for a query, against the index
+/// as this command finds it. It holds nothing and parks nothing, so it
+/// needs no operation entity (spawning and retiring one was most of a
+/// lookup's tick); its result names operation 0, and ends it.
+fn lookup_now(world: &mut World, ctx: Ctx, owned: Owned, q: QueryArgs, end: u64) {
+    let mut rec = Recovery {
+        expect_namespaces: q.expect_namespaces,
+        peek: true,
+        ..Recovery::new(q.groups, q.origin, end, q.prompt_len)
+    };
+    let (result, miss) = world.resource_scope(|world, mut metrics: Mut<Metrics>| {
+        world.resource_scope(|world, mut tiers: Mut<Tiers>| {
+            let tiers = tiers.0.get_mut();
+            let world: &World = world;
+            let instance = world.get::<Instance>(owned.instance);
+            let dram = world.resource::<Dram>();
+            metrics.queries += 1;
+            discover::discover_one(&mut rec, instance, dram, tiers, &mut metrics);
+            let judge = Judge {
+                policy: world.resource::<RestorePolicy>(),
+                rates: world.resource::<LoadRates>(),
+                dram,
+                tiers,
+            };
+            conclude(
+                (ctx.id, q.request),
+                0,
+                &mut rec,
+                instance,
+                &judge,
+                &mut metrics,
+            )
+        })
+    });
+    if let Some(reason) = miss {
+        world.resource_mut::<Metrics>().miss(reason);
+    }
+    world
+        .resource_mut::<Outbox>()
+        .push_ending(ctx.origin, result, true);
 }
 
 /// Checks the hashes against the instance's groups and bounds; returns the

@@ -23,7 +23,6 @@ _LAZY = {
     "resolve_engine": ".engine",
     "LoadSpec": ".metadata",
     "OrbitKVMetadata": ".metadata",
-    "SaveItem": ".metadata",
     "SaveSpec": ".metadata",
 }
 

@@ -19,7 +19,7 @@ import orbitkv
 from . import handoff as pd
 from .engine import EngineSpec
 from .link import LINK_ERRORS, ManagerLink, Refused, Unavailable
-from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveItem, SaveSpec
+from .metadata import NULL_BLOCK, LoadSpec, OrbitKVMetadata, SaveSpec
 from .settings import ConnectorSettings
 
 log = logging.getLogger("orbitkv.vllm")
@@ -533,9 +533,9 @@ class SchedulerSide:
         if done <= state.saved_pages or self.kv_cache_manager is None:
             return None
         saved = state.saved_pages
-        # Column by column (one list per group), then a tuple per page: the
-        # scheduler's thread runs this for every scheduled request, every
-        # step, so no Python loop runs per page and group.
+        # Column by column (one list per group): the scheduler's thread runs
+        # this for every scheduled request, every step, so nothing is built
+        # per page and group.
         columns = []
         for vg, group_blocks in enumerate(self.kv_cache_manager.get_blocks(rid).blocks):
             if vg in self._recurrent:
@@ -545,22 +545,21 @@ class SchedulerSide:
             column = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[saved:done]]
             column += [NULL_BLOCK] * (done - saved - len(column))
             columns.append(column)
-        nowhere = (NULL_BLOCK,) * len(columns)
-        hashes = request.block_hashes
-        items = [
-            SaveItem(p, bytes(hashes[p]), ids)
-            for p, ids in zip(range(saved, done), zip(*columns))
-            if ids != nowhere
-        ]
+        save = SaveSpec(rid, saved, list(request.block_hashes[saved:done]), tuple(columns))
+        # Usually some group (full attention) has a block for every page.
+        if any(NULL_BLOCK not in c for c in columns):
+            save.pages = done - saved
+        else:
+            save.pages = sum(1 for _ in save.items())
         state.saved_pages = done
         if self.events is not None:
             tokens = request.all_token_ids
-            for it in items:
-                p = it.page
+            hashes = request.block_hashes
+            for p, h, _ in save.items():
                 parent = bytes(hashes[p - 1]) if p > 0 else None
-                self.events.record_save(it.hash, tuple(tokens[p * page : (p + 1) * page]), parent)
-        if not items:
+                self.events.record_save(bytes(h), tuple(tokens[p * page : (p + 1) * page]), parent)
+        if not save.pages:
             return None
         state.saves_sent = True
-        self.stats.pages_saved += len(items)
-        return SaveSpec(req_id=rid, items=items)
+        self.stats.pages_saved += save.pages
+        return save

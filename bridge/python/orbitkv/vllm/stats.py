@@ -6,16 +6,19 @@ reason (`misses_by_reason.<reason>`, `failures_by_reason.<reason>`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, Dict
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 
 def flatten(stats: Any) -> Dict[str, int]:
-    """A stats dataclass as flat counters; dict fields become `name.key`."""
+    """A stats dataclass as flat counters; dict fields become `name.key`.
+    Its fields are its instance dict (no slots, no private attributes);
+    `dataclasses.asdict` deep-copies, and cost the scheduler about 30 us
+    a step. The dict fields are replaced, never updated in place, so the
+    copy of the items below is a consistent enough view."""
     out: Dict[str, int] = {}
-    for name, value in asdict(stats).items():
+    for name, value in list(vars(stats).items()):
         if isinstance(value, dict):
             for key, n in value.items():
                 out[f"{name}.{key}"] = int(n)

@@ -254,7 +254,7 @@ class WorkerSide:
         unsound = self._failed_step_loads() if self.layerwise else set()
         for save in meta.saves:
             if save.req_id in unsound:
-                self.stats.pages_dropped += len(save.items)
+                self.stats.pages_dropped += save.pages
                 self.stats.fail("save_after_failed_load")
                 continue
             with self._lock:
@@ -508,9 +508,7 @@ class WorkerSide:
         batch = self.settings.publish_batch_pages
         for group in self.spec.groups:
             vi = group.vllm_group
-            pages = [
-                (it.hash, it.block_ids[vi]) for it in save.items if it.block_ids[vi] != NULL_BLOCK
-            ]
+            pages = [(h, b) for h, b in zip(save.hashes, save.block_ids[vi]) if b != NULL_BLOCK]
             if not pages:
                 continue
             with self._lock:

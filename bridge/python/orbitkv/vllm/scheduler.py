@@ -182,18 +182,21 @@ class SchedulerSide:
         pages = boundary // page
         per_group = []
         for group_blocks in blocks.blocks:
-            ids = [NULL_BLOCK if b.is_null else b.block_id for b in list(group_blocks)[:pages]]
+            ids = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[:pages]]
             ids += [NULL_BLOCK] * (pages - len(ids))
             per_group.append(ids)
         if state is not None:
-            state.loading = {b for ids in per_group for b in ids if b != NULL_BLOCK}
+            loading = set().union(*per_group)
+            loading.discard(NULL_BLOCK)
+            state.loading = loading
             state.load_pages = per_group[self.spec.groups[0].vllm_group]
         self.pending_loads.append(
             LoadSpec(
                 req_id=rid,
                 origin=origin,
                 boundary=boundary,
-                hashes=[bytes(h) for h in request.block_hashes[:pages]],
+                # vLLM's block hashes are bytes already; the slice is a copy.
+                hashes=request.block_hashes[:pages],
                 block_ids=tuple(per_group),
                 handoff=state.load_handoff if state is not None else None,
             )

@@ -485,8 +485,8 @@ impl PyClient {
 
     /// How long this client's waits spin before they block, in
     /// microseconds (default 20; 0 blocks at once; at most 10000). Spinning
-    /// still turns itself off for a while when it gets preempted or when
-    /// most replies outlast it. A blocking wait costs a kernel wake-up on
+    /// still turns itself off for a while when it keeps getting preempted
+    /// or when many replies outlast it. A blocking wait costs a kernel wake-up on
     /// both sides (about 95 us on a small VM): a thread on an engine's
     /// critical path, such as vLLM's scheduler, may spin longer.
     fn set_spin_us(&self, py: Python<'_>, us: u64) -> PyResult<()> {

@@ -354,12 +354,18 @@ pub struct Client {
     accepted: HashMap<u64, Result<u64, CommandError>>,
     events: VecDeque<Delivered>,
     spin: Duration,
-    /// Spinning is off until then: the last spin was preempted (see
-    /// `pump`).
+    /// Spinning is off until then: spins kept getting preempted, or
+    /// acknowledgements kept outlasting them (see `pump`).
     no_spin_until: Instant,
     /// Moving share of acknowledgements that outlasted a spin (1/8 per
     /// sample).
     blocked_share: f32,
+    /// Moving share of spins that were preempted (1/8 per spin).
+    preempted_share: f32,
+    /// What the last `pump` did: spun (waited in the spin at least once),
+    /// and was preempted while spinning.
+    spun: bool,
+    preempted: bool,
     /// The last `pump` gave up spinning and blocked.
     blocked: bool,
     adaptive: bool,
@@ -431,6 +437,9 @@ impl Client {
             spin: options.spin,
             no_spin_until: Instant::now(),
             blocked_share: 0.0,
+            preempted_share: 0.0,
+            spun: false,
+            preempted: false,
             blocked: false,
             adaptive: true,
             pongs: 0,
@@ -505,14 +514,16 @@ impl Client {
     }
 
     /// Sets how long waits spin before blocking (0: block at once).
-    /// Spinning turns itself off for [`SPIN_BACKOFF`] when a spin gets
-    /// preempted (a gap in its clock readings) or when a quarter of recent
-    /// acknowledgements outlasted the spin: on an oversubscribed machine
-    /// spinning only delays the manager.
+    /// Spinning turns itself off for [`SPIN_BACKOFF`] when over a quarter
+    /// of recent spins got preempted (a gap in their clock readings) or
+    /// of recent acknowledgements outlasted the spin: on an oversubscribed
+    /// machine spinning only delays the manager. (A preempted spin ends
+    /// there, and its wait blocks.)
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
         self.no_spin_until = Instant::now();
         self.blocked_share = 0.0;
+        self.preempted_share = 0.0;
         self.adaptive = true;
     }
 
@@ -580,6 +591,9 @@ impl Client {
     /// `Ok(false)` at the deadline.
     fn pump(&mut self, deadline: Option<Instant>) -> Result<bool, ClientError> {
         let r = self.pump_inner(deadline);
+        if self.adaptive && (self.spun || self.preempted) {
+            self.adapt_preempted();
+        }
         if r.is_err()
             && let Some(agent) = self.agent.as_mut()
         {
@@ -614,6 +628,8 @@ impl Client {
         let spin_until = start + spin;
         let mut last = start;
         self.blocked = false;
+        self.spun = false;
+        self.preempted = false;
         let mut round = 0u32;
         loop {
             self.send_reports()?;
@@ -642,11 +658,14 @@ impl Client {
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(false);
             }
-            if now < spin_until {
+            if now < spin_until && !self.preempted {
                 if self.adaptive && now.duration_since(last) > PREEMPTED {
-                    // Descheduled mid-spin: the cores are oversubscribed.
-                    self.no_spin_until = now + SPIN_BACKOFF;
+                    // Descheduled mid-spin: this wait blocks; spinning
+                    // stops only if it keeps happening (`adapt_preempted`),
+                    // not for one interrupt of a busy VM.
+                    self.preempted = true;
                 } else {
+                    self.spun = true;
                     last = now;
                     std::hint::spin_loop();
                     continue;
@@ -943,6 +962,18 @@ impl Client {
     /// in its next tick, so these waits are all alike): when many outlast
     /// the spin, the manager is losing its core to the spinning itself or
     /// to a third process, and spinning stops for [`SPIN_BACKOFF`].
+    /// Learns from the spin `pump` just ran: when over a quarter of recent
+    /// spins were preempted, the cores are oversubscribed, and spinning
+    /// stops for [`SPIN_BACKOFF`].
+    fn adapt_preempted(&mut self) {
+        let x = if self.preempted { 1.0 } else { 0.0 };
+        self.preempted_share += (x - self.preempted_share) / 8.0;
+        if self.preempted_share > 0.25 {
+            self.no_spin_until = Instant::now() + SPIN_BACKOFF;
+            self.preempted_share = 0.0;
+        }
+    }
+
     fn adapt_spin(&mut self, blocked: bool) {
         if !self.adaptive || self.spin.is_zero() || Instant::now() < self.no_spin_until {
             return;

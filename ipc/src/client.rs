@@ -48,6 +48,26 @@ pub const SPIN_BACKOFF: Duration = Duration::from_millis(20);
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(30);
 const READ_CHUNK: usize = 256 << 10;
 
+/// A moving share of samples that were bad (1/8 per sample), for the spin
+/// guard: one bad sample is an interrupt, a quarter of recent ones is an
+/// oversubscribed machine.
+#[derive(Debug, Default, Clone, Copy)]
+struct Share(f32);
+
+impl Share {
+    /// Takes one sample; `true` (and the share starts over) once over a
+    /// quarter of recent samples were bad.
+    fn sample(&mut self, bad: bool) -> bool {
+        let x = if bad { 1.0 } else { 0.0 };
+        self.0 += (x - self.0) / 8.0;
+        if self.0 > 0.25 {
+            self.0 = 0.0;
+            return true;
+        }
+        false
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("connect: {0}")]
@@ -357,11 +377,10 @@ pub struct Client {
     /// Spinning is off until then: spins kept getting preempted, or
     /// acknowledgements kept outlasting them (see `pump`).
     no_spin_until: Instant,
-    /// Moving share of acknowledgements that outlasted a spin (1/8 per
-    /// sample).
-    blocked_share: f32,
-    /// Moving share of spins that were preempted (1/8 per spin).
-    preempted_share: f32,
+    /// Acknowledgements that outlasted a spin.
+    blocked_share: Share,
+    /// Spins that were preempted.
+    preempted_share: Share,
     /// What the last `pump` did: spun (waited in the spin at least once),
     /// and was preempted while spinning.
     spun: bool,
@@ -436,8 +455,8 @@ impl Client {
             events: VecDeque::new(),
             spin: options.spin,
             no_spin_until: Instant::now(),
-            blocked_share: 0.0,
-            preempted_share: 0.0,
+            blocked_share: Share::default(),
+            preempted_share: Share::default(),
             spun: false,
             preempted: false,
             blocked: false,
@@ -522,8 +541,8 @@ impl Client {
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
         self.no_spin_until = Instant::now();
-        self.blocked_share = 0.0;
-        self.preempted_share = 0.0;
+        self.blocked_share = Share::default();
+        self.preempted_share = Share::default();
         self.adaptive = true;
     }
 
@@ -958,31 +977,25 @@ impl Client {
         self.events.len()
     }
 
-    /// Learns from an acknowledgement (the manager answers every command
-    /// in its next tick, so these waits are all alike): when many outlast
-    /// the spin, the manager is losing its core to the spinning itself or
-    /// to a third process, and spinning stops for [`SPIN_BACKOFF`].
     /// Learns from the spin `pump` just ran: when over a quarter of recent
     /// spins were preempted, the cores are oversubscribed, and spinning
     /// stops for [`SPIN_BACKOFF`].
     fn adapt_preempted(&mut self) {
-        let x = if self.preempted { 1.0 } else { 0.0 };
-        self.preempted_share += (x - self.preempted_share) / 8.0;
-        if self.preempted_share > 0.25 {
+        if self.preempted_share.sample(self.preempted) {
             self.no_spin_until = Instant::now() + SPIN_BACKOFF;
-            self.preempted_share = 0.0;
         }
     }
 
+    /// Learns from an acknowledgement (the manager answers every command
+    /// in its next tick, so these waits are all alike): when many outlast
+    /// the spin, the manager is losing its core to the spinning itself or
+    /// to a third process, and spinning stops for [`SPIN_BACKOFF`].
     fn adapt_spin(&mut self, blocked: bool) {
         if !self.adaptive || self.spin.is_zero() || Instant::now() < self.no_spin_until {
             return;
         }
-        let x = if blocked { 1.0 } else { 0.0 };
-        self.blocked_share += (x - self.blocked_share) / 8.0;
-        if self.blocked_share > 0.25 {
+        if self.blocked_share.sample(blocked) {
             self.no_spin_until = Instant::now() + SPIN_BACKOFF;
-            self.blocked_share = 0.0;
         }
     }
 
@@ -1248,6 +1261,25 @@ pub fn verified_page<'p>(pool: &'p [u8], lease: &LeaseInfo) -> Result<&'p [u8], 
 mod tests {
     use super::*;
     use orbitkv_components::api::PagePos;
+
+    #[test]
+    fn the_spin_guard_ignores_a_lone_bad_sample_and_trips_on_a_run() {
+        let mut s = Share::default();
+        // One preempted spin among good ones never trips it, however often
+        // that pattern repeats.
+        for _ in 0..100 {
+            assert!(!s.sample(true));
+            for _ in 0..7 {
+                assert!(!s.sample(false));
+            }
+        }
+        // Three in a row do (1/8, 15/64, 169/512 > 1/4), and it starts over.
+        let mut s = Share::default();
+        assert!(!s.sample(true));
+        assert!(!s.sample(true));
+        assert!(s.sample(true));
+        assert!(!s.sample(true));
+    }
 
     fn lease(offset: u64, bytes: u64, checksum: u64) -> LeaseInfo {
         LeaseInfo {

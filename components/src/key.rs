@@ -214,6 +214,9 @@ pub type KeyHasher = foldhash::fast::RandomState;
 /// by [`KeyRef`].
 pub type KeyMap<V> = hashbrown::HashMap<StateKey, V, KeyHasher>;
 
+/// A hash set of [`StateKey`]s (see [`KeyHasher`]).
+pub type KeySet = hashbrown::HashSet<StateKey, KeyHasher>;
+
 impl StateKey {
     pub fn new(namespace: Namespace, group: u32, native: &[u8]) -> Result<Self, KeyError> {
         if namespace.is_empty() {

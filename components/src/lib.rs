@@ -53,6 +53,6 @@ pub use contract::{
     select_boundary, vllm_window_past_tokens,
 };
 pub use identity::{IdentityError, IdentityInputs, IdentityParts, ResolvedIdentity};
-pub use key::{KeyError, KeyHasher, KeyMap, KeyRef, NativeHash, StateFormat, StateKey};
+pub use key::{KeyError, KeyHasher, KeyMap, KeyRef, KeySet, NativeHash, StateFormat, StateKey};
 pub use layout::{LayoutError, StorageLayout, StorageSlot, seal};
 pub use namespace::Namespace;

@@ -1052,6 +1052,12 @@ fn validate_load_errors() {
         c.validate_load(&range, &[a, a], &[a], &[]),
         Err(LoadError::DuplicateKey(a))
     );
+    // The in-order load (every page taken, none held) still refuses a
+    // range whose keys repeat.
+    assert_eq!(
+        c.validate_load(&range, &[a, a], &[a, a], &[]),
+        Err(LoadError::DuplicateKey(a))
+    );
     assert_eq!(
         c.validate_load(&range, &keys, &[a, a, b], &[]),
         Err(LoadError::DuplicateKey(a))

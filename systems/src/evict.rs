@@ -23,7 +23,9 @@ use orbitkv_components::ecs::{Leases, Page};
 
 use orbitkv_io::tier::{BackingTier, DemoteRefused, Demoted};
 
-use crate::resources::{Clock, Dram, EvictReason, Evicted, Limits, Metrics, Removal, Tiers};
+use crate::resources::{
+    Clock, Dram, EvictReason, Evicted, Limits, Metrics, Removal, Tiers, add_named,
+};
 
 pub fn evict(
     mut commands: Commands,
@@ -92,12 +94,12 @@ fn demote(
         Some((_, Ok(Demoted::Copied))) => "submitted",
         Some((tier, Ok(Demoted::InPlace(token)))) => {
             held = Some((tier, token.0));
-            *metrics.demotions.entry("in_place".to_owned()).or_default() += 1;
+            add_named(&mut metrics.demotions, "in_place", 1);
             "submitted"
         }
         Some((_, Err(reason))) => reason.as_str(),
         None => "no_writable_tier",
     };
-    *metrics.demotions.entry(key.to_owned()).or_default() += 1;
+    add_named(&mut metrics.demotions, key, 1);
     held
 }

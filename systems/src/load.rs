@@ -4,9 +4,9 @@
 
 use std::collections::HashSet;
 
-use orbitkv_components::StateKey;
 use orbitkv_components::api::{CommandError, InvalidCommand, LoadRefusal, PagePos, RestoreTarget};
 use orbitkv_components::ecs::{Instance, LoadPlan, Recovery};
+use orbitkv_components::{KeyHasher, StateKey};
 
 /// The transferred and retained keys must exactly cover every required
 /// range of the ranks `checked` accepts (`validate_load`), no target twice,
@@ -19,7 +19,7 @@ pub(crate) fn check(
     checked: impl Fn(u32) -> bool,
 ) -> Result<(), CommandError> {
     let invalid = CommandError::Invalid;
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::with_capacity_and_hasher(targets.len(), KeyHasher::default());
     if let Some(t) = targets.iter().find(|t| !seen.insert(t.device_page)) {
         return Err(invalid(InvalidCommand::DuplicateTarget {
             device_page: t.device_page,

@@ -661,6 +661,17 @@ impl Agents {
     }
 }
 
+/// Adds `n` to the counter of `name`, allocating its name only the first
+/// time (counters by outcome are bumped per page on the tick thread).
+pub fn add_named(counters: &mut BTreeMap<String, u64>, name: &str, n: u64) {
+    match counters.get_mut(name) {
+        Some(c) => *c += n,
+        None => {
+            counters.insert(name.to_owned(), n);
+        }
+    }
+}
+
 /// Subtracts `n` from a counter kept by hand, asserting it holds that much:
 /// a double return is a bug that must stop here, not wrap into a budget
 /// that is full forever.

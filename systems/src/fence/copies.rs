@@ -20,7 +20,7 @@ use orbitkv_io::tier::DemoteRefused;
 use rayon::prelude::*;
 
 use super::{Landing, Ops, Transfers};
-use crate::resources::LoadRates;
+use crate::resources::{LoadRates, add_named};
 
 /// How a batch ended, whoever ran it.
 enum Landed {
@@ -213,11 +213,7 @@ impl Landing<'_> {
                 Err(DemoteRefused::NotWritable) => continue,
                 Err(reason) => reason.as_str(),
             };
-            *self
-                .metrics
-                .write_through
-                .entry(outcome.to_owned())
-                .or_default() += 1;
+            add_named(&mut self.metrics.write_through, outcome, 1);
         }
     }
 

@@ -14,7 +14,7 @@ use orbitkv_io::tier::{BackingTier, ReadDone, TierError, local_miss_reason};
 
 use super::{Landing, Ops, Transfers};
 use crate::lifecycle::{finish, take_lease};
-use crate::resources::{Dram, Metrics};
+use crate::resources::{Dram, Metrics, add_named};
 
 /// One landed page: what the read was for.
 struct Landed {
@@ -136,11 +136,7 @@ impl Landing<'_> {
         }
         self.metrics.bytes_read += p.bytes;
         if let Some(t) = self.tiers.0.get_mut().get(landed.tier) {
-            *self
-                .metrics
-                .bytes_read_by_tier
-                .entry(t.name().to_owned())
-                .or_default() += p.bytes;
+            add_named(&mut self.metrics.bytes_read_by_tier, t.name(), p.bytes);
         }
         Ok(())
     }
@@ -213,6 +209,6 @@ pub fn settle_demotions(
     }
     for d in demoted {
         let key = if d.is_ok() { "written" } else { "failed" };
-        *metrics.demotions.entry(key.to_owned()).or_default() += 1;
+        add_named(&mut metrics.demotions, key, 1);
     }
 }

@@ -2,15 +2,14 @@
 //! pinned from here until the operation retires, after every copy of the
 //! publish completed; the reply waits for that too.
 
-use std::collections::HashSet;
-
+use bevy_ecs::entity::EntityHashSet;
 use bevy_ecs::prelude::*;
-use orbitkv_components::StateKey;
 use orbitkv_components::api::{InvalidCommand, LimitName, PublishPage, SessionHandle};
 use orbitkv_components::ecs::{
     DevicePage, DeviceRegion, Instance, ItemState, OpState, Operation, OperationOf, PublishItem,
     PublishJob, at,
 };
+use orbitkv_components::{KeyHasher, KeySet, StateKey};
 
 use super::resolve::{self, Owned, invalid, limit};
 use super::{Ctx, Result};
@@ -72,8 +71,8 @@ fn plan(world: &World, owned: Owned, pages: &[PublishPage]) -> Result<Vec<Publis
         .expect("sessions point at live instances")
         .ranks;
     let mut items = Vec::with_capacity(pages.len());
-    let mut keys = HashSet::new();
-    let mut sources = HashSet::new();
+    let mut keys = KeySet::with_capacity_and_hasher(pages.len(), KeyHasher::default());
+    let mut sources = EntityHashSet::with_capacity(pages.len());
     for p in pages {
         let state = ranks
             .get(p.rank as usize)

@@ -4,13 +4,13 @@
 use std::collections::HashSet;
 
 use bevy_ecs::prelude::*;
-use orbitkv_components::Namespace;
 use orbitkv_components::api::{
     CommandError, GroupHashes, InvalidCommand, LimitName, PagePos, RestoreTarget, SessionHandle,
 };
 use orbitkv_components::ecs::{
     Instance, LoadPlan, OpState, Operation, OperationOf, Outcome, Recovery, at,
 };
+use orbitkv_components::{KeyHasher, Namespace};
 
 use super::resolve::{self, Owned, invalid, limit, wrong_state};
 use super::sessions::{self, finish_now};
@@ -200,7 +200,7 @@ fn check_plan(world: &World, owned: Owned, plan: &LoadPlan, end: u64) -> Result<
             }));
         }
     }
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::with_capacity_and_hasher(plan.targets.len(), KeyHasher::default());
     for t in &plan.targets {
         if !seen.insert(t.device_page) {
             return Err(invalid(InvalidCommand::DuplicateTarget {

@@ -1,13 +1,15 @@
 //! State transitions several stages share: moving an operation to another
 //! state (its field and its marker together), finishing it, taking leases,
-//! unpinning device pages, and the observers that keep the LRU to exactly
+//! unpinning device pages, and the hooks that keep the LRU to exactly
 //! the unleased pages.
 
+use bevy_ecs::lifecycle::HookContext;
 use bevy_ecs::prelude::*;
+use bevy_ecs::world::DeferredWorld;
 use orbitkv_components::api::Event;
 use orbitkv_components::ecs::{
-    DevicePage, DeviceRegion, HeldBy, Lease, LeaseOf, Leases, OpState, Operation, Outcome, Page,
-    PageOf, mark_state,
+    DevicePage, DeviceRegion, HeldBy, Lease, LeaseOf, OpState, Operation, Outcome, Page, PageOf,
+    mark_state,
 };
 
 use crate::resources::{Dram, Outbox, decrement};
@@ -49,23 +51,31 @@ pub fn take_lease(commands: &mut Commands, page: Entity, operation: Entity) -> E
         .id()
 }
 
-/// Observer: a page's first lease takes it out of the LRU.
-pub fn on_leased(event: On<Add<Leases>>, pages: Query<&Page>, mut dram: ResMut<Dram>) {
-    let entity = event.event().entity;
-    if let Ok(page) = pages.get(entity) {
-        dram.pin(entity, page.residency.dram_slot);
-    }
+/// Hook (`Leases` added): a page's first lease takes it out of the LRU.
+/// Hooks, not observers: they run for every page of every load, and a
+/// hook is a plain call where an observer runs a system.
+pub fn on_leased(mut world: DeferredWorld, ctx: HookContext) {
+    let entity = ctx.entity;
+    let Some(slot) = world.get::<Page>(entity).map(|p| p.residency.dram_slot) else {
+        return;
+    };
+    world.resource_mut::<Dram>().pin(entity, slot);
 }
 
-/// Observer: once its last lease is gone, a page may be evicted, least
-/// recent first. (An evicted page leaves the index first, and is never
-/// leased then.)
-pub fn on_unleased(event: On<Remove<Leases>>, pages: Query<&Page>, mut dram: ResMut<Dram>) {
-    let entity = event.event().entity;
-    if let Ok(page) = pages.get(entity)
-        && dram.index.get(&page.key) == Some(&entity)
-    {
-        dram.make_evictable(entity, page.residency.dram_slot);
+/// Hook (`Leases` removed): once its last lease is gone, a page may be
+/// evicted, least recent first. (An evicted page leaves the index first,
+/// and is never leased then.)
+pub fn on_unleased(mut world: DeferredWorld, ctx: HookContext) {
+    let entity = ctx.entity;
+    let Some((key, slot)) = world
+        .get::<Page>(entity)
+        .map(|p| (p.key, p.residency.dram_slot))
+    else {
+        return;
+    };
+    let mut dram = world.resource_mut::<Dram>();
+    if dram.index.get(&key) == Some(&entity) {
+        dram.make_evictable(entity, slot);
     }
 }
 

@@ -31,11 +31,11 @@ pub(crate) fn check(
             unreachable!("ranges are computed for the instance's ranks");
         };
         let key_at = |p: &PagePos| -> Result<StateKey, CommandError> {
-            let native =
-                rec.hash_at(p.group, p.page_end, page)
-                    .ok_or(invalid(InvalidCommand::NoHash {
-                        page_end: p.page_end,
-                    }))?;
+            let native = rec.hash_at(p.group, p.page_end, page).ok_or_else(|| {
+                invalid(InvalidCommand::NoHash {
+                    page_end: p.page_end,
+                })
+            })?;
             Ok(StateKey {
                 namespace: state.namespace,
                 group: p.group,

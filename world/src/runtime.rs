@@ -225,9 +225,11 @@ impl RuntimeWorld {
         ));
         world.insert_resource(Metrics::default());
         // The LRU holds exactly the unleased pages: leases come and go with
-        // the ECS's `Leases` lists.
-        world.add_observer(orbitkv_systems::lifecycle::on_leased);
-        world.add_observer(orbitkv_systems::lifecycle::on_unleased);
+        // the ECS's `Leases` lists (hooks: a call per page, not a system).
+        world
+            .register_component_hooks::<orbitkv_components::ecs::Leases>()
+            .on_add(orbitkv_systems::lifecycle::on_leased)
+            .on_remove(orbitkv_systems::lifecycle::on_unleased);
         Ok((RuntimeWorld { world }, first_touch))
     }
 }

@@ -43,12 +43,12 @@ pub(super) fn register_region(
         .expect("sessions point at live instances");
     let page_bytes = instance
         .rank(rank)
-        .ok_or(invalid(InvalidCommand::UnknownRank { rank }))?
+        .ok_or_else(|| invalid(InvalidCommand::UnknownRank { rank }))?
         .page_bytes(group)
-        .ok_or(invalid(InvalidCommand::UnknownGroup { group }))?;
+        .ok_or_else(|| invalid(InvalidCommand::UnknownGroup { group }))?;
     let bytes = page_bytes
         .checked_mul(u64::from(slots))
-        .ok_or(invalid(InvalidCommand::RegionTooLarge))?;
+        .ok_or_else(|| invalid(InvalidCommand::RegionTooLarge))?;
     if agent.is_none() {
         within_region_bytes(world, bytes)?;
     }

@@ -76,10 +76,10 @@ fn plan(world: &World, owned: Owned, pages: &[PublishPage]) -> Result<Vec<Publis
     for p in pages {
         let state = ranks
             .get(p.rank as usize)
-            .ok_or(invalid(InvalidCommand::UnknownRank { rank: p.rank }))?;
+            .ok_or_else(|| invalid(InvalidCommand::UnknownRank { rank: p.rank }))?;
         let bytes = state
             .page_bytes(p.group)
-            .ok_or(invalid(InvalidCommand::UnknownGroup { group: p.group }))?;
+            .ok_or_else(|| invalid(InvalidCommand::UnknownGroup { group: p.group }))?;
         let (device_page, region) = resolve::device_page(world, owned.session, p.device_page)?;
         let region = world.get::<DeviceRegion>(region).expect("resolved");
         if (region.rank, region.group) != (p.rank, p.group) {

@@ -253,7 +253,7 @@ pub(super) fn restore(
     }
     let rec = world
         .get::<Recovery>(op)
-        .ok_or(invalid(InvalidCommand::NotRecovery))?;
+        .ok_or_else(|| invalid(InvalidCommand::NotRecovery))?;
     let instance = world
         .get::<Instance>(owned.instance)
         .expect("sessions point at live instances");

@@ -100,18 +100,20 @@ pub(super) fn region(world: &World, session: Entity, bits: u64) -> Result<Entity
 /// A live device page the engine has not freed (else `StaleGeneration`),
 /// of a region of `session` (else `NotOwner`): (page, region).
 pub(super) fn device_page(world: &World, session: Entity, bits: u64) -> Result<(Entity, Entity)> {
-    let stale = CommandError::StaleGeneration(bits);
-    let entity = Entity::try_from_bits(bits).ok_or(stale.clone())?;
-    let e = world.get_entity(entity).map_err(|_| stale.clone())?;
+    // Built only on the error path: this runs for every page of a
+    // publish and a restore.
+    let stale = || CommandError::StaleGeneration(bits);
+    let entity = Entity::try_from_bits(bits).ok_or_else(stale)?;
+    let e = world.get_entity(entity).map_err(|_| stale())?;
     let (Some(page), Some(of)) = (e.get::<DevicePage>(), e.get::<PageOf>()) else {
-        return Err(stale);
+        return Err(stale());
     };
     if page.free_deferred.is_some() {
-        return Err(stale);
+        return Err(stale());
     }
     match world.get::<RegionOf>(of.0) {
         Some(owner) if owner.0 == session => Ok((entity, of.0)),
         Some(_) => Err(CommandError::NotOwner),
-        None => Err(stale),
+        None => Err(stale()),
     }
 }

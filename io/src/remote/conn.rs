@@ -9,6 +9,7 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection, clu
 use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult, Value};
 
 use super::config::{RemoteConfig, RemoteMode};
+use super::record::{RecordHeader, RecordMac};
 use super::stats::ErrorKind;
 
 const MODE_UNKNOWN: u8 = 0;
@@ -159,7 +160,6 @@ fn set_timeouts_single(c: &redis::Connection, io: Duration) -> RedisResult<()> {
 
 /// A writer's buffers for `put_many`, kept between batches.
 pub(crate) struct Scratch {
-    cmd: Cmd,
     packed: Vec<u8>,
     /// Capacity kept after a batch; a larger buffer (a record bigger than
     /// the batch bound went alone) is dropped.
@@ -169,7 +169,6 @@ pub(crate) struct Scratch {
 impl Scratch {
     pub(crate) fn new(keep: usize) -> Scratch {
         Scratch {
-            cmd: Cmd::new(),
             packed: Vec::new(),
             keep,
         }
@@ -178,7 +177,6 @@ impl Scratch {
     fn trim(&mut self) {
         if self.packed.capacity() > self.keep {
             self.packed = Vec::new();
-            self.cmd = Cmd::new();
         }
     }
 }
@@ -186,7 +184,8 @@ impl Scratch {
 /// One record of a `put_many`.
 pub(crate) struct Put<'a> {
     pub data_key: String,
-    pub header: Vec<u8>,
+    /// The record's header; `put_many` sets its payload MAC.
+    pub header: RecordHeader,
     pub payload: &'a [u8],
     pub dir: DirPut,
 }
@@ -200,8 +199,8 @@ pub(crate) struct DirPut {
     pub renew: bool,
 }
 
-/// A record as one command argument: header then payload, written
-/// straight into the command buffer.
+/// A record as one command argument (the cluster path): header then
+/// payload, written straight into the command buffer.
 struct RecordArg<'a> {
     header: &'a [u8],
     payload: &'a [u8],
@@ -218,6 +217,58 @@ impl redis::ToRedisArgs for RecordArg<'_> {
         let _ = w.write_all(self.header);
         let _ = w.write_all(self.payload);
     }
+}
+
+/// The payload is copied into the pipeline and MACed in pieces this big:
+/// each piece is hashed while it is still in cache from its copy.
+const MAC_PIECE: usize = 64 << 10;
+
+/// Appends one RESP bulk string.
+fn bulk(out: &mut Vec<u8>, bytes: &[u8]) {
+    bulk_len(out, bytes.len());
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
+}
+
+fn bulk_len(out: &mut Vec<u8>, len: usize) {
+    out.push(b'$');
+    out.extend_from_slice(len.to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends `SET <data key> <header ‖ payload> PX <ttl>` to a packed
+/// pipeline, copying the payload in once with its MAC computed in the same
+/// pass, then the header (which carries that MAC) into the room left before
+/// it; sets `put.header`'s payload MAC and returns the encoded header.
+///
+/// Packed here rather than with a redis-rs `Cmd`: a `Cmd` keeps its own
+/// copy of every argument, and packing copies it again, so a megabyte
+/// record went through two extra copies and a separate MAC pass. The
+/// encoding is plain RESP (an array of bulk strings), as `Cmd` writes it.
+fn pack_set(out: &mut Vec<u8>, put: &mut Put<'_>, mac: &RecordMac, ttl_ms: u64) -> Vec<u8> {
+    let header_len = put.header.encoded_len();
+    let ttl = ttl_ms.to_string();
+    out.reserve(put.data_key.len() + header_len + put.payload.len() + 64);
+    out.extend_from_slice(b"*5\r\n");
+    bulk(out, b"SET");
+    bulk(out, put.data_key.as_bytes());
+    bulk_len(out, header_len + put.payload.len());
+    let at = out.len();
+    out.resize(at + header_len, 0);
+    let mut hasher = mac.payload_hasher();
+    for piece in put.payload.chunks(MAC_PIECE) {
+        let start = out.len();
+        out.extend_from_slice(piece);
+        hasher.update(&out[start..]);
+    }
+    put.header.payload_mac = *hasher.finalize().as_bytes();
+    let header = put.header.encode(mac);
+    assert_eq!(header.len(), header_len, "a header encodes to its length");
+    out[at..at + header_len].copy_from_slice(&header);
+    out.extend_from_slice(b"\r\n");
+    bulk(out, b"PX");
+    bulk(out, ttl.as_bytes());
+    header
 }
 
 /// What a bounded read found.
@@ -319,27 +370,19 @@ impl Conn {
     /// not known to this writer).
     ///
     /// On a single node the commands are packed into `scratch`, whose
-    /// buffers are kept between batches: a record is copied once into the
-    /// command and once into the packed pipeline, into memory already
-    /// mapped, instead of into two fresh allocations (page faults and
-    /// zeroing cost more than the copies at megabyte pages).
+    /// buffer is kept between batches (memory already mapped: page faults
+    /// and zeroing cost more than the copies at megabyte pages), and each
+    /// payload is copied into it once, MACed in that pass (`pack_set`).
+    /// On a cluster the MAC is a pass of its own and redis-rs packs.
+    /// Either way each put's header gets its payload MAC.
     pub(crate) fn put_many(
         &mut self,
-        puts: &[Put<'_>],
+        puts: &mut [Put<'_>],
+        mac: &RecordMac,
         ttl_ms: u64,
         scratch: &mut Scratch,
     ) -> RedisResult<()> {
-        let set = |cmd: &mut Cmd, p: &Put<'_>| {
-            cmd.arg("SET")
-                .arg(&p.data_key)
-                .arg(RecordArg {
-                    header: &p.header,
-                    payload: p.payload,
-                })
-                .arg("PX")
-                .arg(ttl_ms);
-        };
-        let dir = |p: &Put<'_>, out: &mut Vec<Cmd>| {
+        let dir = |p: &Put<'_>, header: &[u8], out: &mut Vec<Cmd>| {
             let mut xadd = redis::cmd("XADD");
             xadd.arg(&p.dir.key)
                 .arg("MAXLEN")
@@ -347,7 +390,7 @@ impl Conn {
                 .arg(p.dir.max_entries)
                 .arg("*")
                 .arg("h")
-                .arg(&p.header);
+                .arg(header);
             out.push(xadd);
             if p.dir.renew {
                 // Renewed at most every ttl/10 (see `Renewals`): outlive the
@@ -360,16 +403,14 @@ impl Conn {
         match self {
             Conn::Single(c) => {
                 // Each record right before its entry, in order.
-                let Scratch { cmd, packed, .. } = scratch;
+                let packed = &mut scratch.packed;
                 packed.clear();
                 let mut count = 0;
                 let mut small = Vec::new();
-                for p in puts {
-                    cmd.clear();
-                    set(cmd, p);
-                    cmd.write_packed_command(packed);
+                for p in puts.iter_mut() {
+                    let header = pack_set(packed, p, mac, ttl_ms);
                     small.clear();
-                    dir(p, &mut small);
+                    dir(p, &header, &mut small);
                     for d in &small {
                         d.write_packed_command(packed);
                     }
@@ -384,11 +425,20 @@ impl Conn {
             Conn::Cluster(_) => {
                 let mut sets = Vec::with_capacity(puts.len());
                 let mut dirs = Vec::with_capacity(puts.len() * 2);
-                for p in puts {
+                for p in puts.iter_mut() {
+                    p.header.payload_mac = mac.payload_mac(p.payload);
+                    let header = p.header.encode(mac);
                     let mut cmd = Cmd::new();
-                    set(&mut cmd, p);
+                    cmd.arg("SET")
+                        .arg(&p.data_key)
+                        .arg(RecordArg {
+                            header: &header,
+                            payload: p.payload,
+                        })
+                        .arg("PX")
+                        .arg(ttl_ms);
                     sets.push(cmd);
-                    dir(p, &mut dirs);
+                    dir(p, &header, &mut dirs);
                 }
                 self.pipeline(sets)?;
                 self.pipeline(dirs)?;
@@ -541,5 +591,72 @@ mod tests {
             ]
         );
         assert!(parse_entries(Value::Nil).is_empty());
+    }
+
+    /// `pack_set` writes what redis-rs packs for the same SET of the same
+    /// record, and the record verifies: its header carries the MAC of the
+    /// payload computed piece by piece (payloads around a piece's edge).
+    #[test]
+    fn a_hand_packed_set_is_the_commands_packing_and_its_record_verifies() {
+        use orbitkv_components::{Namespace, StateKey};
+
+        use crate::checksum::page_checksum;
+        use crate::remote::record::{Expect, verify};
+
+        let mac = RecordMac::from_secret(&[0x5a; 32]).unwrap();
+        // Records are never empty (a header refuses a zero length).
+        for len in [
+            1,
+            MAC_PIECE - 1,
+            MAC_PIECE,
+            MAC_PIECE + 1,
+            3 * MAC_PIECE + 17,
+        ] {
+            let payload: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let key = StateKey::new(Namespace([7; 32]), 3, &(len as u64).to_le_bytes()).unwrap();
+            let header = RecordHeader {
+                key,
+                format_digest: [9; 32],
+                payload_len: len as u64,
+                payload_checksum: page_checksum(&payload),
+                payload_mac: [0; crate::remote::record::MAC_LEN],
+                writer: 42,
+                written_unix_ms: 1_700_000_000_000,
+                ttl_ms: 60_000,
+            };
+            let mut put = Put {
+                data_key: format!("orbitkv:test:{len}"),
+                header,
+                payload: &payload,
+                dir: DirPut {
+                    key: "dir".into(),
+                    max_entries: 8,
+                    renew: false,
+                },
+            };
+            let mut packed = b"prefix".to_vec();
+            let encoded = pack_set(&mut packed, &mut put, &mac, 600_000);
+            assert_eq!(put.header.payload_mac, mac.payload_mac(&payload), "{len}");
+            assert_eq!(encoded, put.header.encode(&mac));
+
+            let mut record = encoded.clone();
+            record.extend_from_slice(&payload);
+            let mut want = b"prefix".to_vec();
+            redis::cmd("SET")
+                .arg(&put.data_key)
+                .arg(&record)
+                .arg("PX")
+                .arg(600_000u64)
+                .write_packed_command(&mut want);
+            assert_eq!(packed, want, "{len}");
+
+            let expect = Expect {
+                key,
+                len: len as u64,
+                checksum: page_checksum(&payload),
+            };
+            let checked = verify(&record, &expect, &mac);
+            assert!(checked.is_ok(), "{len}: {checked:?}");
+        }
     }
 }

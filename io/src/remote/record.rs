@@ -92,6 +92,12 @@ impl RecordMac {
         blake3::keyed_hash(&self.payload, payload).into()
     }
 
+    /// A hasher that gives [`RecordMac::payload_mac`] of what it is fed,
+    /// for a payload MACed piece by piece as it is copied.
+    pub fn payload_hasher(&self) -> blake3::Hasher {
+        blake3::Hasher::new_keyed(&self.payload)
+    }
+
     fn header_mac(&self, header_body: &[u8]) -> blake3::Hash {
         blake3::keyed_hash(&self.header, header_body)
     }

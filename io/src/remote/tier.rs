@@ -15,7 +15,8 @@ use super::config::{RemoteConfig, RemoteError};
 use super::conn::{Bounded, Conn, Connector, DirPut, Put, Scratch, classify};
 use super::meta::{MetaCache, MetaEntry};
 use super::record::{
-    Expect, RecordHeader, RecordMac, data_key, directory_key, max_record_len, shard_of, verify,
+    Expect, MAC_LEN, RecordHeader, RecordMac, data_key, directory_key, max_record_len, shard_of,
+    verify,
 };
 use super::stats::{ErrorKind, Live, RemoteStats, RemoteStatsSnapshot};
 use crate::checksum::copy_with_checksum;
@@ -1100,15 +1101,15 @@ fn write_batch(
     let cfg = &s.cfg;
     let shards = cfg.directory_shards;
     let per_shard = cfg.directory_max_entries.div_ceil(u64::from(shards)).max(1);
-    let mut headers = Vec::with_capacity(jobs.len());
     let mut puts = Vec::with_capacity(jobs.len());
     for job in jobs {
+        // The payload MAC is computed as `put_many` packs the payload.
         let header = RecordHeader {
             key: job.key,
             format_digest: job.format,
             payload_len: job.payload.len() as u64,
             payload_checksum: job.checksum,
-            payload_mac: s.mac.payload_mac(&job.payload),
+            payload_mac: [0; MAC_LEN],
             writer: s.writer_id,
             written_unix_ms: unix_ms(),
             ttl_ms: cfg.ttl_ms,
@@ -1121,7 +1122,7 @@ fn write_batch(
         let renew = renewals.due(&dir, cfg.ttl_ms);
         puts.push(Put {
             data_key: data_key(&cfg.key_prefix, &job.key),
-            header: header.encode(&s.mac),
+            header,
             payload: &job.payload,
             dir: DirPut {
                 key: dir,
@@ -1129,10 +1130,9 @@ fn write_batch(
                 renew,
             },
         });
-        headers.push(header);
     }
     let c = s.conn(conn, cfg.write_timeout())?;
-    if let Err(e) = c.put_many(&puts, cfg.ttl_ms, scratch) {
+    if let Err(e) = c.put_many(&mut puts, &s.mac, cfg.ttl_ms, scratch) {
         *conn = None;
         for p in &puts {
             renewals.0.remove(&p.dir.key);
@@ -1141,8 +1141,8 @@ fn write_batch(
     }
     s.breaker.success();
     let mut m = s.meta_write();
-    for header in &headers {
-        m.insert(header.key, MetaEntry::from_header(header));
+    for p in &puts {
+        m.insert(p.header.key, MetaEntry::from_header(&p.header));
     }
     s.publish_meta_stats(&mut m);
     Ok(())

@@ -52,20 +52,31 @@ pub(crate) fn check(
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let moved: Vec<StateKey> = targets
-            .iter()
-            .map(|t| &t.pos)
-            .filter(in_range)
-            .map(key_at)
-            .collect::<Result<_, _>>()?;
+        // The usual load names the range's pages in order, one each: its
+        // keys are the range's keys, not built a second time.
+        let mut named = targets.iter().map(|t| &t.pos).filter(in_range);
+        let in_order = (range.start / page..range.end / page)
+            .all(|i| named.next().is_some_and(|p| p.page_end == (i + 1) * page))
+            && named.next().is_none();
+        let moved: Vec<StateKey> = if in_order {
+            Vec::new()
+        } else {
+            targets
+                .iter()
+                .map(|t| &t.pos)
+                .filter(in_range)
+                .map(key_at)
+                .collect::<Result<_, _>>()?
+        };
         let kept: Vec<StateKey> = retained
             .iter()
             .filter(in_range)
             .map(key_at)
             .collect::<Result<_, _>>()?;
+        let moved = if in_order { &range_keys } else { &moved };
         state
             .contract
-            .validate_load(range, &range_keys, &moved, &kept)
+            .validate_load(range, &range_keys, moved, &kept)
             .map_err(|e| CommandError::LoadInvalid(e.into()))?;
     }
     // Positions outside every range were not counted above.

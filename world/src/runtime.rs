@@ -128,7 +128,7 @@ pub struct OperationInfo {
 }
 
 /// The runtime's `World`: every resource built from a config, the LRU
-/// observers registered, and the backends registered with the DRAM pool.
+/// hooks registered, and the backends registered with the DRAM pool.
 /// The stages run on it (`Runtime::tick`, or one at a time with
 /// `RunSystemOnce` in the stage tests). Dropping it drains the backends
 /// before the pool is unmapped.

@@ -613,6 +613,35 @@ fn read_queue_bound_io_uring() {
     read_queue_bound(IoBackend::IoUring);
 }
 
+/// A store dropped while another descriptor of its lock file still exists
+/// (a child forked in another thread holds copies until its `exec`) is
+/// reopened once that descriptor closes, within `open`'s wait.
+#[test]
+fn open_waits_out_a_lock_a_forked_child_still_holds() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let dir = tempfile::tempdir().unwrap();
+    let lock = std::fs::canonicalize(dir.path()).unwrap().join("LOCK");
+    let a = open(dir.path(), IoBackend::Blocking);
+    // The store's own descriptor of LOCK, duplicated as fork would.
+    let held = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .find(|e| std::fs::read_link(e.path()).is_ok_and(|t| t == lock))
+        .and_then(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .expect("the store holds LOCK open");
+    // SAFETY: dup of a descriptor this process has open; the copy is owned.
+    let copy = unsafe { OwnedFd::from_raw_fd(libc::dup(held)) };
+    assert!(copy.as_raw_fd() >= 0);
+    drop(a);
+    let closer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(copy);
+    });
+    let b = SsdStore::open(config(dir.path(), IoBackend::Blocking));
+    closer.join().unwrap();
+    assert!(b.is_ok(), "{:?}", b.err());
+}
+
 #[test]
 fn second_open_of_a_directory_is_locked() {
     let dir = tempfile::tempdir().unwrap();

@@ -19,6 +19,11 @@
 //! <dir>/seg-<id:016x>.okv         segment files, id increasing with age
 //! ```
 //!
+//! `open` waits up to 200 ms for `LOCK` before refusing with
+//! `SsdError::Locked`: a store just dropped keeps its lock while a child
+//! forked meanwhile still holds a copy of the descriptor (until its
+//! `exec`).
+//!
 //! A segment is created at `segment_bytes` (fallocate'd where supported,
 //! then the directory is fsync'd), written append-only by exactly one
 //! store session, and never written again once sealed. Every `open` starts

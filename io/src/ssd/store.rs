@@ -1591,7 +1591,14 @@ fn blocking(cfg: &SsdConfig, cap: usize) -> Result<BlockingEngine, SsdError> {
         .map_err(|e| SsdError::from_io("spawn workers", &cfg.dir, e))
 }
 
-/// Takes an exclusive `flock` on `dir/LOCK`.
+/// How long `open` waits for `dir/LOCK` before reporting it held. A store
+/// dropped a moment ago can look alive: a `flock` lasts while any
+/// descriptor of its open file exists, and a child this process forks in
+/// another thread holds copies of every descriptor until its `exec`
+/// closes them (the lock file is close-on-exec).
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Takes an exclusive `flock` on `dir/LOCK`, waiting at most `LOCK_WAIT`.
 fn lock_dir(dir: &Path) -> Result<File, SsdError> {
     let path = dir.join("LOCK");
     let f = OpenOptions::new()
@@ -1602,16 +1609,22 @@ fn lock_dir(dir: &Path) -> Result<File, SsdError> {
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| SsdError::from_io("open lock file", &path, e))?;
-    // SAFETY: plain syscall on an fd we own.
-    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if r != 0 {
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        // SAFETY: plain syscall on an fd we own.
+        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if r == 0 {
+            return Ok(f);
+        }
         let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(SsdError::from_io("lock", &path, e));
+        }
+        if std::time::Instant::now() >= deadline {
             return Err(SsdError::Locked { path: dir.into() });
         }
-        return Err(SsdError::from_io("lock", &path, e));
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
-    Ok(f)
 }
 
 /// The record block and the direct-I/O memory alignment of `file`'s

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use orbitkv_components::NativeHash;
-use orbitkv_components::api::{Command, Event, GroupHashes, MissReason, SessionHandle};
+use orbitkv_components::api::{
+    Command, CommandError, Event, GroupHashes, MissReason, SessionHandle,
+};
 use orbitkv_ipc::hot::{self, Desc, HotErrorCode, HotRequest, Op, part};
 use orbitkv_ipc::{Client, ClientError, ClientOptions};
 
@@ -191,7 +193,10 @@ fn hot_round_trip_moves_exact_bytes() {
     }
 
     // A lookup is one request and one answer, terminal: the hot request
-    // closes with it and no operation is left to release.
+    // closes with it and no operation is left to release. With nothing
+    // queued ahead of it, each is answered between ticks.
+    let between = m.metric("answered_between_ticks_total").unwrap();
+    assert_eq!(between, 0, "only lookups are answered between ticks");
     for _ in 0..300 {
         let Command::Query {
             session,
@@ -226,8 +231,34 @@ fn hot_round_trip_moves_exact_bytes() {
             "{qr:?}"
         );
     }
+    // A lookup the runtime refuses (a session of another incarnation) is
+    // answered between ticks too, with its typed refusal.
+    let refused = b
+        .call(
+            Command::Lookup {
+                session: stale,
+                request: 9,
+                groups: Vec::new(),
+                origin: 0,
+                prompt_len: 1,
+                expect_namespaces: Vec::new(),
+            },
+            T,
+        )
+        .unwrap();
+    assert!(
+        matches!(
+            refused,
+            Event::Rejected {
+                error: CommandError::StaleSession,
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
     assert_eq!(b.poll_events().unwrap(), vec![]);
     m.wait_metric_until("operations", |v| v == 0);
+    m.wait_metric_until("answered_between_ticks_total", |v| v == 301);
 
     // Everything went on the hot path; nothing is left open.
     assert!(m.wait_metric_until("hot_requests_total", |v| v >= 900) >= 900);

@@ -496,44 +496,60 @@ impl HotServer {
         // The list keeps its allocation from tick to tick.
         let mut fresh = std::mem::take(&mut self.fresh);
         for key in fresh.drain(..) {
-            // Closed during the tick (its last event), or seen already.
-            let Some(a) = self.active.get_mut(&key).filter(|a| a.this_tick) else {
-                continue;
-            };
-            a.this_tick = false;
-            let keep = match a.op {
-                Op::Publish => true,
-                Op::Query => a.operation.is_some(),
-                _ => false,
-            };
-            if !keep || a.sent == 0 {
-                let mut r = hot::response(RespKind::Accepted, a.tag, a.command.unwrap_or(0));
-                if !keep {
-                    r.flags |= RESP_LAST;
-                }
-                if a.request.send_copy(r).is_ok() {
-                    a.sent += 1;
-                    self.stats.responses += 1;
-                    let token = a.token;
-                    if let Some(conn) = self.conns.get(&token).map(|c| c.conn) {
-                        self.wake_check(token, conn);
-                    }
-                }
-            }
-            let Some(a) = self.active.get(&key) else {
-                continue;
-            };
-            if !matches!(a.op, Op::Publish)
-                && let Some(cid) = a.command
-                && self.by_command.get(&cid) == Some(&key)
-            {
-                self.by_command.remove(&cid);
-            }
-            if !keep {
-                self.close(key);
-            }
+            self.finish(key);
         }
         self.fresh = fresh;
+    }
+
+    /// After the events of a command the runtime answered between ticks
+    /// (`Runtime::answer_now`): its request ends as it would after the
+    /// tick, and is no longer one the next tick finishes.
+    pub fn settle(&mut self, key: u64) {
+        self.finish(key);
+        // It is the last one received, or close to it.
+        if let Some(at) = self.fresh.iter().rposition(|k| *k == key) {
+            self.fresh.swap_remove(at);
+        }
+    }
+
+    /// `end_tick` for one request.
+    fn finish(&mut self, key: u64) {
+        // Closed by its last event, or seen already.
+        let Some(a) = self.active.get_mut(&key).filter(|a| a.this_tick) else {
+            return;
+        };
+        a.this_tick = false;
+        let keep = match a.op {
+            Op::Publish => true,
+            Op::Query => a.operation.is_some(),
+            _ => false,
+        };
+        if !keep || a.sent == 0 {
+            let mut r = hot::response(RespKind::Accepted, a.tag, a.command.unwrap_or(0));
+            if !keep {
+                r.flags |= RESP_LAST;
+            }
+            if a.request.send_copy(r).is_ok() {
+                a.sent += 1;
+                self.stats.responses += 1;
+                let token = a.token;
+                if let Some(conn) = self.conns.get(&token).map(|c| c.conn) {
+                    self.wake_check(token, conn);
+                }
+            }
+        }
+        let Some(a) = self.active.get(&key) else {
+            return;
+        };
+        if !matches!(a.op, Op::Publish)
+            && let Some(cid) = a.command
+            && self.by_command.get(&cid) == Some(&key)
+        {
+            self.by_command.remove(&cid);
+        }
+        if !keep {
+            self.close(key);
+        }
     }
 
     fn close(&mut self, key: u64) {

@@ -21,11 +21,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use orbitkv_ipc::hot_server::Incoming;
+use orbitkv_world::runtime::Answer;
 use tracing::info;
 
 use crate::connection::ConnId;
 use crate::dispatch;
-use crate::state::{Close, State};
+use crate::state::{Close, State, origin};
 
 /// The longest sleep with nothing in flight: deadlines, stall checks and
 /// metrics move at this pace when the host is idle.
@@ -90,7 +91,8 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
         read_sockets(st, readable);
         answer_lookups(st);
         let from_sockets = take_frames(st);
-        let submitted = from_sockets + read_hot(st, &mut incoming);
+        let hot = read_hot(st, &mut incoming);
+        let submitted = from_sockets + hot.submitted;
         let since_tick = now.saturating_duration_since(st.last_tick);
         // The inbox also holds what departed connections left (close_origin).
         if submitted > 0
@@ -101,7 +103,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
             // Moves `st.now` to the reading after the tick.
             st.tick();
         }
-        if submitted > 0 {
+        if submitted + hot.answered > 0 {
             busy_until = st.now + spin.after_work(now);
         }
         if from_sockets > 0 {
@@ -332,27 +334,55 @@ fn take_frames(st: &mut State) -> usize {
     submitted
 }
 
+/// What [`read_hot`] took.
+struct HotTaken {
+    /// Commands queued for the tick.
+    submitted: usize,
+    /// Lookups answered at once (`Runtime::answer_now`): no tick needed.
+    answered: usize,
+}
+
 /// Takes hot requests (non-blocking, bounded by the inbox's room) and
-/// submits their commands. Bad requests were answered by the hot server.
-/// `incoming`: a buffer kept between rounds, empty between calls.
-fn read_hot(st: &mut State, incoming: &mut Vec<Incoming>) -> usize {
+/// submits their commands; a lookup with nothing queued ahead of it is
+/// answered at once, its reply sent before the next request is looked at.
+/// Bad requests were answered by the hot server. `incoming`: a buffer kept
+/// between rounds, empty between calls.
+fn read_hot(st: &mut State, incoming: &mut Vec<Incoming>) -> HotTaken {
+    let mut taken = HotTaken {
+        submitted: 0,
+        answered: 0,
+    };
     let room = st.rt.inbox_room().min(1024);
     let Some(h) = st.hot.as_mut() else {
-        return 0;
+        return taken;
     };
     if room == 0 {
-        return 0;
+        return taken;
     }
     h.receive(room, incoming);
-    let mut submitted = 0;
     for inc in incoming.drain(..) {
-        let result = st.submit(inc.conn, inc.command);
-        submitted += usize::from(result.is_ok());
+        let command = match st.rt.answer_now(origin(inc.conn), inc.command, st.now) {
+            Answer::Now(cid, events) => {
+                if let Some(h) = st.hot.as_mut() {
+                    h.submitted(inc.key, Ok(cid));
+                }
+                st.deliver_all(events);
+                if let Some(h) = st.hot.as_mut() {
+                    h.settle(inc.key);
+                }
+                st.metrics.counters.answered_between_ticks.inc();
+                taken.answered += 1;
+                continue;
+            }
+            Answer::Queue(command) => command,
+        };
+        let result = st.submit(inc.conn, command);
+        taken.submitted += usize::from(result.is_ok());
         if let Some(h) = st.hot.as_mut() {
             h.submitted(inc.key, result);
         }
     }
-    submitted
+    taken
 }
 
 /// Graceful stop: no new connections or commands; submitted I/O drains.

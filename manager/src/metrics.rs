@@ -111,6 +111,8 @@ struct Gauges {
 pub struct Counters {
     /// Rounds of the event loop (its wake-ups): a few per second when idle.
     pub loop_rounds: Counter,
+    /// Hot-path lookups answered between ticks (`Runtime::answer_now`).
+    pub answered_between_ticks: Counter,
     pub disconnects: Family<Reason, Counter>,
     pub protocol_errors: Counter,
     pub hot_requests: Counter,
@@ -368,6 +370,12 @@ impl Metrics {
                 &mut r,
                 "loop_rounds",
                 "Rounds of the manager's event loop (wake-ups)",
+            ),
+            answered_between_ticks: counter(
+                &mut r,
+                "answered_between_ticks",
+                "Hot-path lookups answered at once, with nothing queued ahead of them, \
+                 without a tick",
             ),
             disconnects: Family::default(),
             lookups: Family::default(),

@@ -222,15 +222,21 @@ impl State {
         self.last_tick = self.now;
         // From the round's reading: the tick and the commands taken before it.
         self.metrics.tick_took(self.now - t0);
-        for a in events {
-            self.metrics.event(&a.event, self.now);
-            self.deliver(a);
-        }
+        self.deliver_all(events);
         if let Some(h) = self.hot.as_mut() {
             h.end_tick();
         }
         if let Some(ev) = self.events.as_mut() {
             ev.drain(&mut self.rt);
+        }
+    }
+
+    /// Counts and delivers the runtime's events (a tick's, or those of a
+    /// command answered between ticks).
+    pub fn deliver_all(&mut self, events: Vec<Addressed>) {
+        for a in events {
+            self.metrics.event(&a.event, self.now);
+            self.deliver(a);
         }
     }
 

@@ -15,6 +15,6 @@ pub use orbitkv_components::api::{Command, CommandError, CommandId, Event, MissR
 pub use orbitkv_io::tier::TierChange;
 pub use orbitkv_systems::resources::{PageChange, Removal};
 pub use runtime::{
-    Backends, HandoffStats, NamespaceInfo, OperationInfo, Runtime, RuntimeError, RuntimeWorld,
-    Stats, SubmitError,
+    Answer, Backends, HandoffStats, NamespaceInfo, OperationInfo, Runtime, RuntimeError,
+    RuntimeWorld, Stats, SubmitError,
 };

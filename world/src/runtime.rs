@@ -43,6 +43,15 @@ pub enum RuntimeError {
     Remote(#[from] orbitkv_io::remote::RemoteError),
 }
 
+/// What [`Runtime::answer_now`] did with a command.
+#[derive(Debug)]
+pub enum Answer {
+    /// Answered: its id and every event it produced (one, terminal).
+    Now(CommandId, Vec<Addressed>),
+    /// Not answerable between ticks: submit it.
+    Queue(Command),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
     #[error("inbox is full ({0} commands); tick to drain it")]
@@ -391,6 +400,58 @@ impl Runtime {
         }
     }
 
+    /// Answers a [`Command::Lookup`] between ticks, when nothing is queued
+    /// ahead of it: the ingest stage runs on it alone and its events come
+    /// back at once, without the rest of the schedule (a lookup reads the
+    /// index, holds nothing and moves no operation, so no later stage has
+    /// work from it). Its answer is the one the next tick would give: the
+    /// ingest stage is first in the tick and the World does not change
+    /// between ticks. Any other command, a lookup behind queued commands
+    /// (arrival order), or a runtime that records a trace (the replay
+    /// reproduces ticks) comes back as [`Answer::Queue`], for
+    /// [`Runtime::submit`]. `now`: as for [`Runtime::tick_wall`].
+    pub fn answer_now(&mut self, origin: Origin, command: Command, now: Instant) -> Answer {
+        let queued = !self.world.resource::<Inbox>().0.is_empty();
+        if !matches!(command, Command::Lookup { .. }) || queued || self.recorder.is_some() {
+            return Answer::Queue(command);
+        }
+        self.advance_clock(now);
+        let id = self.next_command;
+        self.next_command += 1;
+        self.world
+            .resource_mut::<Inbox>()
+            .0
+            .push_back(Inbound::Command {
+                id,
+                origin,
+                command,
+            });
+        orbitkv_systems::ingest::ingest(&mut self.world);
+        assert!(
+            self.world.resource::<Inbox>().0.is_empty(),
+            "ingest takes the one command it was given"
+        );
+        if self.check
+            && let Err(violations) = self.check_invariants()
+        {
+            panic!("runtime invariants violated after a lookup: {violations:#?}");
+        }
+        Answer::Now(
+            id,
+            std::mem::take(&mut self.world.resource_mut::<Outbox>().0),
+        )
+    }
+
+    /// Wall clock only: moves the runtime's clock to `now` (never
+    /// backwards).
+    fn advance_clock(&mut self, now: Instant) {
+        if !self.simulated {
+            let now = now.saturating_duration_since(self.started).as_micros() as u64;
+            let mut clock = self.world.resource_mut::<Clock>();
+            clock.now_us = clock.now_us.max(now);
+        }
+    }
+
     /// Simulated clock only: moves time to `now_us` (never backwards) and
     /// ticks. The simulator owns time; on a wall clock this is `tick`.
     pub fn tick_at(&mut self, now_us: u64) -> Vec<Addressed> {
@@ -411,11 +472,7 @@ impl Runtime {
     /// manager's loop reads the clock once per round). On a simulated
     /// clock `now` is ignored, as in `tick`.
     pub fn tick_wall(&mut self, now: Instant) -> Vec<Addressed> {
-        if !self.simulated {
-            let now = now.saturating_duration_since(self.started).as_micros() as u64;
-            let mut clock = self.world.resource_mut::<Clock>();
-            clock.now_us = clock.now_us.max(now);
-        }
+        self.advance_clock(now);
         let started_at = self.world.resource::<Clock>().now_us;
         // The evict stage's record is per tick (the invariants read it).
         self.world.resource_mut::<Dram>().evicted.clear();

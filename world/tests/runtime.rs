@@ -1929,6 +1929,86 @@ fn a_lookup_sees_the_commands_before_it_in_its_tick() {
     );
 }
 
+#[test]
+fn a_lookup_with_nothing_queued_is_answered_between_ticks_as_a_tick_would() {
+    use orbitkv_world::Answer;
+    let mut d = dense_setup(16 << 20);
+    d.publish(60, 4, 0);
+    let now = std::time::Instant::now();
+    // The same lookup, by a tick and between ticks: the same answer (but
+    // for the command's id), terminal, and counted the same.
+    let asked = lookup(d.s, 1, 60, 4, 4 * PAGE + 1);
+    let ticked = d.h.step_from(vec![(Origin::EMBEDDED, asked.clone())]);
+    let before = d.h.rt().stats().metrics;
+    let (id, now_events) = match d.h.rt().answer_now(Origin::EMBEDDED, asked.clone(), now) {
+        Answer::Now(id, events) => (id, events),
+        Answer::Queue(c) => panic!("queued: {c:?}"),
+    };
+    let after = d.h.rt().stats().metrics;
+    assert_eq!(after.queries, before.queries + 1);
+    assert_eq!(after.queried_tokens, before.queried_tokens + 4 * PAGE);
+    let strip = |out: &[Addressed]| -> Vec<(Origin, Event, bool)> {
+        out.iter()
+            .map(|a| {
+                let mut e = a.event.clone();
+                if let Event::QueryResult { command, .. } = &mut e {
+                    *command = 0;
+                }
+                (a.to, e, a.terminal)
+            })
+            .collect()
+    };
+    assert_eq!(strip(&now_events), strip(&ticked));
+    assert!(
+        matches!(
+            now_events.as_slice(),
+            [Addressed { event: Event::QueryResult { command, selected: Some(s), .. }, terminal: true, .. }]
+                if *command == id && *s == 4 * PAGE
+        ),
+        "{now_events:?}"
+    );
+    // A refused lookup: its typed refusal, at once.
+    let mut bad = asked.clone();
+    if let Command::Lookup { groups, .. } = &mut bad {
+        groups.clear();
+    }
+    match d.h.rt().answer_now(Origin::EMBEDDED, bad, now) {
+        Answer::Now(id, events) => assert!(
+            matches!(
+                events.as_slice(),
+                [Addressed { event: Event::Rejected { command, error: CommandError::Invalid(_) }, terminal: true, .. }]
+                    if *command == id
+            ),
+            "{events:?}"
+        ),
+        Answer::Queue(c) => panic!("queued: {c:?}"),
+    }
+    // Queued instead: any other command; a lookup behind a queued command
+    // (arrival order); a lookup while a trace is recorded.
+    let q = query(d.s, 2, 60, &[0], 4, 4 * PAGE + 1, false);
+    assert!(matches!(
+        d.h.rt().answer_now(Origin::EMBEDDED, q.clone(), now),
+        Answer::Queue(Command::Query { .. })
+    ));
+    d.h.rt().submit(Origin::EMBEDDED, q).unwrap();
+    assert!(matches!(
+        d.h.rt().answer_now(Origin::EMBEDDED, asked.clone(), now),
+        Answer::Queue(Command::Lookup { .. })
+    ));
+    assert_eq!(d.h.rt().inbox_len(), 1, "nothing was taken from the inbox");
+    d.h.rt().tick();
+    d.h.rt().record(Box::new(std::io::sink()), 1_000).unwrap();
+    assert!(matches!(
+        d.h.rt().answer_now(Origin::EMBEDDED, asked.clone(), now),
+        Answer::Queue(Command::Lookup { .. })
+    ));
+    d.h.rt().stop_recording().unwrap();
+    assert!(matches!(
+        d.h.rt().answer_now(Origin::EMBEDDED, asked, now),
+        Answer::Now(..)
+    ));
+}
+
 /// The parts of a `Load` plan a test may edit before it is sent.
 type Plan<'a> = &'a mut dyn FnMut(&mut Vec<u32>, &mut Vec<RestoreTarget>, &mut Vec<PagePos>);
 

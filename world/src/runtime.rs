@@ -342,6 +342,11 @@ impl Runtime {
         if self.world.resource::<Inbox>().0.len() >= self.max_inbox {
             return Err(SubmitError::InboxFull(self.max_inbox));
         }
+        Ok(self.enqueue(origin, command))
+    }
+
+    /// Queues a command the inbox has room for; records it if recording.
+    fn enqueue(&mut self, origin: Origin, command: Command) -> CommandId {
         let id = self.next_command;
         self.next_command += 1;
         if let Some(r) = &mut self.recorder {
@@ -356,7 +361,7 @@ impl Runtime {
                 origin,
                 command,
             });
-        Ok(id)
+        id
     }
 
     /// Closes every session `origin` opened, in arrival order with its
@@ -416,16 +421,7 @@ impl Runtime {
             return Answer::Queue(command);
         }
         self.advance_clock(now);
-        let id = self.next_command;
-        self.next_command += 1;
-        self.world
-            .resource_mut::<Inbox>()
-            .0
-            .push_back(Inbound::Command {
-                id,
-                origin,
-                command,
-            });
+        let id = self.enqueue(origin, command);
         orbitkv_systems::ingest::ingest(&mut self.world);
         assert!(
             self.world.resource::<Inbox>().0.is_empty(),

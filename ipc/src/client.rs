@@ -47,6 +47,10 @@ pub const SPIN_BACKOFF: Duration = Duration::from_millis(20);
 /// How long `submit` and `ping` wait for the manager before giving up.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(30);
 const READ_CHUNK: usize = 256 << 10;
+/// While hot requests are open, how often a spinning wait also reads the
+/// socket (a system call, about as long as a whole hot round trip; the
+/// socket carries only what the hot path could not).
+const SOCKET_LOOK: Duration = Duration::from_micros(8);
 
 /// A moving share of samples that were bad (1/8 per sample), for the spin
 /// guard: one bad sample is an interrupt, a quarter of recent ones is an
@@ -649,7 +653,9 @@ impl Client {
         self.blocked = false;
         self.spun = false;
         self.preempted = false;
-        let mut round = 0u32;
+        // The socket is looked at in the first round, then every
+        // `SOCKET_LOOK` while hot requests are open.
+        let mut socket_at = start;
         loop {
             self.send_reports()?;
             if let Some((kind, payload)) = self.buf.next_frame()? {
@@ -661,10 +667,9 @@ impl Client {
             {
                 return Ok(true);
             }
-            // The socket is a syscall away: while hot requests are open,
-            // look at it every 8th round of the spin.
             let hot_open = self.hot.as_ref().is_some_and(|h| !h.pending.is_empty());
-            if !hot_open || round.is_multiple_of(8) {
+            if !hot_open || last >= socket_at {
+                socket_at = last + SOCKET_LOOK;
                 match self.recv() {
                     Ok(0) => return Err(FrameError::Closed.into()),
                     Ok(_) => continue,
@@ -672,7 +677,6 @@ impl Client {
                     Err(e) => return Err(FrameError::Io(e).into()),
                 }
             }
-            round = round.wrapping_add(1);
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(false);
@@ -739,7 +743,8 @@ impl Client {
             if let Some(h) = self.hot.as_ref() {
                 h.area.client_sleeping().store(0, Ordering::Relaxed);
             }
-            round = 0;
+            // Woken (or timed out): read the socket in the next round.
+            socket_at = last;
         }
     }
 

@@ -146,6 +146,7 @@ def timed_loop(
     no_gc: bool,
     warm_seed: int,
     async_loads: bool = True,
+    manager: Any = None,
 ) -> Dict[str, Any]:
     """One timed loop over `reqs` on a new scheduler (with a new connector,
     when `connector`), after a short warm-up loop."""
@@ -158,6 +159,10 @@ def timed_loop(
     if connector:
         lookup = Timed(sched.connector, "get_num_new_matched_tokens")
         meta = Timed(sched.connector, "build_connector_meta")
+    # The manager's own view of the timed loop's lookups: how many found it
+    # asleep (a `Wake` each) and how many it answered between ticks.
+    counted = ("hot_wakes_total", "answered_between_ticks_total")
+    before = {c: manager.metric(c) or 0 for c in counted} if connector and manager else None
     if no_gc:
         gc.collect()
         gc.disable()
@@ -180,6 +185,10 @@ def timed_loop(
         row["meta_us_per_request"] = sum(meta.times) / len(reqs) * 1e6
         row["hit_tokens"] = st.hit_tokens
         row["pages_planned"] = st.pages_saved
+        if before is not None:
+            time.sleep(0.25)  # the manager refreshes its metrics every 100 ms
+            for c in counted:
+                row[c] = ((manager.metric(c) or 0) - before[c]) / len(reqs)
         sched.connector.shutdown()
     return row
 
@@ -303,6 +312,7 @@ def main() -> None:
                     args.no_gc,
                     1000 + 3 * r + k,
                     async_loads=args.load_mode == "async",
+                    manager=manager,
                 )
             base = rows["baseline"]["us_per_request"]
             for name in ("miss", "hit"):
@@ -329,7 +339,7 @@ def main() -> None:
     )
     print(
         f"{'round':5} {'loop':9} {'us/req':>8} {'ratio':>6} {'lookup us/req':>13} {'p50':>7} {'p99':>7} "
-        f"{'lookups/req':>11} {'meta us/req':>11} {'hit tokens':>10}"
+        f"{'lookups/req':>11} {'meta us/req':>11} {'hit tokens':>10} {'wakes/req':>9} {'between/req':>11}"
     )
     for i, rows in enumerate(results["rounds"]):
         for name in ("baseline", "miss", "hit"):
@@ -338,7 +348,8 @@ def main() -> None:
                 f"{i:5} {name:9} {r['us_per_request']:8.1f} {r.get('ratio_to_baseline', 1.0):6.2f} "
                 f"{r.get('lookup_us_per_request', 0):13.1f} {r.get('lookup_p50_us', 0):7.1f} "
                 f"{r.get('lookup_p99_us', 0):7.1f} {r.get('lookups_per_request', 0):11.2f} "
-                f"{r.get('meta_us_per_request', 0):11.1f} {r.get('hit_tokens', 0):10d}"
+                f"{r.get('meta_us_per_request', 0):11.1f} {r.get('hit_tokens', 0):10d} "
+                f"{r.get('hot_wakes_total', 0):9.2f} {r.get('answered_between_ticks_total', 0):11.2f}"
             )
     print(
         f"median ratio over {len(results['rounds'])} rounds: miss {results['miss_median_ratio']:.2f}x, "

@@ -34,10 +34,12 @@ fn connect(m: &Manager, name: &str) -> Client {
     )
     .unwrap();
     assert_eq!(c.hot_path_error(), None);
-    assert_eq!(
-        c.hot_service(),
-        Some(hot::service_name(c.incarnation()).as_str()),
-        "the hot path is on"
+    // The hot path is on, on a service of this connection's own.
+    let service = c.hot_service().expect("the hot path is on");
+    let base = hot::service_name(c.incarnation());
+    assert!(
+        service.len() > base.len() + 1 && service.starts_with(&format!("{base}/")),
+        "{service} is not a connection's service of {base}"
     );
     c
 }
@@ -363,7 +365,16 @@ fn malformed_hot_requests_get_typed_errors() {
         })),
         HotErrorCode::UnknownToken
     );
-    m.wait_metric_until("hot_errors_total", |v| v == 10);
+    // Another live connection's token, through this connection's own
+    // service: a request speaks only for the connection it came from.
+    assert_eq!(
+        code(c.hot_submit_raw(HotRequest {
+            token: a.hot_token().unwrap(),
+            ..base
+        })),
+        HotErrorCode::UnknownToken
+    );
+    m.wait_metric_until("hot_errors_total", |v| v == 11);
 
     // The manager keeps serving, this client and others.
     let op = query_ready(&mut c, s);

@@ -49,9 +49,16 @@ const AREA_MAGIC: [u8; 8] = *b"OKVAREA1";
 const RECORD_HEADER: usize = 16;
 const RECORD_ALIGN: usize = 16;
 
-/// The request/response service of one manager incarnation.
+/// The name every hot service of one manager incarnation starts with
+/// (each connection's is [`connection_service_name`]).
 pub fn service_name(incarnation: u64) -> String {
     format!("orbitkv/{incarnation:016x}/rpc")
+}
+
+/// The request/response service of one connection (`conn`, the manager's
+/// id for it): each hot connection has its own.
+pub fn connection_service_name(incarnation: u64, conn: u64) -> String {
+    format!("{}/{conn:x}", service_name(incarnation))
 }
 
 /// The event service that wakes a sleeping manager.

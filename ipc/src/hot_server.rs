@@ -50,10 +50,24 @@ pub struct Incoming {
     pub command: Command,
 }
 
+/// A hot connection: its descriptor area and its own request/response
+/// service. One service per connection, not one for all: iceoryx2 makes a
+/// server reclaim returned chunks over every connected client's channels
+/// at each response it sends, so one shared service made every reply cost
+/// more with each engine process connected.
 struct Conn {
     conn: ConnId,
     area: Area,
     writer: RingWriter,
+    /// Declared before the service, so the port drops first.
+    server: iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
+    _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
+        Ipc,
+        HotRequest,
+        (),
+        HotResponse,
+        (),
+    >,
 }
 
 struct Active {
@@ -93,17 +107,15 @@ pub struct HotServer {
     next_key: u64,
     area_bytes: u64,
     pub stats: HotStats,
-    server: iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
+    /// The connections' tokens in the order `receive` visits them; the
+    /// first visited moves on by one each call, so no connection is
+    /// always last when the bound is reached.
+    order: Vec<u64>,
+    turn: usize,
     listener: iceoryx2::port::listener::Listener<Ipc>,
-    _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
-        Ipc,
-        HotRequest,
-        (),
-        HotResponse,
-        (),
-    >,
     _wake: iceoryx2::service::port_factory::event::PortFactory<Ipc>,
     _node: iceoryx2::node::Node<Ipc>,
+    incarnation: u64,
     service: String,
     wake: String,
     prefix: String,
@@ -132,27 +144,6 @@ impl HotServer {
         let service = hot::service_name(incarnation);
         let wake = hot::wake_name(incarnation);
         let max_clients = max_clients.max(1);
-        let rpc = node
-            .service_builder(&service.as_str().try_into().map_err(|e| err("name")(&e))?)
-            .request_response::<HotRequest, HotResponse>()
-            .max_servers(1)
-            .max_clients(max_clients)
-            .max_nodes(max_clients + 2)
-            .max_active_requests_per_client(hot::MAX_ACTIVE_REQUESTS)
-            .max_response_buffer_size(hot::MAX_RESPONSES_PER_REQUEST as usize)
-            .max_borrowed_responses_per_pending_response(2)
-            .max_loaned_requests(2)
-            .enable_fire_and_forget_requests(false)
-            .create()
-            .map_err(|e| err("creating the hot service")(&e))?;
-        let server = rpc
-            .server_builder()
-            // Never block the loop on a client: the response cap per
-            // request keeps a live client's buffer from filling.
-            .backpressure_strategy(BackpressureStrategy::DiscardData)
-            .max_loaned_responses_per_request(2)
-            .create()
-            .map_err(|e| err("hot server port")(&e))?;
         let wake_service = node
             .service_builder(&wake.as_str().try_into().map_err(|e| err("name")(&e))?)
             .event()
@@ -179,11 +170,12 @@ impl HotServer {
             next_key: 0,
             area_bytes,
             stats: HotStats::default(),
-            server,
+            order: Vec::new(),
+            turn: 0,
             listener,
-            _rpc: rpc,
             _wake: wake_service,
             _node: node,
+            incarnation,
             service,
             wake,
             prefix,
@@ -216,8 +208,10 @@ impl HotServer {
             }
         };
         let (file, area) = Area::create("orbitkv-hot-area", self.area_bytes)?;
+        let service = hot::connection_service_name(self.incarnation, conn);
+        let (rpc, server) = self.open_service(&service).map_err(std::io::Error::other)?;
         let info = HotPathInfo {
-            service: self.service.clone(),
+            service,
             wake: self.wake.clone(),
             prefix: self.prefix.clone(),
             token,
@@ -229,10 +223,58 @@ impl HotServer {
                 conn,
                 writer: RingWriter::new(area.rep),
                 area,
+                server,
+                _rpc: rpc,
             },
         );
         self.tokens.insert(conn, token);
+        self.order.push(token);
         Ok((info, file))
+    }
+
+    /// Creates one connection's request/response service and its server.
+    #[allow(clippy::type_complexity)]
+    fn open_service(
+        &self,
+        name: &str,
+    ) -> Result<
+        (
+            iceoryx2::service::port_factory::request_response::PortFactory<
+                Ipc,
+                HotRequest,
+                (),
+                HotResponse,
+                (),
+            >,
+            iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
+        ),
+        String,
+    > {
+        let rpc = self
+            ._node
+            .service_builder(&name.try_into().map_err(|e| err("name")(&e))?)
+            .request_response::<HotRequest, HotResponse>()
+            .max_servers(1)
+            .max_clients(1)
+            // The manager's node and the client's, and one a restarted
+            // client's node may still hold for a moment.
+            .max_nodes(3)
+            .max_active_requests_per_client(hot::MAX_ACTIVE_REQUESTS)
+            .max_response_buffer_size(hot::MAX_RESPONSES_PER_REQUEST as usize)
+            .max_borrowed_responses_per_pending_response(2)
+            .max_loaned_requests(2)
+            .enable_fire_and_forget_requests(false)
+            .create()
+            .map_err(|e| err("creating a hot service")(&e))?;
+        let server = rpc
+            .server_builder()
+            // Never block the loop on a client: the response cap per
+            // request keeps a live client's buffer from filling.
+            .backpressure_strategy(BackpressureStrategy::DiscardData)
+            .max_loaned_responses_per_request(2)
+            .create()
+            .map_err(|e| err("hot server port")(&e))?;
+        Ok((rpc, server))
     }
 
     /// Forgets a connection: its open requests close unanswered.
@@ -240,7 +282,6 @@ impl HotServer {
         let Some(token) = self.tokens.remove(&conn) else {
             return;
         };
-        self.conns.remove(&token);
         let keys: Vec<u64> = self
             .active
             .iter()
@@ -250,12 +291,17 @@ impl HotServer {
         for k in keys {
             self.close(k);
         }
+        // Its requests are gone: its service can go.
+        self.conns.remove(&token);
+        self.order.retain(|t| *t != token);
         self.wake_conns.remove(&conn);
     }
 
     /// Whether requests wait (a look before the loop blocks).
     pub fn has_requests(&self) -> bool {
-        self.server.has_requests().unwrap_or(false)
+        self.conns
+            .values()
+            .any(|c| c.server.has_requests().unwrap_or(false))
     }
 
     /// Before blocking: tells every hot client to notify the wake service
@@ -284,60 +330,72 @@ impl HotServer {
     /// bad ones are answered with a typed error here.
     pub fn receive(&mut self, max: usize, out: &mut Vec<Incoming>) {
         let start = out.len();
-        while out.len() - start < max {
-            let request = match self.server.receive() {
-                Ok(Some(r)) => r,
-                _ => break,
+        let n = self.order.len();
+        if n == 0 {
+            return;
+        }
+        self.turn = (self.turn + 1) % n;
+        for i in 0..n {
+            let Some(&token) = self.order.get((self.turn + i) % n) else {
+                break;
             };
-            self.stats.requests += 1;
-            let r: HotRequest = *request.payload();
-            let checked = if r.magic != hot::HOT_MAGIC {
-                Err(HotError {
-                    code: HotErrorCode::BadMagic,
-                    detail: r.magic as u64,
-                })
-            } else if let Some(c) = self.conns.get(&r.token) {
-                hot::decode_request(&r, &c.area).map(|cmd| (c.conn, cmd))
-            } else {
-                Err(HotError {
-                    code: HotErrorCode::UnknownToken,
-                    detail: r.token,
-                })
-            };
-            // `decode_request` accepted the op, so it is known.
-            let checked = checked.and_then(|(conn, command)| {
-                Op::from_u32(r.op)
-                    .map(|op| (conn, command, op))
-                    .ok_or(HotError {
+            while out.len() - start < max {
+                let Some(c) = self.conns.get(&token) else {
+                    break;
+                };
+                let request = match c.server.receive() {
+                    Ok(Some(r)) => r,
+                    _ => break,
+                };
+                self.stats.requests += 1;
+                let r: HotRequest = *request.payload();
+                // A request speaks for the connection whose service it came
+                // through, and must carry that connection's token.
+                let checked = if r.magic != hot::HOT_MAGIC {
+                    Err(HotError {
+                        code: HotErrorCode::BadMagic,
+                        detail: r.magic as u64,
+                    })
+                } else if r.token != token {
+                    Err(HotError {
+                        code: HotErrorCode::UnknownToken,
+                        detail: r.token,
+                    })
+                } else {
+                    hot::decode_request(&r, &c.area)
+                };
+                // `decode_request` accepted the op, so it is known.
+                let checked = checked.and_then(|command| {
+                    Op::from_u32(r.op).map(|op| (command, op)).ok_or(HotError {
                         code: HotErrorCode::UnknownOp,
                         detail: u64::from(r.op),
                     })
-            });
-            match checked {
-                Ok((conn, command, op)) => {
-                    let key = self.next_key;
-                    self.next_key += 1;
-                    self.active.insert(
-                        key,
-                        Active {
-                            request,
-                            token: r.token,
-                            tag: r.tag,
-                            op,
-                            command: None,
-                            sent: 0,
-                            operation: None,
-                            this_tick: true,
-                        },
-                    );
-                    self.fresh.push(key);
-                    out.push(Incoming { key, conn, command });
-                }
-                Err(e) => {
-                    self.stats.errors += 1;
-                    let _ = request.send_copy(hot::error_response(r.tag, e));
-                    if let Some(c) = self.conns.get(&r.token) {
-                        self.wake_check(r.token, c.conn);
+                });
+                let conn = c.conn;
+                match checked {
+                    Ok((command, op)) => {
+                        let key = self.next_key;
+                        self.next_key += 1;
+                        self.active.insert(
+                            key,
+                            Active {
+                                request,
+                                token,
+                                tag: r.tag,
+                                op,
+                                command: None,
+                                sent: 0,
+                                operation: None,
+                                this_tick: true,
+                            },
+                        );
+                        self.fresh.push(key);
+                        out.push(Incoming { key, conn, command });
+                    }
+                    Err(e) => {
+                        self.stats.errors += 1;
+                        let _ = request.send_copy(hot::error_response(r.tag, e));
+                        self.wake_check(token, conn);
                     }
                 }
             }

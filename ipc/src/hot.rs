@@ -1655,6 +1655,32 @@ pub fn incarnation_prefixes() -> Vec<String> {
 /// a live node (another manager, on another socket) are left alone, and so
 /// are files without any node that are younger than a few seconds (an
 /// incarnation starting right now).
+/// The dead nodes under `config`'s prefix (a crashed process's, not yet
+/// released).
+pub fn dead_nodes(config: &iceoryx2::config::Config) -> usize {
+    let mut dead = 0;
+    let _ = iceoryx2::node::Node::<Ipc>::list(config, |state| {
+        dead += usize::from(matches!(state, iceoryx2::node::NodeState::Dead(_)));
+        iceoryx2::prelude::CallbackProgression::Continue
+    });
+    dead
+}
+
+/// Releases what the dead nodes under `config`'s prefix hold (a crashed
+/// client's node and its share of the services it used); returns how many
+/// were found dead.
+pub fn remove_dead_nodes(config: &iceoryx2::config::Config) -> usize {
+    let mut dead = 0;
+    let _ = iceoryx2::node::Node::<Ipc>::list(config, |state| {
+        if let iceoryx2::node::NodeState::Dead(view) = state {
+            dead += 1;
+            let _ = view.try_remove_stale_resources();
+        }
+        iceoryx2::prelude::CallbackProgression::Continue
+    });
+    dead
+}
+
 pub fn cleanup_stale(except: &str) -> usize {
     let mut removed = 0;
     for prefix in incarnation_prefixes() {

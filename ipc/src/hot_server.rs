@@ -93,6 +93,8 @@ pub struct HotStats {
     /// Events that went on the socket although their request was hot.
     pub fallbacks: u64,
     pub wakes: u64,
+    /// Crashed clients' iceoryx2 nodes released at their disconnect.
+    pub dead_nodes_released: u64,
 }
 
 pub struct HotServer {
@@ -116,6 +118,7 @@ pub struct HotServer {
     _wake: iceoryx2::service::port_factory::event::PortFactory<Ipc>,
     _node: iceoryx2::node::Node<Ipc>,
     incarnation: u64,
+    config: iceoryx2::config::Config,
     service: String,
     wake: String,
     prefix: String,
@@ -176,6 +179,7 @@ impl HotServer {
             _wake: wake_service,
             _node: node,
             incarnation,
+            config,
             service,
             wake,
             prefix,
@@ -295,6 +299,10 @@ impl HotServer {
         self.conns.remove(&token);
         self.order.retain(|t| *t != token);
         self.wake_conns.remove(&conn);
+        // A client that crashed left its iceoryx2 node behind, holding its
+        // share of the services it used: release what dead nodes hold now,
+        // not at the manager's shutdown.
+        self.stats.dead_nodes_released += hot::remove_dead_nodes(&self.config) as u64;
     }
 
     /// Whether requests wait (a look before the loop blocks).

@@ -37,6 +37,9 @@ use crate::hot::{
 /// with a client's bytes (its token), never filled from them.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
+/// The shortest time between two sweeps for dead clients' nodes.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
 type ActiveRequest = iceoryx2::active_request::ActiveRequest<Ipc, HotRequest, (), HotResponse, ()>;
 
 /// The socket connection a hot request belongs to (the manager's id).
@@ -119,6 +122,9 @@ pub struct HotServer {
     _node: iceoryx2::node::Node<Ipc>,
     incarnation: u64,
     config: iceoryx2::config::Config,
+    /// A connection went away since the last dead-node sweep.
+    sweep_due: bool,
+    last_sweep: Option<std::time::Instant>,
     service: String,
     wake: String,
     prefix: String,
@@ -180,6 +186,8 @@ impl HotServer {
             _node: node,
             incarnation,
             config,
+            sweep_due: false,
+            last_sweep: None,
             service,
             wake,
             prefix,
@@ -300,8 +308,21 @@ impl HotServer {
         self.order.retain(|t| *t != token);
         self.wake_conns.remove(&conn);
         // A client that crashed left its iceoryx2 node behind, holding its
-        // share of the services it used: release what dead nodes hold now,
-        // not at the manager's shutdown.
+        // share of the services it used: `receive` releases what dead
+        // nodes hold soon, not at the manager's shutdown.
+        self.sweep_due = true;
+    }
+
+    /// Releases what dead clients' nodes hold, when a connection went away
+    /// since the last sweep; at most every `SWEEP_EVERY` (a node list per
+    /// sweep, so a storm of disconnects costs a bounded few).
+    fn sweep_dead_nodes(&mut self) {
+        let now = std::time::Instant::now();
+        if !self.sweep_due || self.last_sweep.is_some_and(|t| now < t + SWEEP_EVERY) {
+            return;
+        }
+        self.sweep_due = false;
+        self.last_sweep = Some(now);
         self.stats.dead_nodes_released += hot::remove_dead_nodes(&self.config) as u64;
     }
 
@@ -337,6 +358,7 @@ impl HotServer {
     /// commands to submit (the caller keeps the buffer between rounds);
     /// bad ones are answered with a typed error here.
     pub fn receive(&mut self, max: usize, out: &mut Vec<Incoming>) {
+        self.sweep_dead_nodes();
         let start = out.len();
         let n = self.order.len();
         if n == 0 {

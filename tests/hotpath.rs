@@ -2,9 +2,9 @@
 //! subprocess: exact bytes across two hot clients (publish, query, prepare,
 //! restore, release, cancel), malformed messages and descriptors answered
 //! with typed errors while the manager keeps serving, the socket-only
-//! option, and the incarnation's iceoryx2 files: gone after shutdown, a
-//! new service name after a restart, a crashed manager's files removed by
-//! the next one.
+//! option, wake-ups of a blocked manager and client through their eventfds,
+//! and the incarnation's iceoryx2 files: gone after shutdown, a new service
+//! name after a restart, a crashed manager's files removed by the next one.
 
 mod support;
 use support::*;
@@ -475,4 +475,38 @@ fn incarnations_clean_up_their_iceoryx2_files() {
     let last = hot::file_prefix(connect(&m, "engine").incarnation());
     m.stop();
     assert_eq!(hot::files_with_prefix(&last), Vec::<PathBuf>::new());
+}
+
+/// Both sides block between requests here: the manager never spins
+/// (`spin_after_work_us = 0`) and the client does not spin either. Each
+/// request must then signal the manager's wake eventfd, and each response
+/// the client's: without those a request waits out the manager's idle
+/// sleep (up to 100 ms) and a response the client's 10 ms re-look.
+#[test]
+fn blocked_sides_are_woken_through_their_eventfds() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = BASE_CONFIG.replacen("[serve]\n", "[serve]\nspin_after_work_us = 0\n", 1);
+    let m = Manager::start(dir.path(), "orbitkv", "16MiB", &config, &[]);
+    let mut c = connect(&m, "engine");
+    c.set_spin_fixed(Duration::ZERO);
+    register(&mut c);
+    let (s, _) = open(&mut c);
+    let requests = m.wait_metric_until("hot_requests_total", |_| true);
+    let wakes = m.wait_metric_until("hot_wakes_total", |_| true);
+    let mut slow = 0;
+    for _ in 0..40 {
+        // Nothing is stored: each query misses and ends at once.
+        let t = std::time::Instant::now();
+        let r = c.call(query(s, 2, false), T).unwrap();
+        assert!(matches!(r, Event::QueryResult { .. }), "{r:?}");
+        // A wide margin over a wake-up (microseconds), and under the
+        // 100 ms the manager sleeps when nobody signals it.
+        slow += usize::from(t.elapsed() > Duration::from_millis(60));
+    }
+    assert!(slow <= 2, "{slow} of 40 hot queries waited out a sleep");
+    m.wait_metric_until("hot_requests_total", |n| n >= requests + 40);
+    // The client blocked (no spin) and the manager signalled it.
+    m.wait_metric_until("hot_wakes_total", |n| n > wakes);
+    drop(c);
+    m.stop();
 }

@@ -12,8 +12,9 @@
 //! way ([`crate::hot`]); the API does not change. A command the hot path
 //! cannot carry at the moment (its parts do not fit the descriptor area,
 //! too many requests open) silently takes the socket. A client that blocks
-//! says so in the descriptor area first; the manager then wakes it with a
-//! `Wake` frame on the socket, where it blocks.
+//! says so in the descriptor area first; the manager then signals its wake
+//! eventfd, which it polls beside the socket ([`hot::WakeFd`] says why not
+//! the socket).
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -51,6 +52,12 @@ const READ_CHUNK: usize = 256 << 10;
 /// socket (a system call, about as long as a whole hot round trip; the
 /// socket carries only what the hot path could not).
 const SOCKET_LOOK: Duration = Duration::from_micros(8);
+/// A spinning wait yields its CPU this often. Alone on its CPU a yield
+/// returns at once; sharing it with the manager (which spins too), it lets
+/// the manager answer instead of both waiting out a time slice, and keeps
+/// both runnable, so the kernel balances them onto two CPUs instead of the
+/// client blocking and being woken where the manager runs.
+pub const SPIN_YIELD: Duration = Duration::from_micros(8);
 
 /// A moving share of samples that were bad (1/8 per sample), for the spin
 /// guard: one bad sample is an interrupt, a quarter of recent ones is an
@@ -166,7 +173,10 @@ struct Pending {
 struct HotPath {
     pending: Vec<Pending>,
     port: HotPort,
-    notifier: iceoryx2::port::notifier::Notifier<Ipc>,
+    /// Signalled after a request while the manager sleeps.
+    manager_wake: hot::WakeFd,
+    /// The manager signals it after a response while this client sleeps.
+    wake: hot::WakeFd,
     area: hot::Area,
     writer: hot::RingWriter,
     token: u64,
@@ -179,13 +189,17 @@ struct HotPath {
         HotResponse,
         (),
     >,
-    _wake: iceoryx2::service::port_factory::event::PortFactory<Ipc>,
     _node: iceoryx2::node::Node<Ipc>,
     service: String,
 }
 
 impl HotPath {
-    fn open(info: &HotPathInfo, area: &std::fs::File) -> Result<HotPath, String> {
+    fn open(
+        info: &HotPathInfo,
+        area: &std::fs::File,
+        manager_wake: hot::WakeFd,
+        wake: hot::WakeFd,
+    ) -> Result<HotPath, String> {
         hot::quiet_iceoryx2_logs();
         let config = hot::iox_config(&info.prefix)?;
         let e = |what: &str| {
@@ -211,31 +225,17 @@ impl HotPath {
             .client_builder()
             .create()
             .map_err(|x| e("hot client port")(&x))?;
-        let wake_name = info
-            .wake
-            .as_str()
-            .try_into()
-            .map_err(|x| e("wake name")(&x))?;
-        let wake = node
-            .service_builder(&wake_name)
-            .event()
-            .open()
-            .map_err(|x| e("opening the wake service")(&x))?;
-        let notifier = wake
-            .notifier_builder()
-            .create()
-            .map_err(|x| e("wake notifier")(&x))?;
         let area = hot::Area::open(area)?;
         Ok(HotPath {
             pending: Vec::new(),
             port,
-            notifier,
+            manager_wake,
+            wake,
             writer: hot::RingWriter::new(area.req),
             area,
             token: info.token,
             first: HashMap::default(),
             _rpc: rpc,
-            _wake: wake,
             _node: node,
             service: info.service.clone(),
         })
@@ -258,7 +258,7 @@ impl HotPath {
                 // `manager_sleeping` and its last look for requests.
                 fence(Ordering::SeqCst);
                 if self.area.manager_sleeping().load(Ordering::Relaxed) != 0 {
-                    let _ = self.notifier.notify();
+                    self.manager_wake.signal();
                 }
                 Some(())
             }
@@ -486,7 +486,7 @@ impl Client {
             match c.next_frame(Some(deadline))? {
                 Some((Kind::Welcome, payload)) => {
                     c.welcome = frame::decode(Kind::Welcome, &payload)?;
-                    // The pool's descriptor first, then the area's.
+                    // The pool's descriptor first, then the hot path's.
                     let mut fds = std::mem::take(&mut c.fds).into_iter();
                     if c.welcome.pool_bytes > 0 {
                         let fd = fds.next().ok_or_else(|| {
@@ -500,13 +500,20 @@ impl Client {
                         c.pool_file = Some(file);
                     }
                     if let Some(info) = c.welcome.hot.clone() {
-                        match fds.next() {
-                            Some(fd) => match HotPath::open(&info, &std::fs::File::from(fd)) {
+                        // The area, the manager's wake eventfd, ours.
+                        match (fds.next(), fds.next(), fds.next()) {
+                            (Some(area), Some(manager_wake), Some(wake)) => match HotPath::open(
+                                &info,
+                                &std::fs::File::from(area),
+                                hot::WakeFd::from_fd(manager_wake),
+                                hot::WakeFd::from_fd(wake),
+                            ) {
                                 Ok(h) => c.hot = Some(h),
                                 Err(e) => c.hot_error = Some(e),
                             },
-                            None => {
-                                c.hot_error = Some("welcome without the area descriptor".into())
+                            _ => {
+                                c.hot_error =
+                                    Some("welcome without the hot path's three descriptors".into())
                             }
                         }
                     }
@@ -656,6 +663,7 @@ impl Client {
         // The socket is looked at in the first round, then every
         // `SOCKET_LOOK` while hot requests are open.
         let mut socket_at = start;
+        let mut yield_at = start + SPIN_YIELD;
         loop {
             self.send_reports()?;
             if let Some((kind, payload)) = self.buf.next_frame()? {
@@ -690,7 +698,13 @@ impl Client {
                 } else {
                     self.spun = true;
                     last = now;
-                    std::hint::spin_loop();
+                    if now >= yield_at {
+                        yield_at = now + SPIN_YIELD;
+                        // SAFETY: no arguments.
+                        unsafe { libc::sched_yield() };
+                    } else {
+                        std::hint::spin_loop();
+                    }
                     continue;
                 }
             }
@@ -720,11 +734,20 @@ impl Client {
             {
                 wait_ms = if wait_ms < 0 { 10 } else { wait_ms.min(10) };
             }
-            let mut p = libc::pollfd {
-                fd: self.stream.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
+            // The socket, and the hot path's wake eventfd (the manager
+            // signals it after a response, having seen `client_sleeping`).
+            let mut p = [
+                libc::pollfd {
+                    fd: self.stream.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: self.hot.as_ref().map_or(-1, |h| h.wake.raw()),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
             if self.agent.as_ref().is_some_and(|a| a.busy()) {
                 // Copies are running: look again soon for their reports.
                 let remaining = deadline.map_or(AGENT_POLL, |d| {
@@ -734,14 +757,18 @@ impl Client {
                     tv_sec: 0,
                     tv_nsec: remaining.as_nanos() as libc::c_long,
                 };
-                // SAFETY: one valid pollfd, a valid timespec, no signal mask.
-                unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+                // SAFETY: two valid pollfds (a negative fd is ignored), a
+                // valid timespec, no signal mask.
+                unsafe { libc::ppoll(p.as_mut_ptr(), 2, &ts, std::ptr::null()) };
             } else {
-                // SAFETY: one valid pollfd.
-                unsafe { libc::poll(&mut p, 1, wait_ms) };
+                // SAFETY: two valid pollfds (a negative fd is ignored).
+                unsafe { libc::poll(p.as_mut_ptr(), 2, wait_ms) };
             }
             if let Some(h) = self.hot.as_ref() {
                 h.area.client_sleeping().store(0, Ordering::Relaxed);
+                if p[1].revents != 0 {
+                    h.wake.drain();
+                }
             }
             // Woken (or timed out): read the socket in the next round.
             socket_at = last;
@@ -815,8 +842,7 @@ impl Client {
                 return Err(ClientError::Protocol(e.error));
             }
             Kind::Pong => self.pongs += 1,
-            Kind::Wake
-            | Kind::Ping
+            Kind::Ping
             | Kind::Hello
             | Kind::Welcome
             | Kind::Submit

@@ -6,7 +6,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 pub const MAGIC: [u8; 4] = *b"OKVP";
-pub const PROTOCOL_VERSION: u16 = 4;
+/// 5: the hot path's wake-ups moved from a `Wake` frame (kind 9, retired)
+/// and an iceoryx2 event to eventfds passed with `Welcome`.
+pub const PROTOCOL_VERSION: u16 = 5;
 pub const HEADER_BYTES: usize = 16;
 /// The largest payload accepted (a query's hash lists fit comfortably).
 pub const MAX_FRAME_BYTES: u32 = 16 << 20;
@@ -24,9 +26,6 @@ pub enum Kind {
     Error = 6,
     Ping = 7,
     Pong = 8,
-    /// Manager → a hot-path client that said it is about to block: hot
-    /// responses are waiting. Empty payload.
-    Wake = 9,
     /// Manager → client: one shared-memory descriptor, attached to this
     /// frame's first byte, and the handle it belongs to
     /// ([`crate::Descriptor`]). Descriptors pair with handles by name,
@@ -56,7 +55,6 @@ impl Kind {
             6 => Kind::Error,
             7 => Kind::Ping,
             8 => Kind::Pong,
-            9 => Kind::Wake,
             10 => Kind::Descriptor,
             11 => Kind::Inspect,
             12 => Kind::Snapshot,

@@ -1,5 +1,6 @@
-//! The manager's end of the hot path: the iceoryx2 request/response server
-//! and wake listener of one incarnation, each hot connection's descriptor
+//! The manager's end of the hot path: the iceoryx2 node and wake eventfd of
+//! one incarnation, each hot connection's request/response server, wake
+//! eventfd and descriptor
 //! area, the open requests, and which open request each event answers.
 //!
 //! The manager's loop (`src/serve.rs`) drives it: [`HotServer::receive`]
@@ -17,20 +18,16 @@
 //! `accepted` (or `rejected`) after the tick that ran them, their effects
 //! arriving on the query's request.
 
-use std::collections::BTreeSet;
-use std::fs::File;
-use std::os::fd::RawFd;
+use std::os::fd::{OwnedFd, RawFd};
 use std::sync::atomic::{Ordering, fence};
 
-use iceoryx2::prelude::{
-    BackpressureStrategy, FileDescriptorBased, NodeBuilder, SignalHandlingMode,
-};
+use iceoryx2::prelude::{BackpressureStrategy, NodeBuilder, SignalHandlingMode};
 use orbitkv_components::api::{Command, CommandError, CommandId, Event};
 
 use crate::HotPathInfo;
 use crate::hot::{
     self, Area, HotError, HotErrorCode, HotRequest, HotResponse, Ipc, Op, RESP_LAST, RespKind,
-    RingWriter,
+    RingWriter, WakeFd,
 };
 
 /// The server's maps: keyed by counters, tokens and ids; only looked up
@@ -64,6 +61,8 @@ struct Conn {
     writer: RingWriter,
     /// Declared before the service, so the port drops first.
     server: iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
+    /// Signalled after a response to a client that said it blocks.
+    client_wake: WakeFd,
     _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
         Ipc,
         HotRequest,
@@ -106,7 +105,6 @@ pub struct HotServer {
     tokens: HashMap<ConnId, u64>,
     by_command: HashMap<CommandId, u64>,
     by_operation: HashMap<u64, u64>,
-    wake_conns: BTreeSet<ConnId>,
     /// Keys of the requests received since the last `end_tick`.
     fresh: Vec<u64>,
     next_key: u64,
@@ -117,8 +115,8 @@ pub struct HotServer {
     /// always last when the bound is reached.
     order: Vec<u64>,
     turn: usize,
-    listener: iceoryx2::port::listener::Listener<Ipc>,
-    _wake: iceoryx2::service::port_factory::event::PortFactory<Ipc>,
+    /// Clients signal it after a request while the manager sleeps.
+    wake: WakeFd,
     _node: iceoryx2::node::Node<Ipc>,
     incarnation: u64,
     config: iceoryx2::config::Config,
@@ -126,7 +124,6 @@ pub struct HotServer {
     sweep_due: bool,
     last_sweep: Option<std::time::Instant>,
     service: String,
-    wake: String,
     prefix: String,
 }
 
@@ -135,10 +132,19 @@ fn err(what: &str) -> impl Fn(&dyn std::fmt::Debug) -> String {
     move |e| format!("{what}: {e:?}")
 }
 
+/// What a connection needs for the hot path, sent with its `Welcome`.
+pub struct Registered {
+    pub info: HotPathInfo,
+    /// In this order: the descriptor area, the manager's wake eventfd, the
+    /// client's wake eventfd.
+    pub fds: [OwnedFd; 3],
+}
+
 impl HotServer {
-    /// Creates the incarnation's services, after removing what crashed
-    /// incarnations left behind. `max_clients`: connections served at once.
-    pub fn new(incarnation: u64, max_clients: usize, area_bytes: u64) -> Result<HotServer, String> {
+    /// Creates the incarnation's node and wake eventfd, after removing what
+    /// crashed incarnations left behind (each connection gets its own
+    /// service at `register`).
+    pub fn new(incarnation: u64, area_bytes: u64) -> Result<HotServer, String> {
         hot::quiet_iceoryx2_logs();
         let prefix = hot::file_prefix(incarnation);
         hot::cleanup_stale(&prefix);
@@ -151,45 +157,26 @@ impl HotServer {
             .create::<Ipc>()
             .map_err(|e| err("iceoryx2 node")(&e))?;
         let service = hot::service_name(incarnation);
-        let wake = hot::wake_name(incarnation);
-        let max_clients = max_clients.max(1);
-        let wake_service = node
-            .service_builder(&wake.as_str().try_into().map_err(|e| err("name")(&e))?)
-            .event()
-            .max_listeners(1)
-            .max_notifiers(max_clients)
-            .max_nodes(max_clients + 2)
-            .disable_notifier_created_event()
-            .disable_notifier_dropped_event()
-            .disable_notifier_dead_event()
-            .create()
-            .map_err(|e| err("creating the wake service")(&e))?;
-        let listener = wake_service
-            .listener_builder()
-            .create()
-            .map_err(|e| err("wake listener")(&e))?;
+        let wake = WakeFd::new().map_err(|e| format!("the wake eventfd: {e}"))?;
         Ok(HotServer {
             active: HashMap::default(),
             conns: HashMap::default(),
             tokens: HashMap::default(),
             by_command: HashMap::default(),
             by_operation: HashMap::default(),
-            wake_conns: BTreeSet::new(),
             fresh: Vec::new(),
             next_key: 0,
             area_bytes,
             stats: HotStats::default(),
             order: Vec::new(),
             turn: 0,
-            listener,
-            _wake: wake_service,
+            wake,
             _node: node,
             incarnation,
             config,
             sweep_due: false,
             last_sweep: None,
             service,
-            wake,
             prefix,
         })
     }
@@ -203,16 +190,15 @@ impl HotServer {
         &self.prefix
     }
 
-    /// Readable when a client notified the wake service (for `poll(2)`).
+    /// Readable when a client signalled the manager's wake eventfd (for
+    /// `poll(2)`).
     pub fn wake_fd(&self) -> RawFd {
-        // SAFETY: the listener owns the descriptor for its lifetime; the
-        // caller only polls it.
-        unsafe { self.listener.file_descriptor().native_handle() }
+        self.wake.raw()
     }
 
     /// Sets a connection up for the hot path: its area and token, for its
     /// `Welcome`.
-    pub fn register(&mut self, conn: ConnId) -> std::io::Result<(HotPathInfo, File)> {
+    pub fn register(&mut self, conn: ConnId) -> std::io::Result<Registered> {
         let token = loop {
             let t = random_u64();
             if t != 0 && !self.conns.contains_key(&t) {
@@ -222,9 +208,14 @@ impl HotServer {
         let (file, area) = Area::create("orbitkv-hot-area", self.area_bytes)?;
         let service = hot::connection_service_name(self.incarnation, conn);
         let (rpc, server) = self.open_service(&service).map_err(std::io::Error::other)?;
+        let client_wake = WakeFd::new()?;
+        let fds = [
+            OwnedFd::from(file),
+            self.wake.try_clone()?.into_fd(),
+            client_wake.try_clone()?.into_fd(),
+        ];
         let info = HotPathInfo {
             service,
-            wake: self.wake.clone(),
             prefix: self.prefix.clone(),
             token,
             area_bytes: area.len() as u64,
@@ -236,12 +227,13 @@ impl HotServer {
                 writer: RingWriter::new(area.rep),
                 area,
                 server,
+                client_wake,
                 _rpc: rpc,
             },
         );
         self.tokens.insert(conn, token);
         self.order.push(token);
-        Ok((info, file))
+        Ok(Registered { info, fds })
     }
 
     /// Creates one connection's request/response service and its server.
@@ -306,7 +298,6 @@ impl HotServer {
         // Its requests are gone: its service can go.
         self.conns.remove(&token);
         self.order.retain(|t| *t != token);
-        self.wake_conns.remove(&conn);
         // A client that crashed left its iceoryx2 node behind, holding its
         // share of the services it used: `receive` releases what dead
         // nodes hold soon, not at the manager's shutdown.
@@ -351,7 +342,7 @@ impl HotServer {
         for c in self.conns.values() {
             c.area.manager_sleeping().store(0, Ordering::Relaxed);
         }
-        let _ = self.listener.try_wait(|_| {});
+        self.wake.drain();
     }
 
     /// Takes up to `max` requests. Valid ones are appended to `out` as
@@ -425,7 +416,7 @@ impl HotServer {
                     Err(e) => {
                         self.stats.errors += 1;
                         let _ = request.send_copy(hot::error_response(r.tag, e));
-                        self.wake_check(token, conn);
+                        self.wake_check(token);
                     }
                 }
             }
@@ -459,12 +450,11 @@ impl HotServer {
                         },
                     )
                 });
-                let conn = c.conn;
                 if let Some(a) = self.active.remove(&key) {
                     let _ = a.request.send_copy(r);
                 }
                 self.stats.responses += 1;
-                self.wake_check(token, conn);
+                self.wake_check(token);
             }
         }
     }
@@ -541,7 +531,7 @@ impl HotServer {
         } else {
             None
         };
-        let (token, conn) = (a.token, c.conn);
+        let token = a.token;
         match encoded {
             Some(mut r) => {
                 if last {
@@ -555,7 +545,7 @@ impl HotServer {
                 }
                 a.sent += 1;
                 self.stats.responses += 1;
-                self.wake_check(token, conn);
+                self.wake_check(token);
                 true
             }
             None => {
@@ -569,7 +559,7 @@ impl HotServer {
                     if a.request.send_copy(r).is_ok() {
                         a.sent += 1;
                         self.stats.responses += 1;
-                        self.wake_check(token, conn);
+                        self.wake_check(token);
                     }
                 }
                 false
@@ -621,9 +611,7 @@ impl HotServer {
                 a.sent += 1;
                 self.stats.responses += 1;
                 let token = a.token;
-                if let Some(conn) = self.conns.get(&token).map(|c| c.conn) {
-                    self.wake_check(token, conn);
-                }
+                self.wake_check(token);
             }
         }
         let Some(a) = self.active.get(&key) else {
@@ -655,9 +643,10 @@ impl HotServer {
         }
     }
 
-    /// After a response to a client that said it is about to block: it
-    /// needs a `Wake` frame on its socket (once per sleep).
-    fn wake_check(&mut self, token: u64, conn: ConnId) {
+    /// After a response to a client that said it is about to block: its
+    /// wake eventfd is signalled (once per sleep).
+    ///
+    fn wake_check(&mut self, token: u64) {
         let Some(c) = self.conns.get(&token) else {
             return;
         };
@@ -667,16 +656,12 @@ impl HotServer {
         if c.area
             .client_sleeping()
             .compare_exchange(1, 0, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
+            .is_err()
         {
-            self.stats.wakes += 1;
-            self.wake_conns.insert(conn);
+            return;
         }
-    }
-
-    /// Connections to send a `Wake` frame.
-    pub fn take_wakes(&mut self) -> Vec<ConnId> {
-        std::mem::take(&mut self.wake_conns).into_iter().collect()
+        self.stats.wakes += 1;
+        c.client_wake.signal();
     }
 
     /// Open requests (tests, metrics).

@@ -12,13 +12,12 @@
 //! | kind | direction | message |
 //! | --- | --- | --- |
 //! | 1 `Hello` | client → manager | [`Hello`] |
-//! | 2 `Welcome` | manager → client | [`Welcome`], with the pool's memfd when the pool is shared |
+//! | 2 `Welcome` | manager → client | [`Welcome`], with the pool's memfd when the pool is shared, then the hot path's descriptors ([`HotPathInfo`]) |
 //! | 3 `Submit` | client → manager | [`Submit`]: a tagged `Command` |
 //! | 4 `Accepted` | manager → client | [`Accepted`]: tag → command id, or why not |
 //! | 5 `Events` | manager → client | `Vec<Delivered>`: events addressed to this connection, each with the runtime's `terminal` flag |
 //! | 6 `Error` | manager → client | [`ProtocolError`]; the manager closes the connection after it |
 //! | 7 `Ping` / 8 `Pong` | both | empty: liveness and round-trip measurement |
-//! | 9 `Wake` | manager → client | empty: hot-path responses wait for a client that blocked |
 //! | 10 `Descriptor` | manager → client | [`Descriptor`]: one memfd attached, and the handle it belongs to |
 //! | 11 `Inspect` | client → manager | empty: asks for a [`Snapshot`] |
 //! | 12 `Snapshot` | manager → client | [`Snapshot`]: the manager's live state (`orbitkv inspect`) |
@@ -26,8 +25,8 @@
 //! | 14 `LookupReply` | manager → client | `LookupReply`: per namespace, the tier of each page (`orbitkv lookup`) |
 //!
 //! The hot path ([`hot`]): a client that asks for it in `Hello` gets an
-//! iceoryx2 request/response service name and a descriptor area (a memfd,
-//! after the pool's) in `Welcome`; query, prepare, restore, publish,
+//! iceoryx2 request/response service name, a descriptor area and two wake
+//! eventfds (after the pool's memfd) in `Welcome`; query, prepare, restore, publish,
 //! release and cancel then travel as fixed-size messages, their large parts
 //! in the area. Everything else stays on the socket, which also tells the
 //! manager when the client is gone.
@@ -66,16 +65,18 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
-/// Where the hot path is: the iceoryx2 services of this manager
-/// incarnation and the connection's descriptor area, whose memfd rides on
-/// the `Welcome` frame after the pool's.
+/// Where the hot path is: the connection's iceoryx2 service. Three
+/// descriptors ride on the `Welcome` frame after the pool's: the
+/// connection's descriptor area (a memfd), the manager's wake eventfd (the
+/// client signals it after a request while the manager sleeps) and the
+/// client's (the manager signals it after a response while the client
+/// sleeps).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HotPathInfo {
-    /// The request/response service, `orbitkv/<incarnation>/rpc`.
+    /// The connection's request/response service,
+    /// `orbitkv/<incarnation>/rpc/<connection>`.
     pub service: String,
-    /// The event service that wakes a sleeping manager.
-    pub wake: String,
     /// The iceoryx2 file prefix of this incarnation (its config).
     pub prefix: String,
     /// Ties hot requests to this connection.

@@ -110,12 +110,12 @@ fn hello(st: &mut State, id: ConnId, payload: &[u8]) -> Result<(), Refusal> {
             0
         },
         max_frame_bytes: MAX_FRAME_BYTES,
-        hot: hot.as_ref().map(|(info, _)| info.clone()),
+        hot: hot.as_ref().map(|h| h.info.clone()),
     };
-    // The pool's descriptor (read-only), then the descriptor area's.
+    // The pool's descriptor (read-only), then the hot path's three.
     let mut fds: Vec<OwnedFd> = pool.into_iter().collect();
     let is_hot = hot.is_some();
-    fds.extend(hot.map(|(_, area)| OwnedFd::from(area)));
+    fds.extend(hot.into_iter().flat_map(|h| h.fds));
     let Some(conn) = st.conns.get_mut(&id) else {
         return Ok(());
     };

@@ -124,11 +124,7 @@ pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError
         None => (listener::bind(&settings.socket)?, true),
     };
     let hot = if settings.hot_path {
-        match HotServer::new(
-            settings.runtime.incarnation,
-            settings.max_connections,
-            settings.hot_area_bytes,
-        ) {
+        match HotServer::new(settings.runtime.incarnation, settings.hot_area_bytes) {
             Ok(h) => {
                 let open = orbitkv_ipc::hot::restrict_files_with_prefix(h.prefix());
                 if open.is_empty() {

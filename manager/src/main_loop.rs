@@ -37,6 +37,11 @@ const METRICS_EVERY: Duration = Duration::from_millis(100);
 /// expire soon: the loop ticks (and refreshes the metrics) this rarely, so
 /// an idle manager costs next to nothing.
 const UNUSED_TICK: Duration = Duration::from_secs(1);
+/// While it spins with nothing to do, the loop yields its CPU this often
+/// (as a spinning client does, `orbitkv_ipc::client::SPIN_YIELD`): a client
+/// that shares the CPU then runs, and the two stay runnable side by side,
+/// which the kernel balances apart.
+const SPIN_YIELD: Duration = orbitkv_ipc::client::SPIN_YIELD;
 
 pub fn run(st: &mut State, stop: &AtomicBool) {
     st.now = Instant::now();
@@ -49,6 +54,7 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
     let mut refreshed_tick = st.last_tick;
     let mut poller = Poller::default();
     let mut spin = Spin::new(st.settings.spin_after_work, st.settings.spin_for_streams);
+    let mut yield_at = st.now;
     let mut incoming = Vec::new();
     st.refresh_metrics();
     while !stop.load(Ordering::Relaxed) {
@@ -105,11 +111,17 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
         }
         if submitted + hot.answered > 0 {
             busy_until = st.now + spin.after_work(now);
+            // The next round with nothing to do yields at once: a client
+            // sharing this CPU takes its answer now.
+            yield_at = st.now;
+        } else if spinning && st.now >= yield_at {
+            yield_at = st.now + SPIN_YIELD;
+            // SAFETY: no arguments.
+            unsafe { libc::sched_yield() };
         }
         if from_sockets > 0 {
             sockets_busy_until = busy_until;
         }
-        st.push_wakes();
         st.flush();
         let since_refresh = st.now.saturating_duration_since(refreshed);
         if since_refresh >= METRICS_EVERY

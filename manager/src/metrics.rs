@@ -399,7 +399,7 @@ impl Metrics {
             hot_wakes: counter(
                 &mut r,
                 "hot_wakes",
-                "Wake frames sent to blocked hot clients",
+                "Wake-ups signalled to hot clients that blocked waiting for a response",
             ),
         };
         r.register(

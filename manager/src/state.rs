@@ -380,18 +380,6 @@ impl State {
         }
     }
 
-    /// `Wake` frames for hot clients that blocked and got responses.
-    pub fn push_wakes(&mut self) {
-        let Some(h) = self.hot.as_mut() else {
-            return;
-        };
-        for id in h.take_wakes() {
-            if let Some(c) = self.conns.get_mut(&id) {
-                c.outbox.push(frame::encode(Kind::Wake, &()));
-            }
-        }
-    }
-
     /// Refreshes the metrics from the runtime's snapshot.
     pub fn refresh_metrics(&mut self) {
         let s = self.rt.stats();

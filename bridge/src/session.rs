@@ -66,8 +66,26 @@ pub fn miss_reason_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
         .map(|t| t.bind(py))
 }
 
+/// The members of `orbitkv.MissReason`, in `MissReason::ALL`'s order:
+/// calling the enum class for each miss runs `enum`'s Python lookup.
+static MISS_MEMBERS: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
+
 fn miss<'py>(py: Python<'py>, r: MissReason) -> PyResult<Bound<'py, PyAny>> {
-    miss_reason_type(py)?.call1((r.as_str(),))
+    let members = MISS_MEMBERS.get_or_try_init(py, || {
+        let t = miss_reason_type(py)?;
+        MissReason::ALL
+            .iter()
+            .map(|m| t.call1((m.as_str(),)).map(Bound::unbind))
+            .collect::<PyResult<Vec<_>>>()
+    })?;
+    match MissReason::ALL
+        .iter()
+        .position(|m| *m == r)
+        .and_then(|i| members.get(i))
+    {
+        Some(m) => Ok(m.bind(py).clone()),
+        None => miss_reason_type(py)?.call1((r.as_str(),)),
+    }
 }
 
 /// A Python exception for an engine error.
@@ -555,6 +573,15 @@ impl PySession {
     fn ensure(slf: &Bound<'_, Self>) -> PyResult<Backend> {
         let py = slf.py();
         let me = slf.get();
+        // The usual case keeps the GIL: a `try_lock` never waits, so it
+        // cannot deadlock against a thread that holds the lock and wants
+        // the GIL, and each release of the GIL is a chance for another
+        // Python thread to take it for a switch interval.
+        if let Ok(inner) = me.inner.try_lock()
+            && let (Some(c), Some(_)) = (&inner.client, &inner.session)
+        {
+            return Ok(c.clone_ref(py));
+        }
         enum Step {
             Up(Backend),
             Wait(Option<PyErr>, Option<String>),
@@ -928,6 +955,10 @@ impl PySession {
     /// Whether a session is open.
     #[getter]
     fn up(&self, py: Python<'_>) -> bool {
+        // Without giving up the GIL when nobody holds the lock (`ensure`).
+        if let Ok(inner) = self.inner.try_lock() {
+            return inner.session.is_some();
+        }
         py.detach(|| self.lock().session.is_some())
     }
 

@@ -13,8 +13,9 @@ The params are plain JSON (they travel through the engines' HTTP APIs):
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 KEY = "orbitkv_handoff"
 #: The most pages one handoff names (the manager's `max_query_pages`).
@@ -67,14 +68,16 @@ def wants_remote_decode(request: Any) -> bool:
     """The request asked this (prefill) engine to hand its prompt to a
     decode engine (vLLM's P/D convention, set by the proxy)."""
     params = getattr(request, "kv_transfer_params", None)
-    return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
+    # (`collections.abc.Mapping`: `typing.Mapping`'s isinstance is a
+    # microsecond of Python, on the scheduler's thread for every request.)
+    return params is not None and isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
 
 
 def parse(request: Any) -> Optional[Handoff]:
     """The handoff a decode request carries, or None. Malformed params
     raise `HandoffMismatch` (``handoff_malformed``)."""
     params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, Mapping) or KEY not in params:
+    if params is None or not isinstance(params, Mapping) or KEY not in params:
         return None
     raw = params[KEY]
 

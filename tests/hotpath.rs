@@ -510,3 +510,28 @@ fn blocked_sides_are_woken_through_their_eventfds() {
     drop(c);
     m.stop();
 }
+
+/// `Client::warm` wakes a sleeping manager without a request (a scheduler
+/// about to plan its next step), counted as `hot_warmed`; without it
+/// nothing wakes the manager and the counter stays.
+#[test]
+fn warm_wakes_a_sleeping_manager_without_a_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut c = connect(&m, "engine");
+    register(&mut c);
+    let _ = open(&mut c);
+    // Past its spin after the last command, the manager sleeps.
+    std::thread::sleep(Duration::from_millis(300));
+    let before = m.wait_metric_until("hot_warmed_total", |_| true);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        m.metric("hot_warmed_total"),
+        Some(before),
+        "nothing warmed it"
+    );
+    c.warm();
+    m.wait_metric_until("hot_warmed_total", |n| n == before + 1);
+    drop(c);
+    m.stop();
+}

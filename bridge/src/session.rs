@@ -1115,6 +1115,25 @@ impl PySession {
         l.map(|l| py_lookup(slf.py(), l)).transpose()
     }
 
+    /// Wakes a sleeping manager without a request, when requests follow
+    /// soon (a scheduler that looked prefixes up this step is about to plan
+    /// the next): the first of them then does not pay the manager's
+    /// wake-up. Never blocks on the manager and never connects; nothing
+    /// while not connected, on the socket path, or while the manager is
+    /// awake.
+    fn warm(&self, py: Python<'_>) {
+        let client = match self.inner.try_lock() {
+            Ok(inner) => match &inner.client {
+                Some(Backend::Client(c)) => Some(c.clone_ref(py)),
+                _ => None,
+            },
+            Err(_) => None,
+        };
+        if let Some(c) = client {
+            py.detach(|| c.get().with_client(|c| c.warm()));
+        }
+    }
+
     /// Gives a started lookup up; its answer is dropped when it comes.
     fn forget_lookup(&self, py: Python<'_>, ticket: u64) {
         py.detach(|| {

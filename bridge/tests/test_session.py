@@ -143,6 +143,24 @@ def test_a_batch_of_lookups_answers_as_single_ones(manager):
         assert s.lookup_many([]) == []
 
 
+def test_warm_wakes_a_sleeping_manager_and_never_connects(manager):
+    idle = orbitkv.Session(manager.socket, ss.instance(), name="never-connected")
+    idle.warm()  # not connected: nothing, and no connection is made
+    assert not idle.up
+    with session(manager, Engine()) as s:
+        s.lookup([0], hashes(2), 0, 2 * PAGE + 1)
+        time.sleep(0.3)  # past the manager's spin: it sleeps
+        before = manager.metric("hot_warmed_total")
+        assert before is not None
+        s.warm()
+        deadline = time.monotonic() + ss.T
+        while manager.metric("hot_warmed_total") != before + 1:
+            assert time.monotonic() < deadline, "the manager was not warmed"
+            time.sleep(0.05)
+        # The warmed manager answers as ever.
+        assert s.lookup([0], hashes(2), 0, 2 * PAGE + 1).miss == orbitkv.MissReason.NOT_FOUND
+
+
 def test_locate_says_what_a_load_would_restore_and_from_which_tier(manager):
     e = Engine()
     with session(manager, e) as s:

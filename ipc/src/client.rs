@@ -1030,6 +1030,19 @@ impl Client {
         }
     }
 
+    /// Wakes a sleeping manager without a request, when the caller will
+    /// send some soon (a scheduler about to plan its next step): the
+    /// manager then spins its `spin_after_work_us`, and the first request
+    /// does not pay its wake-up. Nothing without the hot path or while the
+    /// manager is awake (a look at shared memory).
+    pub fn warm(&self) {
+        if let Some(h) = self.hot.as_ref()
+            && h.area.manager_sleeping().load(Ordering::Relaxed) != 0
+        {
+            h.manager_wake.signal();
+        }
+    }
+
     /// Sends a hot command on the hot path; `None` to use the socket.
     fn send_hot(&mut self, command: &Command) -> Option<u64> {
         let h = self.hot.as_mut()?;

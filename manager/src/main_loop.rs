@@ -87,6 +87,11 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
         } else {
             &[]
         };
+        let woken = poll_sockets && poller.woken;
+        if woken {
+            // Woken by a client: its requests follow (a `warm` sends none).
+            busy_until = busy_until.max(Instant::now() + st.settings.spin_after_work);
+        }
         st.metrics.counters.loop_rounds.inc();
         // The round's one reading (a wait may have slept).
         st.now = Instant::now();
@@ -108,6 +113,9 @@ pub fn run(st: &mut State, stop: &AtomicBool) {
         {
             // Moves `st.now` to the reading after the tick.
             st.tick();
+        }
+        if woken && submitted + hot.answered == 0 {
+            st.metrics.counters.hot_warmed.inc();
         }
         if submitted + hot.answered > 0 {
             busy_until = st.now + spin.after_work(now);
@@ -224,6 +232,9 @@ struct Poller {
     ids: Vec<ConnId>,
     /// The connections the last wait found ready.
     readable: Vec<ConnId>,
+    /// A client signalled the hot path's wake eventfd during the last wait
+    /// (a request, or `Client::warm`: requests follow).
+    woken: bool,
 }
 
 impl Poller {
@@ -287,6 +298,8 @@ impl Poller {
         if sleeping && let Some(h) = &st.hot {
             h.woke();
         }
+        // The hot path's wake eventfd is the last descriptor.
+        self.woken = n > 0 && st.hot.is_some() && self.fds.last().is_some_and(|p| p.revents != 0);
         // On an error (EINTR) look at everything once.
         let fds = &self.fds;
         let ready = |i: usize| n < 0 || fds.get(i).is_some_and(|p| p.revents != 0);

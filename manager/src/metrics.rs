@@ -113,6 +113,7 @@ pub struct Counters {
     pub loop_rounds: Counter,
     /// Hot-path lookups answered between ticks (`Runtime::answer_now`).
     pub answered_between_ticks: Counter,
+    pub hot_warmed: Counter,
     pub disconnects: Family<Reason, Counter>,
     pub protocol_errors: Counter,
     pub hot_requests: Counter,
@@ -370,6 +371,11 @@ impl Metrics {
                 &mut r,
                 "loop_rounds",
                 "Rounds of the manager's event loop (wake-ups)",
+            ),
+            hot_warmed: counter(
+                &mut r,
+                "hot_warmed",
+                "Times the manager was woken through its hot wake eventfd with no request to take: a client warming it ahead of its requests (Session.warm)",
             ),
             answered_between_ticks: counter(
                 &mut r,

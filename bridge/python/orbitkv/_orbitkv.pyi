@@ -381,6 +381,13 @@ class Session:
     def forget_lookup(self, ticket: int) -> None:
         """Gives a started lookup up; its answer is dropped when it comes."""
 
+    def warm(self) -> None:
+        """Wakes a sleeping manager without a request, when requests
+        follow soon (a scheduler that looked prefixes up this step is about
+        to plan the next), so the first does not pay its wake-up. Never
+        blocks and never connects; nothing while not connected or while the
+        manager is awake."""
+
     def lookup_many(
         self, queries: Sequence[Tuple[Sequence[int], Sequence[bytes], int, int]]
     ) -> List[Lookup]:

@@ -276,6 +276,14 @@ class ManagerLink:
             f" ({more} more refusals since the last report)" if more else "",
         )
 
+    def warm(self) -> None:
+        """Wakes the manager if it sleeps (`Session.warm`): lookups follow.
+        Never raises: a hint."""
+        try:
+            self.session.warm()
+        except Exception:  # pragma: no cover - a hint must not fail a step
+            pass
+
     def drop(self, why: str) -> None:
         """Forgets the connection after a failure (the session may have
         given it up already); the next `get` reconnects."""

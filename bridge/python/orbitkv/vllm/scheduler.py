@@ -128,6 +128,9 @@ class SchedulerSide:
         self.events: Any = None
         self._events_logged = float("-inf")
         self._logged: Dict[str, float] = {}
+        #: A lookup went to the manager since vLLM last collected events
+        #: (the end of its step): more are likely in the next step.
+        self._looked = False
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
         self.link.connect_at_startup()
@@ -261,6 +264,14 @@ class SchedulerSide:
         return bool(state is not None and state.saves_sent), params
 
     def take_events(self) -> List[Any]:
+        # vLLM collects events every step, at the end of
+        # `update_from_output`, just before it schedules the next step. A
+        # step that looked prefixes up likely has more waiting requests to
+        # look up: the manager, asleep through the model's forward pass, is
+        # woken now instead of by the first of those lookups.
+        if self._looked:
+            self._looked = False
+            self.link.warm()
         if self.events is None:
             return []
         try:
@@ -432,6 +443,7 @@ class SchedulerSide:
             stats.miss("unavailable")
             return None
         request = state.request
+        self._looked = True
         query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
         try:
             if self.settings.lookup_wait:

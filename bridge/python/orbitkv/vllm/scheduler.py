@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import orbitkv
 
@@ -28,8 +28,13 @@ log = logging.getLogger("orbitkv.vllm")
 _NOT_YET = object()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
+    """One request the scheduler was asked about. Made for every request
+    on the scheduler's thread: slotted, and no container of its own until
+    it loads (fewer objects for the garbage collector's young generation,
+    whose collections land on whichever request triggers them)."""
+
     request: Any
     origin: int = 0
     """Tokens the engine held when the connector was last asked."""
@@ -39,9 +44,9 @@ class _Request:
     saves_sent: bool = False
     """Some save of this request went to the workers: its blocks are freed
     only once the workers report the saves done."""
-    loading: Set[int] = field(default_factory=set)
+    loading: AbstractSet[int] = frozenset()
     """Blocks of the load in flight (to recognise a block-level failure)."""
-    load_pages: List[int] = field(default_factory=list)
+    load_pages: Sequence[int] = ()
     """The full-attention group's block of each page of the load in flight
     (page index → block), to find the first page a failure lost."""
     load_failed: bool = False
@@ -235,8 +240,8 @@ class SchedulerSide:
         for rid in set(getattr(output, "finished_recving", None) or ()) | failed:
             state = self.requests.get(rid)
             if state is not None:
-                state.loading = set()
-                state.load_pages = []
+                state.loading = frozenset()
+                state.load_pages = ()
 
     def _load_failed(self, state: _Request, lost: Set[int]) -> None:
         if not state.load_failed:

@@ -54,9 +54,10 @@ const READ_CHUNK: usize = 256 << 10;
 const SOCKET_LOOK: Duration = Duration::from_micros(8);
 /// A spinning wait yields its CPU this often. Alone on its CPU a yield
 /// returns at once; sharing it with the manager (which spins too), it lets
-/// the manager answer instead of both waiting out a time slice, and keeps
-/// both runnable, so the kernel balances them onto two CPUs instead of the
-/// client blocking and being woken where the manager runs.
+/// the manager answer instead of both waiting out a time slice, and the
+/// client stays runnable instead of blocking (a blocked client, once woken,
+/// tends to land on the manager's CPU: see `hot::WakeFd` and
+/// docs/serve.md, "Yielding while spinning").
 pub const SPIN_YIELD: Duration = Duration::from_micros(8);
 
 /// A moving share of samples that were bad (1/8 per sample), for the spin

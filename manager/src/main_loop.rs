@@ -39,8 +39,9 @@ const METRICS_EVERY: Duration = Duration::from_millis(100);
 const UNUSED_TICK: Duration = Duration::from_secs(1);
 /// While it spins with nothing to do, the loop yields its CPU this often
 /// (as a spinning client does, `orbitkv_ipc::client::SPIN_YIELD`): a client
-/// that shares the CPU then runs, and the two stay runnable side by side,
-/// which the kernel balances apart.
+/// that shares the CPU then runs instead of waiting out a time slice (on
+/// some VMs a woken client lands on the manager's CPU whatever the other
+/// CPUs do; docs/serve.md, "Yielding while spinning").
 const SPIN_YIELD: Duration = orbitkv_ipc::client::SPIN_YIELD;
 
 pub fn run(st: &mut State, stop: &AtomicBool) {

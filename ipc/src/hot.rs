@@ -117,12 +117,13 @@ impl WakeFd {
         unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
     }
 
-    /// Clears pending wake-ups (after a wait).
-    pub fn drain(&self) {
+    /// Clears pending wake-ups (after a wait); whether there were any.
+    pub fn drain(&self) -> bool {
         use std::os::fd::AsRawFd as _;
         let mut b = [0u8; 8];
         // SAFETY: reads at most 8 bytes into a valid buffer.
-        unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) };
+        let n = unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) };
+        n == 8
     }
 
     /// For `poll(2)`: readable while a wake-up is pending.
@@ -1817,10 +1818,10 @@ mod tests {
         other.signal();
         other.signal();
         assert!(readable(w.raw()));
-        w.drain();
+        assert!(w.drain());
         assert!(!readable(w.raw()), "one drain clears every signal");
-        // Draining an empty one does not block.
-        w.drain();
+        // Draining an empty one does not block, and says so.
+        assert!(!w.drain());
         assert!(!readable(other.raw()));
     }
 

@@ -338,11 +338,13 @@ impl HotServer {
     }
 
     /// After blocking: clients need not notify; drains the wake events.
-    pub fn woke(&self) {
+    /// Whether a client had signalled (during the wait, or since it ended:
+    /// a signal is never lost to the drain).
+    pub fn woke(&self) -> bool {
         for c in self.conns.values() {
             c.area.manager_sleeping().store(0, Ordering::Relaxed);
         }
-        self.wake.drain();
+        self.wake.drain()
     }
 
     /// Takes up to `max` requests. Valid ones are appended to `out` as

@@ -296,11 +296,10 @@ impl Poller {
                 std::ptr::null(),
             )
         };
-        if sleeping && let Some(h) = &st.hot {
-            h.woke();
-        }
-        // The hot path's wake eventfd is the last descriptor.
-        self.woken = n > 0 && st.hot.is_some() && self.fds.last().is_some_and(|p| p.revents != 0);
+        // A client signalled the wake eventfd: during the wait, or after it
+        // ended and before the drain (which would otherwise swallow a
+        // `warm`'s only signal).
+        self.woken = sleeping && st.hot.as_ref().is_some_and(|h| h.woke());
         // On an error (EINTR) look at everything once.
         let fds = &self.fds;
         let ready = |i: usize| n < 0 || fds.get(i).is_some_and(|p| p.revents != 0);

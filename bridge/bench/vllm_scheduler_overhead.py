@@ -24,10 +24,20 @@ requests (512-token prompts, one output token):
             load is reported; with `--load-mode layerwise` the load runs in
             the step that schedules the request.
 
+and, unless `--no-offloading`, the same two loops with vLLM's own
+`OffloadingConnector` (its CPU spec; the scheduler side is what runs here)
+in place of OrbitKV's: `off_miss` on new prompts, and `off_hit` on prompts
+the same scheduler ran once before (its loads are asynchronous). vLLM's
+prefix cache is reset between the two passes, so that hits come from the
+connector. The stand-in runner reports its load and store jobs completed
+one step after they were planned, as its worker would.
+
 For each loop it prints the wall time per request of `schedule()` +
 `update_from_output()`, the ratio to the baseline, and the part spent in
 `get_num_new_matched_tokens` and `build_connector_meta` (timed around the
-calls, per request).
+calls, per request); then, per round, OrbitKV's added time per request
+over the `OffloadingConnector`'s (the engine-side issue asks for at most
+half).
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bridge" / "tests"))
@@ -63,18 +73,24 @@ def percentile(xs: List[float], q: float) -> float:
 
 
 class Timed:
-    """Records the time of every call of one method of an object."""
+    """Records the time of every call of one method of an object, and the
+    sum of the integers it returned first (`get_num_new_matched_tokens`'s
+    tokens)."""
 
     def __init__(self, obj: Any, name: str):
         self.times: List[float] = []
+        self.tokens = 0
         real = getattr(obj, name)
 
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
-                return real(*a, **k)
+                r = real(*a, **k)
             finally:
                 self.times.append(time.perf_counter() - t)
+            if isinstance(r, tuple) and r and isinstance(r[0], int):
+                self.tokens += r[0]
+            return r
 
         setattr(obj, name, wrapper)
 
@@ -84,8 +100,14 @@ def loop(sched, hasher, reqs: List[List[int]], tag: str, async_loads: bool = Tru
     runner samples one token per finished prefill and reports each planned
     load / delayed free done on the next step (`async_loads`; synchronous
     loads finish inside the step that plans them, and vLLM expects no
-    report of them)."""
+    report of them). For vLLM's `OffloadingConnector` it reports, as its
+    worker would, every load and store job of a step completed on the next
+    step, and each request with a load job as finished receiving."""
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        OffloadingWorkerMetadata,
+    )
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
 
@@ -103,16 +125,25 @@ def loop(sched, hasher, reqs: List[List[int]], tag: str, async_loads: bool = Tru
         )
     recving: set = set()
     sending: set = set()
+    jobs: Dict[int, int] = {}
     t0 = time.perf_counter()
-    while sched.requests:
+    # `jobs`: the offloading connector plans the stores of a finished
+    # request's last pages in the step after it finished.
+    while sched.requests or jobs:
         so = sched.schedule()
         meta = so.kv_connector_metadata
-        loads = {l.req_id for l in getattr(meta, "loads", [])}
+        offloading = isinstance(meta, OffloadingConnectorMetadata)
+        if offloading:
+            loads = {j.req_id for j in meta.load_jobs.values() if not j.sync}
+        else:
+            loads = {l.req_id for l in getattr(meta, "loads", [])}
         ids = list(so.num_scheduled_tokens)
         kvo = None
         if sched.connector is not None:
             kvo = KVConnectorOutput(
-                finished_recving=recving or None, finished_sending=sending or None
+                finished_recving=recving or None,
+                finished_sending=sending or None,
+                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=jobs) if jobs else None,
             )
         out = ModelRunnerOutput(
             req_ids=ids,
@@ -127,13 +158,17 @@ def loop(sched, hasher, reqs: List[List[int]], tag: str, async_loads: bool = Tru
             kv_connector_output=kvo,
         )
         engine_out = sched.update_from_output(so, out)
-        recving = loads if async_loads else set()
-        sending = {
-            o.request_id
-            for outs in engine_out.values()
-            for o in outs.outputs
-            if o.finish_reason is not None
-        }
+        recving = loads if async_loads or offloading else set()
+        if offloading:
+            # Its request_finished never delays a free: nothing to report.
+            jobs = {j: 1 for j in (*meta.load_jobs, *meta.store_jobs)}
+        else:
+            sending = {
+                o.request_id
+                for outs in engine_out.values()
+                for o in outs.outputs
+                if o.finish_reason is not None
+            }
     return time.perf_counter() - t0
 
 
@@ -142,17 +177,26 @@ def timed_loop(
     hasher,
     reqs: List[List[int]],
     name: str,
-    connector: bool,
+    connector: Optional[str],
     no_gc: bool,
     warm_seed: int,
     async_loads: bool = True,
     manager: Any = None,
+    stored: Optional[List[List[int]]] = None,
 ) -> Dict[str, Any]:
-    """One timed loop over `reqs` on a new scheduler (with a new connector,
-    when `connector`), after a short warm-up loop."""
+    """One timed loop over `reqs` on a new scheduler (with a new connector
+    of kind `connector`: "orbitkv" or "offloading"), after a short warm-up
+    loop. `stored`: prompts run through the same scheduler first, so that
+    an in-process connector (vLLM's offloading) holds their pages; vLLM's
+    own prefix cache is reset after them, so that hits come from the
+    connector."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     sched = scheduler(connector)
+    if stored is not None:
+        loop(sched, hasher, stored, f"s{name}{warm_seed}", async_loads)
+        if not sched.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("vLLM's prefix cache did not reset")
     # Warm the process (and, with the connector, the connection).
     loop(sched, hasher, prompts(8, seed=warm_seed), f"w{name}{warm_seed}", async_loads)
     lookup = meta = None
@@ -162,7 +206,8 @@ def timed_loop(
     # The manager's own view of the timed loop's lookups: how many found it
     # asleep (a `Wake` each) and how many it answered between ticks.
     counted = ("hot_wakes_total", "answered_between_ticks_total")
-    before = {c: manager.metric(c) or 0 for c in counted} if connector and manager else None
+    ours = connector == "orbitkv"
+    before = {c: manager.metric(c) or 0 for c in counted} if ours and manager else None
     if no_gc:
         gc.collect()
         gc.disable()
@@ -177,14 +222,17 @@ def timed_loop(
         gc.unfreeze()
     row: Dict[str, Any] = {"us_per_request": seconds / len(reqs) * 1e6}
     if connector:
-        st = sched.connector.scheduler.stats
         row["lookup_us_per_request"] = sum(lookup.times) / len(reqs) * 1e6
         row["lookups_per_request"] = len(lookup.times) / len(reqs)
         row["lookup_p50_us"] = percentile(lookup.times, 0.5) * 1e6
         row["lookup_p99_us"] = percentile(lookup.times, 0.99) * 1e6
         row["meta_us_per_request"] = sum(meta.times) / len(reqs) * 1e6
-        row["hit_tokens"] = st.hit_tokens
-        row["pages_planned"] = st.pages_saved
+        if ours:
+            st = sched.connector.scheduler.stats
+            row["hit_tokens"] = st.hit_tokens
+            row["pages_planned"] = st.pages_saved
+        else:
+            row["hit_tokens"] = lookup.tokens
         if before is not None:
             time.sleep(0.25)  # the manager refreshes its metrics every 100 ms
             for c in counted:
@@ -213,6 +261,12 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
+        "--no-offloading",
+        action="store_true",
+        help="skip the two loops with vLLM's own OffloadingConnector (CPU spec), "
+        "run otherwise as the peer the added cost is compared with",
+    )
+    ap.add_argument(
         "--no-gc",
         action="store_true",
         help="disable Python's cyclic garbage collector in the timed loops "
@@ -235,6 +289,7 @@ def main() -> None:
     import torch  # noqa: F401
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.config import KVTransferConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -273,7 +328,7 @@ def main() -> None:
             e.run(limit_s=600)
         manager.wait_metric("operations", 0)
 
-        def scheduler(connector: bool) -> Scheduler:
+        def scheduler(connector: Optional[str]) -> Scheduler:
             vc, kcc, _ = harness.build_config(
                 model,
                 manager.socket,
@@ -281,8 +336,20 @@ def main() -> None:
                 max_batched=8192,
                 extra={"lookup_wait": not args.no_lookup_wait, "load_mode": args.load_mode},
             )
-            if not connector:
+            if connector is None:
                 vc.kv_transfer_config = None
+            elif connector == "offloading":
+                # vLLM's native CPU offloading, room for every page of the
+                # stored prompts (its scheduler side keeps only bookkeeping).
+                page = kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+                layers = len(kcc.kv_cache_groups[0].layer_names)
+                vc.kv_transfer_config = KVTransferConfig(
+                    kv_connector="OffloadingConnector",
+                    kv_role="kv_both",
+                    kv_connector_extra_config={
+                        "cpu_bytes_to_use": 2 * args.requests * (PROMPT // BLOCK) * page * layers
+                    },
+                )
             vc.cache_config.num_gpu_blocks = kcc.num_blocks
             return Scheduler(
                 vllm_config=vc,
@@ -298,11 +365,18 @@ def main() -> None:
             # this shared machine lands on every loop alike, and the
             # median round is reported.
             rows: Dict[str, Any] = {}
-            for k, (name, connector, reqs) in enumerate((
-                ("baseline", False, prompts(args.requests, seed=2 + 10 * r)),
-                ("miss", True, prompts(args.requests, seed=3 + 10 * r)),
-                ("hit", True, hit_prompts),
-            )):
+            loops = [
+                ("baseline", None, prompts(args.requests, seed=2 + 10 * r), None),
+                ("miss", "orbitkv", prompts(args.requests, seed=3 + 10 * r), None),
+                ("hit", "orbitkv", hit_prompts, None),
+            ]
+            if not args.no_offloading:
+                off_hit = prompts(args.requests, seed=5 + 10 * r)
+                loops += [
+                    ("off_miss", "offloading", prompts(args.requests, seed=4 + 10 * r), None),
+                    ("off_hit", "offloading", off_hit, off_hit),
+                ]
+            for k, (name, connector, reqs, stored) in enumerate(loops):
                 rows[name] = timed_loop(
                     scheduler,
                     hasher,
@@ -313,15 +387,24 @@ def main() -> None:
                     1000 + 3 * r + k,
                     async_loads=args.load_mode == "async",
                     manager=manager,
+                    stored=stored,
                 )
             base = rows["baseline"]["us_per_request"]
-            for name in ("miss", "hit"):
-                row = rows[name]
+            for name, row in rows.items():
+                if name == "baseline":
+                    continue
                 row["ratio_to_baseline"] = row["us_per_request"] / base
+                row["added_us_per_request"] = row["us_per_request"] - base
                 row["connector_us_per_request"] = row["lookup_us_per_request"] + row["meta_us_per_request"]
+            for name in ("miss", "hit") if "off_miss" in rows else ():
+                # OrbitKV's added cost over the offloading connector's.
+                off = rows[f"off_{name}"]["added_us_per_request"]
+                rows[name]["added_vs_offloading"] = rows[name]["added_us_per_request"] / off if off > 0 else None
             rounds.append(rows)
         results["rounds"] = rounds
-        for name in ("miss", "hit"):
+        for name in rounds[0]:
+            if name == "baseline":
+                continue
             ratios = sorted(rw[name]["ratio_to_baseline"] for rw in rounds)
             results[f"{name}_median_ratio"] = ratios[len(ratios) // 2]
     finally:
@@ -342,8 +425,7 @@ def main() -> None:
         f"{'lookups/req':>11} {'meta us/req':>11} {'hit tokens':>10} {'wakes/req':>9} {'between/req':>11}"
     )
     for i, rows in enumerate(results["rounds"]):
-        for name in ("baseline", "miss", "hit"):
-            r = rows[name]
+        for name, r in rows.items():
             print(
                 f"{i:5} {name:9} {r['us_per_request']:8.1f} {r.get('ratio_to_baseline', 1.0):6.2f} "
                 f"{r.get('lookup_us_per_request', 0):13.1f} {r.get('lookup_p50_us', 0):7.1f} "
@@ -355,6 +437,19 @@ def main() -> None:
         f"median ratio over {len(results['rounds'])} rounds: miss {results['miss_median_ratio']:.2f}x, "
         f"hit {results['hit_median_ratio']:.2f}x"
     )
+    if "off_miss_median_ratio" in results:
+        added = {
+            name: [rw[name]["added_vs_offloading"] for rw in results["rounds"]] for name in ("miss", "hit")
+        }
+        print(
+            f"vLLM's OffloadingConnector (CPU, async loads) in the same rounds: miss "
+            f"{results['off_miss_median_ratio']:.2f}x, hit {results['off_hit_median_ratio']:.2f}x; "
+            "OrbitKV's added us/req over its added us/req, per round: "
+            + ", ".join(
+                f"{name} " + " ".join("n/a" if a is None else f"{a:.2f}" for a in added[name])
+                for name in added
+            )
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -180,6 +180,8 @@ struct HotPath {
     wake: hot::WakeFd,
     area: hot::Area,
     writer: hot::RingWriter,
+    /// Responses taken from the area's mailbox (see `hot::Area::take`).
+    taken: u64,
     token: u64,
     /// First response per tag: the command's id, or why it was not queued.
     first: HashMap<u64, Result<CommandId, ClientError>, foldhash::fast::RandomState>,
@@ -233,6 +235,7 @@ impl HotPath {
             manager_wake,
             wake,
             writer: hot::RingWriter::new(area.req),
+            taken: 0,
             area,
             token: info.token,
             first: HashMap::default(),
@@ -269,61 +272,87 @@ impl HotPath {
 
     /// Takes every response that arrived; returns how many.
     fn poll(&mut self, events: &mut VecDeque<Delivered>) -> Result<usize, ClientError> {
-        let mut n = 0;
-        let mut i = 0;
-        while i < self.pending.len() {
-            let mut last = false;
-            loop {
-                let r = match self.pending[i].response.receive() {
-                    Ok(Some(r)) => *r.payload(),
-                    Ok(None) => break,
-                    Err(e) => return Err(ClientError::Protocol(format!("hot path: {e:?}"))),
-                };
-                n += 1;
-                let p = &mut self.pending[i];
-                let reply = hot::decode_response(&r, &self.area);
-                if !p.answered {
-                    p.answered = true;
-                    for d in &p.parts {
-                        self.area.free(self.area.req, d);
-                    }
-                    let first = match &reply {
-                        Ok(Reply::Accepted | Reply::Event(_)) => Ok(r.command),
-                        Ok(Reply::Refused(e)) => Err(ClientError::Command(e.clone())),
-                        Ok(Reply::Error(e)) | Err(e) => Err(ClientError::Hot(*e)),
-                    };
-                    self.first.insert(p.tag, first);
-                }
-                if let Ok(Reply::Event(event)) = reply {
-                    // The request's last response is its terminal event:
-                    // the server closes a request with the runtime's flag.
-                    let terminal = r.flags & hot::RESP_LAST != 0;
-                    events.push_back(Delivered { event, terminal });
-                }
-                if r.flags & hot::RESP_LAST != 0 {
-                    last = true;
-                    break;
-                }
+        let mut n = self.take(events)?;
+        // Requests the manager let go of without a last response (the
+        // mailbox was full, or the manager is gone). It posts a request's
+        // last response before it lets the request go, so the mailbox is
+        // read once more after seeing requests gone, and only those seen
+        // gone before that read are ended here.
+        let mut gone = [0u64; hot::MAX_ACTIVE_REQUESTS];
+        let mut count = 0;
+        for p in &self.pending {
+            if !p.response.is_connected()
+                && let Some(slot) = gone.get_mut(count)
+            {
+                *slot = p.tag;
+                count += 1;
             }
-            let p = &self.pending[i];
-            if last || (!p.response.is_connected() && !p.response.has_response()) {
-                let p = self.pending.swap_remove(i);
-                if !p.answered {
-                    for d in &p.parts {
-                        self.area.free(self.area.req, d);
-                    }
-                    self.first.insert(
-                        p.tag,
-                        Err(ClientError::Protocol(
-                            "the manager dropped a hot request unanswered".into(),
-                        )),
-                    );
+        }
+        if count == 0 {
+            return Ok(n);
+        }
+        fence(Ordering::SeqCst);
+        n += self.take(events)?;
+        for tag in &gone[..count] {
+            let Some(at) = self.pending.iter().position(|p| p.tag == *tag) else {
+                continue;
+            };
+            let p = self.pending.swap_remove(at);
+            if !p.answered {
+                for d in &p.parts {
+                    self.area.free(self.area.req, d);
                 }
-            } else {
-                i += 1;
+                self.first.insert(
+                    p.tag,
+                    Err(ClientError::Protocol(
+                        "the manager dropped a hot request unanswered".into(),
+                    )),
+                );
             }
         }
         Ok(n)
+    }
+
+    /// Takes the mailbox's new responses: each to its open request, whose
+    /// first response records the command's id (or why it was not
+    /// queued); a request ends with its last response.
+    fn take(&mut self, events: &mut VecDeque<Delivered>) -> Result<usize, ClientError> {
+        let (area, pending, first) = (&self.area, &mut self.pending, &mut self.first);
+        area.take(&mut self.taken, |r| {
+            let reply = hot::decode_response(&r, area);
+            // A response for no open request (one a client cannot have
+            // asked for): its parts are freed by the decode, and it is
+            // dropped.
+            let Some(i) = pending.iter().position(|p| p.tag == r.tag) else {
+                return;
+            };
+            let p = &mut pending[i];
+            if !p.answered {
+                p.answered = true;
+                for d in &p.parts {
+                    area.free(area.req, d);
+                }
+                let result = match &reply {
+                    Ok(Reply::Accepted | Reply::Event(_)) => Ok(r.command),
+                    Ok(Reply::Refused(e)) => Err(ClientError::Command(e.clone())),
+                    Ok(Reply::Error(e)) | Err(e) => Err(ClientError::Hot(*e)),
+                };
+                first.insert(p.tag, result);
+            }
+            let last = r.flags & hot::RESP_LAST != 0;
+            if let Ok(Reply::Event(event)) = reply {
+                // The request's last response is its terminal event: the
+                // server closes a request with the runtime's flag.
+                events.push_back(Delivered {
+                    event,
+                    terminal: last,
+                });
+            }
+            if last {
+                pending.swap_remove(i);
+            }
+        })
+        .map_err(|e| ClientError::Protocol(format!("hot path mailbox: {e}")))
     }
 }
 

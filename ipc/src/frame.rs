@@ -8,7 +8,9 @@ use std::os::unix::net::UnixStream;
 pub const MAGIC: [u8; 4] = *b"OKVP";
 /// 5: the hot path's wake-ups moved from a `Wake` frame (kind 9, retired)
 /// and an iceoryx2 event to eventfds passed with `Welcome`.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: hot responses travel in the descriptor area's mailbox (area layout
+/// version 2), not as iceoryx2 responses.
+pub const PROTOCOL_VERSION: u16 = 6;
 pub const HEADER_BYTES: usize = 16;
 /// The largest payload accepted (a query's hash lists fit comfortably).
 pub const MAX_FRAME_BYTES: u32 = 16 << 20;

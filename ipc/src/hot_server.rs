@@ -59,6 +59,8 @@ struct Conn {
     conn: ConnId,
     area: Area,
     writer: RingWriter,
+    /// Responses put in the area's mailbox (see [`Area::post`]).
+    posted: u64,
     /// Declared before the service, so the port drops first.
     server: iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
     /// Signalled after a response to a client that said it blocks.
@@ -73,7 +75,10 @@ struct Conn {
 }
 
 struct Active {
-    request: ActiveRequest,
+    /// Held while the request is open, answered through the mailbox: the
+    /// client's side of it stays connected until the manager lets it go,
+    /// which is how a client learns of a request dropped unanswered.
+    _request: ActiveRequest,
     token: u64,
     tag: u64,
     op: Op,
@@ -225,6 +230,7 @@ impl HotServer {
             Conn {
                 conn,
                 writer: RingWriter::new(area.rep),
+                posted: 0,
                 area,
                 server,
                 client_wake,
@@ -402,7 +408,7 @@ impl HotServer {
                         self.active.insert(
                             key,
                             Active {
-                                request,
+                                _request: request,
                                 token,
                                 tag: r.tag,
                                 op,
@@ -417,8 +423,13 @@ impl HotServer {
                     }
                     Err(e) => {
                         self.stats.errors += 1;
-                        let _ = request.send_copy(hot::error_response(r.tag, e));
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            c.area.post(&mut c.posted, &hot::error_response(r.tag, e));
+                        }
+                        // Before the request drops (the client's sign that
+                        // the manager let it go).
                         self.wake_check(token);
+                        drop(request);
                     }
                 }
             }
@@ -452,11 +463,10 @@ impl HotServer {
                         },
                     )
                 });
-                if let Some(a) = self.active.remove(&key) {
-                    let _ = a.request.send_copy(r);
-                }
+                c.area.post(&mut c.posted, &r);
                 self.stats.responses += 1;
                 self.wake_check(token);
+                self.active.remove(&key);
             }
         }
     }
@@ -539,7 +549,7 @@ impl HotServer {
                 if last {
                     r.flags |= RESP_LAST;
                 }
-                if a.request.send_copy(r).is_err() {
+                if !c.area.post(&mut c.posted, &r) {
                     for d in &r.parts {
                         c.area.free(c.area.rep, d);
                     }
@@ -558,7 +568,7 @@ impl HotServer {
                     if last {
                         r.flags |= RESP_LAST;
                     }
-                    if a.request.send_copy(r).is_ok() {
+                    if c.area.post(&mut c.posted, &r) {
                         a.sent += 1;
                         self.stats.responses += 1;
                         self.wake_check(token);
@@ -609,7 +619,9 @@ impl HotServer {
             if !keep {
                 r.flags |= RESP_LAST;
             }
-            if a.request.send_copy(r).is_ok() {
+            if let Some(c) = self.conns.get_mut(&a.token)
+                && c.area.post(&mut c.posted, &r)
+            {
                 a.sent += 1;
                 self.stats.responses += 1;
                 let token = a.token;

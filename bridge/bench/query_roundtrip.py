@@ -31,9 +31,11 @@ then measures, from Python:
   (d) a raw Unix-socket ping-pong between two Rust threads (16 bytes);
 
   (e) a raw iceoryx2 request/response between two Rust processes (128 B
-      each way, busy-polling: the hot path's transport with nothing on
-      top), measured in the same run by `examples/query_roundtrip.rs
-      --raw-iceoryx2`;
+      each way, busy-polling: the hot path's request transport with
+      nothing on top; its responses now travel in the descriptor area's
+      mailbox), measured in the same run, before and after the rest, by
+      `examples/query_roundtrip.rs --raw-iceoryx2` (the ratios use the
+      faster of the two);
 
 and prints p50/p99 in microseconds, with ratios against (e) (the goal for
 a query: p50 at most 3x raw iceoryx2), against (c), and against the
@@ -148,6 +150,10 @@ def main() -> int:
     assert n >= 5000, "at least 5000 iterations"
 
     binary = ss.orbitkv_binary("release")
+    # The raw baseline is measured before and after the rest: on a shared
+    # VM it moves between runs (0.9-3 us p50 here), and the ratios use the
+    # faster of the two, the less flattering one.
+    iox_first = raw_iceoryx2(n)
     m = ss.Manager(binary)
     rows = []
     try:
@@ -248,7 +254,9 @@ def main() -> int:
         ("(d) raw UDS ping-pong, 2 Rust threads", sorted(orbitkv._orbitkv._uds_roundtrip(n)))
     )
 
-    iox = raw_iceoryx2(n)
+    iox_last = raw_iceoryx2(n)
+    measured = [r for r in (iox_first, iox_last) if r]
+    iox = min(measured, key=lambda r: r["p50_us"]) if measured else None
 
     base_p50 = percentile(base, 0.5) * 1e6
     iox_p50 = iox["p50_us"] if iox else float("nan")
@@ -284,7 +292,10 @@ def main() -> int:
     else:
         print(
             f"  (e) raw iceoryx2 request/response, 128 B, 2 Rust processes, same run: "
-            f"p50 {iox_p50:.2f} us, p99 {iox_p99:.2f} us (p50/(c) {iox_p50 / base_p50:.2f})"
+            f"p50 {iox_p50:.2f} us, p99 {iox_p99:.2f} us (p50/(c) {iox_p50 / base_p50:.2f}); "
+            "the faster of the measures before and after the rest, p50 "
+            + " and ".join(f"{r['p50_us']:.2f}" for r in measured)
+            + " us"
         )
         hit = percentile(rows[0][1], 0.5) * 1e6
         print(f"  query hit / raw iceoryx2, p50: {hit / iox_p50:.2f}x (goal <= 3x)")

@@ -1125,8 +1125,18 @@ fn encode_u64s(xs: &[u64]) -> Vec<u8> {
 }
 
 fn decode_u64s(b: &[u8]) -> Result<Vec<u64>, HotError> {
-    let mut g = Get::new(b);
-    (0..g.count(8)?).map(|_| g.u64()).collect()
+    if !b.len().is_multiple_of(8) {
+        return Err(bad_part(b.len() as u64));
+    }
+    // Exact-size chunks: the vector is sized once (collecting fallible
+    // reads cannot know the count and grows as it goes).
+    Ok(b.chunks_exact(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            u64::from_le_bytes(w)
+        })
+        .collect())
 }
 
 fn encode_candidates(c: &[Candidates]) -> Vec<u8> {

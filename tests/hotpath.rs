@@ -511,6 +511,36 @@ fn blocked_sides_are_woken_through_their_eventfds() {
     m.stop();
 }
 
+/// The manager asks a connection's service for requests only while the
+/// client's count in the area is ahead of what it took, and every
+/// service once in a while regardless: a client whose count is short
+/// (or that never counts) is still answered, only later.
+#[test]
+fn requests_the_client_did_not_count_are_still_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut c = connect(&m, "engine");
+    register(&mut c);
+    let (s, _) = open(&mut c);
+    let requests = m.wait_metric_until("hot_requests_total", |_| true);
+    // Each query's count stops one short: the manager's count equals it,
+    // so only its periodic full look finds the query.
+    c.hot_undercount_requests(1);
+    for _ in 0..20 {
+        let r = c.call(query(s, 2, false), T).unwrap();
+        assert!(matches!(r, Event::QueryResult { .. }), "{r:?}");
+    }
+    // Counting again: every request counted, none lost on the way.
+    c.hot_undercount_requests(0);
+    for _ in 0..5 {
+        let r = c.call(query(s, 2, false), T).unwrap();
+        assert!(matches!(r, Event::QueryResult { .. }), "{r:?}");
+    }
+    m.wait_metric_until("hot_requests_total", |n| n >= requests + 25);
+    drop(c);
+    m.stop();
+}
+
 /// `Client::warm` wakes a sleeping manager without a request (a scheduler
 /// about to plan its next step), counted as `hot_warmed`; without it
 /// nothing wakes the manager and the counter stays.

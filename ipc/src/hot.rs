@@ -432,6 +432,7 @@ pub struct Ring {
 /// 128  client_sleeping:u32  (the client is about to block)
 /// 192  posted:u64           (responses the manager wrote, ever)
 /// 256  taken:u64            (responses the client read, ever)
+/// 320  requests_sent:u64    (requests the client sent, ever)
 /// 4096 the mailbox: MAILBOX_SLOTS × 128-byte `HotResponse`s
 /// ```
 ///
@@ -586,6 +587,13 @@ impl Area {
     /// response then signals the client's [`WakeFd`].
     pub fn client_sleeping(&self) -> &AtomicU32 {
         self.word(128)
+    }
+
+    /// The client's count of the requests it sent on the connection's
+    /// service, stored after each send: the manager asks the service only
+    /// when it is ahead of its own count (and at times regardless).
+    pub fn requests_sent(&self) -> &AtomicU64 {
+        self.counter(320)
     }
 
     fn counter(&self, at: usize) -> &AtomicU64 {

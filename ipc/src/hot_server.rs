@@ -34,6 +34,11 @@ use crate::hot::{
 /// with a client's bytes (its token), never filled from them.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
+/// `receive` asks every connection's service once in this many calls,
+/// whatever the client's request count says; in between only services
+/// whose client counted a request not yet received.
+const FULL_LOOK_EVERY: u64 = 64;
+
 /// The shortest time between two sweeps for dead clients' nodes.
 const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
@@ -61,6 +66,9 @@ struct Conn {
     writer: RingWriter,
     /// Responses put in the area's mailbox (see [`Area::post`]).
     posted: u64,
+    /// Requests taken from the service (the manager's own count, against
+    /// the client's `Area::requests_sent`).
+    received: u64,
     /// Declared before the service, so the port drops first.
     server: iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
     /// Signalled after a response to a client that said it blocks.
@@ -120,6 +128,8 @@ pub struct HotServer {
     /// always last when the bound is reached.
     order: Vec<u64>,
     turn: usize,
+    /// Calls of `receive` (see `FULL_LOOK_EVERY`).
+    looks: u64,
     /// Clients signal it after a request while the manager sleeps.
     wake: WakeFd,
     _node: iceoryx2::node::Node<Ipc>,
@@ -175,6 +185,7 @@ impl HotServer {
             stats: HotStats::default(),
             order: Vec::new(),
             turn: 0,
+            looks: 0,
             wake,
             _node: node,
             incarnation,
@@ -231,6 +242,7 @@ impl HotServer {
                 conn,
                 writer: RingWriter::new(area.rep),
                 posted: 0,
+                received: 0,
                 area,
                 server,
                 client_wake,
@@ -364,18 +376,30 @@ impl HotServer {
             return;
         }
         self.turn = (self.turn + 1) % n;
+        // Every `FULL_LOOK_EVERY`th call looks at every service whatever
+        // its client says it sent (a client's count is its own word).
+        self.looks = self.looks.wrapping_add(1);
+        let full = self.looks.is_multiple_of(FULL_LOOK_EVERY);
         for i in 0..n {
             let Some(&token) = self.order.get((self.turn + i) % n) else {
                 break;
             };
             while out.len() - start < max {
-                let Some(c) = self.conns.get(&token) else {
+                let Some(c) = self.conns.get_mut(&token) else {
                     break;
                 };
+                // The client counts its requests in the area after each
+                // send: a service with nothing new is not asked (an
+                // iceoryx2 receive that finds nothing is most of an idle
+                // loop round, and followed every request).
+                if !full && c.area.requests_sent().load(Ordering::Acquire) == c.received {
+                    break;
+                }
                 let request = match c.server.receive() {
                     Ok(Some(r)) => r,
                     _ => break,
                 };
+                c.received = c.received.wrapping_add(1);
                 self.stats.requests += 1;
                 let r: HotRequest = *request.payload();
                 // A request speaks for the connection whose service it came

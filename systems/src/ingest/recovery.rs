@@ -154,15 +154,17 @@ fn plan_query(world: &World, owned: Owned, mut q: QueryArgs) -> Result<(QueryArg
         .get::<Instance>(owned.instance)
         .expect("sessions point at live instances");
     q.groups.sort_by_key(|g| g.group);
-    let declared: Vec<u32> = instance.ranks[0]
-        .contract
-        .groups()
+    let declared = instance.ranks[0].contract.groups();
+    // Compared in place; the lists are built only for the refusal.
+    if !declared
         .iter()
         .map(|g| g.id)
-        .collect();
-    let given: Vec<u32> = q.groups.iter().map(|g| g.group).collect();
-    if declared != given {
-        return Err(invalid(InvalidCommand::QueryGroups { given, declared }));
+        .eq(q.groups.iter().map(|g| g.group))
+    {
+        return Err(invalid(InvalidCommand::QueryGroups {
+            given: q.groups.iter().map(|g| g.group).collect(),
+            declared: declared.iter().map(|g| g.id).collect(),
+        }));
     }
     let pages = q.groups[0].hashes.len();
     if q.groups.iter().any(|g| g.hashes.len() != pages) {

@@ -493,23 +493,32 @@ impl RecoveryContract {
     pub fn restorable_boundaries(&self, bundle: &StateBundle) -> Result<Vec<u64>, ContractError> {
         self.check_namespace(bundle.namespace)?;
         self.check_span(bundle.start, bundle.end)?;
-        let mut evidence: BTreeMap<u32, &[u64]> = BTreeMap::new();
-        for ev in &bundle.groups {
+        // A handful of groups: found by a scan, nothing allocated.
+        let evidence = |group: u32| {
+            bundle
+                .groups
+                .iter()
+                .find(|ev| ev.group == group)
+                .map(|ev| &ev.page_ends[..])
+        };
+        for (i, ev) in bundle.groups.iter().enumerate() {
             if self.group(ev.group).is_none() {
                 return Err(ContractError::UnknownGroup(ev.group));
             }
-            if evidence.insert(ev.group, &ev.page_ends).is_some() {
+            if bundle.groups[..i].iter().any(|e| e.group == ev.group) {
                 return Err(ContractError::DuplicateBundleGroup(ev.group));
             }
             self.check_page_ends(ev, bundle.start, bundle.end)?;
         }
-        if let Some(g) = self.groups.iter().find(|g| !evidence.contains_key(&g.id)) {
+        if let Some(g) = self.groups.iter().find(|g| evidence(g.id).is_none()) {
             return Err(ContractError::MissingGroup(g.id));
         }
         // Group 0 is a prefix: every legal boundary is one of its page ends.
         // They ascend, and every demand ends at its boundary, so one
         // forward pass over each group's evidence decides every candidate.
-        let candidates = evidence[&0];
+        let Some(candidates) = evidence(0) else {
+            return Err(ContractError::MissingGroup(0));
+        };
         // Groups whose evidence is one run (the usual case: every page
         // found) narrow the candidates to an interval: a demand is covered
         // when it is empty or lies within the run, and as `b` ascends a
@@ -519,7 +528,8 @@ impl RecoveryContract {
         let (mut lo, mut hi) = (0, candidates.len());
         let mut scattered = Vec::new();
         for g in &self.groups {
-            let ends = evidence[&g.id];
+            // Every declared group has evidence (checked above).
+            let ends = evidence(g.id).unwrap_or_default();
             let Some((first, last)) = contiguous(ends, self.page_tokens) else {
                 scattered.push((g, ends));
                 continue;
@@ -540,6 +550,9 @@ impl RecoveryContract {
         let Some(window) = candidates.get(lo..hi) else {
             return Ok(Vec::new());
         };
+        if scattered.is_empty() {
+            return Ok(window.to_vec());
+        }
         let mut legal = vec![true; window.len()];
         for (g, ends) in scattered {
             let mut runs = RunCursor::new(ends, self.page_tokens);

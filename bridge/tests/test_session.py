@@ -143,6 +143,39 @@ def test_a_batch_of_lookups_answers_as_single_ones(manager):
         assert s.lookup_many([]) == []
 
 
+def test_lookups_in_flight_wrap_the_response_mailbox_and_each_gets_its_own_answer(manager):
+    """Responses travel in a 256-slot mailbox in the connection's area:
+    up to 30 lookups in flight at once, each asking for a different
+    prefix, over many laps of the mailbox, every answer reaches its own
+    ticket, none goes to the socket, and nothing is left held."""
+    e = Engine()
+    with session(manager, e) as s:
+        stored = hashes(4)
+        e.save(s, stored)
+        fallbacks = manager.metric("hot_fallbacks_total") or 0
+        answers = 0
+        for r in range(120):
+            n = 1 + r % 30
+            # Ticket i asks for i % 5 stored pages and then one unknown.
+            asked = {}
+            for i in range(n):
+                k = i % 5
+                h = stored[:k] + hashes(1, seed=1000 + r)
+                asked[s.start_lookup([0], h, 0, len(h) * PAGE + 1)] = k
+            deadline = time.monotonic() + 10
+            while asked:
+                assert time.monotonic() < deadline, f"{len(asked)} lookups unanswered"
+                for ticket, k in list(asked.items()):
+                    got = s.lookup_result(ticket)
+                    if got is not None:
+                        assert got.selected == (k * PAGE if k else None), (ticket, k, got)
+                        del asked[ticket]
+                        answers += 1
+        assert answers == sum(1 + r % 30 for r in range(120)) > 2 * 256
+        assert (manager.metric("hot_fallbacks_total") or 0) == fallbacks
+        manager.wait_metric("leases", 0)
+
+
 def test_warm_wakes_a_sleeping_manager_and_never_connects(manager):
     idle = orbitkv.Session(manager.socket, ss.instance(), name="never-connected")
     idle.warm()  # not connected: nothing, and no connection is made

@@ -622,7 +622,7 @@ impl Area {
         unsafe {
             std::ptr::write_unaligned(self.map.as_mut_ptr().add(slot) as *mut HotResponse, *r)
         };
-        *posted += 1;
+        *posted = posted.wrapping_add(1);
         self.counter(192).store(*posted, Ordering::Release);
         true
     }
@@ -653,7 +653,7 @@ impl Area {
             let r = unsafe {
                 std::ptr::read_unaligned(self.map.as_ptr().add(slot) as *const HotResponse)
             };
-            *taken += 1;
+            *taken = taken.wrapping_add(1);
             each(r);
         }
         self.counter(256).store(*taken, Ordering::Release);

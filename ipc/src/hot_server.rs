@@ -487,8 +487,14 @@ impl HotServer {
                         },
                     )
                 });
-                c.area.post(&mut c.posted, &r);
-                self.stats.responses += 1;
+                if c.area.post(&mut c.posted, &r) {
+                    self.stats.responses += 1;
+                } else {
+                    // Never read: its part goes back to the ring.
+                    for d in &r.parts {
+                        c.area.free(c.area.rep, d);
+                    }
+                }
                 self.wake_check(token);
                 self.active.remove(&key);
             }

@@ -32,6 +32,10 @@ prefix cache is reset between the two passes, so that hits come from the
 connector. The stand-in runner reports its load and store jobs completed
 one step after they were planned, as its worker would.
 
+`--forward-us N` sleeps N us after each step, as a model's forward pass
+takes (the manager goes to sleep meanwhile); `--lookup-batch` sets the
+connector's `lookup_batch`.
+
 For each loop it prints the wall time per request of `schedule()` +
 `update_from_output()`, the ratio to the baseline, and the part spent in
 `get_num_new_matched_tokens` and `build_connector_meta` (timed around the
@@ -95,7 +99,9 @@ class Timed:
         setattr(obj, name, wrapper)
 
 
-def loop(sched, hasher, reqs: List[List[int]], tag: str, async_loads: bool = True) -> float:
+def loop(
+    sched, hasher, reqs: List[List[int]], tag: str, async_loads: bool = True, forward_s: float = 0.0
+) -> float:
     """Runs every request to completion; returns wall seconds. The stand-in
     runner samples one token per finished prefill and reports each planned
     load / delayed free done on the next step (`async_loads`; synchronous
@@ -158,6 +164,8 @@ def loop(sched, hasher, reqs: List[List[int]], tag: str, async_loads: bool = Tru
             kv_connector_output=kvo,
         )
         engine_out = sched.update_from_output(so, out)
+        if forward_s:
+            time.sleep(forward_s)  # the model's step, which the manager sleeps through
         recving = loads if async_loads or offloading else set()
         if offloading:
             # Its request_finished never delays a free: nothing to report.
@@ -183,6 +191,7 @@ def timed_loop(
     async_loads: bool = True,
     manager: Any = None,
     stored: Optional[List[List[int]]] = None,
+    forward_s: float = 0.0,
 ) -> Dict[str, Any]:
     """One timed loop over `reqs` on a new scheduler (with a new connector
     of kind `connector`: "orbitkv" or "offloading"), after a short warm-up
@@ -216,7 +225,7 @@ def timed_loop(
         # frozen, so collections scan only what serving made.
         freeze_gc_heap()
     try:
-        seconds = loop(sched, hasher, reqs, f"{name}{warm_seed}", async_loads)
+        seconds = loop(sched, hasher, reqs, f"{name}{warm_seed}", async_loads, forward_s)
     finally:
         gc.enable()
         gc.unfreeze()
@@ -260,6 +269,19 @@ def main() -> None:
         "step that schedules them)",
     )
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--forward-us",
+        type=int,
+        default=0,
+        help="sleep this long after each step, as a model's forward pass would take "
+        "(the manager goes to sleep meanwhile; ratios then shrink towards 1, compare "
+        "the per-request hook times)",
+    )
+    ap.add_argument(
+        "--lookup-batch",
+        type=int,
+        help="the connector's lookup_batch (default: the connector's own, 8)",
+    )
     ap.add_argument(
         "--no-offloading",
         action="store_true",
@@ -334,7 +356,11 @@ def main() -> None:
                 manager.socket,
                 num_blocks=4096,
                 max_batched=8192,
-                extra={"lookup_wait": not args.no_lookup_wait, "load_mode": args.load_mode},
+                extra={
+                    "lookup_wait": not args.no_lookup_wait,
+                    "load_mode": args.load_mode,
+                    **({} if args.lookup_batch is None else {"lookup_batch": args.lookup_batch}),
+                },
             )
             if connector is None:
                 vc.kv_transfer_config = None
@@ -388,6 +414,7 @@ def main() -> None:
                     async_loads=args.load_mode == "async",
                     manager=manager,
                     stored=stored,
+                    forward_s=args.forward_us / 1e6,
                 )
             base = rows["baseline"]["us_per_request"]
             for name, row in rows.items():
@@ -418,7 +445,9 @@ def main() -> None:
         f"{args.requests} requests of {PROMPT} tokens, 16-token pages, manager {results['manager']}"
         f" (spin_after_work_us {'default' if spin is None else spin}), load {os.getloadavg()[0]:.2f},"
         f" garbage collector {'off' if args.no_gc else 'on (startup heap frozen, as vLLM does)'} in the timed loops,"
-        f" lookup_wait {not args.no_lookup_wait}, load_mode {args.load_mode}"
+        f" lookup_wait {not args.no_lookup_wait}, load_mode {args.load_mode},"
+        f" lookup_batch {'default' if args.lookup_batch is None else args.lookup_batch},"
+        f" forward {args.forward_us} us per step"
     )
     print(
         f"{'round':5} {'loop':9} {'us/req':>8} {'ratio':>6} {'lookup us/req':>13} {'p50':>7} {'p99':>7} "

@@ -1145,15 +1145,22 @@ impl PySession {
 
     /// Many lookups (`(groups, hashes, origin, prompt_len)` each) in one
     /// round trip per 64.
+    #[pyo3(signature = (queries, timeout=None))]
     fn lookup_many(
         slf: &Bound<'_, Self>,
         queries: Vec<(Vec<u32>, Bound<'_, PyAny>, u64, u64)>,
+        timeout: Option<f64>,
     ) -> PyResult<Vec<PyLookup>> {
         let qs = queries
             .iter()
             .map(|(g, h, o, p)| query(g.clone(), h, *o, *p))
             .collect::<PyResult<Vec<_>>>()?;
-        let ls = Self::run(slf, |s, c| s.lookup_many(c, &qs))?;
+        let t = match timeout {
+            Some(t) => Duration::try_from_secs_f64(t)
+                .map_err(|_| PyValueError::new_err(format!("timeout {t}: seconds >= 0")))?,
+            None => slf.get().options.timeout,
+        };
+        let ls = Self::run(slf, |s, c| s.lookup_many_within(c, &qs, t))?;
         ls.into_iter().map(|l| py_lookup(slf.py(), l)).collect()
     }
 

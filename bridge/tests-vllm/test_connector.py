@@ -600,6 +600,57 @@ def test_a_lookup_is_one_round_trip(model, manager):
     no_leaks(manager)
 
 
+@pytest.mark.parametrize("max_age_us", [2000, 1], ids=["fresh", "expired"])
+def test_requests_that_arrived_together_are_looked_up_in_one_round_trip(model, manager, max_age_us):
+    # vLLM tells the connector of each request it adds (`on_new_request`).
+    # When it first asks about one, the scheduler looks up the requests
+    # that arrived with it in the same round trip (`lookup_batch`), and
+    # answers vLLM's later asks from there while the answers are fresh;
+    # an answer past `lookup_batch_max_age_us` is looked up again.
+    extra = {"lookup_batch_max_age_us": max_age_us}
+    stored = [[1000 * k + i for i in range(70)] for k in (1, 2, 3)]
+    # A token budget that schedules the four in one step.
+    with engine(model, manager.socket, max_batched=1024, extra=extra) as e:
+        for k, p in enumerate(stored):
+            e.add(f"A{k}", p)
+        e.run()
+        assert e.sched.reset_prefix_cache()
+        e.wipe()
+        sched = e.connector.scheduler
+        batches: list = []
+        real = sched._lookup_with_others
+
+        def record(session, query):
+            batches.append(len(sched._arrived))
+            return real(session, query)
+
+        sched._lookup_with_others = record
+        before = _sent(sched.link)
+        hits, asked = e.stats.hit_tokens, e.stats.queries
+        # Three extend a stored prompt each (no two share a page, so none
+        # finds another's blocks in vLLM's own cache), one is new.
+        e.add("B", stored[0] + [99, 98])
+        e.add("C", stored[1] + [97])
+        e.add("D", [500 + i for i in range(70)])
+        e.add("E", stored[2] + [96, 95, 94])
+        e.run()
+        assert batches[0] == 3, batches  # B asked; C, D and E taken along
+        assert e.stats.hit_tokens - hits == 3 * 64, e.stats
+        # vLLM asks again about a request it could not schedule yet: that
+        # ask is a lookup of its own.
+        asks = e.stats.queries - asked
+        lookups = _since(before, _sent(sched.link))["lookup"]
+        if max_age_us == 2000:
+            # Each ask answered by one lookup: B's carried C's, D's, E's.
+            assert (len(batches), lookups) == (1, asks), (batches, lookups, asks)
+        else:
+            # Past the age, C, D and E were looked up again, alone.
+            assert lookups == asks + 3, (batches, lookups, asks)
+        assert set("BCDE") <= set(e.finished)
+        assert not sched._arrived
+    no_leaks(manager)
+
+
 def test_a_lookup_sent_without_waiting_hits_when_vllm_asks_again(model, manager):
     # lookup_wait: false: the scheduler sends the lookup and tells vLLM
     # "not yet" (None), so the real scheduler skips the request; at a later

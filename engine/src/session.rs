@@ -633,17 +633,25 @@ impl Session {
         c: &mut dyn Port,
         queries: &[Query],
     ) -> Result<Vec<Lookup>, EngineError> {
+        self.lookup_many_within(c, queries, self.options.timeout)
+    }
+
+    /// [`Session::lookup_many`], every answer within `timeout` of the
+    /// call (past it: [`EngineError::TimedOut`]).
+    pub fn lookup_many_within(
+        &mut self,
+        c: &mut dyn Port,
+        queries: &[Query],
+        timeout: Duration,
+    ) -> Result<Vec<Lookup>, EngineError> {
+        let deadline = Instant::now() + timeout;
         let mut out = Vec::with_capacity(queries.len());
         for chunk in queries.chunks(MAX_BATCH) {
             let commands = chunk.iter().map(|q| self.lookup_command(q)).collect();
             let ids = submit_many(c, "lookup", commands)?;
             for id in ids {
-                out.push(lookup_result(reply(
-                    c,
-                    "lookup",
-                    id,
-                    self.options.timeout,
-                )?)?);
+                let left = deadline.saturating_duration_since(Instant::now());
+                out.push(lookup_result(reply(c, "lookup", id, left)?)?);
             }
         }
         Ok(out)

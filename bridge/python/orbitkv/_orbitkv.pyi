@@ -389,10 +389,13 @@ class Session:
         manager is awake."""
 
     def lookup_many(
-        self, queries: Sequence[Tuple[Sequence[int], Sequence[bytes], int, int]]
+        self,
+        queries: Sequence[Tuple[Sequence[int], Sequence[bytes], int, int]],
+        timeout: Optional[float] = None,
     ) -> List[Lookup]:
         """Many lookups, ``(groups, hashes, origin, prompt_len)`` each, in one
-        round trip per 64."""
+        round trip per 64; every answer within ``timeout`` seconds of the
+        call (default: the session's), else ``TimeoutError``."""
 
     def locate(self, hashes: Sequence[bytes], prompt_len: Optional[int] = None) -> Located:
         """What a load of a prompt would restore now, and from which tier

@@ -158,6 +158,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         self.scheduler.kv_cache_manager = kv_cache_manager
 
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:

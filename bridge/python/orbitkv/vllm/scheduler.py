@@ -67,6 +67,9 @@ class _Request:
     """The request's params were read (once)."""
     load_handoff: Optional[int] = None
     """The handoff id its load takes (the manager's pins return then)."""
+    batched: Optional[Tuple[int, int, float, Any]] = None
+    """``lookup_batch``: an answer looked up along with another request's,
+    ``(pages, link generation, when, Lookup)``, from token 0; used once."""
 
 
 @dataclass
@@ -136,16 +139,28 @@ class SchedulerSide:
         #: A lookup went to the manager since vLLM last collected events
         #: (the end of its step): more are likely in the next step.
         self._looked = False
+        #: Requests vLLM added and has not asked about yet, oldest first:
+        #: a lookup takes some of them along (`lookup_batch`).
+        self._arrived: Dict[str, Any] = {}
+        self._batch = settings.lookup_batch if settings.lookup_wait and settings.load else 1
+        self._batch_age = settings.lookup_batch_max_age_us / 1e6
         # A refusal stops the engine here, naming the setting; a manager
         # that is not up yet only delays the first connection.
         self.link.connect_at_startup()
 
     # vLLM hooks -----------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        # A P/D handoff is waited for, never looked up in a batch.
+        if self._batch > 1 and not getattr(request, "kv_transfer_params", None):
+            self._arrived[request.request_id] = request
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[int, bool]:
         rid = request.request_id
+        if self._arrived:
+            self._arrived.pop(rid, None)
         state = self.requests.get(rid)
         if state is None:
             state = self.requests[rid] = _Request(request)
@@ -258,6 +273,7 @@ class SchedulerSide:
             state.saved_pages = min(state.saved_pages, first)
 
     def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self._arrived.pop(request.request_id, None)
         state = self.requests.pop(request.request_id, None)
         if state is not None and state.pending is not None:
             self.link.session.forget_lookup(state.pending.ticket)
@@ -454,7 +470,12 @@ class SchedulerSide:
             if self.settings.lookup_wait:
                 if not quiet:
                     self._count(origin, pages)
-                found = session.lookup(*query, timeout=self.settings.query_timeout_s)
+                found = self._batched(state, origin, pages)
+                if found is None:
+                    if self._batch > 1 and self._arrived and not quiet:
+                        found = self._lookup_with_others(session, query)
+                    else:
+                        found = session.lookup(*query, timeout=self.settings.query_timeout_s)
             else:
                 found = self._collect(session, state, query, quiet)
                 if found is None:
@@ -477,6 +498,44 @@ class SchedulerSide:
             stats.miss(str(found.miss))
             return None
         return found.selected
+
+    def _batched(self, state: _Request, origin: int, pages: int) -> Any:
+        """The answer looked up along with another request's, if it is for
+        these tokens, of this connection and fresh enough; it is used once."""
+        b = state.batched
+        if b is None:
+            return None
+        state.batched = None
+        if origin != 0 or b[0] != pages or b[1] != self.link.generation:
+            return None
+        if time.monotonic() - b[2] > self._batch_age:
+            return None
+        return b[3]
+
+    def _lookup_with_others(self, session: orbitkv.Session, query: Tuple[Any, ...]) -> Any:
+        """`query`'s answer, looked up in one round trip with the requests
+        that arrived since and were not asked about yet (up to
+        ``lookup_batch`` in all); theirs are kept for when vLLM asks."""
+        queries = [query]
+        others = []
+        page = self.spec.page_tokens
+        while self._arrived and len(queries) < self._batch:
+            rid = next(iter(self._arrived))
+            request = self._arrived.pop(rid)
+            pages = min(len(request.block_hashes), (request.num_tokens - 1) // page)
+            if pages <= 0:
+                continue
+            queries.append((self._group_ids, request.block_hashes[:pages], 0, request.num_tokens))
+            others.append((request, pages))
+        found = session.lookup_many(queries, timeout=self.settings.query_timeout_s)
+        now = time.monotonic()
+        generation = self.link.generation
+        for (request, pages), answer in zip(others, found[1:]):
+            state = self.requests.get(request.request_id)
+            if state is None:
+                state = self.requests[request.request_id] = _Request(request)
+            state.batched = (pages, generation, now, answer)
+        return found[0]
 
     def _count(self, origin: int, pages: int) -> None:
         self.stats.queries += 1

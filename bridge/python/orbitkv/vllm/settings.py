@@ -75,6 +75,17 @@ class ConnectorSettings:
     itself off while the machine is oversubscribed. Pair it with the
     manager's ``[serve] spin_after_work_us`` (docs/vllm.md, "Lookup
     latency")."""
+    lookup_batch: int = 8
+    """``lookup_wait: true``: when vLLM first asks about a request, the
+    scheduler also looks up the requests that arrived after it and were
+    not asked about yet, this many in all, in one round trip
+    (``Session.lookup_many``), each from token 0. A batched answer is used
+    when vLLM asks about its request within ``lookup_batch_max_age_us``
+    and holds no tokens of it locally; otherwise that request is looked up
+    alone. 1..=32; 1 looks every request up alone."""
+    lookup_batch_max_age_us: int = 2000
+    """How long a batched answer stays usable (1..=1000000 us): the
+    manager's pages may change after it."""
     reconnect_interval_s: float = 1.0
     """How often a process retries a manager that is down; in between,
     lookups miss at once and saves are dropped."""
@@ -133,6 +144,15 @@ class ConnectorSettings:
         for key in ("timeout_s", "query_timeout_s", "reconnect_interval_s", "handoff_wait_s"):
             if not getattr(s, key) > 0:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be > 0")
+        if not 1 <= s.lookup_batch <= 32:
+            raise ConfigError(
+                f"kv_connector_extra_config.lookup_batch must be in 1..=32, got {s.lookup_batch}"
+            )
+        if not 1 <= s.lookup_batch_max_age_us <= 1_000_000:
+            raise ConfigError(
+                "kv_connector_extra_config.lookup_batch_max_age_us must be in 1..=1000000, "
+                f"got {s.lookup_batch_max_age_us}"
+            )
         if not 0 <= s.lookup_spin_us <= 10_000:
             raise ConfigError(
                 f"kv_connector_extra_config.lookup_spin_us must be in 0..=10000, got {s.lookup_spin_us}"

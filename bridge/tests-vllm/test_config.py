@@ -45,6 +45,13 @@ def test_unknown_extra_config_key_is_named(model):
     refused(model, "timeout_s must be > 0", extra={"timeout_s": 0})
     refused(model, "lookup_spin_us must be in 0..=10000, got 10001", extra={"lookup_spin_us": 10001})
     refused(model, "lookup_spin_us must be in 0..=10000, got -1", extra={"lookup_spin_us": -1})
+    refused(model, "lookup_batch must be in 1..=32, got 0", extra={"lookup_batch": 0})
+    refused(model, "lookup_batch must be in 1..=32, got 33", extra={"lookup_batch": 33})
+    refused(
+        model,
+        "lookup_batch_max_age_us must be in 1..=1000000, got 0",
+        extra={"lookup_batch_max_age_us": 0},
+    )
 
 
 def test_load_mode_is_checked(model):

@@ -270,6 +270,10 @@ def test_bad_input_is_refused_before_anything_is_sent(manager):
         s.connect()
         with pytest.raises(ValueError, match="hash 1 is not bytes"):
             s.lookup([0], [b"x" * 8, "ab"], 0, 3 * PAGE)
+        with pytest.raises(ValueError, match="hash 1 is not bytes but <class 'bytearray'>"):
+            s.lookup([0], [b"x" * 8, bytearray(8)], 0, 3 * PAGE)
+        with pytest.raises(ValueError, match="hash 2 is not bytes"):
+            s.lookup([0], (b"x" * 8, b"y" * 8, None), 0, 4 * PAGE)
         with pytest.raises(ValueError, match="hash 0"):
             s.lookup([0], [b"x" * 65], 0, PAGE + 1)
         with pytest.raises(ValueError, match="outside region"):

@@ -55,15 +55,19 @@ pub struct NativeHash {
 }
 
 impl NativeHash {
+    #[inline]
     pub fn new(bytes: &[u8]) -> Result<Self, KeyError> {
-        if bytes.is_empty() {
-            return Err(KeyError::EmptyHash);
-        }
-        if bytes.len() > MAX_NATIVE_HASH_BYTES {
-            return Err(KeyError::HashTooLong(bytes.len()));
-        }
         let mut out = [0u8; MAX_NATIVE_HASH_BYTES];
-        out[..bytes.len()].copy_from_slice(bytes);
+        // The lengths engines send (SHA-256 digests, 64-bit ids) copy as
+        // fixed-size moves; a length-generic copy is a `memcpy` call, paid
+        // per page of every query on both sides of the wire.
+        match bytes.len() {
+            0 => return Err(KeyError::EmptyHash),
+            32 => out[..32].copy_from_slice(bytes),
+            8 => out[..8].copy_from_slice(bytes),
+            n if n > MAX_NATIVE_HASH_BYTES => return Err(KeyError::HashTooLong(n)),
+            n => out[..n].copy_from_slice(bytes),
+        }
         Ok(NativeHash {
             len: bytes.len() as u8,
             bytes: out,

@@ -541,6 +541,83 @@ fn requests_the_client_did_not_count_are_still_taken() {
     m.stop();
 }
 
+/// The manager holds at most `MAX_ACTIVE_REQUESTS` open requests of a
+/// connection, whatever the client does: a client that does not cap
+/// itself gets the next one refused with a typed error in its mailbox
+/// (the client's own cap sends it on the socket instead), keeps being
+/// served, and the refused request holds nothing.
+#[test]
+fn the_manager_bounds_a_connections_open_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = start(dir.path());
+    let mut a = connect(&m, "publisher");
+    publish_four(&mut a, &hashes(4), payload);
+    let mut c = connect(&m, "engine");
+    register(&mut c);
+    let (s, _) = open(&mut c);
+    c.hot_set_request_cap(hot::MAX_ACTIVE_REQUESTS + 1);
+    // Queries without prepare that hit park their operation: each keeps
+    // its request open until released.
+    let mut operations = Vec::new();
+    for _ in 0..hot::MAX_ACTIVE_REQUESTS {
+        let r = c.call(query(s, 5, false), T).unwrap();
+        let Event::QueryResult {
+            operation,
+            selected: Some(_),
+            ..
+        } = r
+        else {
+            panic!("{r:?}")
+        };
+        operations.push(operation);
+    }
+    m.wait_metric_until("hot_open_requests", |n| {
+        n == hot::MAX_ACTIVE_REQUESTS as u64
+    });
+    let refused = c.submit(query(s, 5, false));
+    assert!(
+        matches!(&refused, Err(ClientError::Hot(e)) if e.code == HotErrorCode::TooManyRequests
+            && e.detail == hot::MAX_ACTIVE_REQUESTS as u64),
+        "{refused:?}"
+    );
+    // Nothing was opened for it.
+    assert_eq!(
+        m.wait_metric_until("hot_open_requests", |_| true),
+        hot::MAX_ACTIVE_REQUESTS as u64
+    );
+    // Within its bound again, the client sends the releases on the socket
+    // while its 32 requests are open; each ends its query's request.
+    c.hot_set_request_cap(hot::MAX_ACTIVE_REQUESTS);
+    for operation in operations {
+        c.submit(Command::Release {
+            session: s,
+            operation,
+        })
+        .unwrap();
+        let r = c
+            .wait_event(
+                T,
+                |e| matches!(e, Event::Released { operation: o } if *o == operation),
+            )
+            .unwrap();
+        assert!(r.is_some(), "no release of {operation}");
+    }
+    m.wait_metric_until("hot_open_requests", |n| n == 0);
+    let r = c.call(query(s, 5, false), T).unwrap();
+    assert!(
+        matches!(
+            r,
+            Event::QueryResult {
+                selected: Some(_),
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+    drop(c);
+    m.stop();
+}
+
 /// `Client::warm` wakes a sleeping manager without a request (a scheduler
 /// about to plan its next step), counted as `hot_warmed`; without it
 /// nothing wakes the manager and the counter stays.

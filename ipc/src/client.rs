@@ -24,11 +24,11 @@ use std::path::Path;
 use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
-use iceoryx2::prelude::{NodeBuilder, SignalHandlingMode};
+use iceoryx2::prelude::{BackpressureStrategy, NodeBuilder, SignalHandlingMode};
 use orbitkv_components::api::{Command, CommandError, CommandId, Event, LeaseInfo};
 
 use crate::frame::{self, FrameError, Kind};
-use crate::hot::{self, Desc, HotError, HotRequest, HotResponse, Ipc, Reply};
+use crate::hot::{self, Desc, HotError, HotRequest, Ipc, Reply};
 use crate::{
     Accepted, Delivered, Descriptor, DescriptorKind, Hello, HotPathInfo, ProtocolError, Snapshot,
     Submit, Welcome,
@@ -157,26 +157,25 @@ pub struct Sent {
     hot: bool,
 }
 
-type HotPort = iceoryx2::port::client::Client<Ipc, HotRequest, (), HotResponse, ()>;
-type HotPending = iceoryx2::pending_response::PendingResponse<Ipc, HotRequest, (), HotResponse, ()>;
+type HotPort = iceoryx2::port::publisher::Publisher<Ipc, HotRequest, ()>;
 
-/// One open hot request: its response stream and the request-ring records
-/// it wrote (freed once the manager answered: it copied them by then).
+/// One open hot request: its tag and the request-ring records it wrote
+/// (freed once the manager answered: it copied them by then).
 struct Pending {
     tag: u64,
-    response: HotPending,
     parts: [Desc; 3],
     answered: bool,
 }
 
-/// The client's end of the hot path. Fields drop in order: streams and
-/// ports before their services, the node last.
+/// The client's end of the hot path: requests go out on the connection's
+/// iceoryx2 service, responses come back in the area's mailbox. Fields
+/// drop in order: the port before its service, the node last.
 struct HotPath {
+    /// At most `cap`: the manager refuses more than `MAX_ACTIVE_REQUESTS`,
+    /// and the mailbox holds the responses of that many.
     pending: Vec<Pending>,
-    /// Streams of ended requests, dropped while a later wait spins:
-    /// dropping one is about 2.4k instructions of iceoryx2 bookkeeping,
-    /// which would otherwise sit between a response and its caller.
-    retired: Vec<HotPending>,
+    /// `MAX_ACTIVE_REQUESTS`, but for tests of the manager's own bound.
+    cap: usize,
     port: HotPort,
     /// Signalled after a request while the manager sleeps.
     manager_wake: hot::WakeFd,
@@ -194,13 +193,7 @@ struct HotPath {
     token: u64,
     /// First response per tag: the command's id, or why it was not queued.
     first: HashMap<u64, Result<CommandId, ClientError>, foldhash::fast::RandomState>,
-    _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
-        Ipc,
-        HotRequest,
-        (),
-        HotResponse,
-        (),
-    >,
+    _service: iceoryx2::service::port_factory::publish_subscribe::PortFactory<Ipc, HotRequest, ()>,
     _node: iceoryx2::node::Node<Ipc>,
     service: String,
 }
@@ -228,18 +221,23 @@ impl HotPath {
             .as_str()
             .try_into()
             .map_err(|x| e("service name")(&x))?;
-        let rpc = node
+        let service = node
             .service_builder(&name)
-            .request_response::<HotRequest, HotResponse>()
+            .publish_subscribe::<HotRequest>()
             .open()
             .map_err(|x| e("opening the hot service")(&x))?;
-        let port = rpc
-            .client_builder()
+        let port = service
+            .publisher_builder()
+            .max_loaned_samples(1)
+            // Never block the engine on the manager: a request its buffer
+            // has no room for is not delivered, and goes on the socket.
+            .backpressure_strategy(BackpressureStrategy::DiscardData)
             .create()
-            .map_err(|x| e("hot client port")(&x))?;
+            .map_err(|x| e("hot publisher port")(&x))?;
         let area = hot::Area::open(area)?;
         Ok(HotPath {
             pending: Vec::new(),
+            cap: hot::MAX_ACTIVE_REQUESTS,
             port,
             manager_wake,
             wake,
@@ -247,30 +245,25 @@ impl HotPath {
             taken: 0,
             sent: 0,
             undercount: 0,
-            retired: Vec::with_capacity(hot::MAX_ACTIVE_REQUESTS),
             area,
             token: info.token,
             first: HashMap::default(),
-            _rpc: rpc,
+            _service: service,
             _node: node,
             service: info.service.clone(),
         })
     }
 
-    /// Sends a request; `None` when the port refuses (too many open).
+    /// Sends a request; `None` when it was not delivered (too many open,
+    /// or the manager's buffer is full or gone).
     fn send(&mut self, req: HotRequest) -> Option<()> {
-        if self.pending.len() >= hot::MAX_ACTIVE_REQUESTS {
+        if self.pending.len() >= self.cap {
             return None;
         }
-        // iceoryx2 counts a request active until its stream drops.
-        while self.pending.len() + self.retired.len() >= hot::MAX_ACTIVE_REQUESTS {
-            self.retired.pop();
-        }
         match self.port.send_copy(req) {
-            Ok(response) => {
+            Ok(delivered) if delivered > 0 => {
                 self.pending.push(Pending {
                     tag: req.tag,
-                    response,
                     parts: req.parts,
                     answered: false,
                 });
@@ -287,73 +280,19 @@ impl HotPath {
                 }
                 Some(())
             }
-            Err(_) => None,
+            _ => None,
         }
-    }
-
-    /// Takes every response that arrived; returns how many. `look_gone`:
-    /// also look for requests the manager let go of (a locked look per
-    /// open request: a spinning wait does it at its socket's pace, and
-    /// before it blocks).
-    fn poll(
-        &mut self,
-        events: &mut VecDeque<Delivered>,
-        look_gone: bool,
-    ) -> Result<usize, ClientError> {
-        let mut n = self.take(events)?;
-        if !look_gone {
-            return Ok(n);
-        }
-        // Requests the manager let go of without a last response (the
-        // mailbox was full, or the manager is gone). It posts a request's
-        // last response before it lets the request go, so the mailbox is
-        // read once more after seeing requests gone, and only those seen
-        // gone before that read are ended here.
-        let mut gone = [0u64; hot::MAX_ACTIVE_REQUESTS];
-        let mut count = 0;
-        for p in &self.pending {
-            if !p.response.is_connected()
-                && let Some(slot) = gone.get_mut(count)
-            {
-                *slot = p.tag;
-                count += 1;
-            }
-        }
-        if count == 0 {
-            return Ok(n);
-        }
-        fence(Ordering::SeqCst);
-        n += self.take(events)?;
-        for tag in &gone[..count] {
-            let Some(at) = self.pending.iter().position(|p| p.tag == *tag) else {
-                continue;
-            };
-            let p = self.pending.swap_remove(at);
-            if !p.answered {
-                for d in &p.parts {
-                    self.area.free(self.area.req, d);
-                }
-                self.first.insert(
-                    p.tag,
-                    Err(ClientError::Protocol(
-                        "the manager dropped a hot request unanswered".into(),
-                    )),
-                );
-            }
-        }
-        Ok(n)
     }
 
     /// Takes the mailbox's new responses: each to its open request, whose
     /// first response records the command's id (or why it was not
     /// queued); a request ends with its last response.
+    ///
+    /// Every request the manager took ends with a last response (the
+    /// manager holds it open until it posted one); one whose mailbox was
+    /// full, which an honest client never fills, waits out its deadline.
     fn take(&mut self, events: &mut VecDeque<Delivered>) -> Result<usize, ClientError> {
-        let (area, pending, first, retired) = (
-            &self.area,
-            &mut self.pending,
-            &mut self.first,
-            &mut self.retired,
-        );
+        let (area, pending, first) = (&self.area, &mut self.pending, &mut self.first);
         area.take(&mut self.taken, |r| {
             let reply = hot::decode_response(&r, area);
             // A response for no open request (one a client cannot have
@@ -385,7 +324,7 @@ impl HotPath {
                 });
             }
             if last {
-                retired.push(pending.swap_remove(i).response);
+                pending.swap_remove(i);
             }
         })
         .map_err(|e| ClientError::Protocol(format!("hot path mailbox: {e}")))
@@ -737,12 +676,10 @@ impl Client {
                 return Ok(true);
             }
             let look = last >= socket_at;
-            if let Some(h) = self.hot.as_mut() {
-                if h.poll(&mut self.events, look)? > 0 {
-                    return Ok(true);
-                }
-                // Nothing yet: the time to drop an ended request's stream.
-                h.retired.pop();
+            if let Some(h) = self.hot.as_mut()
+                && h.take(&mut self.events)? > 0
+            {
+                return Ok(true);
             }
             let hot_open = self.hot.as_ref().is_some_and(|h| !h.pending.is_empty());
             if !hot_open || look {
@@ -782,7 +719,7 @@ impl Client {
                 // Pairs with the manager's fence between sending a response
                 // and looking at the flag.
                 fence(Ordering::SeqCst);
-                if h.poll(&mut self.events, true)? > 0 {
+                if h.take(&mut self.events)? > 0 {
                     h.area.client_sleeping().store(0, Ordering::Relaxed);
                     return Ok(true);
                 }
@@ -1115,7 +1052,7 @@ impl Client {
     /// Sends a hot command on the hot path; `None` to use the socket.
     fn send_hot(&mut self, command: &Command) -> Option<u64> {
         let h = self.hot.as_mut()?;
-        if !hot::is_hot(command) || h.pending.len() >= hot::MAX_ACTIVE_REQUESTS {
+        if !hot::is_hot(command) || h.pending.len() >= h.cap {
             return None;
         }
         let tag = self.next_tag;
@@ -1158,6 +1095,16 @@ impl Client {
     pub fn hot_undercount_requests(&mut self, by: u64) {
         if let Some(h) = self.hot.as_mut() {
             h.undercount = by;
+        }
+    }
+
+    /// Lets this client have `cap` hot requests open instead of
+    /// `MAX_ACTIVE_REQUESTS` (tests: the manager must refuse past its
+    /// bound on its own).
+    #[doc(hidden)]
+    pub fn hot_set_request_cap(&mut self, cap: usize) {
+        if let Some(h) = self.hot.as_mut() {
+            h.cap = cap;
         }
     }
 

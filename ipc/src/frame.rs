@@ -10,7 +10,9 @@ pub const MAGIC: [u8; 4] = *b"OKVP";
 /// and an iceoryx2 event to eventfds passed with `Welcome`.
 /// 6: hot responses travel in the descriptor area's mailbox (area layout
 /// version 2), not as iceoryx2 responses.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// 7: hot requests are iceoryx2 publish-subscribe samples, not
+/// request-response requests (the responses being in the mailbox since 6).
+pub const PROTOCOL_VERSION: u16 = 7;
 pub const HEADER_BYTES: usize = 16;
 /// The largest payload accepted (a query's hash lists fit comfortably).
 pub const MAX_FRAME_BYTES: u32 = 16 << 20;

@@ -1,6 +1,7 @@
-//! The hot path: the commands an engine step issues (query, prepare,
-//! restore, publish, release, cancel) and their replies, over an iceoryx2
-//! request/response service with small fixed-size messages. Large parts
+//! The hot path: the commands an engine step issues (query, lookup, load,
+//! prepare, restore, publish, release, cancel) as small fixed-size
+//! messages on an iceoryx2 publish-subscribe service, and their replies in
+//! the connection's mailbox (see [`Area`]). Large parts
 //! (hash lists, page lists, restore targets, lease lists) never travel in a
 //! message: they go in a per-connection shared-memory descriptor area, and
 //! the message carries `(offset, len, generation, kind)` descriptors.
@@ -36,11 +37,13 @@ pub type Ipc = iceoryx2::service::ipc_threadsafe::Service;
 /// `"OKVH"`: the first field of every hot message.
 pub const HOT_MAGIC: u32 = u32::from_le_bytes(*b"OKVH");
 /// Requests a client may have open at once (a query's stays open until its
-/// operation ends); past it the client sends commands on the socket.
+/// operation ends); past it the client sends commands on the socket, and
+/// the manager refuses more (`TooManyRequests`). Also the request
+/// service's buffer.
 pub const MAX_ACTIVE_REQUESTS: usize = 32;
 /// Responses one request may get on the hot path; later ones (only
-/// `transfer_overdue` can get there) go on the socket. Equal to the
-/// service's response buffer, so the manager never overwrites or blocks.
+/// `transfer_overdue` can get there) go on the socket, so the mailbox
+/// holds what every open request can be owed.
 pub const MAX_RESPONSES_PER_REQUEST: u32 = 8;
 /// Default size of a connection's descriptor area.
 pub const DEFAULT_AREA_BYTES: u64 = 1 << 20;
@@ -64,7 +67,7 @@ pub fn service_name(incarnation: u64) -> String {
     format!("orbitkv/{incarnation:016x}/rpc")
 }
 
-/// The request/response service of one connection (`conn`, the manager's
+/// The request service of one connection (`conn`, the manager's
 /// id for it): each hot connection has its own.
 pub fn connection_service_name(incarnation: u64, conn: u64) -> String {
     format!("{}/{conn:x}", service_name(incarnation))
@@ -368,6 +371,9 @@ pub enum HotErrorCode {
     DescriptorMismatch = 6,
     /// A part's bytes do not parse (sizes, counts, hash lengths).
     BadPart = 7,
+    /// The connection has `MAX_ACTIVE_REQUESTS` requests open already
+    /// (detail: how many); the client caps itself there.
+    TooManyRequests = 8,
     Unknown = 0xffff,
 }
 
@@ -382,6 +388,7 @@ impl HotErrorCode {
             5 => DescriptorGeneration,
             6 => DescriptorMismatch,
             7 => BadPart,
+            8 => TooManyRequests,
             _ => Unknown,
         }
     }

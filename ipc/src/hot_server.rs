@@ -1,7 +1,7 @@
 //! The manager's end of the hot path: the iceoryx2 node and wake eventfd of
-//! one incarnation, each hot connection's request/response server, wake
-//! eventfd and descriptor
-//! area, the open requests, and which open request each event answers.
+//! one incarnation, each hot connection's request subscriber, wake eventfd
+//! and descriptor area (whose mailbox carries the responses), the open
+//! requests, and which open request each event answers.
 //!
 //! The manager's loop (`src/serve.rs`) drives it: [`HotServer::receive`]
 //! validates requests into commands (bad ones get a typed error reply
@@ -21,13 +21,13 @@
 use std::os::fd::{OwnedFd, RawFd};
 use std::sync::atomic::{Ordering, fence};
 
-use iceoryx2::prelude::{BackpressureStrategy, NodeBuilder, SignalHandlingMode};
+use iceoryx2::prelude::{NodeBuilder, SignalHandlingMode};
 use orbitkv_components::api::{Command, CommandError, CommandId, Event};
 
 use crate::HotPathInfo;
 use crate::hot::{
-    self, Area, HotError, HotErrorCode, HotRequest, HotResponse, Ipc, Op, RESP_LAST, RespKind,
-    RingWriter, WakeFd,
+    self, Area, HotError, HotErrorCode, HotRequest, Ipc, Op, RESP_LAST, RespKind, RingWriter,
+    WakeFd,
 };
 
 /// The server's maps: keyed by counters, tokens and ids; only looked up
@@ -42,7 +42,8 @@ const FULL_LOOK_EVERY: u64 = 64;
 /// The shortest time between two sweeps for dead clients' nodes.
 const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
-type ActiveRequest = iceoryx2::active_request::ActiveRequest<Ipc, HotRequest, (), HotResponse, ()>;
+type RequestPorts =
+    iceoryx2::service::port_factory::publish_subscribe::PortFactory<Ipc, HotRequest, ()>;
 
 /// The socket connection a hot request belongs to (the manager's id).
 pub type ConnId = u64;
@@ -55,11 +56,11 @@ pub struct Incoming {
     pub command: Command,
 }
 
-/// A hot connection: its descriptor area and its own request/response
-/// service. One service per connection, not one for all: iceoryx2 makes a
-/// server reclaim returned chunks over every connected client's channels
-/// at each response it sends, so one shared service made every reply cost
-/// more with each engine process connected.
+/// A hot connection: its descriptor area and its own request service
+/// (publish-subscribe: the client publishes, the manager subscribes; the
+/// responses go to the area's mailbox). One service per connection, not
+/// one for all: a port's bookkeeping at each send and receive grows with
+/// the channels of the service.
 struct Conn {
     conn: ConnId,
     area: Area,
@@ -69,24 +70,18 @@ struct Conn {
     /// Requests taken from the service (the manager's own count, against
     /// the client's `Area::requests_sent`).
     received: u64,
+    /// Requests of this connection in `HotServer::active`: at most
+    /// `MAX_ACTIVE_REQUESTS` (a client's mailbox holds the responses of
+    /// that many).
+    open: usize,
     /// Declared before the service, so the port drops first.
-    server: iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
+    requests: iceoryx2::port::subscriber::Subscriber<Ipc, HotRequest, ()>,
     /// Signalled after a response to a client that said it blocks.
     client_wake: WakeFd,
-    _rpc: iceoryx2::service::port_factory::request_response::PortFactory<
-        Ipc,
-        HotRequest,
-        (),
-        HotResponse,
-        (),
-    >,
+    _service: RequestPorts,
 }
 
 struct Active {
-    /// Held while the request is open, answered through the mailbox: the
-    /// client's side of it stays connected until the manager lets it go,
-    /// which is how a client learns of a request dropped unanswered.
-    _request: ActiveRequest,
     token: u64,
     tag: u64,
     op: Op,
@@ -223,7 +218,7 @@ impl HotServer {
         };
         let (file, area) = Area::create("orbitkv-hot-area", self.area_bytes)?;
         let service = hot::connection_service_name(self.incarnation, conn);
-        let (rpc, server) = self.open_service(&service).map_err(std::io::Error::other)?;
+        let (ports, requests) = self.open_service(&service).map_err(std::io::Error::other)?;
         let client_wake = WakeFd::new()?;
         let fds = [
             OwnedFd::from(file),
@@ -243,10 +238,11 @@ impl HotServer {
                 writer: RingWriter::new(area.rep),
                 posted: 0,
                 received: 0,
+                open: 0,
                 area,
-                server,
+                requests,
                 client_wake,
-                _rpc: rpc,
+                _service: ports,
             },
         );
         self.tokens.insert(conn, token);
@@ -254,49 +250,41 @@ impl HotServer {
         Ok(Registered { info, fds })
     }
 
-    /// Creates one connection's request/response service and its server.
-    #[allow(clippy::type_complexity)]
+    /// Creates one connection's request service and the manager's
+    /// subscriber. Its buffer holds a client's `MAX_ACTIVE_REQUESTS`, and a
+    /// full buffer refuses a request (the client sends it on the socket)
+    /// rather than overwrite the oldest: no request is ever lost unseen.
     fn open_service(
         &self,
         name: &str,
     ) -> Result<
         (
-            iceoryx2::service::port_factory::request_response::PortFactory<
-                Ipc,
-                HotRequest,
-                (),
-                HotResponse,
-                (),
-            >,
-            iceoryx2::port::server::Server<Ipc, HotRequest, (), HotResponse, ()>,
+            RequestPorts,
+            iceoryx2::port::subscriber::Subscriber<Ipc, HotRequest, ()>,
         ),
         String,
     > {
-        let rpc = self
+        let ports = self
             ._node
             .service_builder(&name.try_into().map_err(|e| err("name")(&e))?)
-            .request_response::<HotRequest, HotResponse>()
-            .max_servers(1)
-            .max_clients(1)
+            .publish_subscribe::<HotRequest>()
+            .max_publishers(1)
+            .max_subscribers(1)
             // The manager's node and the client's, and one a restarted
             // client's node may still hold for a moment.
             .max_nodes(3)
-            .max_active_requests_per_client(hot::MAX_ACTIVE_REQUESTS)
-            .max_response_buffer_size(hot::MAX_RESPONSES_PER_REQUEST as usize)
-            .max_borrowed_responses_per_pending_response(2)
-            .max_loaned_requests(2)
-            .enable_fire_and_forget_requests(false)
+            .history_size(0)
+            .subscriber_max_buffer_size(hot::MAX_ACTIVE_REQUESTS)
+            .subscriber_max_borrowed_samples(1)
+            .enable_safe_overflow(false)
             .create()
             .map_err(|e| err("creating a hot service")(&e))?;
-        let server = rpc
-            .server_builder()
-            // Never block the loop on a client: the response cap per
-            // request keeps a live client's buffer from filling.
-            .backpressure_strategy(BackpressureStrategy::DiscardData)
-            .max_loaned_responses_per_request(2)
+        let requests = ports
+            .subscriber_builder()
+            .buffer_size(hot::MAX_ACTIVE_REQUESTS)
             .create()
-            .map_err(|e| err("hot server port")(&e))?;
-        Ok((rpc, server))
+            .map_err(|e| err("hot subscriber port")(&e))?;
+        Ok((ports, requests))
     }
 
     /// Forgets a connection: its open requests close unanswered.
@@ -339,7 +327,7 @@ impl HotServer {
     pub fn has_requests(&self) -> bool {
         self.conns
             .values()
-            .any(|c| c.server.has_requests().unwrap_or(false))
+            .any(|c| c.requests.has_samples().unwrap_or(false))
     }
 
     /// Before blocking: tells every hot client to notify the wake service
@@ -395,16 +383,21 @@ impl HotServer {
                 if !full && c.area.requests_sent().load(Ordering::Acquire) == c.received {
                     break;
                 }
-                let request = match c.server.receive() {
-                    Ok(Some(r)) => r,
+                let r: HotRequest = match c.requests.receive() {
+                    // Copied out: the sample goes back to the client now.
+                    Ok(Some(sample)) => *sample.payload(),
                     _ => break,
                 };
                 c.received = c.received.wrapping_add(1);
                 self.stats.requests += 1;
-                let r: HotRequest = *request.payload();
                 // A request speaks for the connection whose service it came
                 // through, and must carry that connection's token.
-                let checked = if r.magic != hot::HOT_MAGIC {
+                let checked = if c.open >= hot::MAX_ACTIVE_REQUESTS {
+                    Err(HotError {
+                        code: HotErrorCode::TooManyRequests,
+                        detail: c.open as u64,
+                    })
+                } else if r.magic != hot::HOT_MAGIC {
                     Err(HotError {
                         code: HotErrorCode::BadMagic,
                         detail: r.magic as u64,
@@ -429,10 +422,10 @@ impl HotServer {
                     Ok((command, op)) => {
                         let key = self.next_key;
                         self.next_key += 1;
+                        c.open += 1;
                         self.active.insert(
                             key,
                             Active {
-                                _request: request,
                                 token,
                                 tag: r.tag,
                                 op,
@@ -450,10 +443,7 @@ impl HotServer {
                         if let Some(c) = self.conns.get_mut(&token) {
                             c.area.post(&mut c.posted, &hot::error_response(r.tag, e));
                         }
-                        // Before the request drops (the client's sign that
-                        // the manager let it go).
                         self.wake_check(token);
-                        drop(request);
                     }
                 }
             }
@@ -496,7 +486,7 @@ impl HotServer {
                     }
                 }
                 self.wake_check(token);
-                self.active.remove(&key);
+                self.close(key);
             }
         }
     }
@@ -674,6 +664,13 @@ impl HotServer {
 
     fn close(&mut self, key: u64) {
         if let Some(a) = self.active.remove(&key) {
+            if let Some(c) = self.conns.get_mut(&a.token) {
+                assert!(
+                    c.open > 0,
+                    "closing a request its connection does not count"
+                );
+                c.open -= 1;
+            }
             if let Some(cid) = a.command
                 && self.by_command.get(&cid) == Some(&key)
             {

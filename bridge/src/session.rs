@@ -159,6 +159,16 @@ fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<NativeHash>> {
     Ok(out)
 }
 
+/// A lookup's group ids: a list of a few ints, read item by item (pyo3's
+/// generic sequence extraction was 600 instructions of every lookup);
+/// any other sequence as pyo3 extracts it.
+fn group_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    match obj.cast::<PyList>() {
+        Ok(list) => list.iter().map(|g| g.extract::<u32>()).collect(),
+        Err(_) => obj.extract(),
+    }
+}
+
 fn query(groups: Vec<u32>, h: &Bound<'_, PyAny>, origin: u64, prompt_len: u64) -> PyResult<Query> {
     Ok(Query {
         groups,
@@ -1099,13 +1109,13 @@ impl PySession {
     #[pyo3(signature = (groups, hashes, origin, prompt_len, timeout=None))]
     fn lookup(
         slf: &Bound<'_, Self>,
-        groups: Vec<u32>,
+        groups: &Bound<'_, PyAny>,
         hashes: &Bound<'_, PyAny>,
         origin: u64,
         prompt_len: u64,
         timeout: Option<f64>,
     ) -> PyResult<PyLookup> {
-        let q = query(groups, hashes, origin, prompt_len)?;
+        let q = query(group_ids(groups)?, hashes, origin, prompt_len)?;
         let t = match timeout {
             Some(t) => Duration::try_from_secs_f64(t)
                 .map_err(|_| PyValueError::new_err(format!("timeout {t}: seconds >= 0")))?,
@@ -1120,12 +1130,12 @@ impl PySession {
     /// answer; `forget_lookup(ticket)` gives it up.
     fn start_lookup(
         slf: &Bound<'_, Self>,
-        groups: Vec<u32>,
+        groups: &Bound<'_, PyAny>,
         hashes: &Bound<'_, PyAny>,
         origin: u64,
         prompt_len: u64,
     ) -> PyResult<u64> {
-        let q = query(groups, hashes, origin, prompt_len)?;
+        let q = query(group_ids(groups)?, hashes, origin, prompt_len)?;
         Self::run(slf, |s, c| s.start_lookup(c, &q))
     }
 

@@ -5,7 +5,7 @@
 use bevy_ecs::prelude::*;
 use bevy_ecs::system::SystemParam;
 use orbitkv_components::api::{Candidates, CommandId, Event, MissReason};
-use orbitkv_components::contract::{GroupEvidence, StateBundle};
+use orbitkv_components::contract::{GroupEvidence, RequiredRange, StateBundle};
 use orbitkv_components::ecs::{Instance, OpState, Operation, Outcome, Recovery, at};
 use orbitkv_components::{StateKey, common_boundaries, prompt_limit, select_boundary};
 use orbitkv_io::tier::BackingTier;
@@ -105,6 +105,14 @@ pub fn conclude(
         (None, None) => (None, Vec::new(), Some(MissReason::Namespace)),
         (None, Some(instance)) => select(instance, rec, &mut candidates),
     };
+    // The ranges a selected boundary needs: what a later prepare or load
+    // leases, and what the cost gate weighs. A lookup that no gate weighs
+    // ends here, and they would be built only to be dropped.
+    if let (Some(b), Some(instance)) = (selected, instance)
+        && (!rec.peek || policy.prefill_tokens_per_s > 0)
+    {
+        rec.ranges = required_ranges(instance, rec.origin, b);
+    }
     let slower = |rec: &Recovery| {
         instance.is_some_and(|instance| {
             slower_than_recompute(policy, rates, rec, instance, dram, tiers)
@@ -194,19 +202,23 @@ fn select(
         return (None, common, Some(MissReason::NoLegalBoundary));
     };
     rec.selected = Some(selected);
-    rec.ranges = instance
+    (Some(selected), common, None)
+}
+
+/// Every rank's `required_ranges` for `[origin, selected)`.
+fn required_ranges(instance: &Instance, origin: u64, selected: u64) -> Vec<(u32, RequiredRange)> {
+    instance
         .ranks
         .iter()
         .enumerate()
         .flat_map(|(index, rank)| {
             rank.contract
-                .required_ranges(rank.namespace, rec.origin, selected)
+                .required_ranges(rank.namespace, origin, selected)
                 .expect("selected boundary is aligned and within the span")
                 .into_iter()
                 .map(move |r| (index as u32, r))
         })
-        .collect();
-    (Some(selected), common, None)
+        .collect()
 }
 
 /// Whether loading `rec`'s selected ranges would take longer than the

@@ -24,7 +24,10 @@ requests (512-token prompts, one output token):
             load is reported; with `--load-mode layerwise` the load runs in
             the step that schedules the request.
 
-and, unless `--no-offloading`, the same two loops with vLLM's own
+then `null`, the same requests' kind of loop with a connector that does
+nothing (`null_connector.py`: every lookup finds no tokens): the floor of
+any connector, what vLLM's scheduler spends on having one at all. And,
+unless `--no-offloading`, the same two loops with vLLM's own
 `OffloadingConnector` (its CPU spec; the scheduler side is what runs here)
 in place of OrbitKV's: `off_miss` on new prompts, and `off_hit` on prompts
 the same scheduler ran once before (its loads are asynchronous). vLLM's
@@ -139,6 +142,7 @@ def loop(
         so = sched.schedule()
         meta = so.kv_connector_metadata
         offloading = isinstance(meta, OffloadingConnectorMetadata)
+        null = type(meta).__name__ == "NullMetadata"
         if offloading:
             loads = {j.req_id for j in meta.load_jobs.values() if not j.sync}
         else:
@@ -167,7 +171,9 @@ def loop(
         if forward_s:
             time.sleep(forward_s)  # the model's step, which the manager sleeps through
         recving = loads if async_loads or offloading else set()
-        if offloading:
+        if null:
+            pass  # it delays no free: nothing to report
+        elif offloading:
             # Its request_finished never delays a free: nothing to report.
             jobs = {j: 1 for j in (*meta.load_jobs, *meta.store_jobs)}
         else:
@@ -364,6 +370,13 @@ def main() -> None:
             )
             if connector is None:
                 vc.kv_transfer_config = None
+            elif connector == "null":
+                sys.path.insert(0, str(Path(__file__).resolve().parent))
+                vc.kv_transfer_config = KVTransferConfig(
+                    kv_connector="NullConnector",
+                    kv_connector_module_path="null_connector",
+                    kv_role="kv_both",
+                )
             elif connector == "offloading":
                 # vLLM's native CPU offloading, room for every page of the
                 # stored prompts (its scheduler side keeps only bookkeeping).
@@ -395,6 +408,7 @@ def main() -> None:
                 ("baseline", None, prompts(args.requests, seed=2 + 10 * r), None),
                 ("miss", "orbitkv", prompts(args.requests, seed=3 + 10 * r), None),
                 ("hit", "orbitkv", hit_prompts, None),
+                ("null", "null", prompts(args.requests, seed=6 + 10 * r), None),
             ]
             if not args.no_offloading:
                 off_hit = prompts(args.requests, seed=5 + 10 * r)
@@ -464,7 +478,17 @@ def main() -> None:
             )
     print(
         f"median ratio over {len(results['rounds'])} rounds: miss {results['miss_median_ratio']:.2f}x, "
-        f"hit {results['hit_median_ratio']:.2f}x"
+        f"hit {results['hit_median_ratio']:.2f}x; a connector that does nothing (null): "
+        f"{results['null_median_ratio']:.2f}x"
+    )
+    # What OrbitKV adds beyond the floor any connector pays in vLLM.
+    beyond = {
+        name: sorted(rw[name]["added_us_per_request"] - rw["null"]["added_us_per_request"] for rw in results["rounds"])
+        for name in ("miss", "hit")
+    }
+    print(
+        "OrbitKV's added us/req beyond the null connector's, per round (sorted): "
+        + ", ".join(f"{name} " + " ".join(f"{a:.1f}" for a in beyond[name]) for name in beyond)
     )
     if "off_miss_median_ratio" in results:
         added = {

@@ -176,6 +176,8 @@ struct HotPath {
     pending: Vec<Pending>,
     /// `MAX_ACTIVE_REQUESTS`, but for tests of the manager's own bound.
     cap: usize,
+    /// Where response parts are copied out of the reply ring to be parsed.
+    scratch: Vec<u8>,
     port: HotPort,
     /// Signalled after a request while the manager sleeps.
     manager_wake: hot::WakeFd,
@@ -238,6 +240,7 @@ impl HotPath {
         Ok(HotPath {
             pending: Vec::new(),
             cap: hot::MAX_ACTIVE_REQUESTS,
+            scratch: Vec::new(),
             port,
             manager_wake,
             wake,
@@ -292,9 +295,14 @@ impl HotPath {
     /// manager holds it open until it posted one); one whose mailbox was
     /// full, which an honest client never fills, waits out its deadline.
     fn take(&mut self, events: &mut VecDeque<Delivered>) -> Result<usize, ClientError> {
-        let (area, pending, first) = (&self.area, &mut self.pending, &mut self.first);
+        let (area, pending, first, scratch) = (
+            &self.area,
+            &mut self.pending,
+            &mut self.first,
+            &mut self.scratch,
+        );
         area.take(&mut self.taken, |r| {
-            let reply = hot::decode_response(&r, area);
+            let reply = hot::decode_response_with(&r, area, scratch);
             // A response for no open request (one a client cannot have
             // asked for): its parts are freed by the decode, and it is
             // dropped.

@@ -670,6 +670,21 @@ impl Area {
     /// Validates `desc` against `ring` and copies its payload out. The
     /// record stays as it is (see [`Area::free`]).
     pub fn read(&self, ring: Ring, desc: &Desc, kind: u32) -> Result<Vec<u8>, HotError> {
+        let mut out = Vec::new();
+        self.read_into(ring, desc, kind, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Area::read`] into `out` (replacing what it held), so a reader
+    /// that keeps one buffer allocates nothing per part.
+    pub fn read_into(
+        &self,
+        ring: Ring,
+        desc: &Desc,
+        kind: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<(), HotError> {
+        out.clear();
         let off = desc.offset as usize;
         let bounds = HotError::new(HotErrorCode::DescriptorBounds, desc.offset as u64);
         if !off.is_multiple_of(RECORD_ALIGN)
@@ -700,17 +715,21 @@ impl Area {
                 desc.len as u64,
             ));
         }
-        let mut out = vec![0u8; desc.len as usize];
-        // SAFETY: `at + 16 + len <= ring end` (checked above). The peer may
-        // write concurrently; the copy is parsed, never trusted.
+        let len = desc.len as usize;
+        out.reserve(len);
+        // SAFETY: `at + 16 + len <= ring end` (checked above), and `out`
+        // has room for `len` bytes, which the copy initialises before the
+        // length covers them. The peer may write concurrently; the copy is
+        // parsed, never trusted.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.map.as_ptr().add(at + RECORD_HEADER),
                 out.as_mut_ptr(),
-                out.len(),
-            )
-        };
-        Ok(out)
+                len,
+            );
+            out.set_len(len);
+        }
+        Ok(())
     }
 
     /// Marks a record read (its writer may reuse the space). Ignores
@@ -1460,45 +1479,81 @@ fn query_head(
 /// The manager's side: a hot request back into a command, validating every
 /// descriptor against the connection's request ring.
 pub fn decode_request(r: &HotRequest, area: &Area) -> Result<Command, HotError> {
+    decode_request_with(r, area, &mut Vec::new())
+}
+
+/// [`decode_request`], each part copied into `buf` (which the caller keeps
+/// from request to request) before it is parsed.
+pub fn decode_request_with(
+    r: &HotRequest,
+    area: &Area,
+    buf: &mut Vec<u8>,
+) -> Result<Command, HotError> {
     let ring = area.req;
-    let part = |i: usize, kind: u32| -> Result<Vec<u8>, HotError> {
-        let d = &r.parts[i];
+    // A part's bytes, copied out of the ring; empty for an empty part.
+    fn read<'b>(
+        area: &Area,
+        ring: Ring,
+        d: &Desc,
+        kind: u32,
+        buf: &'b mut Vec<u8>,
+    ) -> Result<&'b [u8], HotError> {
         if d.is_empty() {
-            Ok(Vec::new())
+            buf.clear();
         } else {
-            area.read(ring, d, kind)
+            area.read_into(ring, d, kind, buf)?;
         }
-    };
+        Ok(&buf[..])
+    }
     let session = session_of(r.session);
     let op = Op::from_u32(r.op).ok_or(HotError::new(HotErrorCode::UnknownOp, r.op as u64))?;
     Ok(match op {
         Op::Query => Command::Query {
             session,
             request: r.a,
-            groups: decode_groups(&part(0, part::GROUPS)?)?,
+            groups: decode_groups(read(area, ring, &r.parts[0], part::GROUPS, buf)?)?,
             origin: r.origin,
             prompt_len: r.prompt_len,
-            expect_namespaces: decode_namespaces(&part(1, part::NAMESPACES)?)?,
+            expect_namespaces: decode_namespaces(read(
+                area,
+                ring,
+                &r.parts[1],
+                part::NAMESPACES,
+                buf,
+            )?)?,
             prepare: r.flags & REQ_PREPARE != 0,
             speculative: r.flags & REQ_SPECULATIVE != 0,
         },
         Op::Lookup => Command::Lookup {
             session,
             request: r.a,
-            groups: decode_groups(&part(0, part::GROUPS)?)?,
+            groups: decode_groups(read(area, ring, &r.parts[0], part::GROUPS, buf)?)?,
             origin: r.origin,
             prompt_len: r.prompt_len,
-            expect_namespaces: decode_namespaces(&part(1, part::NAMESPACES)?)?,
+            expect_namespaces: decode_namespaces(read(
+                area,
+                ring,
+                &r.parts[1],
+                part::NAMESPACES,
+                buf,
+            )?)?,
         },
         Op::Load => {
-            let (ranks, targets, retained) = decode_load(&part(2, part::LOAD)?)?;
+            let (ranks, targets, retained) =
+                decode_load(read(area, ring, &r.parts[2], part::LOAD, buf)?)?;
             Command::Load {
                 session,
                 request: r.a,
-                groups: decode_groups(&part(0, part::GROUPS)?)?,
+                groups: decode_groups(read(area, ring, &r.parts[0], part::GROUPS, buf)?)?,
                 origin: r.origin,
                 prompt_len: r.prompt_len,
-                expect_namespaces: decode_namespaces(&part(1, part::NAMESPACES)?)?,
+                expect_namespaces: decode_namespaces(read(
+                    area,
+                    ring,
+                    &r.parts[1],
+                    part::NAMESPACES,
+                    buf,
+                )?)?,
                 ranks,
                 targets,
                 retained,
@@ -1520,18 +1575,18 @@ pub fn decode_request(r: &HotRequest, area: &Area) -> Result<Command, HotError> 
         Op::Restore => Command::Restore {
             session,
             operation: r.a,
-            targets: decode_targets(&part(0, part::TARGETS)?)?,
-            retained: decode_positions(&part(1, part::RETAINED)?)?,
+            targets: decode_targets(read(area, ring, &r.parts[0], part::TARGETS, buf)?)?,
+            retained: decode_positions(read(area, ring, &r.parts[1], part::RETAINED, buf)?)?,
         },
         Op::Publish => {
-            let b = part(0, part::PUBLISH)?;
+            let b = read(area, ring, &r.parts[0], part::PUBLISH, buf)?;
             Command::Publish {
                 session,
                 request: r.a,
                 pages: if b.is_empty() {
                     Vec::new()
                 } else {
-                    decode_publish(&b)?
+                    decode_publish(b)?
                 },
             }
         }
@@ -1699,34 +1754,52 @@ pub enum Reply {
 /// reply ring and freeing them. A response that does not parse is an
 /// error the caller reports (the manager is the one at fault).
 pub fn decode_response(r: &HotResponse, area: &Area) -> Result<Reply, HotError> {
+    decode_response_with(r, area, &mut Vec::new())
+}
+
+/// [`decode_response`], each part copied into `buf` (which the caller
+/// keeps from response to response) before it is parsed.
+pub fn decode_response_with(
+    r: &HotResponse,
+    area: &Area,
+    buf: &mut Vec<u8>,
+) -> Result<Reply, HotError> {
     let ring = area.rep;
-    let part = |i: usize, kind: u32| -> Result<Vec<u8>, HotError> {
-        let d = &r.parts[i];
+    // A part's bytes, copied out of the ring, whose record is freed
+    // either way; empty for an empty part.
+    fn read<'b>(
+        area: &Area,
+        ring: Ring,
+        d: &Desc,
+        kind: u32,
+        buf: &'b mut Vec<u8>,
+    ) -> Result<&'b [u8], HotError> {
+        buf.clear();
         if d.is_empty() {
-            return Ok(Vec::new());
+            return Ok(&buf[..]);
         }
-        let b = area.read(ring, d, kind);
+        let read = area.read_into(ring, d, kind, buf);
         area.free(ring, d);
-        b
-    };
+        read.map(|()| &buf[..])
+    }
     if r.magic != HOT_MAGIC {
         return Err(HotError::new(HotErrorCode::BadMagic, r.magic as u64));
     }
     let kind = RespKind::from_u32(r.kind).ok_or(bad_part(r.kind as u64))?;
-    fn json<T: serde::de::DeserializeOwned>(b: Vec<u8>) -> Result<T, HotError> {
-        serde_json::from_slice(&b).map_err(|_| bad_part(b.len() as u64))
+    fn json<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, HotError> {
+        serde_json::from_slice(b).map_err(|_| bad_part(b.len() as u64))
     }
     Ok(match kind {
         RespKind::Accepted => Reply::Accepted,
-        RespKind::Refused => Reply::Refused(json(part(0, part::JSON)?)?),
+        RespKind::Refused => Reply::Refused(json(read(area, ring, &r.parts[0], part::JSON, buf)?)?),
         RespKind::Error => Reply::Error(HotError::new(HotErrorCode::from_u32(r.code), r.a)),
-        RespKind::EventJson => Reply::Event(json(part(0, part::JSON)?)?),
+        RespKind::EventJson => Reply::Event(json(read(area, ring, &r.parts[0], part::JSON, buf)?)?),
         RespKind::QueryResult => Reply::Event(Event::QueryResult {
             command: r.command,
             request: r.b,
             operation: r.a,
-            candidates: decode_candidates(&part(0, part::CANDIDATES)?)?,
-            common: decode_u64s(&part(1, part::COMMON)?)?,
+            candidates: decode_candidates(read(area, ring, &r.parts[0], part::CANDIDATES, buf)?)?,
+            common: decode_u64s(read(area, ring, &r.parts[1], part::COMMON, buf)?)?,
             selected: (r.flags & RESP_SELECTED != 0).then_some(r.c),
             miss: miss_from(r.code)?,
         }),
@@ -1734,8 +1807,8 @@ pub fn decode_response(r: &HotResponse, area: &Area) -> Result<Reply, HotError> 
         RespKind::Ready => Reply::Event(Event::Ready {
             operation: r.a,
             boundary: r.b,
-            ranges: decode_ranges(&part(0, part::RANGES)?)?,
-            leases: decode_leases(&part(1, part::LEASES)?)?,
+            ranges: decode_ranges(read(area, ring, &r.parts[0], part::RANGES, buf)?)?,
+            leases: decode_leases(read(area, ring, &r.parts[1], part::LEASES, buf)?)?,
             pages_from_dram: r.c,
             pages_from_tiers: r.d,
         }),

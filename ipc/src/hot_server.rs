@@ -70,6 +70,9 @@ struct Conn {
     /// Requests taken from the service (the manager's own count, against
     /// the client's `Area::requests_sent`).
     received: u64,
+    /// Where request parts are copied out of the request ring to be
+    /// parsed (kept between requests; never more than the ring holds).
+    scratch: Vec<u8>,
     /// Requests of this connection in `HotServer::active`: at most
     /// `MAX_ACTIVE_REQUESTS` (a client's mailbox holds the responses of
     /// that many).
@@ -239,6 +242,7 @@ impl HotServer {
                 posted: 0,
                 received: 0,
                 open: 0,
+                scratch: Vec::new(),
                 area,
                 requests,
                 client_wake,
@@ -408,7 +412,7 @@ impl HotServer {
                         detail: r.token,
                     })
                 } else {
-                    hot::decode_request(&r, &c.area)
+                    hot::decode_request_with(&r, &c.area, &mut c.scratch)
                 };
                 // `decode_request` accepted the op, so it is known.
                 let checked = checked.and_then(|command| {

@@ -87,6 +87,15 @@ create_exception!(
     "The manager does not answer (down, restarting, too slow), or the session's connection can no longer be trusted and was given up; the next call reconnects (at most once per `reconnect_interval`)."
 );
 
+/// The manager's socket when a configuration names none: `ORBITKV_SOCKET`
+/// if set, else where `orbitkv serve` listens by default
+/// (`$XDG_RUNTIME_DIR/orbitkv.sock`, else `/tmp/orbitkv-<uid>/orbitkv.sock`).
+/// The manager's own rule, so an adapter's default always finds it.
+#[pyfunction]
+fn default_socket() -> String {
+    orbitkv_ipc::client_socket().to_string_lossy().into_owned()
+}
+
 /// OrbitKV's native module; import `orbitkv` instead.
 #[pymodule]
 fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -123,5 +132,6 @@ fn _orbitkv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(contract::vllm_window_past_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(identity::compute_identity, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_uds_roundtrip, m)?)?;
+    m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     Ok(())
 }

@@ -532,3 +532,16 @@ def test_the_spin_budget_is_bounded_and_waits_still_answer(manager):
             assert c.ping() > 0
     finally:
         c.close()
+
+
+def test_default_socket_is_the_managers_rule(monkeypatch, tmp_path):
+    # ORBITKV_SOCKET first (`orbitkv serve --socket` reads it too), then
+    # the manager's own default: one rule for the manager and every adapter.
+    monkeypatch.setenv("ORBITKV_SOCKET", str(tmp_path / "named.sock"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert orbitkv.default_socket() == str(tmp_path / "named.sock")
+    monkeypatch.setenv("ORBITKV_SOCKET", "")
+    assert orbitkv.default_socket() == str(tmp_path / "orbitkv.sock")
+    monkeypatch.delenv("ORBITKV_SOCKET")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert orbitkv.default_socket() == f"/tmp/orbitkv-{os.getuid()}/orbitkv.sock"

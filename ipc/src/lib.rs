@@ -48,6 +48,35 @@ pub use snapshot::{ConnectionSummary, Health, Snapshot, Window};
 use orbitkv_components::api::{Command, CommandError, Event};
 use serde::{Deserialize, Serialize};
 
+/// Where `orbitkv serve` listens unless told otherwise:
+/// `$XDG_RUNTIME_DIR/orbitkv.sock`, else `/tmp/orbitkv-<uid>/orbitkv.sock`
+/// (in a directory of mode 0700 the manager makes: a socket straight in
+/// `/tmp` could be taken by any user first). The manager and every client
+/// read this one rule.
+pub fn default_socket() -> std::path::PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => std::path::PathBuf::from(dir).join("orbitkv.sock"),
+        _ => fallback_socket_dir().join("orbitkv.sock"),
+    }
+}
+
+/// `/tmp/orbitkv-<uid>`: the socket's directory when `XDG_RUNTIME_DIR`
+/// is unset.
+pub fn fallback_socket_dir() -> std::path::PathBuf {
+    // SAFETY: getuid has no preconditions.
+    std::path::PathBuf::from(format!("/tmp/orbitkv-{}", unsafe { libc::getuid() }))
+}
+
+/// The socket a client uses when its configuration names none:
+/// `ORBITKV_SOCKET` (as `orbitkv serve --socket` reads it) if set and not
+/// empty, else [`default_socket`].
+pub fn client_socket() -> std::path::PathBuf {
+    match std::env::var_os("ORBITKV_SOCKET") {
+        Some(s) if !s.is_empty() => std::path::PathBuf::from(s),
+        _ => default_socket(),
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Hello {

@@ -205,22 +205,7 @@ pub fn parse_size(s: &str) -> Result<u64, ServeError> {
     n.checked_mul(mult).ok_or_else(|| bad("overflows"))
 }
 
-/// `$XDG_RUNTIME_DIR/orbitkv.sock`, else `/tmp/orbitkv-<uid>/orbitkv.sock`
-/// (in a directory of mode 0700 the manager makes: a socket straight in
-/// `/tmp` could be taken by any user first).
-pub fn default_socket() -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("orbitkv.sock"),
-        _ => fallback_socket_dir().join("orbitkv.sock"),
-    }
-}
-
-/// `/tmp/orbitkv-<uid>`: the socket's directory when `XDG_RUNTIME_DIR`
-/// is unset.
-pub fn fallback_socket_dir() -> PathBuf {
-    // SAFETY: getuid has no preconditions.
-    PathBuf::from(format!("/tmp/orbitkv-{}", unsafe { libc::getuid() }))
-}
+pub use orbitkv_ipc::{default_socket, fallback_socket_dir};
 
 impl Settings {
     pub fn from_args(args: &Args) -> Result<Settings, ServeError> {

@@ -914,6 +914,12 @@ def _uds_roundtrip(iterations: int, message_bytes: int = 16) -> List[float]:
     """Benchmark helper: round trips over a Unix socket pair between two
     Rust threads (blocking), seconds each."""
 
+def default_socket() -> str:
+    """The manager's socket when a configuration names none:
+    ``ORBITKV_SOCKET`` if set, else where ``orbitkv serve`` listens by
+    default (``$XDG_RUNTIME_DIR/orbitkv.sock``, else
+    ``/tmp/orbitkv-<uid>/orbitkv.sock``): the manager's own rule."""
+
 def required_ranges(
     contract: _Contract, start: int, end: int, namespace: Optional[str] = None
 ) -> List[Tuple[int, int, int]]:

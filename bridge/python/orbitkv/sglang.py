@@ -103,23 +103,12 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 # Configuration
 
 
-def _default_socket() -> str:
-    env = os.environ.get("ORBITKV_SOCKET")
-    if env:
-        return env
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run:
-        return os.path.join(run, "orbitkv.sock")
-    # As `orbitkv serve` chooses it: a per-uid directory of mode 0700.
-    return f"/tmp/orbitkv-{os.getuid()}/orbitkv.sock"
-
-
 @dataclass(frozen=True)
 class OrbitKVConfig:
     """Our keys of SGLang's ``--hicache-storage-backend-extra-config``
     (``docs/sglang.md`` lists them). Every bound is here."""
 
-    socket: str = field(default_factory=_default_socket)
+    socket: str = field(default_factory=orbitkv.default_socket)
     #: Bound on each wait for the manager (a reply, ``ready``). Longer than
     #: the manager's own deadlines (5 s to prepare, 5 s for a publish to
     #: find DRAM), which answer first with a miss; past it the manager is

@@ -8,22 +8,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping
 
+import orbitkv
+
 
 class ConfigError(ValueError):
     """vLLM is configured in a way the connector cannot serve safely. Raised
     at startup, naming the setting."""
-
-
-def default_socket() -> str:
-    """The manager's default socket, as ``orbitkv serve`` chooses it."""
-    env = os.environ.get("ORBITKV_SOCKET")
-    if env:
-        return env
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "orbitkv.sock")
-    # A per-uid directory of mode 0700, as `orbitkv serve` makes it.
-    return f"/tmp/orbitkv-{os.getuid()}/orbitkv.sock"
 
 
 LOAD_MODES = ("async", "layerwise")
@@ -131,7 +121,7 @@ class ConnectorSettings:
                 + f" (known: {', '.join(sorted(known))})"
             )
         values: Dict[str, Any] = {
-            "socket": default_socket(),
+            "socket": orbitkv.default_socket(),
             "events": os.environ.get("ORBITKV_EVENTS_ADDR", ""),
         }
         for key, value in extra.items():

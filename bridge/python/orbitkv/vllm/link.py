@@ -51,28 +51,17 @@ class Refused(ManagerError):
     """The manager answered a command with a typed refusal.
 
     `command` is the refused command, `error` the manager's `CommandError`
-    as it arrived (``{"error": kind, "detail": ...}``), `reason` a short
-    label for metrics (``unknown_rank``, ``contract``, ``instance_conflict``
-    ...), `setting` what the operator must change."""
+    as it arrived (``{"error": kind, "detail": ...}``), `reason` the
+    manager's label for it, as its refusal metric counts it
+    (``unknown_rank``, ``contract``, ``instance_conflict``,
+    ``limit_<name>`` ...), `setting` what the operator must change."""
 
-    def __init__(self, command: str, error: Dict[str, Any], setting: str, message: str):
+    def __init__(self, command: str, reason: str, error: Dict[str, Any], setting: str, message: str):
         super().__init__(message)
         self.command = command
+        self.reason = reason
         self.error = error
         self.setting = setting
-        self.reason = refusal_reason(error)
-
-
-def refusal_reason(error: Dict[str, Any]) -> str:
-    """The label of a manager refusal: the `InvalidCommand` kind, the
-    limit's name, or the error itself."""
-    kind = str(error.get("error", "unknown"))
-    detail = error.get("detail")
-    if kind == "invalid" and isinstance(detail, dict) and "kind" in detail:
-        return str(detail["kind"])
-    if kind == "limit" and isinstance(detail, dict) and "name" in detail:
-        return f"limit_{detail['name']}"
-    return kind
 
 
 _SERVE_QUOTAS = (
@@ -129,15 +118,14 @@ def _setting_for(reason: str, detail: Any, spec: EngineSpec, rank: Optional[int]
     return f"the manager refused it ({reason}: {d})"
 
 
-def refused(
-    command: str, event: Dict[str, Any], spec: EngineSpec, rank: Optional[int] = None
-) -> Refused:
-    """A `Refused` for a `rejected` answer to `command`."""
-    error = event.get("error") or {}
-    reason = refusal_reason(error)
+def refused(e: orbitkv.Refused, spec: EngineSpec, rank: Optional[int] = None) -> Refused:
+    """A `Refused` naming the setting, for the session's refusal `e`
+    (`args`: kind, the manager's reason label, message, error)."""
+    kind, reason, error = str(e.args[0]), str(e.args[1]), e.args[3] or {}
+    error = error or {"error": kind}
     setting = _setting_for(reason, error.get("detail"), spec, rank)
     return Refused(
-        command, error, setting, f"the OrbitKV manager refused {command} ({reason}): {setting}"
+        e.command, reason, error, setting, f"the OrbitKV manager refused {e.command} ({reason}): {setting}"
     )
 
 
@@ -237,7 +225,7 @@ class ManagerLink:
 
     def refused(self, e: orbitkv.Refused) -> Refused:
         """Counts and logs a refusal; returns it as a `Refused`."""
-        r = refused(e.command, {"error": e.args[3] or {"error": e.args[0]}}, self.spec, self.rank)
+        r = refused(e, self.spec, self.rank)
         self._refused(r)
         return r
 

@@ -32,7 +32,7 @@ struct Node<K> {
 #[derive(Debug, Clone)]
 pub struct LruOrder<K: Copy + Eq + Hash> {
     /// Key -> its node in `nodes`.
-    node_of: HashMap<K, u32, foldhash::fast::RandomState>,
+    node_of: HashMap<K, u32, orbitkv_components::KeyHasher>,
     nodes: Vec<Node<K>>,
     /// The oldest and the most recent item's nodes.
     head: u32,

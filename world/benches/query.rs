@@ -8,7 +8,7 @@
 //! untimed tick. The baseline looks the same 3 × 2048 `StateKey`s up in an
 //! FxHash map (`rustc_hash::FxHashMap<StateKey, u64>`), the fastest general
 //! map available, so the ratio does not flatter the runtime. A second line
-//! compares with the index's own map type (foldhash, seeded per process),
+//! compares with the index's own map type (`KeyHasher`, keyed per process),
 //! which separates the runtime's work from the cost of a seeded hash.
 //!
 //! Page hashes are 32-byte digests, as vLLM's default `sha256_cbor` block
@@ -244,7 +244,7 @@ fn main() {
         l_ns / (3 * PAGES) as f64
     );
     println!("query tick / FxHash lookups = {:.2}x", q_ns / l_ns);
-    // The index's own map type (foldhash, seeded per process: clients
+    // The index's own map type (`KeyHasher`, keyed per process: clients
     // choose their native hashes), on the same keys: what the lookups
     // alone cost the runtime, apart from FxHash's cheaper, unseeded mix.
     let own: KeyMap<u64> = s
@@ -266,7 +266,7 @@ fn main() {
         |n| (0..n).map(|_| query_once(&mut s, false)).sum(),
     );
     println!(
-        "KeyMap (foldhash) lookups of the same keys: {:.1} us/pass; query tick / KeyMap lookups = {:.2}x",
+        "KeyMap (KeyHasher) lookups of the same keys: {:.1} us/pass; query tick / KeyMap lookups = {:.2}x",
         o_ns / 1e3,
         q_ns / o_ns
     );

@@ -126,6 +126,19 @@ pub fn render(s: &Snapshot) -> String {
             h.expired
         ));
     }
+    if let Some(p) = &s.presence {
+        let state = match &p.closed_because {
+            None => "open".to_owned(),
+            Some(why) => format!("closed ({why}: every lookup asks the manager)"),
+        };
+        o.push_str(&format!(
+            "presence filter: {state}, {:.1}% of {} set; {} misses answered by engines; {} rebuilds\n",
+            p.fill * 100.0,
+            gib(p.bytes),
+            p.misses_answered,
+            p.rebuilds
+        ));
+    }
     o.push_str(&window("last minute", &s.last_minute));
     o.push_str(&window("since start", &s.total));
     o.push_str(&format!("connections {}\n", s.connections.len()));

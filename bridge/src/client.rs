@@ -256,6 +256,13 @@ impl PyClient {
         st.client.as_mut().map(f)
     }
 
+    /// Runs `f` on the connection if its lock is free now (callable with
+    /// the GIL: it never waits); `None` when it is taken or closed.
+    pub(crate) fn try_with_client<R>(&self, f: impl FnOnce(&mut Client) -> R) -> Option<R> {
+        let mut st = self.state.try_lock().ok()?;
+        st.client.as_mut().map(f)
+    }
+
     /// Closes the connection without the GIL (see `close`).
     pub(crate) fn close_detached(&self) {
         let client = {

@@ -25,7 +25,7 @@ use orbitkv_engine::{
     Ticket,
 };
 use orbitkv_ipc::Client;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -162,6 +162,13 @@ fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<NativeHash>> {
 /// A lookup's group ids: a list of a few ints, read item by item (pyo3's
 /// generic sequence extraction was 600 instructions of every lookup);
 /// any other sequence as pyo3 extracts it.
+/// Hash `i` of a list of bytes; `None` for anything else (the full
+/// conversion then names what is wrong).
+fn hash_at(obj: &Bound<'_, PyAny>, i: usize) -> Option<NativeHash> {
+    let item = obj.cast::<PyList>().ok()?.get_item(i).ok()?;
+    NativeHash::new(item.cast::<pyo3::types::PyBytes>().ok()?.as_bytes()).ok()
+}
+
 fn group_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     match obj.cast::<PyList>() {
         Ok(list) => list.iter().map(|g| g.extract::<u32>()).collect(),
@@ -188,6 +195,11 @@ pub struct PyLookup {
     candidates: Vec<(u32, u32, Vec<u64>)>,
     /// Boundaries every group could resume at.
     common: Vec<u64>,
+    /// `str(miss)`, without the enum's Python `__str__`.
+    reason: Option<&'static str>,
+    /// Answered in this process from the manager's presence filter (a
+    /// certain miss), without a round trip.
+    local: bool,
 }
 
 #[pymethods]
@@ -209,6 +221,8 @@ impl PyLookup {
 fn py_lookup(py: Python<'_>, l: Lookup) -> PyResult<PyLookup> {
     Ok(PyLookup {
         selected: l.selected,
+        reason: l.miss.map(|m| m.as_str()),
+        local: l.local,
         miss: l.miss.map(|m| miss(py, m).map(Bound::unbind)).transpose()?,
         candidates: l
             .candidates
@@ -737,6 +751,39 @@ impl PySession {
 
     /// Runs a verb on the session; a failure that makes the connection
     /// untrustworthy drops it (the next call reconnects).
+    /// The miss the presence filter answers a lookup with, if it does, looked at
+    /// with the GIL held and converting only the one hash it checks. It
+    /// never waits for a lock: when one is taken the lookup goes the full
+    /// way (which checks the filter again).
+    fn filter_miss(
+        slf: &Bound<'_, Self>,
+        groups: &[u32],
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+    ) -> Option<Lookup> {
+        let Ok(mut inner) = slf.get().inner.try_lock() else {
+            return None;
+        };
+        let Inner {
+            client: Some(Backend::Client(c)),
+            session: Some(session),
+            ..
+        } = &mut *inner
+        else {
+            return None;
+        };
+        c.get()
+            .try_with_client(|client| {
+                let first = session
+                    .filter_index(client, origin)
+                    .and_then(|i| hash_at(hashes, i))?;
+                session
+                    .answer_from_filter(client, groups, &first)
+                    .then(|| session.local_miss())
+            })
+            .flatten()
+    }
+
     fn run<R: Send>(
         slf: &Bound<'_, Self>,
         f: impl FnOnce(&mut Session, &mut dyn orbitkv_engine::Port) -> Result<R, EngineError> + Send,
@@ -996,6 +1043,9 @@ impl PySession {
     /// Sessions opened so far: handles of an older generation are dead.
     #[getter]
     fn generation(&self, py: Python<'_>) -> u64 {
+        if let Ok(inner) = self.inner.try_lock() {
+            return inner.generation;
+        }
         py.detach(|| self.lock().generation)
     }
 
@@ -1100,9 +1150,26 @@ impl PySession {
         Self::run(slf, |s, c| s.device_pages(c, region, &slots))
     }
 
+    /// The miss `lookup` would answer from the manager's presence filter
+    /// without a round trip (a `Lookup` with ``local`` set), or ``None``
+    /// when only the manager can answer. Reads one hash; never waits.
+    fn lookup_local(
+        slf: &Bound<'_, Self>,
+        groups: &Bound<'_, PyAny>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+    ) -> PyResult<Option<PyLookup>> {
+        let groups = group_ids(groups)?;
+        if let Some(l) = Self::filter_miss(slf, &groups, hashes, origin) {
+            return py_lookup(slf.py(), l).map(Some);
+        }
+        Ok(None)
+    }
+
     /// Where the manager would resume a prompt whose page hashes (`bytes`,
     /// page order, the same for every group of `groups`) are `hashes`,
-    /// past `origin` tokens of `prompt_len`. One round trip; holds nothing.
+    /// past `origin` tokens of `prompt_len`. One round trip (none for a
+    /// miss the presence filter proves, see `lookup_local`); holds nothing.
     ///
     /// :param timeout: seconds to wait (default: the session's); past it
     ///     ``TimeoutError``, and the connection stays.
@@ -1115,7 +1182,11 @@ impl PySession {
         prompt_len: u64,
         timeout: Option<f64>,
     ) -> PyResult<PyLookup> {
-        let q = query(group_ids(groups)?, hashes, origin, prompt_len)?;
+        let groups = group_ids(groups)?;
+        if let Some(l) = Self::filter_miss(slf, &groups, hashes, origin) {
+            return py_lookup(slf.py(), l);
+        }
+        let q = query(groups, hashes, origin, prompt_len)?;
         let t = match timeout {
             Some(t) => Duration::try_from_secs_f64(t)
                 .map_err(|_| PyValueError::new_err(format!("timeout {t}: seconds >= 0")))?,
@@ -1182,17 +1253,34 @@ impl PySession {
         queries: Vec<(Vec<u32>, Bound<'_, PyAny>, u64, u64)>,
         timeout: Option<f64>,
     ) -> PyResult<Vec<PyLookup>> {
-        let qs = queries
-            .iter()
-            .map(|(g, h, o, p)| query(g.clone(), h, *o, *p))
-            .collect::<PyResult<Vec<_>>>()?;
+        // Certain misses are answered before the others' hashes are read.
+        let mut out: Vec<Option<Lookup>> = Vec::with_capacity(queries.len());
+        let mut qs = Vec::new();
+        for (g, h, o, p) in queries {
+            if let Some(l) = Self::filter_miss(slf, &g, &h, o) {
+                out.push(Some(l));
+            } else {
+                qs.push(query(g, &h, o, p)?);
+                out.push(None);
+            }
+        }
         let t = match timeout {
             Some(t) => Duration::try_from_secs_f64(t)
                 .map_err(|_| PyValueError::new_err(format!("timeout {t}: seconds >= 0")))?,
             None => slf.get().options.timeout,
         };
-        let ls = Self::run(slf, |s, c| s.lookup_many_within(c, &qs, t))?;
-        ls.into_iter().map(|l| py_lookup(slf.py(), l)).collect()
+        let mut asked = if qs.is_empty() {
+            Vec::new()
+        } else {
+            Self::run(slf, |s, c| s.lookup_many_within(c, &qs, t))?
+        }
+        .into_iter();
+        out.into_iter()
+            .map(|l| match l.or_else(|| asked.next()) {
+                Some(l) => py_lookup(slf.py(), l),
+                None => Err(PyRuntimeError::new_err("a lookup without an answer")),
+            })
+            .collect()
     }
 
     /// What a load of a prompt would restore on this host now, and from

@@ -6,7 +6,7 @@ use orbitkv_components::api::{
     AgentRegion, Candidates, Command, CommandError, CommandId, Event, GroupHashes, LeaseInfo,
     MissReason, PagePos, PublishPage, RestoreTarget, SessionHandle,
 };
-use orbitkv_components::contract::RequiredRange;
+use orbitkv_components::contract::{RequiredRange, Rule};
 use orbitkv_components::key::NativeHash;
 use orbitkv_components::namespace::Namespace;
 use orbitkv_ipc::{Client, ClientError, Delivered};
@@ -52,6 +52,33 @@ pub struct Lookup {
     pub candidates: Vec<Candidates>,
     /// Boundaries every group could resume at.
     pub common: Vec<u64>,
+    /// Answered here from the presence filter, without asking the manager.
+    pub local: bool,
+}
+
+impl Lookup {
+    /// The miss a lookup answered here from the presence filter is: what
+    /// the manager answers when group 0's first page is in no tier
+    /// (`not_found`, no page of any rank's groups, `groups` in order).
+    pub fn not_found(ranks: usize, groups: &[u32]) -> Lookup {
+        let mut groups = groups.to_vec();
+        groups.sort_unstable();
+        Lookup {
+            selected: None,
+            miss: Some(MissReason::NotFound),
+            candidates: (0..ranks as u32)
+                .flat_map(|rank| {
+                    groups.iter().map(move |&group| Candidates {
+                        rank,
+                        group,
+                        page_ends: Vec::new(),
+                    })
+                })
+                .collect(),
+            common: Vec::new(),
+            local: true,
+        }
+    }
 }
 
 /// Where a load's pages go: the ranks it loads, the device page of every
@@ -143,6 +170,14 @@ pub struct Session {
     /// Lookups sent without waiting ([`Session::start_lookup`]), by ticket.
     lookups: HashMap<u64, PendingLookup>,
     next_lookup: u64,
+    /// The instance's tokens per page and storage groups, and whether
+    /// group 0 is a prefix (then a lookup whose first page the presence
+    /// filter says is absent is a certain miss).
+    page_tokens: u64,
+    group_ids: Vec<u32>,
+    prefix_first: bool,
+    /// Lookups answered from the presence filter, without a round trip.
+    pub answered_here: u64,
 }
 
 /// A lookup in flight: sent, its id once known; `forgotten` ones are kept
@@ -241,6 +276,18 @@ impl Session {
             )));
         };
         let instance = instance.clone();
+        let (page_tokens, group_ids, prefix_first) = match &register {
+            Command::RegisterInstance {
+                page_tokens,
+                groups,
+                ..
+            } => (
+                *page_tokens,
+                groups.iter().map(|g| g.id).collect::<Vec<u32>>(),
+                groups.iter().any(|g| g.id == 0 && g.rule == Rule::Prefix),
+            ),
+            _ => (0, Vec::new(), false),
+        };
         let t = options.timeout;
         let namespaces = match call(c, "register_instance", register, t)? {
             Event::InstanceRegistered { namespaces, .. } => namespaces,
@@ -272,7 +319,62 @@ impl Session {
             strays: 0,
             lookups: HashMap::new(),
             next_lookup: 0,
+            page_tokens,
+            group_ids,
+            prefix_first,
+            answered_here: 0,
         })
+    }
+
+    /// Which hash of a lookup from `origin` the presence filter checks
+    /// (group 0's first page asked for), or `None` when the filter cannot
+    /// answer for this session: the port has none, group 0 is not a
+    /// prefix, or `origin` is not page-aligned.
+    pub fn filter_index(&self, c: &dyn Port, origin: u64) -> Option<usize> {
+        c.presence()?;
+        if !self.prefix_first || self.page_tokens == 0 || !origin.is_multiple_of(self.page_tokens) {
+            return None;
+        }
+        usize::try_from(origin / self.page_tokens).ok()
+    }
+
+    /// Whether the presence filter proves a lookup of `groups` a miss,
+    /// `first` being its hash at [`Session::filter_index`]: the groups are
+    /// the instance's, and no tier holds group 0's `first` (a lookup that
+    /// finds no page there ends with no candidates; the manager would
+    /// answer `not_found`). Counted as answered here when it does.
+    pub fn answer_from_filter(
+        &mut self,
+        c: &mut dyn Port,
+        groups: &[u32],
+        first: &NativeHash,
+    ) -> bool {
+        let (Some(presence), Some(namespace)) = (c.presence(), self.namespaces.first()) else {
+            return false;
+        };
+        if !self.prefix_first
+            || groups.len() != self.group_ids.len()
+            || !self.group_ids.iter().all(|g| groups.contains(g))
+            || !presence.absent(namespace, 0, first)
+        {
+            return false;
+        }
+        self.answered_here += 1;
+        c.note_answered_here(1);
+        true
+    }
+
+    /// A miss answered here ([`Lookup::not_found`] for this instance).
+    pub fn local_miss(&self) -> Lookup {
+        Lookup::not_found(self.namespaces.len(), &self.group_ids)
+    }
+
+    /// [`Session::answer_from_filter`] for a whole query.
+    fn certain_miss(&mut self, c: &mut dyn Port, q: &Query) -> bool {
+        match self.filter_index(c, q.origin).and_then(|i| q.hashes.get(i)) {
+            Some(first) => self.answer_from_filter(c, &q.groups, first),
+            None => false,
+        }
     }
 
     pub fn handle(&self) -> SessionHandle {
@@ -436,6 +538,9 @@ impl Session {
         q: &Query,
         timeout: Duration,
     ) -> Result<Lookup, EngineError> {
+        if self.certain_miss(c, q) {
+            return Ok(self.local_miss());
+        }
         let command = self.lookup_command(q);
         let id = submit(c, "lookup", command)?;
         let deadline = Instant::now() + timeout;
@@ -645,13 +750,24 @@ impl Session {
         timeout: Duration,
     ) -> Result<Vec<Lookup>, EngineError> {
         let deadline = Instant::now() + timeout;
-        let mut out = Vec::with_capacity(queries.len());
-        for chunk in queries.chunks(MAX_BATCH) {
-            let commands = chunk.iter().map(|q| self.lookup_command(q)).collect();
+        // Certain misses are answered here; the others are asked.
+        let mut out: Vec<Lookup> = Vec::with_capacity(queries.len());
+        let mut asked = Vec::new();
+        for (i, q) in queries.iter().enumerate() {
+            out.push(self.local_miss());
+            if !self.certain_miss(c, q) {
+                asked.push(i);
+            }
+        }
+        for chunk in asked.chunks(MAX_BATCH) {
+            let commands = chunk
+                .iter()
+                .map(|&i| self.lookup_command(&queries[i]))
+                .collect();
             let ids = submit_many(c, "lookup", commands)?;
-            for id in ids {
+            for (&i, id) in chunk.iter().zip(ids) {
                 let left = deadline.saturating_duration_since(Instant::now());
-                out.push(lookup_result(reply(c, "lookup", id, left)?)?);
+                out[i] = lookup_result(reply(c, "lookup", id, left)?)?;
             }
         }
         Ok(out)
@@ -1169,6 +1285,16 @@ pub trait Port {
             "this port answers no lookups of where pages are".into(),
         ))
     }
+    /// The manager's presence filter (`orbitkv_ipc::presence`), where this
+    /// port has one: a lookup whose first page it says is absent misses
+    /// without a round trip.
+    fn presence(&self) -> Option<&orbitkv_ipc::presence::PresenceView> {
+        None
+    }
+    /// Counts `n` lookups answered from the presence filter.
+    fn note_answered_here(&mut self, n: u64) {
+        let _ = n;
+    }
 }
 
 /// A command sent without waiting: queued already (an embedded runtime),
@@ -1182,6 +1308,14 @@ pub enum Sending {
 impl Port for Client {
     fn submit(&mut self, command: Command) -> Result<CommandId, ClientError> {
         Client::submit(self, command)
+    }
+
+    fn presence(&self) -> Option<&orbitkv_ipc::presence::PresenceView> {
+        Client::presence(self)
+    }
+
+    fn note_answered_here(&mut self, n: u64) {
+        Client::note_answered_here(self, n)
     }
 
     fn submit_many(
@@ -1309,6 +1443,7 @@ fn lookup_result(e: Event) -> Result<Lookup, EngineError> {
             miss,
             candidates,
             common,
+            local: false,
         }),
         other => Err(unexpected("lookup", &other)),
     }

@@ -301,6 +301,14 @@ pub trait BackingTier: Send {
     /// Lists every indexed page as stored again over the next drains
     /// (while recording): the subscriber was told to forget.
     fn relist_changes(&mut self) {}
+
+    /// Calls `f` with every page the index holds now (the manager's
+    /// presence filter is rebuilt from them) and returns true; false,
+    /// calling nothing, where the tier cannot list them all (the remote
+    /// store: other hosts add pages it learns of only when asked).
+    fn list_keys(&self, _f: &mut dyn FnMut(&StateKey)) -> bool {
+        false
+    }
 }
 
 /// Miss reasons of a tier on this host (SSD).
@@ -842,6 +850,15 @@ impl BackingTier for MemoryTier {
 
     fn unavailable(&self) -> bool {
         self.pages().down()
+    }
+
+    fn list_keys(&self, f: &mut dyn FnMut(&StateKey)) -> bool {
+        let p = self.pages();
+        if p.remote.is_some() {
+            return false;
+        }
+        p.pages.keys().for_each(f);
+        true
     }
 
     fn lookup(&self, key: &StateKey) -> Option<TierEntry> {

@@ -414,6 +414,8 @@ pub struct Client {
     lookups_unanswered: usize,
     hot: Option<HotPath>,
     hot_error: Option<String>,
+    /// The manager's presence filter, mapped read-only (with the hot path).
+    presence: Option<crate::presence::PresenceView>,
     /// Commands sent, by kind (`Command::kind`).
     sent: HashMap<&'static str, u64>,
 }
@@ -459,6 +461,7 @@ impl Client {
                 pool_bytes: 0,
                 max_frame_bytes: 0,
                 hot: None,
+                presence: None,
             },
             pool: None,
             pool_file: None,
@@ -484,6 +487,7 @@ impl Client {
             lookups_unanswered: 0,
             hot: None,
             hot_error: None,
+            presence: None,
             sent: HashMap::new(),
         };
         c.send(&frame::encode(
@@ -530,6 +534,17 @@ impl Client {
                             }
                         }
                     }
+                    // The presence filter's last; only used with the hot
+                    // path (whose area counts what it answers).
+                    if c.welcome.presence.is_some()
+                        && let Some(fd) = fds.next()
+                        && c.hot.is_some()
+                    {
+                        match crate::presence::PresenceView::open(&std::fs::File::from(fd)) {
+                            Ok(v) => c.presence = Some(v),
+                            Err(e) => c.hot_error = Some(format!("presence filter not used: {e}")),
+                        }
+                    }
                     return Ok(c);
                 }
                 Some((Kind::Error, payload)) => {
@@ -544,6 +559,21 @@ impl Client {
 
     pub fn incarnation(&self) -> u64 {
         self.welcome.incarnation
+    }
+
+    /// The manager's presence filter, when this client has it.
+    pub fn presence(&self) -> Option<&crate::presence::PresenceView> {
+        self.presence.as_ref()
+    }
+
+    /// Counts `n` lookups answered from the presence filter (for the
+    /// manager's metrics).
+    pub fn note_answered_here(&self, n: u64) {
+        if let Some(h) = &self.hot {
+            h.area
+                .answered_here()
+                .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// The hot path's iceoryx2 service when this client uses it.

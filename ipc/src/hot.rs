@@ -426,6 +426,24 @@ pub struct Ring {
     pub cap: usize,
 }
 
+/// A memfd of `len` bytes that nobody can resize from now on (a client
+/// that shrank memory the manager maps would fault its next read).
+pub(crate) fn sealed_memfd(name: &str, len: u64) -> io::Result<File> {
+    let fd = memfd::MemfdOptions::default()
+        .close_on_exec(true)
+        .allow_sealing(true)
+        .create(name)
+        .map_err(io::Error::other)?;
+    fd.as_file().set_len(len)?;
+    fd.add_seals(&[
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealSeal,
+    ])
+    .map_err(io::Error::other)?;
+    Ok(fd.into_file())
+}
+
 /// A connection's descriptor area (a memfd both sides map): a 4 KiB header,
 /// the response mailbox (manager writes, client reads), the request ring
 /// (client writes, manager reads) and the reply ring (manager writes,
@@ -440,6 +458,7 @@ pub struct Ring {
 /// 192  posted:u64           (responses the manager wrote, ever)
 /// 256  taken:u64            (responses the client read, ever)
 /// 320  requests_sent:u64    (requests the client sent, ever)
+/// 384  answered_here:u64    (lookups the client answered from the presence filter, ever)
 /// 4096 the mailbox: MAILBOX_SLOTS × 128-byte `HotResponse`s
 /// ```
 ///
@@ -469,21 +488,9 @@ impl Area {
         let fixed = AREA_HEADER_BYTES + MAILBOX_BYTES;
         let bytes = (bytes as usize).max(fixed + 2 * 4096);
         let half = ((bytes - fixed) / 2) & !(RECORD_ALIGN - 1);
-        let fd = memfd::MemfdOptions::default()
-            .close_on_exec(true)
-            .allow_sealing(true)
-            .create(name)
-            .map_err(io::Error::other)?;
-        fd.as_file().set_len((fixed + 2 * half) as u64)?;
         // The client writes the area but must not resize it: a shrunk
         // memfd would fault the manager's next read of it (SIGBUS).
-        fd.add_seals(&[
-            memfd::FileSeal::SealShrink,
-            memfd::FileSeal::SealGrow,
-            memfd::FileSeal::SealSeal,
-        ])
-        .map_err(io::Error::other)?;
-        let file = fd.into_file();
+        let file = sealed_memfd(name, (fixed + 2 * half) as u64)?;
         let map = memmap2::MmapRaw::map_raw(&file)?;
         let area = Area {
             map,
@@ -601,6 +608,12 @@ impl Area {
     /// when it is ahead of its own count (and at times regardless).
     pub fn requests_sent(&self) -> &AtomicU64 {
         self.counter(320)
+    }
+
+    /// The client's count of the lookups it answered as misses from the
+    /// presence filter, without sending them (the manager's metrics).
+    pub fn answered_here(&self) -> &AtomicU64 {
+        self.counter(384)
     }
 
     fn counter(&self, at: usize) -> &AtomicU64 {

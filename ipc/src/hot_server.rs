@@ -70,6 +70,8 @@ struct Conn {
     /// Requests taken from the service (the manager's own count, against
     /// the client's `Area::requests_sent`).
     received: u64,
+    /// The client's `Area::answered_here` as last read.
+    answered_seen: u64,
     /// Where request parts are copied out of the request ring to be
     /// parsed (kept between requests; never more than the ring holds).
     scratch: Vec<u8>,
@@ -138,6 +140,18 @@ pub struct HotServer {
     last_sweep: Option<std::time::Instant>,
     service: String,
     prefix: String,
+    /// Lookups answered from the presence filter by connections gone
+    /// since the last `take_answered_here`.
+    answered_here: u64,
+}
+
+/// How far the client's count of lookups it answered itself moved past
+/// what was last read (0 if it went back: the client writes it).
+fn answered_since(c: &Conn) -> u64 {
+    c.area
+        .answered_here()
+        .load(Ordering::Relaxed)
+        .saturating_sub(c.answered_seen)
 }
 
 fn err(what: &str) -> impl Fn(&dyn std::fmt::Debug) -> String {
@@ -192,6 +206,7 @@ impl HotServer {
             last_sweep: None,
             service,
             prefix,
+            answered_here: 0,
         })
     }
 
@@ -241,6 +256,7 @@ impl HotServer {
                 writer: RingWriter::new(area.rep),
                 posted: 0,
                 received: 0,
+                answered_seen: 0,
                 open: 0,
                 scratch: Vec::new(),
                 area,
@@ -305,8 +321,11 @@ impl HotServer {
         for k in keys {
             self.close(k);
         }
-        // Its requests are gone: its service can go.
-        self.conns.remove(&token);
+        // Its requests are gone: its service can go (its last count of
+        // lookups answered from the presence filter is kept).
+        if let Some(c) = self.conns.remove(&token) {
+            self.answered_here += answered_since(&c);
+        }
         self.order.retain(|t| *t != token);
         // A client that crashed left its iceoryx2 node behind, holding its
         // share of the services it used: `receive` releases what dead
@@ -606,6 +625,19 @@ impl HotServer {
     /// After a tick's events: requests submitted before it whose replies
     /// are complete get `accepted` (if nothing answered them yet) and
     /// close; a publish's stays open for `publish_done`.
+    /// Lookups the clients answered from the presence filter since the
+    /// last call (their `Area::answered_here`; a client can only misstate
+    /// its own).
+    pub fn take_answered_here(&mut self) -> u64 {
+        let mut n = std::mem::take(&mut self.answered_here);
+        for c in self.conns.values_mut() {
+            let d = answered_since(c);
+            c.answered_seen += d;
+            n = n.saturating_add(d);
+        }
+        n
+    }
+
     pub fn end_tick(&mut self) {
         // The list keeps its allocation from tick to tick.
         let mut fresh = std::mem::take(&mut self.fresh);

@@ -12,7 +12,7 @@
 //! | kind | direction | message |
 //! | --- | --- | --- |
 //! | 1 `Hello` | client → manager | [`Hello`] |
-//! | 2 `Welcome` | manager → client | [`Welcome`], with the pool's memfd when the pool is shared, then the hot path's descriptors ([`HotPathInfo`]) |
+//! | 2 `Welcome` | manager → client | [`Welcome`], with the pool's memfd when the pool is shared, then the hot path's descriptors ([`HotPathInfo`]), then the presence filter's ([`presence`]) |
 //! | 3 `Submit` | client → manager | [`Submit`]: a tagged `Command` |
 //! | 4 `Accepted` | manager → client | [`Accepted`]: tag → command id, or why not |
 //! | 5 `Events` | manager → client | `Vec<Delivered>`: events addressed to this connection, each with the runtime's `terminal` flag |
@@ -39,6 +39,7 @@ pub mod client;
 pub mod frame;
 pub mod hot;
 pub mod hot_server;
+pub mod presence;
 pub mod snapshot;
 
 pub use client::{Agent, Client, ClientError, ClientOptions, Sent};
@@ -128,6 +129,11 @@ pub struct Welcome {
     /// The hot path, when the client asked for it and the manager has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hot: Option<HotPathInfo>,
+    /// Bytes of the presence filter ([`presence`]) whose descriptor comes
+    /// last, after the hot path's: offered with the hot path only (the
+    /// client counts the lookups it answered in its descriptor area).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -72,6 +72,23 @@ pub struct Snapshot {
     /// P/D handoffs (`Hold`): standing now, and how the ended ones ended.
     #[serde(default)]
     pub handoffs: Handoffs,
+    /// The presence filter, when the manager keeps one.
+    #[serde(default)]
+    pub presence: Option<Presence>,
+}
+
+/// The presence filter's line of `orbitkv inspect`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Presence {
+    pub bytes: u64,
+    /// Whether engines may answer certain misses from it now; if not, why.
+    pub open: bool,
+    pub closed_because: Option<String>,
+    /// Share of its bits set.
+    pub fill: f64,
+    /// Misses engines answered from it, since the manager started.
+    pub misses_answered: u64,
+    pub rebuilds: u64,
 }
 
 /// The P/D handoffs' line of `orbitkv inspect`.

@@ -111,11 +111,24 @@ fn hello(st: &mut State, id: ConnId, payload: &[u8]) -> Result<(), Refusal> {
         },
         max_frame_bytes: MAX_FRAME_BYTES,
         hot: hot.as_ref().map(|h| h.info.clone()),
+        presence: None,
     };
-    // The pool's descriptor (read-only), then the hot path's three.
+    // The pool's descriptor (read-only), then the hot path's three, then
+    // the presence filter's (with the hot path only: its area counts the
+    // lookups the client answers).
     let mut fds: Vec<OwnedFd> = pool.into_iter().collect();
     let is_hot = hot.is_some();
     fds.extend(hot.into_iter().flat_map(|h| h.fds));
+    let mut welcome = welcome;
+    if is_hot && let Some(p) = &st.presence {
+        match p.share() {
+            Ok((file, bytes)) => {
+                fds.push(OwnedFd::from(file));
+                welcome.presence = Some(bytes);
+            }
+            Err(e) => warn!(conn = id, error = %e, "no presence filter for this connection"),
+        }
+    }
     let Some(conn) = st.conns.get_mut(&id) else {
         return Ok(());
     };

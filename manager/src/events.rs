@@ -347,12 +347,13 @@ impl EventStream {
     }
 
     /// Publishes what the last tick changed. Never blocks.
-    pub fn drain(&mut self, rt: &mut Runtime) {
+    pub fn drain(&mut self, rt: &mut Runtime, taken: &mut crate::presence::Changes) {
         // A loss in one medium makes subscribers forget the topic's every
         // medium (AllBlocksCleared names none): each lists what it holds
         // again after a loss of its own, so the others must too.
-        let dram_lost = rt.take_page_changes(&mut self.changes);
-        let tier_lost = rt.take_tier_changes(&mut self.tier_changes);
+        let (dram_lost, tier_lost) = (taken.dram_lost, taken.tiers_lost);
+        self.changes.append(&mut taken.dram);
+        self.tier_changes.append(&mut taken.tiers);
         if dram_lost || tier_lost {
             self.counters
                 .lost

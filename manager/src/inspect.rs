@@ -52,6 +52,10 @@ pub fn snapshot(st: &mut State) -> Snapshot {
             taken: s.handoffs.counts.taken,
             expired: s.handoffs.counts.expired,
         },
+        presence: st
+            .presence
+            .as_ref()
+            .map(|p| p.summary(&st.metrics.counters)),
     }
 }
 

@@ -26,6 +26,7 @@ pub mod listener;
 pub mod lookups;
 pub mod main_loop;
 pub mod metrics;
+pub mod presence;
 pub mod remote_metrics;
 pub mod settings;
 pub mod state;
@@ -153,6 +154,23 @@ pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError
         )?),
         None => None,
     };
+    // After the event stream: the page journals keep the larger bound.
+    let presence = presence::Presence::start(
+        settings.presence_filter_bytes,
+        settings.presence_max_pending_changes.max(
+            settings
+                .events
+                .as_ref()
+                .map_or(0, |e| e.max_pending_changes),
+        ),
+        settings.runtime.incarnation.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15,
+        &mut rt,
+        &metrics.counters,
+    )
+    .map_err(|e| ServeError::Io {
+        what: "the presence filter".into(),
+        source: e,
+    })?;
     let mut lookups = None;
     if let Some(addr) = &settings.metrics_addr {
         let (desk, door) = lookups::open(
@@ -197,6 +215,8 @@ pub fn serve(mut settings: Settings, stop: &AtomicBool) -> Result<(), ServeError
         metrics,
         hot,
         events,
+        presence,
+        changes: Default::default(),
         lookups,
         lookups_waiting: false,
         last_tick: Instant::now(),

@@ -414,6 +414,9 @@ fn read_hot(st: &mut State, incoming: &mut Vec<Incoming>) -> HotTaken {
 pub fn shutdown(st: &mut State) {
     info!("shutting down: draining submitted I/O");
     st.listener = None;
+    if let Some(p) = st.presence.as_mut() {
+        p.close();
+    }
     let ids: Vec<ConnId> = st.conns.keys().copied().collect();
     for id in ids {
         st.disconnect(id, Close::Shutdown);

@@ -126,6 +126,15 @@ pub struct Counters {
     /// hashes), and the endpoint's own `rate_limited`, `busy`,
     /// `too_large`, `bad_request`, `timeout`.
     pub lookups: Family<Outcome, Counter>,
+    /// Lookups the engines answered as misses (`not_found`) from the
+    /// presence filter, without asking (not in `queries` or `misses`).
+    pub presence_misses: Counter,
+    /// Rebuilds of the presence filter, by reason.
+    pub presence_rebuilds: Family<Reason, Counter>,
+    /// 1 while the presence filter may answer lookups.
+    pub presence_open: Gauge,
+    /// Bits set in the presence filter, in thousandths of its bits.
+    pub presence_fill_permille: Gauge,
 }
 
 /// A clock a command starts: its own (answered by a command's reply), or
@@ -407,7 +416,34 @@ impl Metrics {
                 "hot_wakes",
                 "Wake-ups signalled to hot clients that blocked waiting for a response",
             ),
+            presence_misses: counter(
+                &mut r,
+                "presence_misses",
+                "Lookups the engines answered as misses (reason not_found) from the presence \
+                 filter, without a round trip; not counted in queries or misses",
+            ),
+            presence_rebuilds: Family::default(),
+            presence_open: Gauge::default(),
+            presence_fill_permille: Gauge::default(),
         };
+        r.register(
+            "presence_rebuilds",
+            "Rebuilds of the presence filter from the indexes, by reason: start, full (half its \
+             bits set, most by pages since removed), journal_full (page changes were lost)",
+            counters.presence_rebuilds.clone(),
+        );
+        r.register(
+            "presence_open",
+            "1 while engines may answer certain misses from the presence filter; 0 when it is off \
+             ([serve] presence_filter = 0), a tier cannot list its pages (remote), or a tier is \
+             unreachable",
+            counters.presence_open.clone(),
+        );
+        r.register(
+            "presence_fill_permille",
+            "Bits set in the presence filter, in thousandths",
+            counters.presence_fill_permille.clone(),
+        );
         r.register(
             "disconnects",
             "Connections closed, by reason",

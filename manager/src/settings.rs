@@ -77,6 +77,8 @@ struct ServeFile {
     spin_after_work_us: Option<u64>,
     spin_for_streams_us: Option<u64>,
     socket_poll_interval_us: Option<u64>,
+    presence_filter: Option<SizeValue>,
+    presence_max_pending_changes: Option<usize>,
 }
 
 /// A size in the config file: bytes, or a string with a unit (`"64MiB"`).
@@ -178,6 +180,13 @@ pub struct Settings {
     /// hot path is a look at shared memory, a poll is a system call. The
     /// most a socket frame or a new connection waits behind hot traffic.
     pub socket_poll_interval: Duration,
+    /// Bytes of the presence filter (`orbitkv_ipc::presence`) hot-path
+    /// clients answer certain misses from without a round trip; 0 turns
+    /// it off. Rounded down to a power of two.
+    pub presence_filter_bytes: u64,
+    /// Page changes kept between two ticks for the filter, at most; past
+    /// it they are dropped and the filter is rebuilt from the indexes.
+    pub presence_max_pending_changes: usize,
     /// The KV event stream (`[events]`), off unless configured.
     pub events: Option<crate::events::EventsConfig>,
     pub runtime: Config,
@@ -400,6 +409,22 @@ impl Settings {
                 1,
                 MAX_SOCKET_POLL_INTERVAL_US,
             )?),
+            presence_filter_bytes: at_most(
+                "presence_filter",
+                size(
+                    "presence_filter",
+                    &serve.presence_filter,
+                    DEFAULT_PRESENCE_FILTER_BYTES as usize,
+                )? as u64,
+                0,
+                MAX_PRESENCE_FILTER_BYTES,
+            )?,
+            presence_max_pending_changes: positive(
+                "presence_max_pending_changes",
+                serve
+                    .presence_max_pending_changes
+                    .unwrap_or(DEFAULT_PRESENCE_MAX_PENDING_CHANGES),
+            )?,
             events,
             runtime,
         })
@@ -419,6 +444,12 @@ pub const DEFAULT_SPIN_FOR_STREAMS_US: u64 = 1_000;
 /// comes within microseconds or after a model step (milliseconds).
 pub const MAX_SPIN_AFTER_WORK_US: u64 = 10_000;
 pub const DEFAULT_SOCKET_POLL_INTERVAL_US: u64 = 20;
+/// 4 MiB: 32 Mi bits, so a manager holding a million pages answers about
+/// 97% of certain misses from the filter (a clear bit), counting removed
+/// pages' bits until the next rebuild.
+pub const DEFAULT_PRESENCE_FILTER_BYTES: u64 = 4 << 20;
+pub const MAX_PRESENCE_FILTER_BYTES: u64 = 1 << 30;
+pub const DEFAULT_PRESENCE_MAX_PENDING_CHANGES: usize = 1 << 16;
 /// A longer interval would keep socket clients and new connections
 /// waiting behind hot traffic for a noticeable time.
 pub const MAX_SOCKET_POLL_INTERVAL_US: u64 = 10_000;

@@ -44,6 +44,10 @@ pub struct State {
     pub hot: Option<HotServer>,
     /// The KV event stream, when `[events]` is configured.
     pub events: Option<crate::events::EventStream>,
+    /// The presence filter, unless `[serve] presence_filter = 0`.
+    pub presence: Option<crate::presence::Presence>,
+    /// The page journals' changes of the last tick (presence, events).
+    pub changes: crate::presence::Changes,
     /// Routers' lookups from the HTTP endpoint, when it runs.
     pub lookups: Option<crate::lookups::Desk>,
     /// A full round of lookups was answered: more may wait, so the loop
@@ -222,13 +226,26 @@ impl State {
         self.last_tick = self.now;
         // From the round's reading: the tick and the commands taken before it.
         self.metrics.tick_took(self.now - t0);
+        // The pages the tick stored set their presence bits before its
+        // events go out: an engine told of a page never finds it absent.
+        if self.presence.is_some() || self.events.is_some() {
+            self.changes.take(&mut self.rt);
+        }
+        if let Some(p) = self.presence.as_mut() {
+            p.apply(&mut self.rt, &self.changes, &self.metrics.counters);
+        }
         self.deliver_all(events);
         if let Some(h) = self.hot.as_mut() {
             h.end_tick();
+            let n = h.take_answered_here();
+            if n > 0 {
+                self.metrics.counters.presence_misses.inc_by(n);
+            }
         }
         if let Some(ev) = self.events.as_mut() {
-            ev.drain(&mut self.rt);
+            ev.drain(&mut self.rt, &mut self.changes);
         }
+        self.changes.clear();
     }
 
     /// Counts and delivers the runtime's events (a tick's, or those of a

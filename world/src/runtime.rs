@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use bevy_ecs::prelude::*;
+use orbitkv_components::StateKey;
 use orbitkv_components::api::{Addressed, Command, CommandId, Origin};
 use orbitkv_components::ecs::{
     DevicePage, Handoff, HeldLeases, Instance, Lease, Operation, Session, Transfer, TransferOf,
@@ -627,6 +628,30 @@ impl Runtime {
             out.extend(dram.index.keys().map(|k| PageChange::Stored(*k)));
         }
         lost
+    }
+
+    /// Calls `f` with every page DRAM and each lower tier hold now (the
+    /// manager's presence filter is rebuilt from them). False when a tier
+    /// cannot list its pages (`BackingTier::list_keys`); `f` may then have
+    /// seen some.
+    pub fn list_stored_keys(&mut self, f: &mut dyn FnMut(&StateKey)) -> bool {
+        self.world.resource::<Dram>().index.keys().for_each(&mut *f);
+        let mut all = true;
+        for t in self.world.resource_mut::<Tiers>().0.get_mut() {
+            all &= t.list_keys(f);
+        }
+        all
+    }
+
+    /// Some lower tier cannot be reached now: its pages may be there, and
+    /// a lookup that finds nothing says so (`remote_unavailable`).
+    pub fn some_tier_unavailable(&mut self) -> bool {
+        self.world
+            .resource_mut::<Tiers>()
+            .0
+            .get_mut()
+            .iter()
+            .any(|t| t.unavailable())
     }
 
     /// Appends every page DRAM holds, as stored (a subscriber forgot).

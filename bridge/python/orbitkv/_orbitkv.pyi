@@ -175,6 +175,11 @@ class Lookup:
     """``(rank, group, page_ends)`` the manager holds."""
     common: List[int]
     """Boundaries every group could resume at."""
+    reason: Optional[str]
+    """``str(miss)`` (the metrics label), without the enum's ``__str__``."""
+    local: bool
+    """Answered in this process from the manager's presence filter (a
+    certain miss, ``not_found``), without a round trip."""
     @property
     def hit(self) -> bool: ...
 
@@ -352,6 +357,13 @@ class Session:
         :raises ValueError: a region this session did not register, a slot
             outside it."""
 
+    def lookup_local(
+        self, groups: Sequence[int], hashes: Sequence[bytes], origin: int
+    ) -> Optional[Lookup]:
+        """The miss ``lookup`` would answer from the manager's presence
+        filter without a round trip (``local`` set), or ``None`` when only
+        the manager can answer. Reads one hash; never waits."""
+        ...
     def lookup(
         self,
         groups: Sequence[int],

@@ -1727,6 +1727,11 @@ impl BackingTier for SsdStore {
         Some((s.bytes, s.capacity_bytes))
     }
 
+    fn list_keys(&self, f: &mut dyn FnMut(&StateKey)) -> bool {
+        self.index.keys().for_each(f);
+        true
+    }
+
     fn record_changes(&mut self, cap: usize) {
         self.journal.start(cap, self.index.keys().copied());
     }

@@ -103,11 +103,13 @@ class SchedulerStats:
     arrival."""
 
     def miss(self, reason: str) -> None:
-        # Copied, not updated in place: a report may be reading the old one.
-        self.misses_by_reason = {
-            **self.misses_by_reason,
-            reason: self.misses_by_reason.get(reason, 0) + 1,
-        }
+        # A new reason is added to a copy: a report iterating the old dict
+        # never sees it change size. A known one is counted in place.
+        m = self.misses_by_reason
+        if reason in m:
+            m[reason] += 1
+        else:
+            self.misses_by_reason = {**m, reason: 1}
 
     def refused(self, reason: str) -> None:
         self.refusals_by_reason = {
@@ -176,7 +178,8 @@ class SchedulerSide:
             return 0, False
         if not state.handoff_seen:
             state.handoff_seen = True
-            self._read_handoff(state)
+            if getattr(request, "kv_transfer_params", None) is not None:
+                self._read_handoff(state)
         if state.handoff is not None:
             selected = self._await_handoff(state, num_computed_tokens, usable)
             if selected is _NOT_YET:
@@ -464,19 +467,24 @@ class SchedulerSide:
             stats.miss("unavailable")
             return None
         request = state.request
-        self._looked = True
-        query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
         try:
             if self.settings.lookup_wait:
                 if not quiet:
                     self._count(origin, pages)
                 found = self._batched(state, origin, pages)
                 if found is None:
+                    # A certain miss is answered here: no round trip, and
+                    # no batch gathered for it.
+                    found = session.lookup_local(self._group_ids, request.block_hashes, origin)
+                if found is None:
+                    query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
                     if self._batch > 1 and self._arrived and not quiet:
                         found = self._lookup_with_others(session, query)
                     else:
                         found = session.lookup(*query, timeout=self.settings.query_timeout_s)
             else:
+                query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
+                self._looked = True
                 found = self._collect(session, state, query, quiet)
                 if found is None:
                     return _NOT_YET
@@ -494,8 +502,10 @@ class SchedulerSide:
             self.link.drop(f"{type(e).__name__}: {e}")
             stats.miss("unavailable")
             return None
-        if found.miss is not None:
-            stats.miss(str(found.miss))
+        if not found.local:
+            self._looked = True
+        if found.reason is not None:
+            stats.miss(found.reason)
             return None
         return found.selected
 

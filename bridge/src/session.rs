@@ -162,13 +162,6 @@ fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<NativeHash>> {
 /// A lookup's group ids: a list of a few ints, read item by item (pyo3's
 /// generic sequence extraction was 600 instructions of every lookup);
 /// any other sequence as pyo3 extracts it.
-/// Hash `i` of a list of bytes; `None` for anything else (the full
-/// conversion then names what is wrong).
-fn hash_at(obj: &Bound<'_, PyAny>, i: usize) -> Option<NativeHash> {
-    let item = obj.cast::<PyList>().ok()?.get_item(i).ok()?;
-    NativeHash::new(item.cast::<pyo3::types::PyBytes>().ok()?.as_bytes()).ok()
-}
-
 fn group_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     match obj.cast::<PyList>() {
         Ok(list) => list.iter().map(|g| g.extract::<u32>()).collect(),
@@ -751,18 +744,26 @@ impl PySession {
 
     /// Runs a verb on the session; a failure that makes the connection
     /// untrustworthy drops it (the next call reconnects).
-    /// The miss the presence filter answers a lookup with, if it does, looked at
-    /// with the GIL held and converting only the one hash it checks. It
-    /// never waits for a lock: when one is taken the lookup goes the full
-    /// way (which checks the filter again).
-    fn filter_miss(
+    /// The miss the presence filter answers `q` with, if it does.
+    fn filter_miss(slf: &Bound<'_, Self>, q: &Query) -> Option<Lookup> {
+        Self::filter_miss_by(slf, &q.groups, q.origin, &|i| Ok(q.hashes.get(i).copied()))
+            .ok()
+            .flatten()
+    }
+
+    /// The miss the presence filter answers a lookup of `groups` from
+    /// `origin` with, if it does; `hash(i)` gives the one hash it reads
+    /// (`None`: not there). Looked at with the GIL held; it never waits for
+    /// a lock: when one is taken the lookup goes the full way (which
+    /// checks the filter again).
+    fn filter_miss_by(
         slf: &Bound<'_, Self>,
         groups: &[u32],
-        hashes: &Bound<'_, PyAny>,
         origin: u64,
-    ) -> Option<Lookup> {
+        hash: &dyn Fn(usize) -> PyResult<Option<NativeHash>>,
+    ) -> PyResult<Option<Lookup>> {
         let Ok(mut inner) = slf.get().inner.try_lock() else {
-            return None;
+            return Ok(None);
         };
         let Inner {
             client: Some(Backend::Client(c)),
@@ -770,18 +771,23 @@ impl PySession {
             ..
         } = &mut *inner
         else {
-            return None;
+            return Ok(None);
         };
         c.get()
             .try_with_client(|client| {
-                let first = session
+                let Some(first) = session
                     .filter_index(client, origin)
-                    .and_then(|i| hash_at(hashes, i))?;
-                session
+                    .map(hash)
+                    .transpose()?
+                    .flatten()
+                else {
+                    return Ok(None);
+                };
+                Ok(session
                     .answer_from_filter(client, groups, &first)
-                    .then(|| session.local_miss())
+                    .then(|| session.local_miss()))
             })
-            .flatten()
+            .unwrap_or(Ok(None))
     }
 
     fn run<R: Send>(
@@ -1152,7 +1158,8 @@ impl PySession {
 
     /// The miss `lookup` would answer from the manager's presence filter
     /// without a round trip (a `Lookup` with ``local`` set), or ``None``
-    /// when only the manager can answer. Reads one hash; never waits.
+    /// when only the manager can answer. Never waits; reads only the hash
+    /// the filter checks (``ValueError`` if it is not a hash).
     fn lookup_local(
         slf: &Bound<'_, Self>,
         groups: &Bound<'_, PyAny>,
@@ -1160,10 +1167,23 @@ impl PySession {
         origin: u64,
     ) -> PyResult<Option<PyLookup>> {
         let groups = group_ids(groups)?;
-        if let Some(l) = Self::filter_miss(slf, &groups, hashes, origin) {
-            return py_lookup(slf.py(), l).map(Some);
-        }
-        Ok(None)
+        // Only the hash the filter reads is converted (a long prompt's
+        // others are read by the lookup that follows, if one does).
+        let hash = |i: usize| -> PyResult<Option<NativeHash>> {
+            if i >= hashes.len()? {
+                return Ok(None);
+            }
+            let h = hashes.get_item(i)?;
+            let b = h.cast::<PyBytes>().map_err(|_| {
+                PyValueError::new_err(format!("hash {i} is not bytes but {}", h.get_type()))
+            })?;
+            NativeHash::new(b.as_bytes())
+                .map(Some)
+                .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))
+        };
+        Self::filter_miss_by(slf, &groups, origin, &hash)?
+            .map(|l| py_lookup(slf.py(), l))
+            .transpose()
     }
 
     /// Where the manager would resume a prompt whose page hashes (`bytes`,
@@ -1182,11 +1202,10 @@ impl PySession {
         prompt_len: u64,
         timeout: Option<f64>,
     ) -> PyResult<PyLookup> {
-        let groups = group_ids(groups)?;
-        if let Some(l) = Self::filter_miss(slf, &groups, hashes, origin) {
+        let q = query(group_ids(groups)?, hashes, origin, prompt_len)?;
+        if let Some(l) = Self::filter_miss(slf, &q) {
             return py_lookup(slf.py(), l);
         }
-        let q = query(groups, hashes, origin, prompt_len)?;
         let t = match timeout {
             Some(t) => Duration::try_from_secs_f64(t)
                 .map_err(|_| PyValueError::new_err(format!("timeout {t}: seconds >= 0")))?,
@@ -1253,15 +1272,17 @@ impl PySession {
         queries: Vec<(Vec<u32>, Bound<'_, PyAny>, u64, u64)>,
         timeout: Option<f64>,
     ) -> PyResult<Vec<PyLookup>> {
-        // Certain misses are answered before the others' hashes are read.
+        // Certain misses are answered here; the others in one round.
         let mut out: Vec<Option<Lookup>> = Vec::with_capacity(queries.len());
         let mut qs = Vec::new();
         for (g, h, o, p) in queries {
-            if let Some(l) = Self::filter_miss(slf, &g, &h, o) {
-                out.push(Some(l));
-            } else {
-                qs.push(query(g, &h, o, p)?);
-                out.push(None);
+            let q = query(g, &h, o, p)?;
+            match Self::filter_miss(slf, &q) {
+                Some(l) => out.push(Some(l)),
+                None => {
+                    qs.push(q);
+                    out.push(None);
+                }
             }
         }
         let t = match timeout {

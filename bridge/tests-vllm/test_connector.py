@@ -638,14 +638,16 @@ def test_requests_that_arrived_together_are_looked_up_in_one_round_trip(model, m
         assert e.stats.hit_tokens - hits == 3 * 64, e.stats
         # vLLM asks again about a request it could not schedule yet: that
         # ask is a lookup of its own.
+        # D, a new prompt, is a certain miss each time it is looked up: the
+        # presence filter answers it in this process, and nothing is sent.
         asks = e.stats.queries - asked
         lookups = _since(before, _sent(sched.link))["lookup"]
         if max_age_us > 1:
             # Each ask answered by one lookup: B's carried C's, D's, E's.
-            assert (len(batches), lookups) == (1, asks), (batches, lookups, asks)
+            assert (len(batches), lookups) == (1, asks - 1), (batches, lookups, asks)
         else:
             # Past the age, C, D and E were looked up again, alone.
-            assert lookups == asks + 3, (batches, lookups, asks)
+            assert lookups == asks + 3 - 2, (batches, lookups, asks)
         assert set("BCDE") <= set(e.finished)
         assert not sched._arrived
     no_leaks(manager)

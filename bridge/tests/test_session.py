@@ -264,6 +264,32 @@ def test_no_manager_is_unavailable_then_a_restart_reconnects_with_the_setup_run_
         s.close()
 
 
+def test_a_certain_miss_is_answered_in_process_and_a_saved_page_never(manager):
+    e = Engine(slots=4)
+    with session(manager, e) as s:
+        s.connect()
+        never = hashes(3, seed=7)
+        local = s.lookup_local([0], never, 0)
+        assert local is not None and local.local and local.reason == "not_found"
+        assert str(local.miss) == "not_found" and local.selected is None and not local.hit
+        got = s.lookup([0], never, 0, 3 * PAGE + 1)
+        assert got.local and got.reason == "not_found"
+        # Saved, then asked at once: the manager answers (a hit).
+        stored = hashes(2, seed=8)
+        e.save(s, stored)
+        assert s.lookup_local([0], stored, 0) is None
+        hit = s.lookup([0], stored, 0, 2 * PAGE + 1)
+        assert hit.selected == 2 * PAGE and not hit.local and hit.reason is None
+        # Past a stored prefix, the first page asked for decides.
+        assert s.lookup_local([0], stored + never, 2 * PAGE).local
+        many = s.lookup_many([([0], stored, 0, 2 * PAGE + 1), ([0], never, 0, 3 * PAGE + 1)])
+        assert [(l.selected, l.local) for l in many] == [(2 * PAGE, False), (None, True)]
+        # `lookup_local` reads one hash, and says what is wrong with it.
+        with pytest.raises(ValueError, match="hash 0 is not bytes"):
+            s.lookup_local([0], ["ab", b"x" * 8], 0)
+        assert s.lookup_local([0], [b"x" * 8, "never read"], 0).local
+
+
 def test_bad_input_is_refused_before_anything_is_sent(manager):
     e = Engine(slots=4)
     with session(manager, e) as s:

@@ -362,7 +362,8 @@ class Session:
     ) -> Optional[Lookup]:
         """The miss ``lookup`` would answer from the manager's presence
         filter without a round trip (``local`` set), or ``None`` when only
-        the manager can answer. Reads one hash; never waits."""
+        the manager can answer. Never waits; reads only the hash the
+        filter checks (``ValueError`` if it is not a hash)."""
         ...
     def lookup(
         self,

@@ -178,6 +178,27 @@ fn shares_pages(remote: &str, tag: &str) {
     a.wait_metric("write_through_total{outcome=\"submitted\"}", 4);
 
     let mut cb = Client::connect(&b.socket, "engine-b").unwrap();
+    // The remote tier cannot list the pages other hosts store (B follows a
+    // namespace only once asked about it): the presence filter stays
+    // closed, and B's engine asks B even for pages B has never seen.
+    assert!(cb.presence().is_some());
+    assert_eq!(
+        (a.metric("presence_open"), b.metric("presence_open")),
+        (Some(0), Some(0))
+    );
+    let mut engine = orbitkv_engine::Session::open(
+        &mut cb,
+        register_command(),
+        orbitkv_engine::SessionOptions::default(),
+    )
+    .unwrap();
+    let asked = orbitkv_engine::Query {
+        groups: vec![0],
+        hashes: hashes(4),
+        origin: 0,
+        prompt_len: 4 * PAGE + 1,
+    };
+    assert!(!engine.lookup(&mut cb, &asked).unwrap().local);
     register_as(&mut cb, "llama", [9; 32]);
     let (sb, rb) = open_as(&mut cb, "llama");
     let Outcome::Ready(op, boundary, from_dram, from_tiers) = ask_until_found(&mut cb, sb, 4)

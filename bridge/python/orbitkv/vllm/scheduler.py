@@ -276,16 +276,25 @@ class SchedulerSide:
             state.saved_pages = min(state.saved_pages, first)
 
     def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        self._arrived.pop(request.request_id, None)
-        state = self.requests.pop(request.request_id, None)
-        if state is not None and state.pending is not None:
+        rid = request.request_id
+        if self._arrived:
+            self._arrived.pop(rid, None)
+        state = self.requests.pop(rid, None)
+        if state is None:
+            return False, None
+        if state.pending is not None:
             self.link.session.forget_lookup(state.pending.ticket)
         params = None
-        # An aborted request (its client went away) hands nothing over.
-        aborted = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED"
-        if state is not None and self.settings.save and not aborted and pd.wants_remote_decode(request):
+        # A P/D prefill request hands its pages over, unless it was aborted
+        # (its client went away).
+        if (
+            getattr(request, "kv_transfer_params", None) is not None
+            and self.settings.save
+            and pd.wants_remote_decode(request)
+            and getattr(getattr(request, "status", None), "name", "") != "FINISHED_ABORTED"
+        ):
             params = self._promise(state)
-        return bool(state is not None and state.saves_sent), params
+        return state.saves_sent, params
 
     def take_events(self) -> List[Any]:
         # vLLM collects events every step, at the end of
@@ -468,26 +477,27 @@ class SchedulerSide:
             return None
         request = state.request
         try:
-            if self.settings.lookup_wait:
-                if not quiet:
+            wait = self.settings.lookup_wait
+            if wait and not quiet:
+                self._count(origin, pages)
+            found = self._batched(state, origin, pages) if state.batched is not None else None
+            if found is None and state.pending is None:
+                # A certain miss is answered here: no round trip, and no
+                # batch gathered for it.
+                found = session.lookup_local(self._group_ids, request.block_hashes, origin)
+                if found is not None and not wait and not quiet:
                     self._count(origin, pages)
-                found = self._batched(state, origin, pages)
-                if found is None:
-                    # A certain miss is answered here: no round trip, and
-                    # no batch gathered for it.
-                    found = session.lookup_local(self._group_ids, request.block_hashes, origin)
-                if found is None:
-                    query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
-                    if self._batch > 1 and self._arrived and not quiet:
-                        found = self._lookup_with_others(session, query)
-                    else:
-                        found = session.lookup(*query, timeout=self.settings.query_timeout_s)
-            else:
+            if found is None:
                 query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
-                self._looked = True
-                found = self._collect(session, state, query, quiet)
-                if found is None:
-                    return _NOT_YET
+                if not wait:
+                    self._looked = True
+                    found = self._collect(session, state, query, quiet)
+                    if found is None:
+                        return _NOT_YET
+                elif self._batch > 1 and self._arrived and not quiet:
+                    found = self._lookup_with_others(session, query)
+                else:
+                    found = session.lookup(*query, timeout=self.settings.query_timeout_s)
         except orbitkv.Refused as e:
             kind = str(e.args[0])
             if kind == "stale_session":
@@ -634,7 +644,7 @@ class SchedulerSide:
             column = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[saved:done]]
             column += [NULL_BLOCK] * (done - saved - len(column))
             columns.append(column)
-        save = SaveSpec(rid, saved, list(request.block_hashes[saved:done]), tuple(columns))
+        save = SaveSpec(rid, saved, request.block_hashes[saved:done], tuple(columns))
         # Usually some group (full attention) has a block for every page.
         if any(NULL_BLOCK not in c for c in columns):
             save.pages = done - saved

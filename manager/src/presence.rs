@@ -50,7 +50,8 @@ pub struct Presence {
     /// the filter stays closed.
     listable: bool,
     /// The fill that triggers the next rebuild: `REBUILD_FILL`, or twice
-    /// the fill right after the last one when the pages held fill more.
+    /// the fill right after the last one when the pages held fill more
+    /// (infinite when they fill almost half).
     rebuild_at: f64,
     warned_small: bool,
     rebuilds: u64,
@@ -154,7 +155,15 @@ impl Presence {
             .rebuild(&mut |insert| listable = rt.list_stored_keys(insert));
         self.listable = listable;
         let fill = self.table.fill();
-        self.rebuild_at = (2.0 * fill).clamp(REBUILD_FILL, 0.9);
+        // The next rebuild for fullness when removed pages' bits doubled
+        // the fill; never, when the pages held alone fill almost half (a
+        // rebuild would follow every tick; the filter then fills up and
+        // answers less and less, and the warning below says why).
+        self.rebuild_at = if fill < 0.45 {
+            (2.0 * fill).max(REBUILD_FILL)
+        } else {
+            f64::INFINITY
+        };
         self.rebuilds += 1;
         counters
             .presence_rebuilds

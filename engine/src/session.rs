@@ -754,8 +754,11 @@ impl Session {
         let mut out: Vec<Lookup> = Vec::with_capacity(queries.len());
         let mut asked = Vec::new();
         for (i, q) in queries.iter().enumerate() {
-            out.push(self.local_miss());
-            if !self.certain_miss(c, q) {
+            if self.certain_miss(c, q) {
+                out.push(self.local_miss());
+            } else {
+                // Replaced by the manager's answer below (allocates nothing).
+                out.push(Lookup::not_found(0, &[]));
                 asked.push(i);
             }
         }

@@ -116,6 +116,24 @@ def test_round_trip_exact_bytes_and_partial_misses(manager, layout):
     assert m["pages"] == 4
 
 
+def test_a_prefix_never_stored_misses_without_asking_the_manager(manager):
+    # The manager's presence filter: SGLang's existence checks of pages no
+    # tier holds are answered in this process, and the manager counts them.
+    host = host_pool("layer_first")
+    be = backend(host, manager.socket)
+    keys = keys_for("fresh", 4)
+    before = manager.metric("presence_misses_total") or 0
+    assert be.batch_exists(keys) == 0 and not be.exists(keys[0])
+    manager.wait_metric("presence_misses_total", before + 2)
+    assert be.get_stats()["misses"].get("not_found", 0) >= 2
+    # Stored, then asked at once: the manager answers, and finds them.
+    src = host.alloc(4 * PAGE)
+    fill(host, starts_of(src), seed=5)
+    assert be.batch_set_v1(keys, src) == [True] * 4
+    assert be.batch_exists(keys) == 4
+    assert manager.metric("presence_misses_total") == before + 2
+
+
 def test_layer_first_and_page_first_direct_share_pages_page_first_does_not(manager):
     """Both layer-major layouts store the same flat bytes and seal the same
     namespace; page_first orders tokens before layers, so it must miss."""

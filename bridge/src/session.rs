@@ -742,8 +742,6 @@ impl PySession {
         });
     }
 
-    /// Runs a verb on the session; a failure that makes the connection
-    /// untrustworthy drops it (the next call reconnects).
     /// The miss the presence filter answers `q` with, if it does.
     fn filter_miss(slf: &Bound<'_, Self>, q: &Query) -> Option<Lookup> {
         Self::filter_miss_by(slf, &q.groups, q.origin, &|i| Ok(q.hashes.get(i).copied()))
@@ -790,6 +788,8 @@ impl PySession {
             .unwrap_or(Ok(None))
     }
 
+    /// Runs a verb on the session; a failure that makes the connection
+    /// untrustworthy drops it (the next call reconnects).
     fn run<R: Send>(
         slf: &Bound<'_, Self>,
         f: impl FnOnce(&mut Session, &mut dyn orbitkv_engine::Port) -> Result<R, EngineError> + Send,

@@ -333,6 +333,7 @@ impl EventStream {
                 source: e,
             })?;
         rt.record_page_changes(cfg.max_pending_changes);
+        rt.count_event_races();
         info!(publish = %cfg.publish, replay = ?cfg.replay, "KV events");
         Ok(EventStream {
             tx,

@@ -63,7 +63,7 @@ pub fn discover_one(
         };
         let span = (rec.origin, rec.end);
         let found = rank_candidates(&hashes, span, instance.page_tokens, rank, dram, tiers);
-        if dram.journal.is_on() && !raced {
+        if dram.journal.counts_races() && !raced {
             raced =
                 stopped_at_a_removed_page(&found, &hashes, span, instance.page_tokens, rank, dram);
         }

@@ -383,6 +383,10 @@ pub struct PageJournal {
     /// that had gone stale (a race the metrics count).
     recent: orbitkv_components::KeyMap<()>,
     recent_order: std::collections::VecDeque<StateKey>,
+    /// Whether `recent` is kept: only while the pages are advertised (KV
+    /// events), not for a reader that only mirrors the index (the
+    /// manager's presence filter).
+    races: bool,
 }
 
 /// Removed pages remembered for counting races, at most.
@@ -398,9 +402,23 @@ impl PageJournal {
         self.cap > 0
     }
 
+    /// Keeps the recent removals from now on: the pages are advertised,
+    /// and a query that stops at one removed lately is counted as a race.
+    pub fn count_races(&mut self) {
+        self.races = true;
+    }
+
+    /// Whether a query's stop at a page removed lately is a race to count.
+    pub fn counts_races(&self) -> bool {
+        self.races && self.cap > 0
+    }
+
     fn push(&mut self, change: PageChange) {
         if self.cap == 0 {
             return;
+        }
+        if !self.races {
+            return self.record(change);
         }
         match change {
             PageChange::Stored(k) => {
@@ -423,6 +441,11 @@ impl PageJournal {
                 }
             }
         }
+        self.record(change);
+    }
+
+    /// Keeps `change` for the next drain, or notes the loss past `cap`.
+    fn record(&mut self, change: PageChange) {
         if self.changes.len() >= self.cap {
             self.changes.clear();
             self.lost = true;

@@ -615,6 +615,13 @@ impl Runtime {
         }
     }
 
+    /// Counts the queries that stop at a page removed lately
+    /// (`event_races`): the pages are advertised in KV events, and such a
+    /// query was likely routed on one gone stale.
+    pub fn count_event_races(&mut self) {
+        self.world.resource_mut::<Dram>().journal.count_races();
+    }
+
     /// Appends the DRAM page changes since the last call, in order; true
     /// when some were dropped meanwhile (more than the cap): then `out`
     /// lists every page DRAM holds now, as stored, for a subscriber that

@@ -2838,6 +2838,7 @@ fn a_query_stopped_by_a_page_removed_since_it_was_advertised_is_counted_as_a_rac
     c.dram.extent_bytes = 16 << 10;
     let mut d = dense_setup_with(c);
     d.h.rt().record_page_changes(1024);
+    d.h.rt().count_event_races();
     let races = |d: &mut Dense| d.h.rt().stats().metrics.event_races;
     d.publish(40, 4, 0);
     // Stored and there: a hit, no race.
@@ -2869,6 +2870,32 @@ fn a_query_stopped_by_a_page_removed_since_it_was_advertised_is_counted_as_a_rac
     d.publish(40, 4, 12);
     d.h.step(vec![lookup(d.s, 4, 40, 4, 4 * PAGE + 1)]);
     assert_eq!(races(&mut d), 1);
+}
+
+#[test]
+fn a_journal_read_only_to_mirror_the_index_counts_no_races() {
+    // The manager's presence filter drains the journal but advertises
+    // nothing: a query stopped by an evicted page is no race then.
+    let mut c = config(32 << 10);
+    c.dram.extent_bytes = 16 << 10;
+    let mut d = dense_setup_with(c);
+    d.h.rt().record_page_changes(1024);
+    d.publish(40, 4, 0);
+    d.publish(42, 4, 4);
+    d.publish(43, 4, 8);
+    let ev = d.h.step(vec![lookup(d.s, 3, 40, 4, 4 * PAGE + 1)]);
+    assert!(
+        matches!(ev[0], Event::QueryResult { selected: None, .. }),
+        "{ev:?}"
+    );
+    assert_eq!(d.h.rt().stats().metrics.event_races, 0);
+    let mut out = Vec::new();
+    assert!(!d.h.rt().take_page_changes(&mut out));
+    assert!(
+        out.iter()
+            .any(|c| matches!(c, orbitkv_world::PageChange::Removed(..))),
+        "the evictions are still recorded: {out:?}"
+    );
 }
 
 // P/D handoffs -------------------------------------------------------------

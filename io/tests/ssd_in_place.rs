@@ -108,20 +108,15 @@ fn round_trip(backend: IoBackend) {
         assert_eq!(info.offset % b, 0);
         assert_eq!(info.checksum, page_checksum(&payload(i, len)));
     }
-    // Records are packed: each takes one block of header plus its payload
-    // rounded up to the block (a 64 KiB page costs 64 KiB + one block).
-    let mut infos: Vec<_> = LENS
+    // Records are packed: a block of header for each record, or for each
+    // group of records submitted together, plus each payload rounded up to
+    // the block.
+    let infos: Vec<_> = LENS
         .iter()
         .enumerate()
         .map(|(i, &len)| (store.record_info(&key(i as u64)).unwrap(), len as u64))
         .collect();
-    infos.sort_by_key(|(r, _)| (r.segment_id, r.offset));
-    for w in infos.windows(2) {
-        let ((a, alen), (c, _)) = (&w[0], &w[1]);
-        if a.segment_id == c.segment_id {
-            assert_eq!(c.offset, a.offset + b + round_up(*alen, b));
-        }
-    }
+    assert_packed(infos, b);
     let s = store.stats();
     assert_eq!(s.writes_in_place, LENS.len() as u64);
     assert_eq!(s.writes_completed, LENS.len() as u64);
@@ -220,6 +215,95 @@ fn failed_write_releases_blocking() {
 #[test]
 fn failed_write_releases_io_uring() {
     failed_write_releases(IoBackend::IoUring);
+}
+
+/// In-place demotions submitted together are written as one group: one
+/// header block, then each payload straight from the pool (a partial last
+/// block through a tail buffer). A failed group fails and releases every
+/// record of it, exactly once; a healthy one is read back, before and
+/// after a reopen.
+fn grouped_demotions(backend: IoBackend) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = open(dir.path(), backend);
+    let mut pool = Pool::new(&mut store, 8 << 20);
+    let lens = [16 << 10, 5000, 20_000, 4096, 1];
+    let slots: Vec<_> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| land(&mut pool, i as u64, len))
+        .collect();
+    let demote_all = |store: &mut SsdStore, pool: &Pool| -> Vec<DemoteToken> {
+        lens.iter()
+            .zip(&slots)
+            .enumerate()
+            .map(|(i, (&len, &slot))| {
+                let sum = page_checksum(&payload(i as u64, len));
+                match demote_slot(store, pool, slot, i as u64, len, sum) {
+                    Demoted::InPlace(t) => t,
+                    Demoted::Copied => panic!("copied"),
+                }
+            })
+            .collect()
+    };
+    store.fail_next_writes(1);
+    let mut tokens = demote_all(&mut store, &pool);
+    let (mut released, done) = settle(&mut store);
+    released.sort();
+    tokens.sort();
+    assert_eq!(
+        released, tokens,
+        "every record of the failed group is released once"
+    );
+    assert_eq!(done.len(), lens.len());
+    assert!(
+        done.iter().all(|d| matches!(d, Err(DemoteFailed::Io(_)))),
+        "{done:?}"
+    );
+    let s = store.stats();
+    assert_eq!((s.write_failures.io, s.writes_completed), (5, 0));
+    assert_eq!(s.grouped_writes, 5, "one group of five");
+    assert_eq!(store.demotions_holding(), 0);
+    for i in 0..lens.len() as u64 {
+        assert!(store.lookup(&key(i)).is_none());
+    }
+
+    let mut tokens = demote_all(&mut store, &pool);
+    let (mut released, done) = settle(&mut store);
+    released.sort();
+    tokens.sort();
+    assert_eq!(released, tokens);
+    assert_eq!(done, vec![Ok(()); lens.len()]);
+    assert_eq!(store.stats().grouped_writes, 10);
+    let first = store.record_info(&key(0)).unwrap();
+    for i in 0..lens.len() as u64 {
+        let info = store.record_info(&key(i)).unwrap();
+        assert!(info.grouped && info.offset == first.offset, "{info:?}");
+    }
+    for (i, &len) in lens.iter().enumerate() {
+        let got = pool.read(&mut store, &key(i as u64), len as u64).unwrap();
+        assert!(got == payload(i as u64, len), "page {i}");
+    }
+    drop(pool);
+    drop(store);
+    let mut store = open(dir.path(), backend);
+    assert_eq!(store.stats().open_scan.records, 5);
+    assert_eq!(store.stats().open_scan.corrupt_skipped, 0);
+    let mut pool = Pool::new(&mut store, 8 << 20);
+    for (i, &len) in lens.iter().enumerate() {
+        let got = pool.read(&mut store, &key(i as u64), len as u64).unwrap();
+        assert!(got == payload(i as u64, len), "page {i} after reopen");
+    }
+    drop(store);
+}
+
+#[test]
+fn grouped_demotions_blocking() {
+    grouped_demotions(IoBackend::Blocking);
+}
+
+#[test]
+fn grouped_demotions_io_uring() {
+    grouped_demotions(IoBackend::IoUring);
 }
 
 /// Out of space with nothing to evict: the queued in-place write is never
@@ -387,6 +471,7 @@ fn write_v1_segment(path: &std::path::Path, id: u64, pages: &[(u64, usize)], bad
             written_us: 5,
             block: V1_BLOCK,
             version: 2,
+            group: None,
         };
         let mut hb = h.encode().unwrap();
         // The version-1 layout: version 1, bytes 200..248 reserved (zero).

@@ -321,7 +321,7 @@ fn corrupt_on_disk(dir: &Path, backend: IoBackend, key: &StateKey) {
     let path = store.segment_path(info.segment_id);
     drop(store);
     let mut bytes = std::fs::read(&path).unwrap();
-    bytes[(info.offset + info.block + 100) as usize] ^= 0x40;
+    bytes[(info.payload_offset + 100) as usize] ^= 0x40;
     std::fs::write(&path, bytes).unwrap();
 }
 
@@ -420,7 +420,7 @@ fn a_record_corrupted_under_a_running_manager_is_a_checksum_miss() {
         };
         let mut n = node(dir.path(), backend);
         let mut bytes = std::fs::read(&path).unwrap();
-        bytes[(info.offset + info.block + 100) as usize] ^= 0x40;
+        bytes[(info.payload_offset + 100) as usize] ^= 0x40;
         std::fs::write(&path, bytes).unwrap();
         assert_eq!(n.recover(7), Err(MissReason::Checksum), "{backend:?}");
         assert_eq!(n.rt.stats().metrics.checksum_failures, 1);

@@ -86,6 +86,34 @@
 //! is read through the page cache instead of O_DIRECT
 //! ([`OpenScan::buffered_segments`]).
 //!
+//! ## Groups (format version 3)
+//!
+//! Records submitted together are written as a group, so that small pages
+//! do not each pay a whole header block (a 16 KiB page with `B` = 4096 took
+//! 20 KiB on disk; in a group of 16 it takes 16.25 KiB). A group is one
+//! `B`-byte header block holding up to `min(16, B / 256)` headers, one
+//! 256-byte entry each at `i * 256` (the rest of the block zero), followed
+//! by the records' payloads in entry order, each zero-padded to whole
+//! blocks. Each entry is the header above with `format_version` 3,
+//! `record_offset` the group's header block (so every entry of a group
+//! names the same offset, and entry 0 sits where a record's header would),
+//! and four fields in bytes 204..224, all covered by the entry's own
+//! header checksum:
+//!
+//! ```text
+//!    204    8  payload_offset    this record's payload in the segment (a multiple of B)
+//!    212    8  group_bytes       the whole group: header block + padded payloads
+//!    220    2  index             this entry's place in the header block
+//!    222    2  count             entries in the group, 2..=min(16, B / 256)
+//!    224   24  reserved          zero
+//! ```
+//!
+//! Decoding checks that the payload lies after the header block and inside
+//! the group, block-aligned, and that the index is below the count. Only
+//! records whose padded payload is at most 256 KiB are grouped, at most
+//! 1 MiB per group and never across a segment's end; a single record (a
+//! larger one, or one written alone) keeps version 2.
+//!
 //! # Writes
 //!
 //! [`SsdStore::submit_write`] (tools, tests: bytes with no known checksum)
@@ -104,7 +132,16 @@
 //! (successfully or not), or when the queued write is failed without being
 //! issued (no space, no segment); until then the caller keeps the slot and
 //! its bytes. Anything else (a payload outside the pool, misaligned) takes
-//! the copy path without hashing and returns `Copied`. Bytes altered in
+//! the copy path without hashing and returns `Copied`.
+//!
+//! A small record (padded payload at most 256 KiB) is not issued at its
+//! submission: it waits for the next `poll` (or until a group's worth has
+//! queued), and the queued small records at the head of the queue then go
+//! out as one group with one `pwritev` of `[the group's header block, each
+//! record's payload blocks (from the pool or from its copy), each partial
+//! last block's tail buffer]`. The group succeeds or fails as a whole:
+//! every record of it is reported, and every in-place token released,
+//! exactly once, with the group's outcome. Bytes altered in
 //! DRAM after they landed are therefore stored as they are and refused at
 //! read (below). `Drop` waits for every submitted operation, so no write
 //! reads the pool after the store is gone; queued, unissued writes are
@@ -117,13 +154,23 @@
 //! the indexed segment/offset/sequence/digest/checksum and length, and the
 //! payload's XXH3-64 equals the header's. Anything else completes as
 //! [`TierError::Corrupt`](crate::tier::TierError::Corrupt) and drops the
-//! record from the index (counted as eviction reason `corrupt`). On any
+//! record from the index (counted as eviction reason `corrupt`).
+//!
+//! A record of a group is read without its header (the entry is not next
+//! to the payload, and a second read per page would double the reads'
+//! I/Os): the read fetches the payload alone, and it succeeds only if the
+//! payload's XXH3-64 equals the checksum of the entry that indexed it. That
+//! entry was verified, like a header above, when the group was written (by
+//! this store) or by the open-time scan. So a grouped record's bytes are
+//! verified exactly as strictly at every read; damage to its entry alone
+//! (payload intact) is found by the next open, which drops that record. On any
 //! failed read the destination range's contents are unspecified.
 //!
 //! # Durability
 //!
 //! [`SyncPolicy::BatchFdatasync`] (default): a record is written with one
-//! O_DIRECT `pwrite` (copy) or `pwritev` (in place) of header + payload. When writes complete, the next
+//! O_DIRECT `pwrite` (copy) or `pwritev` (in place) of header + payload, or
+//! with its group's `pwritev`. When writes complete, the next
 //! `poll` submits one `fdatasync` per segment (asynchronously, through the
 //! same engine) covering every write of that segment completed so far;
 //! only when it succeeds are those records inserted into the index and
@@ -160,6 +207,16 @@
 //! every block size, version 1 included. If a key occurs twice the highest
 //! sequence wins. Segments without a valid record are removed. The scan
 //! reads all data (O(stored bytes)); a checkpointed index is future work.
+//!
+//! A group is found by its entry 0 (valid, of this segment, naming this
+//! offset, index 0). Every other entry is then decoded from the header
+//! block and indexed only if it verifies, names the same group (offset,
+//! count, size, block) and a payload after the previous valid entry's,
+//! and its payload matches its checksum; each entry that does not counts
+//! once in `corrupt_skipped`, and the scan goes on after the group. A
+//! group whose entry 0 is damaged is one bad stretch (its records are
+//! lost, as an unreported write at a crash is); a group cut off by the end
+//! of the file ends the scan, as a cut-off record does.
 //!
 //! Entries named like segments that are not regular files (a FIFO, a
 //! device, a directory, a symlink) are never opened: they are skipped with

@@ -12,7 +12,7 @@ use std::os::fd::AsRawFd as _;
 use std::os::unix::fs::{FileExt, MetadataExt as _, OpenOptionsExt};
 use std::path::Path;
 
-use super::format::{HeaderError, MIN_BLOCK, RecordHeader};
+use super::format::{HeaderError, MIN_BLOCK, RecordHeader, round_up};
 use crate::checksum::page_checksum;
 
 /// Reads through the file in windows of this many bytes.
@@ -165,7 +165,15 @@ pub(crate) fn scan_segment(
                 }
                 continue;
             }
-            Ok(h) if h.segment_id == id && h.record_offset == pos => h,
+            // A record, or the first entry of a group (every entry of a
+            // group names the group's offset; only entry 0 sits there).
+            Ok(h)
+                if h.segment_id == id
+                    && h.record_offset == pos
+                    && h.group.is_none_or(|g| g.index == 0) =>
+            {
+                h
+            }
             _ => {
                 if !in_bad_run {
                     out.corrupt += 1;
@@ -176,6 +184,15 @@ pub(crate) fn scan_segment(
             }
         };
         in_bad_run = false;
+        if header.group.is_some() {
+            match scan_group(&mut w, header, id, &mut out)? {
+                Some(end) => {
+                    pos = end;
+                    continue;
+                }
+                None => break,
+            }
+        }
         let rec = header.record_bytes();
         if pos.checked_add(rec).is_none_or(|end| end > file_len) {
             // A header whose payload was cut off: every byte up to the end
@@ -194,4 +211,63 @@ pub(crate) fn scan_segment(
     }
     out.bytes_read = w.bytes_read;
     Ok(out)
+}
+
+/// A group whose first entry, `first`, is valid at its offset: each entry
+/// of its header block that verifies, names this group and a payload after
+/// the previous entry's, and whose payload matches its checksum, is
+/// indexed; every other entry counts as corrupt. Returns where the group
+/// ends, or `None` when it runs past the end of the file (cut off: every
+/// byte up to the end belongs to it, as for a single record).
+fn scan_group(
+    w: &mut Window<'_>,
+    first: RecordHeader,
+    id: u64,
+    out: &mut SegmentScan,
+) -> io::Result<Option<u64>> {
+    let Some(g) = first.group else {
+        return Ok(Some(first.record_offset + first.extent_bytes()));
+    };
+    let pos = first.record_offset;
+    let end = match pos.checked_add(g.bytes) {
+        Some(end) if end <= w.file_len => end,
+        _ => {
+            out.corrupt += 1;
+            return Ok(None);
+        }
+    };
+    let block = w.read(pos, first.block as usize)?.to_vec();
+    let mut next_payload = pos + first.block;
+    for i in 0..usize::from(g.count) {
+        let entry = if i == 0 {
+            Ok(first)
+        } else {
+            RecordHeader::decode_group_entry(&block, i)
+        };
+        let h = match entry {
+            Ok(h)
+                if h.segment_id == id
+                    && h.record_offset == pos
+                    && h.block == first.block
+                    && h.group.is_some_and(|e| {
+                        e.count == g.count && e.bytes == g.bytes && e.payload_offset >= next_payload
+                    }) =>
+            {
+                h
+            }
+            _ => {
+                out.corrupt += 1;
+                continue;
+            }
+        };
+        let at = h.payload_offset();
+        next_payload = at + round_up(h.payload_len, h.block);
+        let payload = w.read(at, h.payload_len as usize)?;
+        if page_checksum(payload) == h.payload_checksum {
+            out.records.push(h);
+        } else {
+            out.corrupt += 1;
+        }
+    }
+    Ok(Some(end))
 }

@@ -13,7 +13,8 @@ use super::blocking::BlockingEngine;
 use super::buf::{AlignedBuf, BufPool};
 use super::engine::{Completion, Engine, Request};
 use super::format::{
-    FORMAT_V1, MAX_BLOCK, MIN_BLOCK, RecordHeader, record_bytes, round_up, valid_block,
+    FORMAT_GROUP, FORMAT_V1, GroupPos, MAX_BLOCK, MIN_BLOCK, RecordHeader, group_capacity,
+    record_bytes, round_up, valid_block,
 };
 use super::meta::{
     self, MAX_SEGMENT_ID, Meta, MetaDone, MetaReq, parse_segment_name, segment_name,
@@ -37,6 +38,12 @@ const CREATE_BACKOFF_US: u64 = 1_000_000;
 const FLUSH_BATCH: usize = 16;
 /// Idle aligned buffers kept for reuse.
 const BUF_POOL_BYTES: usize = 64 << 20;
+/// Queued records whose padded payload is at most this many bytes are
+/// written in groups (one header block for several records); larger ones
+/// gain nothing from sharing a header block.
+const GROUP_MAX_PAYLOAD: u64 = 256 << 10;
+/// Bytes of one group at most: its header block and padded payloads.
+const GROUP_MAX_BYTES: u64 = 1 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct IndexEntry {
@@ -49,6 +56,11 @@ struct IndexEntry {
     written_us: u64,
     /// The record's block (header block size, payload padding unit).
     block: u64,
+    /// Where the payload starts in the segment.
+    payload_offset: u64,
+    /// A record of a group: its header is one entry of the group's header
+    /// block, and a read fetches the payload alone.
+    grouped: bool,
 }
 
 impl IndexEntry {
@@ -56,6 +68,8 @@ impl IndexEntry {
         IndexEntry {
             segment: h.segment_id,
             offset: h.record_offset,
+            payload_offset: h.payload_offset(),
+            grouped: h.group.is_some(),
             payload_len: h.payload_len,
             checksum: h.payload_checksum,
             sequence: h.sequence,
@@ -65,8 +79,23 @@ impl IndexEntry {
         }
     }
 
+    /// Bytes a read of this record fetches from `read_offset`: header
+    /// block and padded payload, or (grouped) the padded payload.
     fn record_bytes(&self) -> u64 {
-        record_bytes(self.payload_len, self.block)
+        if self.grouped {
+            round_up(self.payload_len, self.block)
+        } else {
+            record_bytes(self.payload_len, self.block)
+        }
+    }
+
+    /// Where a read of this record starts.
+    fn read_offset(&self) -> u64 {
+        if self.grouped {
+            self.payload_offset
+        } else {
+            self.offset
+        }
     }
 }
 
@@ -112,6 +141,37 @@ struct QueuedWrite {
     src: WriteSrc,
 }
 
+impl QueuedWrite {
+    /// The record's header once placed: at `offset` of segment `segment`,
+    /// alone or (`group`) as an entry of a group's header block there.
+    fn header(
+        &self,
+        segment: u64,
+        offset: u64,
+        sequence: u64,
+        block: u64,
+        group: Option<GroupPos>,
+    ) -> RecordHeader {
+        RecordHeader {
+            segment_id: segment,
+            record_offset: offset,
+            sequence,
+            key: self.key,
+            format_digest: self.digest,
+            payload_len: self.payload_len,
+            payload_checksum: self.checksum,
+            written_us: self.written_us,
+            block,
+            version: if group.is_some() {
+                FORMAT_GROUP
+            } else {
+                super::format::FORMAT_VERSION
+            },
+            group,
+        }
+    }
+}
+
 /// Where a queued record's bytes come from.
 enum WriteSrc {
     /// A store-owned copy: the header block (filled at dispatch), then the
@@ -142,6 +202,8 @@ unsafe impl Send for PoolRange {}
 enum ReadDest {
     /// Header into `header`, payload straight into the pool slot.
     Direct { header: AlignedBuf },
+    /// A record of a group: its payload alone, straight into the pool slot.
+    Payload,
     /// The whole record into a store buffer, payload copied on success
     /// (pool range not 4 KiB aligned, or too short for the padded tail).
     Bounce { buf: AlignedBuf },
@@ -170,6 +232,21 @@ const NO_IOV: libc::iovec = libc::iovec {
     iov_len: 0,
 };
 
+/// The iovecs of a group write (header block, then each record's parts).
+struct IovecList(Box<[libc::iovec]>);
+// SAFETY: as `Iovecs`.
+unsafe impl Send for IovecList {}
+
+/// Records written as one group by one `pwritev`.
+struct GroupWrite {
+    writes: Vec<(QueuedWrite, IndexEntry)>,
+    segment: u64,
+    header: AlignedBuf,
+    /// Kept alive (and unmoved) while the kernel reads it.
+    _iov: IovecList,
+    bytes: u64,
+}
+
 enum Op {
     Read(ReadOp),
     Write {
@@ -177,6 +254,7 @@ enum Op {
         segment: u64,
         entry: IndexEntry,
     },
+    Group(GroupWrite),
     Sync {
         segment: u64,
         batch: Vec<Written>,
@@ -455,6 +533,7 @@ impl SsdStore {
             direct_io: direct,
             block_bytes: block,
             writes_in_place: 0,
+            grouped_writes: 0,
             demotions_holding: 0,
             sync: cfg.sync,
             records: 0,
@@ -683,6 +762,8 @@ impl SsdStore {
             format_digest: e.digest,
             written_us: e.written_us,
             block: e.block,
+            payload_offset: e.payload_offset,
+            grouped: e.grouped,
         })
     }
 
@@ -692,9 +773,10 @@ impl SsdStore {
         self.block
     }
 
-    /// Fault injection for tests and tools: the next `n` record writes
-    /// dispatched are issued against an invalid file descriptor, so the
-    /// engine completes them with `EBADF` (a failed write, reported as
+    /// Fault injection for tests and tools: the next `n` writes
+    /// dispatched (a record, or a group of records written together) are
+    /// issued against an invalid file descriptor, so the engine completes
+    /// them with `EBADF` (every record of it fails, reported as
     /// [`WriteError::Io`]; an in-place demotion's token is released).
     #[doc(hidden)]
     pub fn fail_next_writes(&mut self, n: u32) {
@@ -879,8 +961,13 @@ impl SsdStore {
         self.pending_keys.insert(*key);
         self.accepted_writes += 1;
         self.stats.writes_accepted += 1;
-        self.dispatch_writes();
-        self.flush_if_batched();
+        // A small record waits for the next poll, or for a group's worth of
+        // records, so that records submitted together share a header block.
+        let groupable = round_up(payload_len, self.block) <= GROUP_MAX_PAYLOAD;
+        if !groupable || self.write_queue.len() >= group_capacity(self.block) {
+            self.dispatch_writes();
+            self.flush_if_batched();
+        }
         token
     }
 
@@ -1009,6 +1096,7 @@ impl SsdStore {
         match op {
             Op::Read(r) => self.complete_read(r, c.result),
             Op::Write { w, segment, entry } => self.complete_write(w, segment, entry, c.result),
+            Op::Group(g) => self.complete_group(g, c.result),
             Op::Sync { segment, batch } => {
                 self.syncs_in_io -= 1;
                 self.stats.syncs += 1;
@@ -1042,9 +1130,38 @@ impl SsdStore {
         // The write I/O is over: an in-place source is released whatever
         // the outcome.
         self.retire_src(w.src);
+        if self.record_written(Written { token, key, entry }, result, expected) {
+            self.evict_oldest(EvictReason::NoSpace);
+        }
+    }
+
+    /// A group's write is over: every record of it succeeds or fails
+    /// with it.
+    fn complete_group(&mut self, g: GroupWrite, result: Result<usize, i32>) {
+        self.writes_in_io -= 1;
+        if let Some(seg) = self.segments.get_mut(&g.segment) {
+            seg.ops -= 1;
+        }
+        self.bufs.put(g.header);
+        let mut no_space = false;
+        for (w, entry) in g.writes {
+            let (token, key) = (w.token, w.key);
+            self.retire_src(w.src);
+            no_space |= self.record_written(Written { token, key, entry }, result, g.bytes);
+        }
+        if no_space {
+            self.evict_oldest(EvictReason::NoSpace);
+        }
+    }
+
+    /// A record's write I/O is over, `result` being the bytes written of
+    /// the `expected` (its own record's, or its group's) or an errno: the
+    /// record waits for its segment's fdatasync, becomes visible, or fails.
+    /// `true` when it failed for lack of space.
+    fn record_written(&mut self, done: Written, result: Result<usize, i32>, expected: u64) -> bool {
+        let (token, key, segment) = (done.token, done.key, done.entry.segment);
         match result {
             Ok(n) if n as u64 == expected => {
-                let done = Written { token, key, entry };
                 if self.cfg.sync == SyncPolicy::BatchFdatasync {
                     if let Some(seg) = self.segments.get_mut(&segment) {
                         seg.unsynced.push(done);
@@ -1053,20 +1170,21 @@ impl SsdStore {
                 } else {
                     self.publish(done);
                 }
+                false
             }
-            Ok(n) => self.fail_write(
-                token,
-                key,
-                WriteError::Short {
-                    written: n as u64,
-                    expected,
-                },
-            ),
+            Ok(n) => {
+                let written = n as u64;
+                self.fail_write(token, key, WriteError::Short { written, expected });
+                false
+            }
             Err(e) if e == libc::ENOSPC || e == libc::EDQUOT => {
                 self.fail_write(token, key, WriteError::NoSpace);
-                self.evict_oldest(EvictReason::NoSpace);
+                true
             }
-            Err(e) => self.fail_write(token, key, WriteError::Io(strerror(e))),
+            Err(e) => {
+                self.fail_write(token, key, WriteError::Io(strerror(e)));
+                false
+            }
         }
     }
 
@@ -1274,6 +1392,13 @@ impl SsdStore {
             && self.engine.in_flight() < self.cfg.max_inflight_io + self.syncs_in_io
         {
             let block = self.block;
+            let (n, bytes) = self.group_len();
+            if n >= 2 {
+                if self.dispatch_group(n, bytes) {
+                    continue;
+                }
+                return;
+            }
             let rec = self
                 .write_queue
                 .front()
@@ -1296,18 +1421,7 @@ impl SsdStore {
                 self.fail_writes -= 1;
                 fd = -1;
             }
-            let header = RecordHeader {
-                segment_id: seg_id,
-                record_offset: offset,
-                sequence: self.next_seq,
-                key: w.key,
-                format_digest: w.digest,
-                payload_len: w.payload_len,
-                payload_checksum: w.checksum,
-                written_us: w.written_us,
-                block,
-                version: super::format::FORMAT_VERSION,
-            };
+            let header = w.header(seg_id, offset, self.next_seq, block, None);
             self.next_seq += 1;
             let entry = IndexEntry::from_header(&header);
             let built = match &mut w.src {
@@ -1400,6 +1514,156 @@ impl SsdStore {
         }
     }
 
+    /// How many writes at the head of the queue form a group in the
+    /// active segment, and the group's bytes: `(0, 0)` when fewer than two
+    /// do (or while write faults are injected, which count single writes).
+    fn group_len(&self) -> (usize, u64) {
+        if self.write_queue.len() < 2 {
+            return (0, 0);
+        }
+        let Some(seg) = self.active.and_then(|id| self.segments.get(&id)) else {
+            return (0, 0);
+        };
+        let room = seg.size.saturating_sub(seg.write_pos).min(GROUP_MAX_BYTES);
+        let (mut n, mut bytes) = (0, self.block);
+        for w in self.write_queue.iter().take(group_capacity(self.block)) {
+            let padded = round_up(w.payload_len, self.block);
+            if padded > GROUP_MAX_PAYLOAD || bytes + padded > room {
+                break;
+            }
+            bytes += padded;
+            n += 1;
+        }
+        if n >= 2 { (n, bytes) } else { (0, 0) }
+    }
+
+    /// Writes the first `n` queued records as one group of `bytes` (one
+    /// header block holding their headers, then their payloads) with one
+    /// `pwritev`. `false` when nothing more can be dispatched now.
+    fn dispatch_group(&mut self, n: usize, bytes: u64) -> bool {
+        let block = self.block;
+        let Some(seg_id) = self.writable_segment(bytes) else {
+            return false;
+        };
+        let Some(mut header) = self.bufs.get(block as usize) else {
+            return false;
+        };
+        let Some(seg) = self.segments.get_mut(&seg_id) else {
+            self.bufs.put(header);
+            return false;
+        };
+        let offset = seg.write_pos;
+        let mut fd = seg.file.as_raw_fd();
+        let fault = self.fail_writes > 0;
+        if fault {
+            self.fail_writes -= 1;
+            fd = -1;
+        }
+        let writes: Vec<QueuedWrite> = self.write_queue.drain(..n).collect();
+        let mut entries = Vec::with_capacity(n);
+        let mut parts: Vec<(*const u8, usize)> = Vec::with_capacity(1 + 2 * n);
+        parts.push((header.as_ptr(), block as usize));
+        let mut at = offset + block;
+        for (i, w) in writes.iter().enumerate() {
+            let padded = round_up(w.payload_len, block);
+            let pos = GroupPos {
+                index: i as u16,
+                count: n as u16,
+                bytes,
+                payload_offset: at,
+            };
+            let sequence = self.next_seq + i as u64;
+            entries.push(w.header(seg_id, offset, sequence, block, Some(pos)));
+            match &w.src {
+                // SAFETY: the copy buffer holds the header block and the
+                // padded payload (`record_bytes`).
+                WriteSrc::Copy(buf) => {
+                    parts.push((unsafe { buf.as_ptr().add(block as usize) }, padded as usize))
+                }
+                WriteSrc::InPlace(ip) => {
+                    if ip.body.1 > 0 {
+                        parts.push((ip.body.0, ip.body.1));
+                    }
+                    if let Some(t) = &ip.tail {
+                        parts.push((t.as_ptr(), block as usize));
+                    }
+                }
+            }
+            at += padded;
+        }
+        let built = RecordHeader::encode_group(&entries, header.as_mut_slice())
+            .map_err(|e| e.to_string())
+            .and_then(|()| {
+                parts.iter().try_for_each(|&(ptr, len)| {
+                    check_aligned(self.direct, ptr, len, offset, block, self.mem_align)
+                        .map_err(|e| e.to_string())
+                })
+            });
+        if let Err(why) = built {
+            self.bufs.put(header);
+            for w in writes {
+                let (token, key) = (w.token, w.key);
+                self.retire_src(w.src);
+                self.fail_write(token, key, WriteError::Misaligned(why.clone()));
+            }
+            return true;
+        }
+        let iov = IovecList(
+            parts
+                .iter()
+                .map(|&(ptr, len)| libc::iovec {
+                    iov_base: ptr as *mut libc::c_void,
+                    iov_len: len,
+                })
+                .collect(),
+        );
+        let user = self.next_user;
+        self.next_user += 1;
+        let req = Request::Writev {
+            fd,
+            offset,
+            iov: iov.0.as_ptr(),
+            iovcnt: iov.0.len() as u32,
+        };
+        // SAFETY: as for a single write: the header buffer, the copy
+        // buffers and the iovecs move into `ops` (stable heap addresses)
+        // until this completion is reaped; in-place pool ranges stay
+        // unchanged until their tokens are released, after that; the
+        // segment is not evicted while `ops > 0`.
+        if unsafe { self.engine.submit(user, req) }.is_err() {
+            // Cannot happen (we stay below capacity); retry later.
+            self.bufs.put(header);
+            self.fail_writes += u32::from(fault);
+            for w in writes.into_iter().rev() {
+                self.write_queue.push_front(w);
+            }
+            return false;
+        }
+        self.next_seq += n as u64;
+        if let Some(seg) = self.segments.get_mut(&seg_id) {
+            seg.write_pos += bytes;
+            seg.ops += 1;
+        }
+        self.writes_in_io += 1;
+        self.stats.grouped_writes += n as u64;
+        let writes = writes
+            .into_iter()
+            .zip(&entries)
+            .map(|(w, h)| (w, IndexEntry::from_header(h)))
+            .collect();
+        self.ops.insert(
+            user,
+            Op::Group(GroupWrite {
+                writes,
+                segment: seg_id,
+                header,
+                _iov: iov,
+                bytes,
+            }),
+        );
+        true
+    }
+
     fn dispatch_syncs(&mut self) {
         while self.syncs_in_io < MAX_SYNCS {
             let Some(id) = self.dirty.iter().copied().find(|id| {
@@ -1443,7 +1707,7 @@ impl SsdStore {
             };
             let req = Request::Readv {
                 fd: seg.file.as_raw_fd(),
-                offset: r.entry.offset,
+                offset: r.entry.read_offset(),
                 iov: r.iov.0.as_ptr(),
                 iovcnt: r.iovcnt,
             };
@@ -1481,6 +1745,7 @@ impl SsdStore {
         match r.dest {
             ReadDest::Direct { header } => self.bufs.put(header),
             ReadDest::Bounce { buf } => self.bufs.put(buf),
+            ReadDest::Payload => {}
         }
         self.done_reads.push(ReadDone {
             token: r.token,
@@ -1495,10 +1760,14 @@ impl SsdStore {
             return Err("host pool vanished".into());
         };
         let e = &r.entry;
+        if e.grouped {
+            return self.verify_payload(r);
+        }
         let hb = e.block as usize;
         let header_block = match &r.dest {
             ReadDest::Direct { header } => &header.as_slice()[..hb],
             ReadDest::Bounce { buf } => &buf.as_slice()[..hb],
+            ReadDest::Payload => return Err("a single record read without its header".into()),
         };
         let h = RecordHeader::decode(header_block).map_err(|e| format!("header: {e}"))?;
         if h.key != r.key {
@@ -1533,6 +1802,7 @@ impl SsdStore {
                 page_checksum(dst)
             }
             ReadDest::Bounce { buf } => page_checksum(&buf.as_slice()[hb..hb + len]),
+            ReadDest::Payload => return Err("a single record read without its header".into()),
         };
         if sum != h.payload_checksum {
             return Err(format!(
@@ -1553,6 +1823,44 @@ impl SsdStore {
         Ok(())
     }
 
+    /// A record of a group: its payload (read alone) against the checksum
+    /// of the header entry that indexed it, verified when it was written
+    /// or at the open-time scan.
+    fn verify_payload(&mut self, r: &mut ReadOp) -> Result<(), String> {
+        let Some(pool) = &self.pool else {
+            return Err("host pool vanished".into());
+        };
+        let len = r.entry.payload_len as usize;
+        let sum = match &r.dest {
+            ReadDest::Payload => {
+                // SAFETY: bounds checked at submit; the runtime does not
+                // touch the destination while the read is in flight.
+                let dst =
+                    unsafe { std::slice::from_raw_parts(pool.0.add(r.host_offset as usize), len) };
+                page_checksum(dst)
+            }
+            ReadDest::Bounce { buf } => page_checksum(&buf.as_slice()[..len]),
+            ReadDest::Direct { .. } => return Err("a grouped record read with a header".into()),
+        };
+        if sum != r.entry.checksum {
+            return Err(format!(
+                "payload checksum {sum:#018x} != header entry {:#018x}",
+                r.entry.checksum
+            ));
+        }
+        if let ReadDest::Bounce { buf } = &r.dest {
+            // SAFETY: as in `verify`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    buf.as_ptr(),
+                    pool.0.add(r.host_offset as usize),
+                    len,
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Records a verification failure and drops the record from the index.
     fn corrupt(&mut self, r: &ReadOp, why: String) -> TierError {
         self.stats.reads_corrupt += 1;
@@ -1560,11 +1868,9 @@ impl SsdStore {
             "{:?} (segment {} offset {}): {why}",
             r.key, r.entry.segment, r.entry.offset
         ));
-        if self
-            .index
-            .get(&r.key)
-            .is_some_and(|e| (e.segment, e.offset) == (r.entry.segment, r.entry.offset))
-        {
+        if self.index.get(&r.key).is_some_and(|e| {
+            (e.segment, e.payload_offset) == (r.entry.segment, r.entry.payload_offset)
+        }) {
             self.index_remove(&r.key);
             self.stats.evictions.add(EvictReason::Corrupt, 1);
         }
@@ -1810,7 +2116,16 @@ impl BackingTier for SsdStore {
                 .checked_add(padded)
                 .is_some_and(|end| end <= pool_len);
         let no_buf = || TierError::Io("out of memory for a read buffer".into());
-        let (dest, iov, iovcnt) = if direct_ok {
+        let (dest, iov, iovcnt) = if direct_ok && entry.grouped {
+            let iov = Iovecs(Box::new([
+                libc::iovec {
+                    iov_base: dst as *mut libc::c_void,
+                    iov_len: padded as usize,
+                },
+                NO_IOV,
+            ]));
+            (ReadDest::Payload, iov, 1)
+        } else if direct_ok {
             let mut header = self.bufs.get(block as usize).ok_or_else(no_buf)?;
             let iov = Iovecs(Box::new([
                 libc::iovec {
@@ -1854,7 +2169,7 @@ impl BackingTier for SsdStore {
                 dest,
                 iov,
                 iovcnt,
-                expect: (block + padded) as usize,
+                expect: entry.record_bytes() as usize,
             }),
         );
         self.reads_in_flight += 1;
@@ -1934,8 +2249,13 @@ impl Drop for SsdStore {
     fn drop(&mut self) {
         // The kernel or a worker may still read from or write into our
         // buffers or the host pool (reads, in-place demotions): wait for
-        // every submitted operation first. Queued, unsubmitted writes are
-        // discarded (never reported, never visible, never issued).
+        // every submitted operation first. Small records still waiting to
+        // be grouped are issued first, as a submission would have issued
+        // them before grouping existed; writes that cannot be issued now
+        // (no writable segment) are discarded (never reported, never
+        // visible, never issued).
+        self.dispatch_writes();
+        self.engine.flush();
         self.drain();
     }
 }

@@ -325,9 +325,15 @@ pub struct RecordInfo {
     pub sequence: u64,
     pub format_digest: [u8; 32],
     pub written_us: u64,
-    /// The record's block: its header block's size (the payload starts at
-    /// `offset + block`) and the payload's padding unit.
+    /// The record's block: its header block's size and the payload's
+    /// padding unit.
     pub block: u64,
+    /// Where the payload starts: `offset + block` for a record with a
+    /// header block of its own; inside its group for a grouped record.
+    pub payload_offset: u64,
+    /// Whether the record was written in a group, its header one entry of
+    /// the header block at `offset` shared with the group's other records.
+    pub grouped: bool,
 }
 
 /// Refusals by reason.
@@ -509,6 +515,9 @@ pub struct SsdStats {
     pub writes_accepted: u64,
     /// Of those, demotions written straight from the host pool.
     pub writes_in_place: u64,
+    /// Records written as part of a group (one header block shared by
+    /// several small records), as opposed to a record with its own.
+    pub grouped_writes: u64,
     /// In-place demotions whose pool range the store still needs (or whose
     /// release `poll_released` has not handed out yet).
     pub demotions_holding: u64,

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use orbitkv_components::{Namespace, StateKey};
 use orbitkv_io::dram::{HostPool, HostPoolConfig};
-use orbitkv_io::ssd::{BackendKind, IoBackend, SsdConfig, SsdStore, WriteDone, WriteRefused};
+use orbitkv_io::ssd::{
+    BackendKind, IoBackend, RecordInfo, SsdConfig, SsdStore, WriteDone, WriteRefused,
+};
 use orbitkv_io::tier::{BackingTier, ReadDone, TierError};
 
 /// Both engines; every parity test runs over this list.
@@ -107,6 +109,40 @@ pub fn write_all(store: &mut SsdStore, pages: &[(StateKey, Vec<u8>)]) {
     assert_eq!(done.len(), pages.len());
     for d in &done {
         assert_eq!(d.result, Ok(()), "{:?}", d.key);
+    }
+}
+
+/// Writes each page alone, waiting for it before the next: every record
+/// gets a header block of its own (pages submitted together are written as
+/// groups).
+pub fn write_each(store: &mut SsdStore, pages: &[(StateKey, Vec<u8>)]) {
+    for p in pages {
+        write_all(store, std::slice::from_ref(p));
+        let info = store.record_info(&p.0).expect("written");
+        assert!(!info.grouped, "a record written alone is not grouped");
+    }
+}
+
+/// Asserts records are packed at the store's block `blk`: a header block
+/// (a record's own, or one shared by a group written together), then each
+/// payload rounded up to the block. `infos`: each record and its length.
+pub fn assert_packed(mut infos: Vec<(RecordInfo, u64)>, blk: u64) {
+    infos.sort_by_key(|(r, _)| (r.segment_id, r.payload_offset));
+    for w in infos.windows(2) {
+        let ((a, alen), (c, _)) = (&w[0], &w[1]);
+        assert_eq!((a.block, a.offset % blk), (blk, 0));
+        let a_end = a.payload_offset + alen.div_ceil(blk) * blk;
+        if a.segment_id != c.segment_id {
+            continue;
+        }
+        if c.grouped && c.offset == a.offset {
+            // The next record of the same group.
+            assert!(a.grouped);
+            assert_eq!(c.payload_offset, a_end);
+        } else {
+            // A new record or group starts with its header block.
+            assert_eq!((c.offset, c.payload_offset), (a_end, a_end + blk));
+        }
     }
 }
 

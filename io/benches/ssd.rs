@@ -16,7 +16,8 @@
 //!   writes of the same payload bytes from the same slots into a freshly
 //!   fallocate'd file, one page per write and, the I/O shape of a group,
 //!   as many pages per `writev` as a group holds: no sync / fdatasync after
-//!   every 32 pages / O_DSYNC; QD 32 writes.
+//!   every 32 pages / O_DSYNC; QD 32 single-page writes, and batched writes
+//!   holding as many pages in flight as the store accepts (128).
 //!
 //! Criterion reports each; a final pass prints the store/raw ratios
 //! (median of 5). The directory is $ORBITKV_BENCH_DIR or the system temp
@@ -327,14 +328,18 @@ enum RawSync {
 }
 
 /// Pages the store writes as one group at most (one header block of 16
-/// entries, 1 MiB in all): the raw batched baseline writes as many per I/O.
+/// entries, 256 KiB in all): the raw batched baseline writes as many per
+/// I/O.
 fn group_pages(page: usize) -> usize {
-    (((1 << 20) - 4096) / page.max(1)).clamp(1, 16)
+    (((256 << 10) - 4096) / page.max(1)).clamp(1, 16)
 }
 
-/// Raw O_DIRECT writes of WRITE_BYTES from the source slots at QD into a
-/// fresh, fallocate'd file (created outside the timed part), `per_io`
-/// pages per write (one `writev` of that many slots; 1: one page each).
+/// Raw O_DIRECT writes of WRITE_BYTES from the source slots into a fresh,
+/// fallocate'd file (created outside the timed part), `per_io` pages per
+/// write (one `writev` of that many slots; 1: one page each). One page per
+/// write runs at QD writes in flight; batched writes keep as many pages in
+/// flight as the store accepts (`write_queue_depth`, 4 x QD), so that both
+/// sides have the same bytes in flight.
 fn raw_write_batch(
     dir: &Path,
     ring: &mut IoUring,
@@ -344,6 +349,11 @@ fn raw_write_batch(
     per_io: usize,
 ) -> Duration {
     let n = WRITE_BYTES / page;
+    let depth = if per_io == 1 {
+        QD
+    } else {
+        (4 * QD).div_ceil(per_io)
+    };
     let iovs: Vec<Vec<libc::iovec>> = (0..n)
         .step_by(per_io)
         .map(|first| {
@@ -377,7 +387,7 @@ fn raw_write_batch(
     let start = Instant::now();
     let (mut next, mut inflight, mut since_sync) = (0usize, 0, 0);
     while next < iovs.len() || inflight > 0 {
-        while inflight < QD && next < iovs.len() {
+        while inflight < depth && next < iovs.len() {
             let v = &iovs[next];
             let at = (next * per_io * page) as u64;
             let e = if v.len() == 1 {

@@ -110,8 +110,10 @@
 //!
 //! Decoding checks that the payload lies after the header block and inside
 //! the group, block-aligned, and that the index is below the count. Only
-//! records whose padded payload is at most 256 KiB are grouped, at most
-//! 1 MiB per group and never across a segment's end; a single record (a
+//! records whose padded payload is at most 64 KiB are grouped, at most
+//! 256 KiB per group (so several groups are in flight at once, and a
+//! 64 KiB page's header share falls from 6% to 2%) and never across a
+//! segment's end; a single record (a
 //! larger one, or one written alone) keeps version 2.
 //!
 //! # Writes
@@ -134,7 +136,7 @@
 //! its bytes. Anything else (a payload outside the pool, misaligned) takes
 //! the copy path without hashing and returns `Copied`.
 //!
-//! A small record (padded payload at most 256 KiB) is not issued at its
+//! A small record (padded payload at most 64 KiB) is not issued at its
 //! submission: it waits for the next `poll` (or until a group's worth has
 //! queued), and the queued small records at the head of the queue then go
 //! out as one group with one `pwritev` of `[the group's header block, each

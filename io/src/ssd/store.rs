@@ -39,11 +39,13 @@ const FLUSH_BATCH: usize = 16;
 /// Idle aligned buffers kept for reuse.
 const BUF_POOL_BYTES: usize = 64 << 20;
 /// Queued records whose padded payload is at most this many bytes are
-/// written in groups (one header block for several records); larger ones
-/// gain nothing from sharing a header block.
-const GROUP_MAX_PAYLOAD: u64 = 256 << 10;
+/// written in groups (one header block for several records); for larger
+/// ones a header block of their own costs at most 6%.
+const GROUP_MAX_PAYLOAD: u64 = 64 << 10;
 /// Bytes of one group at most: its header block and padded payloads.
-const GROUP_MAX_BYTES: u64 = 1 << 20;
+/// Measured against 1 MiB on the development VM: smaller groups keep more
+/// writes in flight and wrote 64 KiB pages faster.
+const GROUP_MAX_BYTES: u64 = 256 << 10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct IndexEntry {

@@ -63,6 +63,8 @@ import orbitkv  # noqa: E402
 import serve_support as ss  # noqa: E402
 
 ORIGINAL_PYTHON_LOCAL_QUERY_US = 106.9
+LONG_PAGES = 2000
+"""New pages after the stored prefix in the long-prompt rows."""
 PAGES = 8
 
 
@@ -228,6 +230,33 @@ def main() -> int:
             (
                 "(a'') Session.lookup(...), miss",
                 timed(lambda: sess.lookup([0], cold, 0, prompt), n, warmup, session_miss),
+            )
+        )
+        # A long prompt whose first PAGES pages are stored: sent whole, or
+        # only up to a page the presence filter proves is in no tier.
+        long = hashes[:PAGES] + [bytes.fromhex(h) for h in ss.hashes(LONG_PAGES, seed=78)]
+        long_prompt = len(long) * ss.PAGE + 1
+
+        def bounded():
+            k = sess.pages_worth_asking([0], long, 0)
+            return sess.lookup([0], long[:k], 0, long_prompt)
+
+        assert sess.pages_worth_asking([0], long, 0) < len(long)
+        rows.append(
+            (
+                f"(a'') Session.lookup, {PAGES} stored + {LONG_PAGES} new pages, sent whole",
+                timed(
+                    lambda: sess.lookup([0], long, 0, long_prompt),
+                    n // 10,
+                    warmup // 10,
+                    session_hit,
+                ),
+            )
+        )
+        rows.append(
+            (
+                "(a'') the same, bounded by pages_worth_asking",
+                timed(bounded, n // 10, warmup // 10, session_hit),
             )
         )
         batch = [([0], hashes, 0, prompt)] * 32

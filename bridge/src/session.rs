@@ -162,6 +162,16 @@ fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<NativeHash>> {
 /// A lookup's group ids: a list of a few ints, read item by item (pyo3's
 /// generic sequence extraction was 600 instructions of every lookup);
 /// any other sequence as pyo3 extracts it.
+/// Item `i` of a sequence of page hashes, as a native hash
+/// (`ValueError` naming it when it is not `bytes` of a hash's length).
+fn hash_item(hashes: &Bound<'_, PyAny>, i: usize) -> PyResult<NativeHash> {
+    let h = hashes.get_item(i)?;
+    let b = h.cast::<PyBytes>().map_err(|_| {
+        PyValueError::new_err(format!("hash {i} is not bytes but {}", h.get_type()))
+    })?;
+    NativeHash::new(b.as_bytes()).map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))
+}
+
 fn group_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     match obj.cast::<PyList>() {
         Ok(list) => list.iter().map(|g| g.extract::<u32>()).collect(),
@@ -760,8 +770,31 @@ impl PySession {
         origin: u64,
         hash: &dyn Fn(usize) -> PyResult<Option<NativeHash>>,
     ) -> PyResult<Option<Lookup>> {
+        Self::with_filter(slf, None, |session, client| {
+            let Some(first) = session
+                .filter_index(client, origin)
+                .map(hash)
+                .transpose()?
+                .flatten()
+            else {
+                return Ok(None);
+            };
+            Ok(session
+                .answer_from_filter(client, groups, &first)
+                .then(|| session.local_miss()))
+        })
+    }
+
+    /// `f` on the session and its hot-path client, to read the presence
+    /// filter; `otherwise` when either is taken or absent (never waits:
+    /// the caller then goes the full way, which checks the filter again).
+    fn with_filter<R>(
+        slf: &Bound<'_, Self>,
+        otherwise: R,
+        f: impl FnOnce(&mut Session, &mut Client) -> PyResult<R>,
+    ) -> PyResult<R> {
         let Ok(mut inner) = slf.get().inner.try_lock() else {
-            return Ok(None);
+            return Ok(otherwise);
         };
         let Inner {
             client: Some(Backend::Client(c)),
@@ -769,23 +802,12 @@ impl PySession {
             ..
         } = &mut *inner
         else {
-            return Ok(None);
+            return Ok(otherwise);
         };
-        c.get()
-            .try_with_client(|client| {
-                let Some(first) = session
-                    .filter_index(client, origin)
-                    .map(hash)
-                    .transpose()?
-                    .flatten()
-                else {
-                    return Ok(None);
-                };
-                Ok(session
-                    .answer_from_filter(client, groups, &first)
-                    .then(|| session.local_miss()))
-            })
-            .unwrap_or(Ok(None))
+        match c.get().try_with_client(|client| f(session, client)) {
+            Some(r) => r,
+            None => Ok(otherwise),
+        }
     }
 
     /// Runs a verb on the session; a failure that makes the connection
@@ -1173,17 +1195,33 @@ impl PySession {
             if i >= hashes.len()? {
                 return Ok(None);
             }
-            let h = hashes.get_item(i)?;
-            let b = h.cast::<PyBytes>().map_err(|_| {
-                PyValueError::new_err(format!("hash {i} is not bytes but {}", h.get_type()))
-            })?;
-            NativeHash::new(b.as_bytes())
-                .map(Some)
-                .map_err(|e| PyValueError::new_err(format!("hash {i}: {e}")))
+            hash_item(hashes, i).map(Some)
         };
         Self::filter_miss_by(slf, &groups, origin, &hash)?
             .map(|l| py_lookup(slf.py(), l))
             .transpose()
+    }
+
+    /// How many of `hashes` a lookup from `origin` needs to send: the
+    /// index of a page the presence filter proves is in no tier (the
+    /// answer cannot resume past it, so a lookup of ``hashes[:n]`` selects
+    /// the same boundary, or misses for the same reason), else
+    /// ``len(hashes)``. Probes at most ``log2(len(hashes))`` hashes, never
+    /// waits (``ValueError`` if a probed item is not a hash). For a long
+    /// prompt with a short stored prefix, the lookup then converts, sends
+    /// and discovers a few pages instead of thousands.
+    fn pages_worth_asking(
+        slf: &Bound<'_, Self>,
+        groups: &Bound<'_, PyAny>,
+        hashes: &Bound<'_, PyAny>,
+        origin: u64,
+    ) -> PyResult<usize> {
+        let n = hashes.len()?;
+        let groups = group_ids(groups)?;
+        let mut hash = |i: usize| hash_item(hashes, i).map(Some);
+        Self::with_filter(slf, n, |session, client| {
+            session.pages_worth_asking(client, &groups, n, origin, &mut hash)
+        })
     }
 
     /// Where the manager would resume a prompt whose page hashes (`bytes`,

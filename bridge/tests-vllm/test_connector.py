@@ -600,6 +600,36 @@ def test_a_lookup_is_one_round_trip(model, manager):
     no_leaks(manager)
 
 
+def test_a_long_prompt_sends_only_the_pages_before_one_in_no_tier(model, manager):
+    # A long prompt whose first pages are stored: the scheduler asks the
+    # presence filter for a page in no tier and looks up only the pages
+    # before it. The hit is the same; a thousand hashes are not sent.
+    with engine(model, manager.socket, num_blocks=160, max_batched=256) as e:
+        e.add("A", PROMPT)
+        e.run()
+        assert e.sched.reset_prefix_cache()
+        e.wipe()
+        sched = e.connector.scheduler
+        sent: list = []
+        real = sched._hashes
+
+        def record(session, request, pages, origin):
+            got = real(session, request, pages, origin)
+            sent.append((pages, len(got)))
+            return got
+
+        sched._hashes = record
+        long = PROMPT + [3000 + i for i in range(1100)]
+        e.add("B", long)
+        e.run()
+        assert e.stats.hit_tokens == 64, e.stats
+        pages = (len(long) - 1) // 16
+        # Pages 1 and 2 are probed and held; page 4 is B's own, in no tier.
+        assert sent == [(pages, 4)], sent
+        assert "B" in e.finished
+    no_leaks(manager)
+
+
 @pytest.mark.parametrize("max_age_us", [1_000_000, 1], ids=["fresh", "expired"])
 def test_requests_that_arrived_together_are_looked_up_in_one_round_trip(model, manager, max_age_us):
     # vLLM tells the connector of each request it adds (`on_new_request`).

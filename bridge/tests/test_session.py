@@ -290,6 +290,30 @@ def test_a_certain_miss_is_answered_in_process_and_a_saved_page_never(manager):
         assert s.lookup_local([0], [b"x" * 8, "never read"], 0).local
 
 
+def test_a_long_lookup_stops_at_a_page_the_filter_proves_absent(manager):
+    e = Engine(slots=4)
+    with session(manager, e) as s:
+        s.connect()
+        stored = hashes(3, seed=9)
+        e.save(s, stored)
+        long = stored + hashes(100, seed=10)
+        # Pages 1 and 2 are probed and may be held; page 4 is in no tier.
+        n = s.pages_worth_asking([0], long, 0)
+        assert n == 4
+        prompt = len(long) * PAGE + 1
+        full = s.lookup([0], long, 0, prompt)
+        short = s.lookup([0], long[:n], 0, prompt)
+        assert (full.selected, full.reason) == (short.selected, short.reason) == (3 * PAGE, None)
+        # Nothing proven absent, or nothing the filter may judge: all of it.
+        assert s.pages_worth_asking([0], stored, 0) == 3
+        assert s.pages_worth_asking([], long, 0) == len(long), "not the instance's groups"
+        assert s.pages_worth_asking([0], long, PAGE // 2) == len(long), "origin off a page"
+        assert s.pages_worth_asking([0], [], 0) == 0
+        # Only probed items are read, and a bad one is named.
+        with pytest.raises(ValueError, match="hash 1 is not bytes"):
+            s.pages_worth_asking([0], [stored[0], "x", stored[2]], 0)
+
+
 def test_bad_input_is_refused_before_anything_is_sent(manager):
     e = Engine(slots=4)
     with session(manager, e) as s:

@@ -364,6 +364,48 @@ impl Session {
         true
     }
 
+    /// How many of a lookup's `n` pages are worth sending: a page of
+    /// group 0 past `origin` that the presence filter proves is in no tier
+    /// bounds the answer (group 0 is a prefix: no boundary passes a page it
+    /// lacks), so the pages from it on can be left out without changing
+    /// the selected boundary or the miss. Probes pages `first + 1`,
+    /// `first + 2`, `first + 4`, ... (`first` = `origin`'s page, which
+    /// [`Session::answer_from_filter`] checks), at most `log2(n)` hashes,
+    /// each read through `hash` (`None`: no such page). `n` when the filter
+    /// cannot tell for this session and `groups` (as for
+    /// `answer_from_filter`) or no probed page is proven absent.
+    pub fn pages_worth_asking<E>(
+        &self,
+        c: &dyn Port,
+        groups: &[u32],
+        n: usize,
+        origin: u64,
+        hash: &mut dyn FnMut(usize) -> Result<Option<NativeHash>, E>,
+    ) -> Result<usize, E> {
+        let (Some(first), Some(presence), Some(namespace)) = (
+            self.filter_index(c, origin),
+            c.presence(),
+            self.namespaces.first(),
+        ) else {
+            return Ok(n);
+        };
+        if groups.len() != self.group_ids.len()
+            || !self.group_ids.iter().all(|g| groups.contains(g))
+        {
+            return Ok(n);
+        }
+        let mut step = 1usize;
+        while let Some(at) = first.checked_add(step).filter(|&at| at < n) {
+            match hash(at)? {
+                Some(h) if presence.absent(namespace, 0, &h) => return Ok(at),
+                Some(_) => {}
+                None => return Ok(n),
+            }
+            step = step.saturating_mul(2);
+        }
+        Ok(n)
+    }
+
     /// A miss answered here ([`Lookup::not_found`] for this instance).
     pub fn local_miss(&self) -> Lookup {
         Lookup::not_found(self.namespaces.len(), &self.group_ids)

@@ -365,6 +365,16 @@ class Session:
         the manager can answer. Never waits; reads only the hash the
         filter checks (``ValueError`` if it is not a hash)."""
         ...
+    def pages_worth_asking(
+        self, groups: Sequence[int], hashes: Sequence[bytes], origin: int
+    ) -> int:
+        """How many of `hashes` a lookup from `origin` needs to send: the
+        index of a page the presence filter proves is in no tier (a lookup
+        of ``hashes[:n]`` selects the same boundary, or misses for the same
+        reason), else ``len(hashes)``. Probes at most
+        ``log2(len(hashes))`` hashes; never waits (``ValueError`` if a
+        probed item is not a hash)."""
+        ...
     def lookup(
         self,
         groups: Sequence[int],

@@ -27,6 +27,11 @@ log = logging.getLogger("orbitkv.vllm")
 #: `_lookup`'s answer while a lookup sent without waiting is unanswered.
 _NOT_YET = object()
 
+_BOUND_FROM_PAGES = 64
+"""A lookup of more pages than this first asks the presence filter for a
+page it proves absent, and sends only the pages before it (a long prompt
+with a short stored prefix); shorter ones are sent whole."""
+
 
 @dataclass(slots=True)
 class _Request:
@@ -488,10 +493,11 @@ class SchedulerSide:
                 if found is not None and not wait and not quiet:
                     self._count(origin, pages)
             if found is None:
-                query = (self._group_ids, request.block_hashes[:pages], origin, request.num_tokens)
+                hashes = self._hashes(session, request, pages, origin)
+                query = (self._group_ids, hashes, origin, request.num_tokens)
                 if not wait:
                     self._looked = True
-                    found = self._collect(session, state, query, quiet)
+                    found = self._collect(session, state, query, pages, quiet)
                     if found is None:
                         return _NOT_YET
                 elif self._batch > 1 and self._arrived and not quiet:
@@ -545,7 +551,8 @@ class SchedulerSide:
             pages = min(len(request.block_hashes), (request.num_tokens - 1) // page)
             if pages <= 0:
                 continue
-            queries.append((self._group_ids, request.block_hashes[:pages], 0, request.num_tokens))
+            hashes = self._hashes(session, request, pages, 0)
+            queries.append((self._group_ids, hashes, 0, request.num_tokens))
             others.append((request, pages))
         found = session.lookup_many(queries, timeout=self.settings.query_timeout_s)
         now = time.monotonic()
@@ -557,18 +564,32 @@ class SchedulerSide:
             state.batched = (pages, generation, now, answer)
         return found[0]
 
+    def _hashes(self, session: orbitkv.Session, request: Any, pages: int, origin: int) -> Any:
+        """The page hashes a lookup of `pages` pages sends: a long one stops
+        at a page the presence filter proves absent (the answer is the
+        same; see `Session.pages_worth_asking`)."""
+        if pages - origin // self.spec.page_tokens > _BOUND_FROM_PAGES:
+            bound = session.pages_worth_asking(self._group_ids, request.block_hashes, origin)
+            pages = min(pages, bound)
+        return request.block_hashes[:pages]
+
     def _count(self, origin: int, pages: int) -> None:
         self.stats.queries += 1
         self.stats.queried_tokens += pages * self.spec.page_tokens - origin
 
     def _collect(
-        self, session: orbitkv.Session, state: _Request, query: Tuple[Any, ...], quiet: bool = False
+        self,
+        session: orbitkv.Session,
+        state: _Request,
+        query: Tuple[Any, ...],
+        pages: int,
+        quiet: bool = False,
     ) -> Any:
-        """``lookup_wait: false``: the request's lookup is sent once and its
-        answer collected without waiting; `None` until it has come.
+        """``lookup_wait: false``: the request's lookup of `pages` pages
+        (`query` may send fewer, see `_hashes`) is sent once and its answer
+        collected without waiting; `None` until it has come.
         `TimeoutError` past ``query_timeout_s``."""
         _, _, origin, _ = query
-        pages = len(query[1])
         p = state.pending
         if p is not None and (p.origin, p.pages, p.generation) != (origin, pages, self.link.generation):
             session.forget_lookup(p.ticket)  # asked of another session, or for other tokens

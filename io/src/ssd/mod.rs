@@ -137,8 +137,9 @@
 //! the copy path without hashing and returns `Copied`.
 //!
 //! A small record (padded payload at most 64 KiB) is not issued at its
-//! submission: it waits for the next `poll` (or until a group's worth has
-//! queued), and the queued small records at the head of the queue then go
+//! submission: it waits for the next `poll` (or until the records queued
+//! fill a group: 16 of them, or another of the same size would pass
+//! 256 KiB), and the queued small records at the head of the queue then go
 //! out as one group with one `pwritev` of `[the group's header block, each
 //! record's payload blocks (from the pool or from its copy), each partial
 //! last block's tail buffer]`. The group succeeds or fails as a whole:

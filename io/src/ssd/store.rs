@@ -963,10 +963,10 @@ impl SsdStore {
         self.pending_keys.insert(*key);
         self.accepted_writes += 1;
         self.stats.writes_accepted += 1;
-        // A small record waits for the next poll, or for a group's worth of
-        // records, so that records submitted together share a header block.
-        let groupable = round_up(payload_len, self.block) <= GROUP_MAX_PAYLOAD;
-        if !groupable || self.write_queue.len() >= group_capacity(self.block) {
+        // A small record waits for the next poll, or until the records
+        // queued fill a group, so that records submitted together share a
+        // header block.
+        if self.group_filled() {
             self.dispatch_writes();
             self.flush_if_batched();
         }
@@ -1514,6 +1514,23 @@ impl SsdStore {
                 },
             );
         }
+    }
+
+    /// Whether the writes queued at the head leave nothing to wait for: they
+    /// fill a group (by count or by bytes), or one of them is too large to
+    /// be grouped.
+    fn group_filled(&self) -> bool {
+        let cap = group_capacity(self.block);
+        let mut bytes = self.block;
+        for (i, w) in self.write_queue.iter().enumerate() {
+            let padded = round_up(w.payload_len, self.block);
+            bytes += padded;
+            // Full when another record of this size would not fit.
+            if i + 1 >= cap || padded > GROUP_MAX_PAYLOAD || bytes + padded > GROUP_MAX_BYTES {
+                return true;
+            }
+        }
+        false
     }
 
     /// How many writes at the head of the queue form a group in the

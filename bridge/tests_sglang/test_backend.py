@@ -134,6 +134,33 @@ def test_a_prefix_never_stored_misses_without_asking_the_manager(manager):
     assert manager.metric("presence_misses_total") == before + 2
 
 
+def test_a_long_existence_check_sends_only_the_keys_before_one_in_no_tier(manager, monkeypatch):
+    # A long key list whose first pages are stored: the backend asks the
+    # presence filter for a page in no tier and looks up only the keys
+    # before it; the answer is the same stored prefix.
+    import orbitkv.sglang as osg
+
+    host = host_pool("layer_first")
+    be = backend(host, manager.socket)
+    keys = keys_for("long", 200)
+    src = host.alloc(3 * PAGE)
+    fill(host, starts_of(src), seed=6)
+    assert be.batch_set_v1(keys[:3], src) == [True] * 3
+    sent: list = []
+    real = osg._Conn._query
+
+    def record(self, hashes):
+        sent.append(len(hashes))
+        return real(self, hashes)
+
+    monkeypatch.setattr(osg._Conn, "_query", record)
+    assert be.batch_exists(keys) == 3
+    # Pages 1 and 2 are probed and held; page 4 is in no tier.
+    assert sent == [4], sent
+    assert be.batch_exists(keys[:64]) == 3
+    assert sent == [4, 64], "64 keys or fewer are sent whole"
+
+
 def test_layer_first_and_page_first_direct_share_pages_page_first_does_not(manager):
     """Both layer-major layouts store the same flat bytes and seal the same
     namespace; page_first orders tokens before layers, so it must miss."""

@@ -727,6 +727,11 @@ def _build_registration(
 _SETUP_COMMANDS = ("register_instance", "open_session", "register_device_region")
 
 
+_BOUND_FROM_PAGES = 64
+"""Existence checks of more keys than this send only the keys before one
+the presence filter proves absent."""
+
+
 class _Conn:
     """A connection with its own session (:class:`orbitkv.Session`), copy
     agent and agent regions. Used by one call at a time (the pool hands it
@@ -771,7 +776,12 @@ class _Conn:
         return self.reg.groups(), hashes, 0, len(hashes) * self.reg.page_tokens + 1
 
     def query(self, hashes: List[bytes]) -> orbitkv.Lookup:
-        """Metadata-only discovery: it holds nothing."""
+        """Metadata-only discovery: it holds nothing. A long key list stops
+        at a page the presence filter proves is in no tier: the boundaries
+        and group 0's leading pages found are the same (see
+        `Session.pages_worth_asking`)."""
+        if len(hashes) > _BOUND_FROM_PAGES:
+            hashes = hashes[: self.session.pages_worth_asking(self.reg.groups(), hashes, 0)]
         return self.session.lookup(*self._query(hashes))
 
     # -- agent regions -----------------------------------------------------

@@ -135,6 +135,61 @@ fn a_certain_miss_is_answered_here_and_a_saved_page_is_never_absent() {
     );
 }
 
+/// A long lookup needs only the pages before one the filter proves
+/// absent: the bounded lookup selects what the whole one does, with one
+/// message for each; a miss the bound does not change stays the same miss.
+#[test]
+fn a_long_lookup_is_bounded_by_a_page_the_filter_proves_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Manager::start_default(dir.path());
+    let mut c = Client::connect(&m.socket, "engine").unwrap();
+    let (mut s, region) = open(&mut c);
+    let stored = hashes(0x200, 5);
+    save(&mut c, &mut s, region, &stored);
+    let mut long = stored.clone();
+    long.extend(hashes(0xA000, 300));
+    let probe = |s: &Session, c: &Client, q: &Query| {
+        let mut read = Vec::new();
+        let n = s
+            .pages_worth_asking::<()>(c, &q.groups, q.hashes.len(), q.origin, &mut |i| {
+                read.push(i);
+                Ok(q.hashes.get(i).copied())
+            })
+            .unwrap();
+        (n, read)
+    };
+    // From page 0: pages 1, 2 and 4 are held, page 8 is the first probe
+    // the filter proves absent.
+    let whole = query(&long, 0);
+    assert_eq!(probe(&s, &c, &whole), (8, vec![1, 2, 4, 8]));
+    let bounded = Query {
+        hashes: long[..8].to_vec(),
+        ..whole.clone()
+    };
+    let (a, b) = (
+        s.lookup(&mut c, &whole).unwrap(),
+        s.lookup(&mut c, &bounded).unwrap(),
+    );
+    assert_eq!((a.selected, a.miss), (Some(5 * PAGE), None));
+    assert_eq!(
+        (b.selected, b.miss, &b.common),
+        (a.selected, a.miss, &a.common)
+    );
+    assert_eq!(lookups_sent(&c), 2);
+    // From page 2 the probes are 3, 4 and 6.
+    assert_eq!(probe(&s, &c, &query(&long, 2 * PAGE)).0, 6);
+    // Nothing proven absent: every page.
+    assert_eq!(probe(&s, &c, &query(&stored, 0)), (5, vec![1, 2, 4]));
+    // Queries the filter may not judge are never bounded, and read nothing.
+    let mut odd = whole.clone();
+    odd.groups = vec![0, 7];
+    assert_eq!(probe(&s, &c, &odd), (long.len(), vec![]));
+    assert_eq!(probe(&s, &c, &query(&long, PAGE / 2)), (long.len(), vec![]));
+    // A probe's error is the caller's, unchanged.
+    let err = s.pages_worth_asking(&c, &[0], 10, 0, &mut |i| Err(i));
+    assert_eq!(err, Err(1));
+}
+
 #[test]
 fn a_journal_that_lost_changes_rebuilds_the_filter() {
     let dir = tempfile::tempdir().unwrap();

@@ -1535,7 +1535,7 @@ impl SsdStore {
 
     /// How many writes at the head of the queue form a group in the
     /// active segment, and the group's bytes: `(0, 0)` when fewer than two
-    /// do (or while write faults are injected, which count single writes).
+    /// do (or no segment is active yet).
     fn group_len(&self) -> (usize, u64) {
         if self.write_queue.len() < 2 {
             return (0, 0);

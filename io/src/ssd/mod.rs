@@ -111,9 +111,10 @@
 //! Decoding checks that the payload lies after the header block and inside
 //! the group, block-aligned, and that the index is below the count. Only
 //! records whose padded payload is at most 64 KiB are grouped, at most
-//! 256 KiB per group (so several groups are in flight at once, and a
-//! 64 KiB page's header share falls from 6% to 2%) and never across a
-//! segment's end; a single record (a
+//! [`SsdConfig::group_bytes`] per group (256 KiB by default, so several
+//! groups are in flight at once, and a 64 KiB page's header share falls
+//! from 6% to 2%; 0 turns groups off) and never across a segment's end; a
+//! single record (a
 //! larger one, or one written alone) keeps version 2.
 //!
 //! # Writes

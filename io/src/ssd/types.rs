@@ -106,6 +106,12 @@ pub struct SsdConfig {
     pub seen_once_capacity: usize,
     pub sync: SyncPolicy,
     pub direct_io: DirectIo,
+    /// Largest group of small records (padded payload at most 64 KiB)
+    /// written together under one shared header block (format 3), the
+    /// header block included. 0: every record gets a header block of its
+    /// own (format 2, which releases from before groups read). Default
+    /// 256 KiB; 0 or 16 KiB..=4 MiB.
+    pub group_bytes: u64,
 }
 
 impl Default for SsdConfig {
@@ -123,6 +129,7 @@ impl Default for SsdConfig {
             seen_once_capacity: 65536,
             sync: SyncPolicy::BatchFdatasync,
             direct_io: DirectIo::Auto,
+            group_bytes: 256 << 10,
         }
     }
 }
@@ -167,6 +174,12 @@ impl SsdConfig {
         }
         if self.max_inflight_io > 4096 {
             return bad("max_inflight_io exceeds 4096".into());
+        }
+        if self.group_bytes != 0 && !((16 << 10)..=(4 << 20)).contains(&self.group_bytes) {
+            return bad(format!(
+                "group_bytes {} is neither 0 (no groups) nor in 16 KiB..=4 MiB",
+                self.group_bytes
+            ));
         }
         Ok(())
     }

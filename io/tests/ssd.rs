@@ -832,6 +832,41 @@ fn group_bytes_zero_writes_no_groups() {
     }
 }
 
+/// A store dropped with a small write still queued (waiting to be
+/// grouped) and no room left in its active segment discards that write;
+/// it never evicts an older segment to make room for it.
+#[test]
+fn a_drop_never_evicts_for_a_queued_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = SsdConfig {
+        segment_bytes: 64 << 10,
+        capacity_bytes: 128 << 10,
+        ..config(dir.path(), IoBackend::IoUring)
+    };
+    // Three records of 20,000 bytes: one group of exactly 64 KiB.
+    let a: Vec<_> = (0..3).map(|i| (key(i), payload(i, 20_000))).collect();
+    let b: Vec<_> = (3..6).map(|i| (key(i), payload(i, 20_000))).collect();
+    let mut store = SsdStore::open(cfg.clone()).unwrap();
+    write_all(&mut store, &a);
+    write_all(&mut store, &b);
+    assert_eq!(store.stats().segments, 2, "both segments full, at capacity");
+    let files: Vec<_> = [&a[0].0, &b[0].0]
+        .map(|k| store.segment_path(store.record_info(k).unwrap().segment_id))
+        .into();
+    assert_ne!(files[0], files[1]);
+    let late = payload(9, 20_000);
+    store.submit_write(&key(9), DIGEST, &late, 0).unwrap();
+    drop(store);
+    for f in &files {
+        assert!(f.exists(), "{} was evicted by the drop", f.display());
+    }
+    // (A reopen starts a segment of its own, which at this capacity
+    // evicts the oldest: that is the open's doing, not the drop's.)
+    let store = SsdStore::open(cfg).unwrap();
+    assert_eq!(store.stats().open_scan.records, 6);
+    assert!(store.lookup(&key(9)).is_none());
+}
+
 #[test]
 fn auto_prefers_io_uring() {
     let dir = tempfile::tempdir().unwrap();

@@ -416,6 +416,9 @@ pub struct SsdStore {
     backoff: Option<(u64, WriteRefused)>,
     now_us: u64,
     stats: SsdStats,
+    /// Being dropped: queued writes go only where the active segment has
+    /// room (no segment is sealed, requested or evicted for them).
+    dropping: bool,
 }
 
 impl std::fmt::Debug for SsdStore {
@@ -577,6 +580,7 @@ impl SsdStore {
             active: None,
             spare: None,
             creating: false,
+            dropping: false,
             next_segment: first + 1,
             next_seq: 0,
             next_user: 0,
@@ -1293,6 +1297,11 @@ impl SsdStore {
     /// A segment with room for `rec` bytes, rolling to the spare or
     /// requesting a new one; `None` while none is ready.
     fn writable_segment(&mut self, rec: u64) -> Option<u64> {
+        if self.dropping {
+            let id = self.active?;
+            let seg = self.segments.get(&id)?;
+            return (seg.write_pos + rec <= seg.size).then_some(id);
+        }
         if let Some(id) = self.active {
             let seg = self.segments.get_mut(&id)?;
             if seg.write_pos + rec <= seg.size {
@@ -2274,8 +2283,10 @@ impl Drop for SsdStore {
         // every submitted operation first. Small records still waiting to
         // be grouped are issued first, as a submission would have issued
         // them before grouping existed; writes that cannot be issued now
-        // (no writable segment) are discarded (never reported, never
-        // visible, never issued).
+        // (no room in the active segment: nothing is evicted or created
+        // for them now) are discarded (never reported, never visible,
+        // never issued).
+        self.dropping = true;
         self.dispatch_writes();
         self.engine.flush();
         self.drain();

@@ -229,18 +229,18 @@ def hit_then_fail(e: Engine, prompt, when_allocated):
     assert e.sched.reset_prefix_cache()
     e.wipe()
     sched = e.connector.scheduler
-    real = sched.update_state_after_alloc
+    real = e.connector.update_state_after_alloc
 
     def hook(request, blocks, n):
         real(request, blocks, n)
         if n > 0:
             when_allocated()
 
-    sched.update_state_after_alloc = hook
+    e.connector.update_state_after_alloc = hook
     before = e.stats.hit_tokens
     e.add("B", list(prompt) + [99, 98])
     e.run()
-    sched.update_state_after_alloc = real
+    e.connector.update_state_after_alloc = real
     return e.stats.hit_tokens - before
 
 
@@ -695,7 +695,7 @@ def test_a_lookup_sent_without_waiting_hits_when_vllm_asks_again(model, manager)
         e.wipe()
         sched = e.connector.scheduler
         answers: list = []
-        real = sched.get_num_new_matched_tokens
+        real = e.connector.get_num_new_matched_tokens
 
         def record(request, n):
             if answers:
@@ -711,11 +711,11 @@ def test_a_lookup_sent_without_waiting_hits_when_vllm_asks_again(model, manager)
                 os.kill(manager.proc.pid, signal.SIGCONT)
             return answers[-1]
 
-        sched.get_num_new_matched_tokens = record
+        e.connector.get_num_new_matched_tokens = record
         before = _sent(sched.link)
         e.add("B", PROMPT + [99, 98])
         e.run()
-        sched.get_num_new_matched_tokens = real
+        e.connector.get_num_new_matched_tokens = real
         assert answers[0] == (None, False), answers
         assert answers[-1] == (64, True), answers
         assert e.stats.hit_tokens == 64, e.stats
@@ -741,20 +741,20 @@ def test_a_hit_is_two_round_trips_on_known_blocks(model, manager):
             assert e.sched.reset_prefix_cache()
             e.wipe()
             loads: list = []
-            real_alloc = sched.update_state_after_alloc
+            real_alloc = e.connector.update_state_after_alloc
 
             def record(request, blocks, n, loads=loads, real_alloc=real_alloc):
                 real_alloc(request, blocks, n)
                 if n > 0:
                     loads.extend(b.block_id for b in blocks.blocks[0][: n // e.bs])
 
-            sched.update_state_after_alloc = record
+            e.connector.update_state_after_alloc = record
             before = e.stats.hit_tokens
             sent = (_sent(sched.link), _sent(w.link))
             held = w.link.session.device_pages_held
             e.add(rid, PROMPT + [99, 98])
             e.run()
-            sched.update_state_after_alloc = real_alloc
+            e.connector.update_state_after_alloc = real_alloc
             assert e.stats.hit_tokens - before == 64, e.stats
             assert len(loads) == 4, loads
             # 72 tokens: no page completes past the loaded 64, so nothing

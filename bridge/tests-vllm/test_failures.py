@@ -34,7 +34,7 @@ BOGUS_REGION = 0x7777_0000_0001
 def count_offers(e: Engine):
     """Per request, how many times the scheduler offered vLLM a load."""
     sched = e.connector.scheduler
-    real = sched.get_num_new_matched_tokens
+    real = e.connector.get_num_new_matched_tokens
     offers: dict = {}
 
     def counting(request, num_computed_tokens):
@@ -43,7 +43,7 @@ def count_offers(e: Engine):
             offers[request.request_id] = offers.get(request.request_id, 0) + 1
         return n, is_async
 
-    sched.get_num_new_matched_tokens = counting
+    e.connector.get_num_new_matched_tokens = counting
     return offers
 
 

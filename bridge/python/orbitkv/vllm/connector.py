@@ -119,8 +119,18 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: Optional[WorkerSide] = None
         self._reporter = Reporter()
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.settings, self.spec)
-            self.scheduler.events = _events(vllm_config, kv_cache_config, self.settings, self.spec, self.scheduler)
+            side = self.scheduler = SchedulerSide(self.settings, self.spec)
+            side.events = _events(vllm_config, kv_cache_config, self.settings, self.spec, side)
+            # vLLM's scheduler thread calls these for every request: they
+            # are the side's own bound methods on this instance, no
+            # forwarding frame in between (about 0.15 us a call).
+            self.on_new_request = side.on_new_request  # type: ignore[method-assign]
+            self.get_num_new_matched_tokens = side.get_num_new_matched_tokens  # type: ignore[method-assign]
+            self.update_state_after_alloc = side.update_state_after_alloc  # type: ignore[method-assign]
+            self.build_connector_meta = side.build_connector_meta  # type: ignore[method-assign]
+            self.update_connector_output = side.update_connector_output  # type: ignore[method-assign]
+            self.request_finished = side.request_finished  # type: ignore[method-assign]
+            self.request_finished_all_groups = side.request_finished  # type: ignore[method-assign]
         else:
             self.worker = WorkerSide(
                 self.settings, self.spec, _tp_rank(), int(kv_cache_config.num_blocks)
@@ -156,7 +166,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self.scheduler is not None
-        self.scheduler.kv_cache_manager = kv_cache_manager
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def on_new_request(self, request: Any) -> None:
         if self.scheduler is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import orbitkv
@@ -27,18 +28,22 @@ log = logging.getLogger("orbitkv.vllm")
 #: `_lookup`'s answer while a lookup sent without waiting is unanswered.
 _NOT_YET = object()
 
+_BLOCK_ID = attrgetter("block_id")
+
 _BOUND_FROM_PAGES = 64
 """A lookup of more pages than this first asks the presence filter for a
 page it proves absent, and sends only the pages before it (a long prompt
 with a short stored prefix); shorter ones are sent whole."""
 
 
-@dataclass(slots=True)
 class _Request:
     """One request the scheduler was asked about. Made for every request
-    on the scheduler's thread: slotted, and no container of its own until
-    it loads (fewer objects for the garbage collector's young generation,
-    whose collections land on whichever request triggers them)."""
+    on the scheduler's thread: its fields default to the class's own
+    values, so a request that only misses stores a few (a dataclass
+    assigned all of them, about 0.35 us a request), and it has no
+    container of its own until it loads (fewer objects for the garbage
+    collector's young generation, whose collections land on whichever
+    request triggers them)."""
 
     request: Any
     origin: int = 0
@@ -75,6 +80,9 @@ class _Request:
     batched: Optional[Tuple[int, int, float, Any]] = None
     """``lookup_batch``: an answer looked up along with another request's,
     ``(pages, link generation, when, Lookup)``, from token 0; used once."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
 
 
 @dataclass
@@ -134,6 +142,14 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self.stats = SchedulerStats()
         self._group_ids = [g.id for g in spec.groups]
+        # Read for every request on vLLM's scheduler thread: plain
+        # attributes, not a chain of lookups each time.
+        self._load = settings.load
+        self._wait = settings.lookup_wait
+        self._page = spec.page_tokens
+        #: vLLM's null block's id once `bind` read it: a column of block ids
+        #: is then built without reading each block's `is_null`.
+        self._null_id: Optional[int] = None
         #: vLLM's indices of the recurrent (Mamba, align mode) groups: their
         #: pages are the exact state blocks vLLM hands off, never read from
         #: the block table by position (align mode reuses and nulls its
@@ -157,6 +173,13 @@ class SchedulerSide:
 
     # vLLM hooks -----------------------------------------------------------
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        # vLLM's one null block (`is_null`) is the only block with its id.
+        null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
+        ok = getattr(null, "is_null", False) is True and isinstance(getattr(null, "block_id", None), int)
+        self._null_id = null.block_id if ok else None
+
     def on_new_request(self, request: Any) -> None:
         # A P/D handoff is waited for, never looked up in a batch.
         if self._batch > 1 and not getattr(request, "kv_transfer_params", None):
@@ -172,12 +195,12 @@ class SchedulerSide:
         if state is None:
             state = self.requests[rid] = _Request(request)
         state.origin = num_computed_tokens
-        if not self.settings.load:
+        if not self._load:
             return 0, False
         if state.load_failed:
             self.stats.miss("load_failed_before")
             return 0, False
-        page = self.spec.page_tokens
+        page = self._page
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // page)
         if usable * page <= num_computed_tokens or num_computed_tokens % page:
             return 0, False
@@ -238,8 +261,17 @@ class SchedulerSide:
         self.pending_loads = []
         if self.settings.save:
             handed = self._state_handoffs(scheduler_output)
+            # A request scheduled for the first time (or resumed) comes
+            # with all its block ids: they are read from there, not from
+            # its blocks (vLLM's null block, where a group has none, is
+            # read by its id).
+            new = (
+                {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs}
+                if self._null_id is not None
+                else {}
+            )
             for rid, n in scheduler_output.num_scheduled_tokens.items():
-                save = self._plan_save(rid, n, handed.get(rid))
+                save = self._plan_save(rid, n, handed.get(rid), new.get(rid))
                 if save is not None:
                     meta.saves.append(save)
         return meta
@@ -280,7 +312,11 @@ class SchedulerSide:
         if state.saved_pages >= 0:
             state.saved_pages = min(state.saved_pages, first)
 
-    def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(
+        self, request: Any, block_ids: Any = None
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's `request_finished` and `request_finished_all_groups`
+        (`block_ids` is not read: the workers free nothing of vLLM's)."""
         rid = request.request_id
         if self._arrived:
             self._arrived.pop(rid, None)
@@ -471,20 +507,23 @@ class SchedulerSide:
         `_NOT_YET` (``lookup_wait: false``, the answer has not come).
         `quiet`: a P/D wait's repeated look, counted in no statistic."""
         stats = SchedulerStats() if quiet else self.stats
-        try:
-            session = self.link.get()
-        except Refused as e:
-            stats.refused(e.reason)
-            return None
-        except Unavailable:
-            stats.unavailable += 1
-            stats.miss("unavailable")
-            return None
+        session = self.link.session
+        if not session.up:
+            try:
+                session = self.link.get()
+            except Refused as e:
+                stats.refused(e.reason)
+                return None
+            except Unavailable:
+                stats.unavailable += 1
+                stats.miss("unavailable")
+                return None
         request = state.request
         try:
-            wait = self.settings.lookup_wait
+            wait = self._wait
             if wait and not quiet:
-                self._count(origin, pages)
+                stats.queries += 1
+                stats.queried_tokens += pages * self._page - origin
             found = self._batched(state, origin, pages) if state.batched is not None else None
             if found is None and state.pending is None:
                 # A certain miss is answered here: no round trip, and no
@@ -520,8 +559,13 @@ class SchedulerSide:
             return None
         if not found.local:
             self._looked = True
-        if found.reason is not None:
-            stats.miss(found.reason)
+        reason = found.reason
+        if reason is not None:
+            m = stats.misses_by_reason
+            if reason in m:
+                m[reason] += 1
+            else:
+                stats.miss(reason)
             return None
         return found.selected
 
@@ -638,39 +682,61 @@ class SchedulerSide:
         return out
 
     def _plan_save(
-        self, rid: str, scheduled: int, handed: Optional[Dict[Tuple[int, int], int]] = None
+        self,
+        rid: str,
+        scheduled: int,
+        handed: Optional[Dict[Tuple[int, int], int]] = None,
+        block_ids: Optional[Sequence[List[int]]] = None,
     ) -> Optional[SaveSpec]:
+        """The pages `rid` completes in this step, to save. `block_ids`:
+        its block ids per group, as vLLM sent them with a new request
+        (vLLM's null block by its id); else they are read from its blocks."""
         state = self.requests.get(rid)
         if state is None:
             return None
         request = state.request
-        page = self.spec.page_tokens
-        if state.saved_pages < 0:
+        page = self._page
+        saved = state.saved_pages
+        computed = request.num_computed_tokens
+        if saved < 0:
             # Pages the request starts with came from the local prefix cache
             # or from OrbitKV: already published by whoever computed them.
-            state.saved_pages = request.num_computed_tokens // page
-        done = min((request.num_computed_tokens + scheduled) // page, len(request.block_hashes))
-        if done <= state.saved_pages or self.kv_cache_manager is None:
+            saved = state.saved_pages = computed // page
+        hashes = request.block_hashes
+        done = min((computed + scheduled) // page, len(hashes))
+        if done <= saved or self.kv_cache_manager is None:
             return None
-        saved = state.saved_pages
         # Column by column (one list per group): the scheduler's thread runs
         # this for every scheduled request, every step, so nothing is built
         # per page and group.
+        n = done - saved
+        null_id = self._null_id
+        full = False
         columns = []
-        for vg, group_blocks in enumerate(self.kv_cache_manager.get_blocks(rid).blocks):
+        if block_ids is None:
+            block_ids = self.kv_cache_manager.get_blocks(rid).blocks
+            as_ids = False
+        else:
+            as_ids = True
+        for vg, group_blocks in enumerate(block_ids):
             if vg in self._recurrent:
                 got = handed or {}
                 columns.append([got.get((vg, (p + 1) * page), NULL_BLOCK) for p in range(saved, done)])
                 continue
-            column = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[saved:done]]
-            column += [NULL_BLOCK] * (done - saved - len(column))
+            if null_id is None:
+                column = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[saved:done]]
+            else:
+                column = group_blocks[saved:done] if as_ids else list(map(_BLOCK_ID, group_blocks[saved:done]))
+                if null_id in column:
+                    column = [NULL_BLOCK if b == null_id else b for b in column]
+            if len(column) < n:
+                column += [NULL_BLOCK] * (n - len(column))
+            elif not full and NULL_BLOCK not in column:
+                full = True
             columns.append(column)
-        save = SaveSpec(rid, saved, request.block_hashes[saved:done], tuple(columns))
+        save = SaveSpec(rid, saved, hashes[saved:done], tuple(columns))
         # Usually some group (full attention) has a block for every page.
-        if any(NULL_BLOCK not in c for c in columns):
-            save.pages = done - saved
-        else:
-            save.pages = sum(1 for _ in save.items())
+        save.pages = n if full else sum(1 for _ in save.items())
         state.saved_pages = done
         if self.events is not None:
             tokens = request.all_token_ids

@@ -100,7 +100,10 @@ pub struct RemoteConfig {
     pub write_batch_pages: usize,
     /// Record bytes one pipeline carries at most (a batch is cut before the
     /// write that would pass it; a single larger record still goes alone).
-    /// Default 8 MiB.
+    /// Default 2 MiB: a writer MACs (and packs) a whole batch before it
+    /// sends any of it, so large records go one or two at a time and the
+    /// writers take turns at the socket (2 MiB pages: about 1.2x the
+    /// throughput of 8 MiB batches); 16 pages of 64 KiB still go as one.
     pub write_batch_bytes: u64,
     /// A read not complete this long after submission is reported as a
     /// timeout; also the socket timeout of read connections. Default 500 ms.
@@ -159,7 +162,7 @@ impl Default for RemoteConfig {
             read_workers: 4,
             write_workers: 2,
             write_batch_pages: 16,
-            write_batch_bytes: 8 << 20,
+            write_batch_bytes: 2 << 20,
             read_timeout_ms: 500,
             write_timeout_ms: 2_000,
             connect_timeout_ms: 500,

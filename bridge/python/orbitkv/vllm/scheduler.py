@@ -38,12 +38,9 @@ with a short stored prefix); shorter ones are sent whole."""
 
 class _Request:
     """One request the scheduler was asked about. Made for every request
-    on the scheduler's thread: its fields default to the class's own
-    values, so a request that only misses stores a few (a dataclass
-    assigned all of them, about 0.35 us a request), and it has no
-    container of its own until it loads (fewer objects for the garbage
-    collector's young generation, whose collections land on whichever
-    request triggers them)."""
+    on the scheduler's thread: its fields default to the class's values
+    (a request that misses stores a few), and it has no container of its
+    own until it loads."""
 
     request: Any
     origin: int = 0
@@ -147,8 +144,6 @@ class SchedulerSide:
         self._load = settings.load
         self._wait = settings.lookup_wait
         self._page = spec.page_tokens
-        #: vLLM's null block's id once `bind` read it: a column of block ids
-        #: is then built without reading each block's `is_null`.
         self._null_id: Optional[int] = None
         #: vLLM's indices of the recurrent (Mamba, align mode) groups: their
         #: pages are the exact state blocks vLLM hands off, never read from
@@ -175,10 +170,9 @@ class SchedulerSide:
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self.kv_cache_manager = kv_cache_manager
-        # vLLM's one null block (`is_null`) is the only block with its id.
-        null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
-        ok = getattr(null, "is_null", False) is True and isinstance(getattr(null, "block_id", None), int)
-        self._null_id = null.block_id if ok else None
+        # Save plans read blocks by id: vLLM's one null block (where a
+        # group has no block) is the only one with its id.
+        self._null_id = kv_cache_manager.block_pool.null_block.block_id
 
     def on_new_request(self, request: Any) -> None:
         # A P/D handoff is waited for, never looked up in a batch.
@@ -262,14 +256,8 @@ class SchedulerSide:
         if self.settings.save:
             handed = self._state_handoffs(scheduler_output)
             # A request scheduled for the first time (or resumed) comes
-            # with all its block ids: they are read from there, not from
-            # its blocks (vLLM's null block, where a group has none, is
-            # read by its id).
-            new = (
-                {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs}
-                if self._null_id is not None
-                else {}
-            )
+            # with all its block ids: read from there, not from its blocks.
+            new = {r.req_id: r.block_ids for r in scheduler_output.scheduled_new_reqs}
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 save = self._plan_save(rid, n, handed.get(rid), new.get(rid))
                 if save is not None:
@@ -689,8 +677,8 @@ class SchedulerSide:
         block_ids: Optional[Sequence[List[int]]] = None,
     ) -> Optional[SaveSpec]:
         """The pages `rid` completes in this step, to save. `block_ids`:
-        its block ids per group, as vLLM sent them with a new request
-        (vLLM's null block by its id); else they are read from its blocks."""
+        its block ids per group, as vLLM sent them with a new request;
+        else they are read from its blocks."""
         state = self.requests.get(rid)
         if state is None:
             return None
@@ -713,22 +701,17 @@ class SchedulerSide:
         null_id = self._null_id
         full = False
         columns = []
-        if block_ids is None:
-            block_ids = self.kv_cache_manager.get_blocks(rid).blocks
-            as_ids = False
-        else:
-            as_ids = True
-        for vg, group_blocks in enumerate(block_ids):
+        groups = block_ids if block_ids is not None else self.kv_cache_manager.get_blocks(rid).blocks
+        for vg, group in enumerate(groups):
             if vg in self._recurrent:
                 got = handed or {}
                 columns.append([got.get((vg, (p + 1) * page), NULL_BLOCK) for p in range(saved, done)])
                 continue
-            if null_id is None:
-                column = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[saved:done]]
-            else:
-                column = group_blocks[saved:done] if as_ids else list(map(_BLOCK_ID, group_blocks[saved:done]))
-                if null_id in column:
-                    column = [NULL_BLOCK if b == null_id else b for b in column]
+            column = group[saved:done]
+            if block_ids is None:
+                column = list(map(_BLOCK_ID, column))
+            if null_id in column:
+                column = [NULL_BLOCK if b == null_id else b for b in column]
             if len(column) < n:
                 column += [NULL_BLOCK] * (n - len(column))
             elif not full and NULL_BLOCK not in column:

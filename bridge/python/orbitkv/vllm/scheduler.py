@@ -304,7 +304,9 @@ class SchedulerSide:
         self, request: Any, block_ids: Any = None
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """vLLM's `request_finished` and `request_finished_all_groups`
-        (`block_ids` is not read: the workers free nothing of vLLM's)."""
+        (which passes the request's `block_ids`; they are not needed).
+        Returns whether vLLM must keep the blocks until the workers report
+        the saves done, and a P/D handoff's params."""
         rid = request.request_id
         if self._arrived:
             self._arrived.pop(rid, None)

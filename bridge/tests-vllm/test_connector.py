@@ -102,6 +102,46 @@ def test_chunked_prefill(model, manager):
     no_leaks(manager)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_save_plans_name_the_blocks_vllm_holds(model, manager, async_scheduling):
+    # Save plans read a new request's block ids from vLLM's NewRequestData
+    # and a running one's from its blocks, vLLM's null block by its id.
+    # Every plan must name exactly what vLLM's own blocks say at that step
+    # (the null block as NULL_BLOCK), through chunked prefills, a sliding
+    # window and local prefix-cache hits.
+    with engine(
+        model, manager.socket, sliding_window=32, max_batched=32, async_scheduling=async_scheduling
+    ) as e:
+        kv = e.connector.scheduler.kv_cache_manager
+        null = kv.block_pool.null_block
+        assert e.connector.scheduler._null_id == null.block_id
+        real = e.connector.build_connector_meta
+        checked = []
+
+        def check(scheduler_output):
+            meta = real(scheduler_output)
+            for save in meta.saves:
+                groups = kv.get_blocks(save.req_id).blocks
+                for vg, column in enumerate(save.block_ids):
+                    held = groups[vg][save.first : save.first + len(column)]
+                    want = [ov.metadata.NULL_BLOCK if b.is_null else b.block_id for b in held]
+                    want += [ov.metadata.NULL_BLOCK] * (len(column) - len(want))
+                    assert column == want, (save.req_id, vg, column, want)
+                    assert null.block_id not in column or null.block_id == ov.metadata.NULL_BLOCK
+                checked.append(save.req_id)
+            return meta
+
+        e.connector.build_connector_meta = check
+        prompt = [20 + (i % 300) for i in range(100)]
+        e.add("A", prompt)  # 100 tokens in 32-token chunks
+        e.run()
+        e.add("B", prompt[:64] + [7] * 40)  # pages 0-3 from the local prefix cache
+        e.run()
+        e.connector.build_connector_meta = real
+        assert {"A", "B"} <= set(checked), checked
+    no_leaks(manager)
+
+
 def test_local_hit_loads_only_the_tail(model, manager):
     # B's first 2 pages are still in vLLM's prefix cache: OrbitKV loads from
     # there (the origin), never over blocks vLLM already holds.

@@ -13,6 +13,8 @@
 //!   and [`StateFormat`].
 //! - [`contract`]: the compiled [`RecoveryContract`]: required ranges, legal
 //!   boundaries, cross-rank intersection, boundary selection, load validation.
+//! - [`checksum`]: the page checksum (XXH3-64) every crate computes and
+//!   verifies.
 //! - [`encoding`] and [`value`]: the canonical byte encodings everything above
 //!   hashes.
 //!
@@ -38,6 +40,7 @@
 pub mod admin;
 pub mod api;
 pub mod artifacts;
+pub mod checksum;
 pub mod contract;
 pub mod ecs;
 pub mod encoding;

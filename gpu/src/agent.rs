@@ -640,7 +640,7 @@ impl CopyAgent {
             let bytes = unsafe {
                 std::slice::from_raw_parts(window.base.add(offset as usize), len as usize)
             };
-            if xxhash_rust::xxh3::xxh3_64(bytes) != sum {
+            if crate::page_checksum(bytes) != sum {
                 return Some(CopyFailure::Checksum(offset));
             }
         }
@@ -779,7 +779,7 @@ impl CopyAgent {
                 let bytes = unsafe {
                     std::slice::from_raw_parts(window.base.add(p.at as usize), p.len as usize)
                 };
-                xxhash_rust::xxh3::xxh3_64(bytes)
+                crate::page_checksum(bytes)
             })
             .collect()
     }

@@ -289,7 +289,7 @@ impl DeviceArena {
             .map_err(|e| CopyError::Failed(format!("batch invalid at copy time: {e}")))?;
         let mut sums = Vec::with_capacity(copies.len());
         // The page a chain of source-hashed copies is building.
-        let mut page = xxhash_rust::xxh3::Xxh3::new();
+        let mut page = crate::PageHasher::new();
         for (copy, region) in copies.iter().zip(&regions) {
             let range = device_range(copy.device_offset, copy.len, region.len)?;
             let len = range.len();

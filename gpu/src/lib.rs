@@ -138,12 +138,9 @@ pub struct Completion {
     pub checksums: Vec<u64>,
 }
 
-/// The page checksum, XXH3-64 (seed 0): the same function as
-/// `orbitkv_io::checksum::page_checksum`, streamed here chunk by chunk
-/// right behind the copy, while the bytes are in cache.
-pub fn page_checksum(bytes: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(bytes)
-}
+/// The page checksum, XXH3-64 (seed 0), streamed here chunk by chunk right
+/// behind the copy, while the bytes are in cache.
+pub use orbitkv_components::checksum::{PageHasher, page_checksum};
 
 /// Bytes copied before their hash is taken: small enough to stay in cache.
 pub const COPY_CHUNK: usize = 64 << 10;
@@ -154,12 +151,7 @@ pub const COPY_CHUNK: usize = 64 << 10;
 ///
 /// # Safety
 /// `src` and `dst` must be valid for `len` bytes and must not overlap.
-pub unsafe fn copy_hashing_source(
-    src: *const u8,
-    dst: *mut u8,
-    len: usize,
-    h: &mut xxhash_rust::xxh3::Xxh3,
-) {
+pub unsafe fn copy_hashing_source(src: *const u8, dst: *mut u8, len: usize, h: &mut PageHasher) {
     let mut at = 0;
     while at < len {
         let n = COPY_CHUNK.min(len - at);
@@ -179,7 +171,7 @@ pub unsafe fn copy_hashing_source(
 /// # Safety
 /// `src` and `dst` must be valid for `len` bytes and must not overlap.
 pub unsafe fn copy_and_checksum(src: *const u8, dst: *mut u8, len: usize) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut h = PageHasher::new();
     let mut at = 0;
     while at < len {
         let n = COPY_CHUNK.min(len - at);

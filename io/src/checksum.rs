@@ -1,10 +1,8 @@
 //! The page checksum: computed when a page's bytes are complete, verified
 //! after every read from a lower tier.
 
-/// XXH3-64 of a page's payload.
-pub fn page_checksum(bytes: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(bytes)
-}
+/// XXH3-64 of a page's payload (`orbitkv_components::checksum`).
+pub use orbitkv_components::checksum::{PageHasher, page_checksum};
 
 /// Bytes copied (then hashed while still in cache) per step of
 /// [`copy_with_checksum`].
@@ -17,7 +15,7 @@ const FUSED_CHUNK: usize = 64 << 10;
 /// agent). Equal to `page_checksum(dst)` afterwards.
 pub fn copy_with_checksum(dst: &mut [u8], src: &[u8]) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_with_checksum: lengths differ");
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = PageHasher::new();
     for (d, s) in dst.chunks_mut(FUSED_CHUNK).zip(src.chunks(FUSED_CHUNK)) {
         d.copy_from_slice(s);
         hasher.update(d);

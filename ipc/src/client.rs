@@ -1355,7 +1355,7 @@ pub fn verified_page<'p>(pool: &'p [u8], lease: &LeaseInfo) -> Result<&'p [u8], 
     let len = usize::try_from(lease.bytes).map_err(|_| outside())?;
     let end = start.checked_add(len).ok_or_else(outside)?;
     let bytes = pool.get(start..end).ok_or_else(outside)?;
-    if xxhash_rust::xxh3::xxh3_64(bytes) != lease.checksum {
+    if orbitkv_components::checksum::page_checksum(bytes) != lease.checksum {
         return Err(ClientError::PageChecksum {
             lease: lease.lease,
             offset: lease.offset,

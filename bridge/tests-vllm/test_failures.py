@@ -256,7 +256,7 @@ def test_worker_with_an_impossible_rank_does_not_start(model, manager):
             w.register_kv_caches(kv)
         msg = str(err.value)
         assert "register_device_region" in msg and "unknown_rank" in msg, msg
-        assert "tensor parallel rank 1 is outside 0..1" in msg, msg
+        assert "rank 1 is outside 0..1 (parallel_config.tensor_parallel_size = 1)" in msg, msg
         assert "tensor_parallel_size" in msg, msg
     finally:
         w.shutdown()

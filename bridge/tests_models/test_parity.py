@@ -186,6 +186,8 @@ def test_a_refused_registration_is_a_typed_error(saved):
                 store_for(saved, "llama", client)
             assert err.value.kind == "invalid", err.value
             assert err.value.detail["kind"] == "page_exceeds_extent", err.value
+            # It says what to change.
+            assert "raise the manager's dram.extent_bytes, or use a smaller page_tokens" in str(err.value)
             assert not isinstance(err.value, orbitkv.ConnectionError)
     finally:
         manager.stop()
@@ -209,5 +211,6 @@ def test_a_session_quota_is_a_typed_error(saved):
                     store_for(saved, "llama", client)
                 assert err.value.kind == "limit", err.value
                 assert err.value.detail["name"] == "max_sessions_per_process", err.value
+                assert "raise [serve] max_sessions_per_process" in str(err.value), err.value
     finally:
         manager.stop()

@@ -74,6 +74,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import orbitkv
+from orbitkv.refusals import Names, RefusalLog, message
 
 logger = logging.getLogger(__name__)
 
@@ -230,36 +231,17 @@ class _Refused(_Miss):
     the message names what to change."""
 
     def __init__(self, refused: orbitkv.Refused):
-        kind, error = refused.args[1], refused.args[3] or {}
-        self.kind = kind
-        self.error = error
-        super().__init__(
-            f"the OrbitKV manager refused {refused.command} ({kind}): "
-            f"{_refusal_setting(kind, error.get('detail'))}",
-            reason=f"refused_{kind}",
-        )
+        self.kind = str(refused.args[1])
+        super().__init__(message(refused, _NAMES), reason=f"refused_{self.kind}")
 
 
-def _refusal_setting(kind: str, detail: Any) -> str:
-    d = detail if isinstance(detail, dict) else {}
-    if kind == "instance_conflict":
-        return (
-            f"instance {detail!r} is registered with another identity or layout: give each "
-            "computation its own extra-config 'instance', or leave it empty"
-        )
-    if kind == "page_exceeds_extent":
-        return (
-            f"a page of group {d.get('group')} is {d.get('page_bytes')} bytes, more than one DRAM "
-            f"extent of the manager ({d.get('extent_bytes')}): raise the manager's "
-            "dram.extent_bytes, or use a smaller --page-size"
-        )
-    if kind == "unknown_rank":
-        return f"rank {d.get('rank')} is not one the instance registers (--tp-size)"
-    if kind == "contract":
-        return f"the host pools do not form a recovery contract: {d.get('reason', '')}"
-    if kind.startswith("limit_"):
-        return f"the manager's limit {kind[len('limit_'):]} ({d.get('limit')}) is reached"
-    return f"{kind}: {detail}"
+_NAMES = Names(
+    ranks="--tp-size",
+    instance="the extra-config 'instance'",
+    page_size="--page-size",
+    groups="the host pools",
+)
+"""How SGLang names what a refusal points at (`orbitkv.refusals`)."""
 
 
 class _Broken(_Miss):
@@ -1031,7 +1013,7 @@ class _Stats:
         self._lock = threading.Lock()
         self.counters: Dict[str, int] = {}
         self.misses: Dict[str, int] = {}
-        self.refusals: Dict[str, int] = {}
+        self.refusals = RefusalLog(logger, "orbitkv: ")
         self._logged: Dict[str, float] = {}
 
     def add(self, name: str, n: int = 1) -> None:
@@ -1049,22 +1031,9 @@ class _Stats:
         if log and message:
             logger.warning("orbitkv: miss (%s): %s", reason, message)
 
-    def refused(self, kind: str, message: str) -> None:
-        """A refusal of this engine: counted by kind, and logged at error
-        level at most every 10 s (by time: one that repeats stays
-        visible)."""
-        with self._lock:
-            self.refusals[kind] = self.refusals.get(kind, 0) + 1
-            now = time.monotonic()
-            log = now - self._logged.get("refused", -1e9) > 10.0
-            if log:
-                self._logged["refused"] = now
-        if log:
-            logger.error("orbitkv: %s; calls miss until this is fixed", message)
-
     def snapshot(self) -> Dict[str, Any]:
         with self._lock:
-            return {**self.counters, "misses": dict(self.misses), "refusals": dict(self.refusals)}
+            return {**self.counters, "misses": dict(self.misses), "refusals": dict(self.refusals.counts)}
 
 
 # ---------------------------------------------------------------------------
@@ -1152,7 +1121,7 @@ class OrbitKVStorage(HiCacheStorage):
         try:
             return fn()
         except _Refused as e:
-            self.stats.refused(e.kind, str(e))
+            self.stats.refusals.record(e.kind, str(e))
             self.stats.miss(e.reason, pages)
         except _Miss as e:
             self.stats.miss(e.reason, pages, f"{what}: {e}")
@@ -1529,7 +1498,7 @@ class OrbitKVStorage(HiCacheStorage):
             try:
                 target_location = self._kv().host.get_dummy_flat_data_page()
             except _Refused as e:
-                self.stats.refused(e.kind, str(e))
+                self.stats.refusals.record(e.kind, str(e))
                 self.stats.miss(e.reason, 1)
                 return None
             except _Miss as e:

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from transformers import cache_utils as cu
 
 import orbitkv
+from orbitkv.refusals import Names, explain
 
 __all__ = [
     "PAGE_FORMAT",
@@ -68,16 +69,29 @@ class OrbitKVError(RuntimeError):
     event's ``error``), or an operation failed in a way a miss does not
     describe (``transfer_overdue``)."""
 
-    def __init__(self, kind: str, detail: Any = None, command: Optional[str] = None):
+    def __init__(self, kind: str, detail: Any = None, command: Optional[str] = None, advice: str = ""):
         self.kind = kind
         self.detail = detail
         self.command = command
-        super().__init__(f"{command or 'operation'}: {kind}" + (f" ({detail})" if detail is not None else ""))
+        text = f"{command or 'operation'}: {kind}" + (f" ({detail})" if detail is not None else "")
+        super().__init__(f"{text}: {advice}" if advice else text)
 
     @classmethod
     def of(cls, e: "orbitkv.Refused") -> "OrbitKVError":
+        """The manager's refusal, with what to change (`orbitkv.refusals`)."""
         error = e.args[3] if len(e.args) > 3 and e.args[3] else {"error": e.args[0]}
-        return cls(error.get("error", e.args[0]), error.get("detail"), getattr(e, "command", None))
+        detail = error.get("detail")
+        advice = explain(str(e.args[1]), detail, _NAMES)
+        return cls(error.get("error", e.args[0]), detail, getattr(e, "command", None), advice)
+
+
+_NAMES = Names(
+    ranks="this module stores one rank",
+    instance="the instance",
+    page_size="page_tokens",
+    groups="the model's cache layers",
+)
+"""How this module names what a refusal points at."""
 
 
 class UnsupportedModel(ValueError):

@@ -13,16 +13,16 @@ Two different failures, never confused:
   naming the setting (`connect_at_startup`); later (a manager restarted
   with other settings) every refusal is a miss or a dropped save counted
   by reason (`refusals`), and is logged at error level with the manager's
-  reason, at most once per `REFUSAL_LOG_INTERVAL_S`.
+  reason, at most once every 10 s (`orbitkv.refusals`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Dict, Optional
 
 import orbitkv
+from orbitkv.refusals import Names, RefusalLog, explain
 
 from .engine import EngineSpec
 from .settings import ConfigError, ConnectorSettings
@@ -31,11 +31,6 @@ log = logging.getLogger("orbitkv.vllm")
 
 # What a failed manager interaction raises: the connection is gone.
 LINK_ERRORS = (orbitkv.ConnectionError, ConnectionError, OSError)
-
-
-REFUSAL_LOG_INTERVAL_S = 10.0
-"""Refusals are logged at error level at most this often (by time, not by
-count: a refusal that repeats stays visible)."""
 
 
 class ManagerError(Exception):
@@ -64,66 +59,20 @@ class Refused(ManagerError):
         self.setting = setting
 
 
-_SERVE_QUOTAS = (
-    "max_sessions_per_connection",
-    "max_regions_per_connection",
-    "max_sessions_per_uid",
-    "max_sessions_per_process",
-)
-"""The manager's quotas (`orbitkv serve` settings), refused before a
-command is queued."""
-
-
-def _setting_for(reason: str, detail: Any, spec: EngineSpec, rank: Optional[int]) -> str:
-    """The setting an operator changes to end a refusal, in words."""
-    d = detail if isinstance(detail, dict) else {}
-    if reason == "unknown_rank":
-        return (
-            f"tensor parallel rank {d.get('rank', rank)} is outside 0..{spec.tp_size} "
-            f"(parallel_config.tensor_parallel_size = {spec.tp_size}): every worker's rank "
-            "must be one of the ranks the engine registers"
-        )
-    if reason == "contract":
-        return (
-            "the KV cache groups (kv_cache_config.kv_cache_groups, from the model's "
-            f"layer types and sliding_window) do not form a recovery contract: {d.get('reason', '')}"
-        )
-    if reason in ("layout", "slot_page_tokens", "slot_group", "slot_rank", "rank_without_group"):
-        return (
-            "the storage layout (cache_config.block_size, kv_cache_layout, the KV cache "
-            f"groups' layers) was refused: {d or reason}"
-        )
-    if reason == "page_exceeds_extent":
-        return (
-            f"a page of group {d.get('group')} is {d.get('page_bytes')} bytes, more than one "
-            f"DRAM extent of the manager ({d.get('extent_bytes')} bytes): raise the manager's "
-            "dram.extent_bytes, or use a smaller cache_config.block_size"
-        )
-    if reason == "instance_conflict":
-        return (
-            f"kv_connector_extra_config.instance {spec.instance!r} is registered in the manager "
-            "with another identity or layout (another model, configuration or parallelism "
-            "uses this name): give each computation its own instance name, or leave it "
-            "empty to derive it from the identity"
-        )
-    if reason.startswith("limit_"):
-        name = reason[len("limit_") :]
-        where = ""
-        if name in _SERVE_QUOTAS:
-            where = (
-                f": raise [serve] {name} in the manager's configuration, or run fewer "
-                "engine processes against it"
-            )
-        return f"the manager's limit {name} ({d.get('limit')}) is reached{where}"
-    return f"the manager refused it ({reason}: {d})"
-
-
 def refused(e: orbitkv.Refused, spec: EngineSpec, rank: Optional[int] = None) -> Refused:
     """A `Refused` naming the setting, for the session's refusal `e`
     (`args`: kind, the manager's reason label, message, error)."""
     kind, reason, error = str(e.args[0]), str(e.args[1]), e.args[3] or {}
     error = error or {"error": kind}
-    setting = _setting_for(reason, error.get("detail"), spec, rank)
+    names = Names(
+        ranks=f"parallel_config.tensor_parallel_size = {spec.tp_size}",
+        instance="kv_connector_extra_config.instance",
+        page_size="cache_config.block_size",
+        groups="the KV cache groups (kv_cache_config.kv_cache_groups, from the model's layer types and sliding_window)",
+        layout="cache_config.block_size, kv_cache_layout, the KV cache groups' layers",
+        rank_count=spec.tp_size,
+    )
+    setting = explain(reason, error.get("detail"), names, rank)
     return Refused(
         e.command, reason, error, setting, f"the OrbitKV manager refused {e.command} ({reason}): {setting}"
     )
@@ -159,11 +108,8 @@ class ManagerLink:
         )
         self.connects = 0
         self.last_error = ""
-        self.refusals: Dict[str, int] = {}
-        """Refusals by reason (`Refused.reason`), since the process started."""
-        self.last_refusal: Optional[Refused] = None
-        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
-        self._refusals_unlogged = 0
+        self.refusals = RefusalLog(log, f"OrbitKV: {name}: ")
+        """Refusals by reason (`Refused.reason`), logged at error level."""
         self._starting = False
         self._failures_seen = 0
 
@@ -244,25 +190,10 @@ class ManagerLink:
             self._starting = False
 
     def _refused(self, e: Refused) -> None:
-        """Counts a refusal and logs it at error level, at most once per
-        `REFUSAL_LOG_INTERVAL_S` (with how many were not logged since)."""
-        self.refusals = {**self.refusals, e.reason: self.refusals.get(e.reason, 0) + 1}
-        self.last_refusal = e
+        """Counts a refusal and logs it (`RefusalLog`), unless the engine
+        is starting: it stops with it (`connect_at_startup`)."""
         self.last_error = f"refused: {e}"
-        if self._starting:
-            return  # the engine stops with it (`connect_at_startup`)
-        now = time.monotonic()
-        if now - self._refusal_logged_at < REFUSAL_LOG_INTERVAL_S:
-            self._refusals_unlogged += 1
-            return
-        more = self._refusals_unlogged
-        self._refusal_logged_at, self._refusals_unlogged = now, 0
-        log.error(
-            "OrbitKV: %s: %s; lookups miss and saves are dropped until this is fixed%s",
-            self.name,
-            e,
-            f" ({more} more refusals since the last report)" if more else "",
-        )
+        self.refusals.record(e.reason, str(e), log=not self._starting)
 
     def warm(self) -> None:
         """Wakes the manager if it sleeps (`Session.warm`): lookups follow.

@@ -716,34 +716,55 @@ the presence filter proves absent."""
 
 class _Conn:
     """A connection with its own session (:class:`orbitkv.Session`), copy
-    agent and agent regions. Used by one call at a time (the pool hands it
-    out)."""
+    agent and agent regions. The session reconnects by itself after a
+    failure, at most once per ``reconnect_interval_s``, and raises the last
+    failure again in between (a refusal stays a refusal). Used by one call
+    at a time (the pool hands it out)."""
 
     def __init__(self, reg: _Registration, cfg: OrbitKVConfig):
         self.reg = reg
         self.cfg = cfg
-        self.session = orbitkv.Session(
-            cfg.socket, reg.description, name=cfg.client_name, timeout=cfg.timeout_s
-        )
         #: Per group: the host pool as an agent region of this connection
         #: (None: it cannot be described; bounce copies then).
         self.agent: Dict[int, Optional[_AgentRegion]] = {}
         #: Per group: this connection's bounce buffer (made when needed).
         self.bounces: Dict[int, _BounceRegion] = {}
+        self.incarnation: Optional[int] = None
+        self.session = orbitkv.Session(
+            cfg.socket,
+            reg.description,
+            name=cfg.client_name,
+            timeout=cfg.timeout_s,
+            reconnect_interval=cfg.reconnect_interval_s,
+            on_connect=self._connected,
+        )
+
+    def _connected(self, session: orbitkv.Session) -> None:
+        """Runs on every (re)connection: a new connection holds none of
+        the last one's agent regions."""
+        if session.namespaces != [self.reg.namespace]:
+            raise _Unsupported(
+                f"orbitkv: the manager sealed namespace {session.namespaces}, we "
+                f"computed {self.reg.namespace}"
+            )
+        self.agent, self.bounces = {}, {}
+        self.incarnation = session.client.incarnation
+
+    def ready(self) -> bool:
+        """Connects unless connected; True when it connected now. Raises
+        `_Refused`, `_Down` (the manager does not answer, or did not a
+        moment ago) or a namespace mismatch."""
+        if self.session.up:
+            return False
         try:
             self.session.connect()
-            if self.session.namespaces != [reg.namespace]:
-                raise _Unsupported(
-                    f"orbitkv: the manager sealed namespace {self.session.namespaces}, we "
-                    f"computed {reg.namespace}"
-                )
-            self.incarnation = self.session.client.incarnation
         except orbitkv.Refused as e:
-            self.close()
             raise _Refused(e) from e
-        except BaseException:
-            self.close()
-            raise
+        except _Unsupported as e:
+            raise _Miss(str(e), reason="namespace_mismatch") from e
+        except (orbitkv.ConnectionError, TimeoutError, OSError) as e:
+            raise _Down(f"cannot connect to {self.cfg.socket}: {e}") from e
+        return True
 
     def close(self) -> None:
         self.session.close()
@@ -881,21 +902,19 @@ def _prefix_mask(done: Sequence[bool]) -> List[bool]:
 
 
 class _Connections:
-    """A bounded set of connections; a call borrows one for its duration.
-    A connection that fails is closed and dropped; after a failed connect,
-    calls miss at once until ``reconnect_interval_s`` has passed."""
+    """At most ``max_connections`` connections, made when calls need them;
+    a call borrows one for its duration. A connection that fails gives its
+    session up (with every idle one to the same manager incarnation); its
+    session reconnects on a later call, at most once per
+    ``reconnect_interval_s`` (`_Conn.ready`)."""
 
     def __init__(self, cfg: OrbitKVConfig, stats: "_Stats"):
         self.cfg = cfg
         self.stats = stats
         self.reg: Optional[_Registration] = None
         self._cv = threading.Condition()
+        self._all: List[_Conn] = []
         self._idle: List[_Conn] = []
-        self._open = 0
-        self._down_until = 0.0
-        #: Why the last connect failed when the manager refused it: calls
-        #: until the next attempt miss with that refusal, never as "down".
-        self._refusal: Optional[_Refused] = None
         self._closed = False
 
     @contextlib.contextmanager
@@ -910,7 +929,7 @@ class _Connections:
                 raise _Refused(e) from e
             raise _Miss(str(e), reason=f"refused_{e.args[1]}") from e
         except (orbitkv.ConnectionError, _Broken, TimeoutError) as e:
-            self._drop(conn, e)
+            self._lost(conn, e)
             reason = "timeout" if isinstance(e, TimeoutError) else getattr(e, "reason", "connection_lost")
             raise _Broken(str(e), reason=reason) from e
         except _Miss:
@@ -919,7 +938,7 @@ class _Connections:
             raise
         except BaseException as e:
             # Anything else leaves the connection's state unknown.
-            self._drop(conn, e)
+            self._lost(conn, e)
             raise
         else:
             self._release(conn)
@@ -933,13 +952,11 @@ class _Connections:
                 if self._closed:
                     raise _Down("the backend is closed", reason="closed")
                 if self._idle:
-                    return self._idle.pop()
-                if self._open < self.cfg.max_connections:
-                    if time.monotonic() < self._down_until:
-                        if self._refusal is not None:
-                            raise self._refusal
-                        raise _Down("the manager was unreachable moments ago")
-                    self._open += 1
+                    conn = self._idle.pop()
+                    break
+                if len(self._all) < self.cfg.max_connections:
+                    conn = _Conn(self.reg, self.cfg)  # connects in `ready`
+                    self._all.append(conn)
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -947,58 +964,43 @@ class _Connections:
                 self._cv.wait(left)
         # Connect outside the lock (it blocks without the GIL).
         try:
-            conn = _Conn(self.reg, self.cfg)
-        except BaseException as e:
-            with self._cv:
-                self._open -= 1
-                # Whatever failed (no manager, a refused registration), do
-                # not retry it on every call.
-                self._down_until = time.monotonic() + self.cfg.reconnect_interval_s
-                self._refusal = e if isinstance(e, _Refused) else None
-                self._cv.notify()
-            if isinstance(e, _Unsupported):
-                raise _Miss(str(e), reason="namespace_mismatch") from e
-            if isinstance(e, (orbitkv.ConnectionError, TimeoutError, OSError)):
-                raise _Down(f"cannot connect to {self.cfg.socket}: {e}") from e
+            if conn.ready():
+                self.stats.add("connects")
+        except BaseException:
+            self._release(conn)
             raise
-        with self._cv:
-            self._refusal = None
-        self.stats.add("connects")
         return conn
 
     def _release(self, conn: _Conn) -> None:
         with self._cv:
             if self._closed:
                 conn.close()
-                self._open -= 1
             else:
                 self._idle.append(conn)
             self._cv.notify()
 
-    def _drop(self, conn: _Conn, why: BaseException) -> None:
-        conn.close()
+    def _lost(self, conn: _Conn, why: BaseException) -> None:
+        """Gives the session up; when the manager went away, every idle
+        session to that incarnation too (they are dead as well)."""
+        conn.session.drop(f"{type(why).__name__}: {why}")
         stale: List[_Conn] = []
         with self._cv:
-            self._open -= 1
-            if isinstance(why, orbitkv.ConnectionError):
-                # The manager went away: every connection to that incarnation is dead.
-                stale = [c for c in self._idle if c.incarnation == conn.incarnation]
-                self._idle = [c for c in self._idle if c.incarnation != conn.incarnation]
-                self._open -= len(stale)
-            self._cv.notify_all()
+            if isinstance(why, orbitkv.ConnectionError) and conn.incarnation is not None:
+                stale = [c for c in self._idle if c.session.up and c.incarnation == conn.incarnation]
         for c in stale:
-            c.close()
+            c.session.drop("its manager went away")
         self.stats.add("connections_dropped", 1 + len(stale))
+        self._release(conn)
 
     def open_count(self) -> int:
+        """Connections up now."""
         with self._cv:
-            return self._open
+            return sum(1 for c in self._all if c.session.up)
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
             idle, self._idle = self._idle, []
-            self._open -= len(idle)
             self._cv.notify_all()
         for c in idle:
             c.close()

@@ -428,6 +428,8 @@ def test_manager_down_then_up_then_restarted(manager):
     assert be.batch_set_v1(keys, src) == [True] * 3
     dst = host.alloc(3 * PAGE)
     assert be.batch_get_v1(keys, dst) == [True] * 3
+    # The connection that lost its manager reconnected in place: no other was opened.
+    assert be.get_stats()["connections"] == 1
     assert [page_bytes(host, s) for s in starts_of(dst)] == exp
     assert "error" not in be.get_stats()["misses"]
     quiet(manager)

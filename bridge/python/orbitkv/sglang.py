@@ -986,11 +986,15 @@ class _Connections:
         stale: List[_Conn] = []
         with self._cv:
             if isinstance(why, orbitkv.ConnectionError) and conn.incarnation is not None:
+                # Taken out of the idle list while they are dropped: no
+                # other call can borrow one meanwhile.
                 stale = [c for c in self._idle if c.session.up and c.incarnation == conn.incarnation]
+                self._idle = [c for c in self._idle if c not in stale]
         for c in stale:
             c.session.drop("its manager went away")
         self.stats.add("connections_dropped", 1 + len(stale))
-        self._release(conn)
+        for c in (*stale, conn):
+            self._release(c)
 
     def open_count(self) -> int:
         """Connections up now."""

@@ -61,10 +61,16 @@ use_venv() {
     fi
 }
 
-# The bench executable cargo built for `cargo bench -p CRATE --bench NAME`.
+# The bench executable cargo builds for `cargo bench -p CRATE --bench NAME`.
 bench_bin() {
-    cargo bench -p "$1" --bench "$2" --no-run --message-format=json 2>/dev/null |
-        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1
+    local bin
+    bin=$(cargo bench -p "$1" --bench "$2" --no-run --message-format=json 2>"$out/build-$2.log" |
+        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1) || true
+    if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+        echo "scripts/bench.sh: building the $2 bench failed; see $out/build-$2.log" >&2
+        return 1
+    fi
+    echo "$bin"
 }
 
 say "release builds"

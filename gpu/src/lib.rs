@@ -142,46 +142,28 @@ pub struct Completion {
 /// behind the copy, while the bytes are in cache.
 pub use orbitkv_components::checksum::{PageHasher, page_checksum};
 
-/// Bytes copied before their hash is taken: small enough to stay in cache.
-pub const COPY_CHUNK: usize = 64 << 10;
-
-/// Copies `len` bytes from `src` to `dst` chunk by chunk, hashing each
-/// source chunk right after it was read (still in cache) into `h`: one
-/// pass over the source.
+/// Copies `len` bytes from `src` to `dst`, hashing each source chunk right
+/// after it was read (still in cache) into `h`: one pass over the source.
+/// Long copies stream their writes past the cache
+/// (`orbitkv_components::checksum::copy_hashing_read`).
 ///
 /// # Safety
 /// `src` and `dst` must be valid for `len` bytes and must not overlap.
 pub unsafe fn copy_hashing_source(src: *const u8, dst: *mut u8, len: usize, h: &mut PageHasher) {
-    let mut at = 0;
-    while at < len {
-        let n = COPY_CHUNK.min(len - at);
-        // SAFETY: in bounds by the caller's contract; non-overlapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), n);
-            h.update(std::slice::from_raw_parts(src.add(at), n));
-        }
-        at += n;
-    }
+    // SAFETY: the caller's contract.
+    unsafe { orbitkv_components::checksum::copy_hashing_read(src, dst, len, h) }
 }
 
-/// Copies `len` bytes from `src` to `dst` chunk by chunk, hashing each
-/// destination chunk right after it landed; returns the XXH3-64 of all of
-/// `dst`.
+/// Copies `len` bytes from `src` to `dst`, hashing what lands chunk by
+/// chunk; returns the XXH3-64 of all of `dst`
+/// (`orbitkv_components::checksum::copy_hashing_written`).
 ///
 /// # Safety
 /// `src` and `dst` must be valid for `len` bytes and must not overlap.
 pub unsafe fn copy_and_checksum(src: *const u8, dst: *mut u8, len: usize) -> u64 {
     let mut h = PageHasher::new();
-    let mut at = 0;
-    while at < len {
-        let n = COPY_CHUNK.min(len - at);
-        // SAFETY: in bounds by the caller's contract; non-overlapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), n);
-            h.update(std::slice::from_raw_parts(dst.add(at), n));
-        }
-        at += n;
-    }
+    // SAFETY: the caller's contract.
+    unsafe { orbitkv_components::checksum::copy_hashing_written(src, dst, len, &mut h) };
     h.digest()
 }
 

@@ -10,9 +10,10 @@ const FUSED_CHUNK: usize = 64 << 10;
 
 /// Copies `src` into `dst` (same length) and returns the page checksum of
 /// the bytes written, in one pass: each chunk is hashed from `dst` right
-/// after it is copied, so the checksum covers exactly what landed even if
-/// `src` changes meanwhile (an agent's staging area is writable by the
-/// agent). Equal to `page_checksum(dst)` afterwards.
+/// after it is copied, so the checksum covers exactly what landed. Equal to
+/// `page_checksum(dst)` afterwards. Always through the cache: the remote
+/// tier's writer packs the copy right after (a pool's copy-in streams
+/// instead: `orbitkv_components::checksum::copy_checksummed`).
 pub fn copy_with_checksum(dst: &mut [u8], src: &[u8]) -> u64 {
     assert_eq!(dst.len(), src.len(), "copy_with_checksum: lengths differ");
     let mut hasher = PageHasher::new();

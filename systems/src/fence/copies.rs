@@ -10,11 +10,12 @@
 
 use bevy_ecs::prelude::*;
 use orbitkv_components::api::{CopyFailure, MissReason};
+use orbitkv_components::checksum::copy_checksummed;
 use orbitkv_components::ecs::{
     Executor, ItemState, Outcome, Page, PublishItem, PublishJob, Residency, Transfer, TransferKind,
 };
 use orbitkv_gpu::{Completion, CopyError};
-use orbitkv_io::checksum::{copy_with_checksum, page_checksum};
+use orbitkv_io::checksum::page_checksum;
 use orbitkv_io::dram::SlotKey;
 use orbitkv_io::tier::DemoteRefused;
 use rayon::prelude::*;
@@ -276,7 +277,7 @@ impl Landing<'_> {
         let sums: Vec<u64> = targets
             .par_iter_mut()
             .zip(sources.par_iter())
-            .map(|(dst, src)| copy_with_checksum(dst, src))
+            .map(|(dst, src)| copy_checksummed(dst, src))
             .collect();
         sums.into_iter()
             .enumerate()

@@ -321,32 +321,27 @@ mod tests {
             let src = bytes(len + 64, i as u64);
             for (s_off, d_off) in [(0, 0), (3, 0), (0, 5), (7, 33), (32, 32)] {
                 let want = &src[s_off..s_off + len];
-                let sum = page_checksum(want);
-                let mut dst = vec![0xa5u8; len + 128];
-                let got = copy_checksummed(&mut dst[d_off..d_off + len], want);
-                assert_eq!(got, sum, "written, len {len} offsets {s_off}/{d_off}");
-                assert_eq!(&dst[d_off..d_off + len], want);
-                assert!(
-                    dst[..d_off]
-                        .iter()
-                        .chain(&dst[d_off + len..])
-                        .all(|&b| b == 0xa5)
-                );
-
-                let mut dst = vec![0xa5u8; len + 128];
-                let mut h = PageHasher::new();
-                // SAFETY: both ranges hold `len` bytes and are disjoint.
-                unsafe {
-                    copy_hashing_read(want.as_ptr(), dst.as_mut_ptr().add(d_off), len, &mut h)
-                };
-                assert_eq!(h.digest(), sum, "read, len {len} offsets {s_off}/{d_off}");
-                assert_eq!(&dst[d_off..d_off + len], want);
-                assert!(
-                    dst[..d_off]
-                        .iter()
-                        .chain(&dst[d_off + len..])
-                        .all(|&b| b == 0xa5)
-                );
+                for written in [true, false] {
+                    let mut dst = vec![0xa5u8; len + 128];
+                    let mut h = PageHasher::new();
+                    let at = dst[d_off..].as_mut_ptr();
+                    // SAFETY: both ranges hold `len` bytes and are disjoint.
+                    unsafe {
+                        if written {
+                            copy_hashing_written(want.as_ptr(), at, len, &mut h);
+                        } else {
+                            copy_hashing_read(want.as_ptr(), at, len, &mut h);
+                        }
+                    }
+                    let what = format!("written {written}, len {len}, offsets {s_off}/{d_off}");
+                    assert_eq!(h.digest(), page_checksum(want), "{what}");
+                    assert_eq!(&dst[d_off..d_off + len], want, "{what}");
+                    let around = dst[..d_off].iter().chain(&dst[d_off + len..]);
+                    assert!(around.into_iter().all(|&b| b == 0xa5), "{what}");
+                }
+                let mut dst = vec![0u8; len];
+                assert_eq!(copy_checksummed(&mut dst, want), page_checksum(want));
+                assert_eq!(dst, want);
             }
         }
     }

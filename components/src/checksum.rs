@@ -62,10 +62,12 @@ impl std::fmt::Debug for PageHasher {
 // A copy this long or longer streams its writes past the cache
 // (non-temporal stores): the destination is a pool slot, a staging slot or
 // an engine buffer that nobody reads back within the copy, and an ordinary
-// store first reads every destination line it writes. On a 2-core VM
-// (`world/benches/throughput.rs`'s machine), copying and hashing 1 GiB ran
-// at 4.3-4.8 GB/s per thread with cached stores and 5.3-7.4 GB/s streamed.
-// Shorter copies keep the cache: a small page is often read again soon.
+// store first reads every destination line it writes. Measured on a 2-core
+// VM (2026-12): copying and hashing 1 GiB ran at 4.3-4.8 GB/s per thread
+// with cached stores and 5.3-7.4 GB/s streamed, and the 2 MiB save of
+// `bridge/bench/lmcache_peer.py` went from 0.56-0.63x LMCache's to
+// 0.66-0.74x. Shorter copies keep the cache: a small page is often read
+// again soon.
 
 /// Copies at least this long bypass the cache on their way out.
 pub const STREAM_MIN: usize = 256 << 10;

@@ -1,16 +1,46 @@
 //! `orbitkv`, the Python package (native module `orbitkv._orbitkv`).
 //!
-//! - [`runtime`]: `Runtime`, the embedded runtime (commands and events as
-//!   their serde JSON shapes in `orbitkv_components::api`), plus direct
-//!   access to the copy engine's "device" bytes.
-//! - [`contract`]: the recovery contract functions on contract/bundle JSON.
-//! - [`identity`]: `compute_identity`, the computation identity and sealed
-//!   namespace.
-//! - [`convert`]: Python data ⇄ JSON values, so every structured argument
-//!   goes through serde and fails with serde's message.
-//! - [`client`]: `Client`, a connection to `orbitkv serve` (wrapping
-//!   `orbitkv_ipc::Client`), with zero-copy page views from
-//!   [`buffer`].
+//! PyO3 (abi3, built by maturin; `bridge/pyproject.toml`).
+//!
+//! # Codemap
+//!
+//! - `src/runtime.rs`: `Runtime`, the embedded runtime (commands and events
+//!   as dicts; the caller's loop calls `tick()`); its host copy engine keeps
+//!   device regions in memory files, so `device_view` hands out a writable
+//!   zero-copy view of one (what an engine's tensors read and write).
+//! - `src/client.rs`: `Client`, wrapping `orbitkv_ipc::Client` for
+//!   `orbitkv serve`; blocking calls release the GIL; `lookup` is the typed
+//!   lookup verb (hashes as bytes, `(selected, miss)` back, a refusal raises
+//!   `Rejected`, late replies of timed-out lookups dropped); a command the
+//!   manager refuses to queue raises `Rejected` (a quota) or `QueueFull` (a
+//!   full inbox); `attach_agent_memory` /
+//!   `detach_agent_memory` (the connection's copy agent), `close` drains it.
+//! - `src/session.rs`: `Instance` (what a session registers, each part
+//!   parsed into the contract's types where it is made: no command dict
+//!   crosses from an adapter) and `Session` (`orbitkv_engine::Session` for
+//!   Python) over a socket (its own connection, reconnected at most once per
+//!   `reconnect_interval`, the last failure raised again meanwhile: a refusal
+//!   stays `Refused`), a caller's `Client` (shared) or a wall-clock
+//!   `Runtime`; `on_connect(session)` is the engine's setup (regions) after
+//!   every connection; results `Lookup`, `Loaded`, `Saved`, `Ready`;
+//!   `MissReason` is an `enum.Enum` built from `MissReason::ALL`; `Refused`
+//!   (a `Rejected`) vs `Unavailable` (a `ConnectionError`). Collectable: the
+//!   callback is traversed, the last failure kept as data, not a traceback.
+//! - `src/agent.rs`: the agent's refusals as Python exceptions
+//!   (`CudaUnavailable` for CUDA memory without CUDA, `ValueError`
+//!   otherwise); the agent itself is `orbitkv_engine::agent`.
+//!   `Client.agent_layer_counts` reads a layered region's per-layer counts;
+//!   `Client.close` drops the agent (streams drained, window unpinned, then
+//!   unmapped).
+//! - `src/buffer.rs`: `SharedBuffer`, the buffer-protocol object behind
+//!   `Client.page()` (read-only pool views), `Client.region()` and
+//!   `Runtime.device_view()` (writable device views); each holds its own
+//!   mapping, so views outlive the client or runtime.
+//! - `src/contract.rs`, `src/identity.rs`: the contract functions and
+//!   `compute_identity`; `src/convert.rs`: dict ↔ serde.
+//! - `src/bench.rs`: a Rust-timed ping loop used by `bench/query_roundtrip.py`.
+//! - `python/orbitkv/`: the Python package, its stubs (`_orbitkv.pyi`) and
+//!   the engine adapters (ARCHITECTURE.md, section `bridge/`).
 //!
 //! The `extension-module` feature of pyo3 is deliberately off here (so
 //! `cargo test --workspace` links); maturin turns it on

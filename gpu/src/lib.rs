@@ -12,6 +12,65 @@
 //!
 //! The trait never assumes synchronous completion: `submit` returns a token,
 //! and only `poll` reports that the bytes landed.
+//!
+//! # Codemap
+//!
+//! - `lib.rs`: `CopyEngine` (register device region, register host pool or
+//!   a host window of `HostSpan`s with their own access,
+//!   `submit` → `CompletionToken`, `poll`, `wait`: sleep until a batch
+//!   lands, for engines that can), `PageCopy` (a restore's carries
+//!   `expect_checksum`; `sum: SumOf` says whether its reported checksum is of
+//!   what landed or of the source, a page's chunks chained), `Completion`
+//!   (with those checksums), `CopyError` (`Checksum` for a restore whose
+//!   bytes do not match), `check_bounds`, `copy_and_checksum` (hashes
+//!   exactly what lands), `copy_hashing_source` (each source chunk hashed
+//!   right after it is read); both are `orbitkv_components::checksum`'s
+//!   fused copies, which stream copies of 256 KiB and more past the cache
+//!   (AVX2 non-temporal stores, fenced before the copy reports). Nothing
+//!   assumes synchronous completion.
+//! - `host.rs`: `HostCopyEngine`, worker threads; the "device" is host memory
+//!   in a `DeviceArena`.
+//! - `agent.rs`: `CopyAgent`, the engine-process side of a copy: `attach`
+//!   registers engine memory as a region laid out as `Chunk`s per page (a
+//!   run of `len` bytes every `stride`, e.g. each layer's K and V block),
+//!   `handle` takes an `Event::AgentCopy`, checks every page against its own
+//!   regions, the pool and the staging area (`CopyFailure` otherwise) and
+//!   submits it to any `CopyEngine` (the executor); `poll` turns completions
+//!   into `Command::CopyDone`; `drain` waits for running copies (a lost
+//!   connection). `HostWindow`: the pool mapped read-only and the origin's
+//!   staging area writable, side by side in one reservation, registered as
+//!   two `HostSpan`s (a CUDA executor pins the pool read-only and the staging
+//!   area writable); a publish can only write the staging part.
+//!   `executor_for(MemoryKind)`: the host engine for host memory, the CUDA
+//!   engine for CUDA memory or `AgentError::CudaUnavailable` (never the host
+//!   engine for a device pointer). `attach_layered`: a layer per chunk; a
+//!   restore then goes out as one executor batch per layer, in layer order,
+//!   and `layer_counts` counts per layer the pages landed or failed (vLLM's
+//!   layer-wise loads). Restores' pool pages are verified against their
+//!   checksums: in the copy's own pass where the executor
+//!   `verifies_source_chains` (the host engine, whole pages), else before
+//!   anything is submitted. Invariant: a copy is reported once, after its
+//!   last part completed.
+//! - `sim.rs`: `SimCopyEngine`, deterministic completion at a modelled time,
+//!   with fault hooks (`fail_next`, `hold`, `delay_all`).
+//! - `cuda/`: `CudaCopyEngine` (`docs/gpu.md`), always compiled (cudarc,
+//!   driver API loaded at run time). `mod.rs`: `CudaConfig` (every bound),
+//!   `best_engine` (CUDA, else the host engine and an `Unavailable` reason),
+//!   `TokenState` (`query`), `stream_wait`, `CudaStats`. `driver.rs`: the
+//!   `Driver` seam, every CUDA call the executor makes; `DriverError::is_fatal`
+//!   (sticky errors = device lost). `exec.rs`: `Executor<D: Driver>`, the
+//!   logic: pool pinning, region validation against its allocation, batch
+//!   validation, restores' source checksums verified before queueing
+//!   (`verify_sources`), `runs.rs` coalescing, two streams per device (one per
+//!   direction), events polled in stream order, in-flight bound, fencing
+//!   `unregister`, error mapping. `real.rs`: `CudaDriver` and `probe` (the only
+//!   engine code calling CUDA; `is_culib_present` first). `testing.rs`:
+//!   `DeviceMemory`, `PinnedHost`, `raw_copy_seconds` for GPU tests and
+//!   benchmarks. `fake.rs`/`tests.rs`: the fake driver and the unit tests.
+//!   Invariants: a batch is refused whole or queued whole; a completion is
+//!   reported only when nothing of its batch can still be copying; events are
+//!   created at device open, never on the copy path; nothing blocks the host
+//!   on the copy path.
 
 pub mod agent;
 pub mod cuda;

@@ -34,6 +34,93 @@
 //! A frame with a bad magic, version, kind or length, or a payload that is
 //! not the kind's JSON, gets an `Error` frame and the connection is closed;
 //! other connections are unaffected.
+//!
+//! # Codemap
+//!
+//! The manager protocol (`docs/serve.md`). Depends on components only.
+//!
+//! - `frame.rs`: 16-byte versioned header, JSON payloads; `FrameReader`
+//!   (consumes a stream's input with a cursor: a burst of n frames costs
+//!   O(n)); `send_some` (non-blocking `sendmsg`, descriptors on the first
+//!   byte); `recv_some`; `SO_PEERCRED`. Invariant: nothing here panics on
+//!   bytes from a peer.
+//! - `lib.rs`: `Hello`, `Welcome`, `Submit`, `Accepted`, `Delivered` (an
+//!   event with the runtime's `terminal` flag: what an `Events` frame carries,
+//!   protocol 4), `ProtocolError`, `Descriptor` (a memfd and the handle it belongs to: never paired by
+//!   position); `snapshot.rs`: `Snapshot`, `Window`, `ConnectionSummary`
+//!   (`orbitkv inspect`).
+//! - `client.rs`: `Client`: checks the manager's peer uid before sending
+//!   anything (`ClientOptions::trusted_uids`, `ORBITKV_TRUSTED_UIDS`),
+//!   blocking `call`, queued events with their flags (`wait_delivered`,
+//!   `poll_delivered`; a hot request's last response is its terminal event;
+//!   `requeue` puts back what a borrower did not consume), spin-then-block waits, zero-copy `page`
+//!   reads from the read-only pool, writable device `region_mut` (mapped
+//!   from `Descriptor` frames), `inspect`; hot commands go over iceoryx2
+//!   when the manager offers it. `Agent` (trait) / `set_agent`: a copy agent
+//!   riding on the client takes the `AgentCopy` events (the user never sees
+//!   them) and sends its `CopyDone` reports inside every wait, gets the pool
+//!   (read-only) and the staging area (`Descriptor` kind `staging`) for its
+//!   window, keeps waits short while its copies run, and drains when the
+//!   connection is lost.
+//! - `presence.rs`: the presence filter, a bitmap of the keys the
+//!   manager's tiers hold, in a sealed memfd every hot client maps
+//!   read-only. Invariants: a bit is set after the tick that indexed its
+//!   page and before that tick's events leave (so a page an engine was told
+//!   of is never "absent"); bits are cleared only by a rebuild, under an odd
+//!   epoch (a seqlock: readers that overlap ask the manager); a reader
+//!   trusts it only while `open` (every tier listable and reachable) and
+//!   while the manager's beat is under `STALE_MS` old. The filter only
+//!   answers misses (`not_found`), never a hit. The manager side
+//!   (`manager/src/presence.rs`) feeds it from the page journals it drains
+//!   once a tick for it and the KV event stream; the engine side
+//!   (`Session::answer_from_filter`) checks group 0's first page asked for.
+//! - `hot.rs`, `hot_server.rs`: the hot path: 128-byte `#[repr(C)]`
+//!   requests as iceoryx2 publish-subscribe samples and responses in a
+//!   mailbox of the connection's descriptor area (256 slots, each side
+//!   keeping its own count; every request the manager takes ends with a
+//!   last response there, and it refuses a connection's 33rd open request)
+//!   for query, lookup, load, prepare,
+//!   restore, publish, release and cancel (a request closes with its
+//!   event's `terminal` flag; the server derives nothing), whose variable-size parts live in a
+//!   per-connection memfd descriptor area (request and reply rings of
+//!   generation-stamped records, sealed against resizing); the server side
+//!   validates every descriptor (bounds, alignment, generation, length,
+//!   kind) before it parses a copy. Each hot connection has its own request
+//!   service (`connection_service_name`; its requests must carry its token;
+//!   the subscriber's buffer never overwrites, a request it cannot take is
+//!   not delivered and goes on the socket); after a disconnect the server
+//!   releases what dead nodes hold (`remove_dead_nodes`, from `receive`, at
+//!   most every 100 ms: a crashed client's node and its share of its
+//!   service). Wake-ups go through eventfds (`WakeFd`: the manager's, and
+//!   one per connection, passed with `Welcome`), never a socket or pipe
+//!   write: those are "sync" wake-ups that put the woken side on the
+//!   waker's CPU, and the waker here spins on. Service names and the iceoryx2 file
+//!   prefix are unique per manager incarnation; stale files are removed at
+//!   start and shutdown; `restrict_files_with_prefix` makes an
+//!   incarnation's files owner-only.
+//!   Cost before responses moved to the mailbox (protocol 5; callgrind, manager, one hot query hit plus its release: 2
+//!   requests, 2 ticks, 3 responses; `query_roundtrip --only-hot` with
+//!   `ORBITKV_BIN` a callgrind wrapper): ~144k instructions, of which
+//!   iceoryx2 `send_copy` ~22k per response (loan: `Sender::allocate`'s
+//!   reclaim scan ~10k; `ResponseMut::send` ~11k), the two ticks ~45k (bevy's
+//!   executor ~27k of it, ingest ~8k, validate ~4k, discover ~2.4k),
+//!   `Server::receive` ~2.3k per call (measured with one shared service;
+//!   `update_connections` is cheap per
+//!   call: its big share in a profile is one client's disconnect,
+//!   `UsedChunkList::remove_all`, ~117M instructions at 256 clients), decode
+//!   ~1.5k per request. The encoders allocate each part once (sized up front,
+//!   no part list); `end_tick` walks only the requests received since the
+//!   last tick. With protocol 6, an 8-page lookup hit answered between ticks
+//!   (callgrind): the manager ~2.3k instructions to decode and ~9.5k to
+//!   answer, the response one 128-byte copy; the Python client ~16k, of which
+//!   iceoryx2's request `send_copy` ~3.5k and dropping the request's
+//!   response stream ~2.4k. Protocol 7 (requests as publish-subscribe
+//!   samples, and a lookup's hashes read from Python by borrowed item): the
+//!   client ~10.7k, `send_copy` ~2.6k. The client counts its requests in
+//!   the area (`requests_sent`), so the manager asks a service only when its
+//!   count moved (and every service once in 64 looks).
+//!
+//! Never knows about: ECS, the runtime's state, how the manager schedules.
 
 pub mod client;
 pub mod frame;

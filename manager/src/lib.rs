@@ -3,16 +3,100 @@
 //! nothing a client sends or fails to read can stall it, crash it, or touch
 //! another connection's state.
 //!
-//! The shape follows rust-analyzer's server split:
-//! - [`settings`]: flags, environment and config file → [`Settings`].
-//! - [`listener`]: where the socket may be created; stale entries.
-//! - [`connection`]: one client: framing, bounded outbox, quotas.
-//! - [`dispatch`]: one frame at a time (the protocol's state machine).
-//! - [`state`]: the loop's state and the operations on it (submit, tick
-//!   and deliver events, flush, disconnect).
-//! - [`main_loop`]: when things happen (`ppoll`, rounds, ticks).
-//! - [`metrics`], [`http`]: Prometheus metrics and their endpoint.
-//! - [`inspect`]: the `orbitkv inspect` snapshot.
+//! # Codemap
+//!
+//! `orbitkv serve` is `Settings::from_args` + `serve(settings, &stop)`. One
+//! thread owns the `Runtime` and every connection (rust-analyzer's
+//! main_loop / global_state / dispatch split):
+//!
+//! - `settings.rs`: `Args` (clap), the `[serve]` table, `Settings` (every
+//!   bound by name: per connection `max_outbox_bytes`, `stall_timeout`,
+//!   `max_sessions_per_connection`, `max_regions_per_connection`,
+//!   `max_frames_per_round`; across connections `max_total_outbox_bytes`,
+//!   `max_partial_frame_bytes`, `max_sessions_per_process`,
+//!   `max_sessions_per_uid`; metrics limits and `metrics_public`; the loop's `spin_after_work`,
+//!   `spin_for_streams` and `socket_poll_interval`), `parse_size`; `--remote`
+//!   (seed URLs into the runtime's `[remote]` table, validated at start; the
+//!   password never passes through here).
+//! - `listener.rs`: where the socket may be created (no directory others
+//!   can write to unless sticky; never replaces another uid's entry or a
+//!   regular file; a dangling symlink is removed, never followed); binds
+//!   with umask 0177; `private_dir` makes and checks the per-uid fallback
+//!   directory `/tmp/orbitkv-<uid>` (0700, ours, not a symlink).
+//!   `from_systemd`: the socket systemd passed (socket activation,
+//!   `sd-notify`'s `listen_fds`), checked (one listening Unix stream socket at
+//!   a path, this uid's, mode without group/other write) and never removed;
+//!   `serve` reports `READY=1`/`STOPPING=1` (sd_notify). Unit files:
+//!   `deploy/systemd/`.
+//! - `lib.rs`: `serve` takes systemd's socket first, then `not_dumpable`
+//!   (`prctl(PR_SET_DUMPABLE, 0)`: no process of the manager's uid may open
+//!   `/proc/<manager>/fd/N` or ptrace it).
+//! - `connection.rs`: `Conn` (stage `AwaitingHello` → `Ready`, input
+//!   `FrameReader` with a read-ahead bound, `partial_claim` (a large frame
+//!   partly received, counted against `max_partial_frame_bytes`), `Outbox`
+//!   of chunks whose descriptors ride on their first byte, the stall clock,
+//!   the peer's pid and uid, quota counts);
+//!   `Outbox::flush` never waits.
+//! - `dispatch.rs`: one frame → `Hello` (exactly once; the read-only pool
+//!   descriptor and the hot area on `Welcome`), `Submit` (quotas per
+//!   connection, process and uid, then the runtime), `Ping`, `Inspect`
+//!   (payload `null`), `Lookup` (answered from `Runtime::locate`, never a
+//!   protocol error); anything else is a typed `Refusal`.
+//! - `state.rs`: `State` and what the loop does with it: `submit` (as the
+//!   connection's `Origin(id + 1)`), `accept`/`admit` (same uid,
+//!   `max_connections`), `tick` (each `Addressed` event to its connection,
+//!   no routing table; a region's memfd on a `Descriptor` frame before its
+//!   event; for an agent-owned region, the connection's staging area instead,
+//!   never a device region export), `flush` (cuts off clients past `max_outbox_bytes` or the stall
+//!   timeout, and the largest while all outboxes pass
+//!   `max_total_outbox_bytes`), `disconnect` (`close_origin`: sessions close as on a crash).
+//! - `main_loop.rs`: `run` (a `ppoll` (`Poller`, buffers kept between
+//!   rounds) with `POLLOUT` where an outbox holds bytes; while spinning after
+//!   work (`Spin`: `spin_after_work`, stretched to twice the last gap, at most
+//!   `spin_for_streams`, while commands come in a stream; a spinning round
+//!   with nothing to do `sched_yield`s every `SPIN_YIELD`, and at once after
+//!   a round that answered, as the client's spin does, so two sides that
+//!   share a CPU hand it over instead of one blocking; a wake through the
+//!   hot wake eventfd spins `spin_after_work` even with no request:
+//!   `Client::warm`, which vLLM's scheduler side sends at the end of a step
+//!   that looked anything up) the hot path is read every round (a
+//!   hot lookup with nothing queued ahead is answered there, `Runtime::answer_now`, its reply sent
+//!   before the next request is taken, `HotServer::settle`; no tick) and the sockets
+//!   polled every `socket_poll_interval`, or every round while a socket is
+//!   busy; `State::now` is the round's one clock reading, moved past a tick by
+//!   `State::tick`; frames taken per connection per round only while the
+//!   inbox has room; 100 ms sleeps when idle) and `shutdown`.
+//! - `metrics.rs`: `prometheus-client` counters, gauges, labelled families
+//!   (misses, evictions, demotions, disconnects; per tier occupancy and
+//!   reads, leased pages by source) and latency histograms
+//!   (query, prepare, restore, publish, tick); per-second samples for the
+//!   last-minute windows. `http.rs`: `/metrics` on hyper (single-threaded
+//!   tokio on a side thread; header-read and connection timeouts, a
+//!   connection limit; a loopback TCP address unless `metrics_public`, or
+//!   `unix:PATH`, mode 0600, peers of this uid or root), and routers' `POST
+//!   /lookup`, handed to the loop through `lookups.rs` (`Door`/`Desk`: a
+//!   bounded channel and a socket pair the loop polls; a token bucket, a
+//!   body limit, `READING` bodies at once, the hash list bounded while it is
+//!   parsed; the loop answers `PER_ROUND` a round through
+//!   `dispatch::lookup`). `remote_metrics.rs`: `RemoteCollector`, the
+//!   remote tier's counters and latency histograms (`orbitkv_remote_*`,
+//!   `docs/remote.md`) encoded from its `RemoteStatsHandle` at each scrape.
+//!   `inspect.rs`: the `Snapshot`. `events.rs`: the KV event stream
+//!   (`[events]`, `docs/events.md`): after each tick `State::tick` drains the
+//!   runtime's page journal and each lower tier's `TierJournal` (medium
+//!   `CPU`, `STORAGE`) into per-namespace batches on a bounded channel;
+//!   the `orbitkv-events` thread encodes vLLM's `KVEventBatch` (msgpack,
+//!   `rmp`), publishes on a ZMQ PUB (`zmq`, libzmq built in) with a topic per
+//!   namespace and per-topic sequence numbers from the manager's start time,
+//!   and answers replays on a ROUTER. A topic opens with `AllBlocksCleared`,
+//!   and any loss (journal or channel full) sends it again; after a journal
+//!   loss every medium lists what it holds again.
+//!
+//! Invariants: nothing in a round waits on a client; no `expect`/`unwrap`/
+//! index is reachable from a client's bytes; a connection's misbehaviour
+//! (malformed frames, bursts, not reading) affects only that connection.
+//!
+//! Never knows about: ECS internals (it sees `Runtime`, `Stats`, events).
 //!
 //! The hot path's server is [`orbitkv_ipc::hot_server`]; this crate drives
 //! it from the loop.

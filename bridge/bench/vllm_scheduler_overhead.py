@@ -186,6 +186,20 @@ def loop(
     return time.perf_counter() - t0
 
 
+#: The connector hooks vLLM's scheduler calls (`--breakdown` times each).
+SCHEDULER_HOOKS = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "get_kv_connector_stats",
+)
+
+
 def timed_loop(
     scheduler,
     hasher,
@@ -198,6 +212,7 @@ def timed_loop(
     manager: Any = None,
     stored: Optional[List[List[int]]] = None,
     forward_s: float = 0.0,
+    breakdown: bool = False,
 ) -> Dict[str, Any]:
     """One timed loop over `reqs` on a new scheduler (with a new connector
     of kind `connector`: "orbitkv" or "offloading"), after a short warm-up
@@ -215,9 +230,16 @@ def timed_loop(
     # Warm the process (and, with the connector, the connection).
     loop(sched, hasher, prompts(8, seed=warm_seed), f"w{name}{warm_seed}", async_loads)
     lookup = meta = None
+    hooks: Dict[str, Timed] = {}
     if connector:
         lookup = Timed(sched.connector, "get_num_new_matched_tokens")
         meta = Timed(sched.connector, "build_connector_meta")
+        if breakdown:
+            hooks = {
+                name: Timed(sched.connector, name)
+                for name in SCHEDULER_HOOKS
+                if callable(getattr(sched.connector, name, None))
+            }
     # The manager's own view of the timed loop's lookups: how many found it
     # asleep (a `Wake` each) and how many it answered between ticks.
     counted = ("hot_wakes_total", "answered_between_ticks_total")
@@ -242,6 +264,10 @@ def timed_loop(
         row["lookup_p50_us"] = percentile(lookup.times, 0.5) * 1e6
         row["lookup_p99_us"] = percentile(lookup.times, 0.99) * 1e6
         row["meta_us_per_request"] = sum(meta.times) / len(reqs) * 1e6
+        if hooks:
+            row["hooks_us_per_request"] = {
+                name: sum(t.times) / len(reqs) * 1e6 for name, t in hooks.items() if t.times
+            }
         if ours:
             st = sched.connector.scheduler.stats
             row["hit_tokens"] = st.hit_tokens
@@ -306,6 +332,12 @@ def main() -> None:
         help="the manager's spin_after_work_us (default: the manager's own, 100): "
         "how long it polls without sleeping after a command, so a lookup "
         "arriving within it pays no wake-up",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time every scheduler-side hook of each connector and print "
+        "where its time per request goes (the timing wrappers add their own cost)",
     )
     args = ap.parse_args()
 
@@ -429,6 +461,7 @@ def main() -> None:
                     manager=manager,
                     stored=stored,
                     forward_s=args.forward_us / 1e6,
+                    breakdown=args.breakdown,
                 )
             base = rows["baseline"]["us_per_request"]
             for name, row in rows.items():
@@ -476,6 +509,15 @@ def main() -> None:
                 f"{r.get('meta_us_per_request', 0):11.1f} {r.get('hit_tokens', 0):10d} "
                 f"{r.get('hot_wakes_total', 0):9.2f} {r.get('answered_between_ticks_total', 0):11.2f}"
             )
+    if args.breakdown:
+        print("scheduler hooks, us/req (median over rounds; each wrapper adds its own cost):")
+        for name in results["rounds"][0]:
+            per = [rw[name].get("hooks_us_per_request", {}) for rw in results["rounds"]]
+            hooks = sorted({h for p in per for h in p})
+            if not hooks:
+                continue
+            med = {h: sorted(p.get(h, 0.0) for p in per)[len(per) // 2] for h in hooks}
+            print(f"  {name:9} " + ", ".join(f"{h} {med[h]:.1f}" for h in hooks))
     print(
         f"median ratio over {len(results['rounds'])} rounds: miss {results['miss_median_ratio']:.2f}x, "
         f"hit {results['hit_median_ratio']:.2f}x; a connector that does nothing (null): "

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import orbitkv
 
@@ -51,8 +51,9 @@ class _Request:
     saves_sent: bool = False
     """Some save of this request went to the workers: its blocks are freed
     only once the workers report the saves done."""
-    loading: AbstractSet[int] = frozenset()
-    """Blocks of the load in flight (to recognise a block-level failure)."""
+    load_blocks: Sequence[Sequence[int]] = ()
+    """Per vLLM group, the blocks of the load in flight (`NULL_BLOCK` where
+    a group has none): a block-level failure is recognised by them."""
     load_pages: Sequence[int] = ()
     """The full-attention group's block of each page of the load in flight
     (page index → block), to find the first page a failure lost."""
@@ -229,14 +230,23 @@ class SchedulerSide:
         page = self.spec.page_tokens
         pages = boundary // page
         per_group = []
+        null_id = self._null_id
+        # On vLLM's scheduler thread for every load: ids read at C speed,
+        # vLLM's one null block (bound in `bind_kv_cache_manager`) replaced
+        # only where it occurs; the set of blocks a failure is checked
+        # against is made only when vLLM reports one.
         for group_blocks in blocks.blocks:
-            ids = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[:pages]]
-            ids += [NULL_BLOCK] * (pages - len(ids))
+            if null_id is None:
+                ids = [NULL_BLOCK if b.is_null else b.block_id for b in group_blocks[:pages]]
+            else:
+                ids = list(map(_BLOCK_ID, group_blocks[:pages]))
+                if null_id in ids:
+                    ids = [NULL_BLOCK if b == null_id else b for b in ids]
+            if len(ids) < pages:
+                ids += [NULL_BLOCK] * (pages - len(ids))
             per_group.append(ids)
         if state is not None:
-            loading = set().union(*per_group)
-            loading.discard(NULL_BLOCK)
-            state.loading = loading
+            state.load_blocks = per_group
             state.load_pages = per_group[self.spec.groups[0].vllm_group]
         self.pending_loads.append(
             LoadSpec(
@@ -274,16 +284,16 @@ class SchedulerSide:
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         if invalid:
             for state in self.requests.values():
-                if state.loading & invalid:
+                if any(not invalid.isdisjoint(g) for g in state.load_blocks):
                     self._load_failed(state, invalid)
         for rid in failed:
             state = self.requests.get(rid)
             if state is not None:
-                self._load_failed(state, set(state.loading))
+                self._load_failed(state, set().union(*state.load_blocks) - {NULL_BLOCK})
         for rid in set(getattr(output, "finished_recving", None) or ()) | failed:
             state = self.requests.get(rid)
             if state is not None:
-                state.loading = frozenset()
+                state.load_blocks = ()
                 state.load_pages = ()
 
     def _load_failed(self, state: _Request, lost: Set[int]) -> None:

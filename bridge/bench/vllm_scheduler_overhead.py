@@ -334,6 +334,12 @@ def main() -> None:
         "arriving within it pays no wake-up",
     )
     ap.add_argument(
+        "--spin-for-streams-us",
+        type=int,
+        help="the manager's spin_for_streams_us (default: the manager's own): the "
+        "longest it spins after a command that came within that time of the last",
+    )
+    ap.add_argument(
         "--breakdown",
         action="store_true",
         help="also time every scheduler-side hook of each connector and print "
@@ -356,6 +362,8 @@ def main() -> None:
     config = ss.CONFIG
     if args.spin_after_work_us is not None:
         config = config.replace("[serve]\n", f"[serve]\nspin_after_work_us = {args.spin_after_work_us}\n")
+    if args.spin_for_streams_us is not None:
+        config = config.replace("[serve]\n", f"[serve]\nspin_for_streams_us = {args.spin_for_streams_us}\n")
     manager = ss.Manager(Path(os.environ["ORBITKV_BIN"]), dram="1GiB", config=config)
     tmp = Path(manager.dir)
     model = harness.make_model(tmp / "model")

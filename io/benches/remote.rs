@@ -17,7 +17,8 @@
 //! Run: `eval "$(scripts/redis.sh start)"` then
 //! `cargo bench -p orbitkv-io --bench remote` (add `-- --cluster` for the
 //! 3-master cluster, `-- --lmcache $(scripts/venv.sh lmcache)/bin/python`
-//! for the peer). Results go to stdout and `target/remote-bench.json`.
+//! for the peer; `-- --only 2MiB` for one page size). Results go to
+//! stdout and `target/remote-bench.json`.
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -422,7 +423,15 @@ fn main() {
     }
     let mut rows = Vec::new();
     let mut notes = Vec::new();
-    for case in &CASES {
+    // `--only 2MiB`: one page size (a profile of one size's traffic).
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1).cloned());
+    for case in CASES
+        .iter()
+        .filter(|c| only.as_deref().is_none_or(|o| o == c.name))
+    {
         let values: Vec<Vec<u8>> = (0..8u64).map(|i| bytes_for(i, case.page)).collect();
         rows.extend(bench_raw(&urls, case, &values));
         rows.extend(bench_tier(&urls, case, &values));

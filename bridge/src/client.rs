@@ -642,7 +642,7 @@ impl PyClient {
                     let mut a = self.agent.lock().unwrap_or_else(|p| p.into_inner());
                     match a.as_ref() {
                         Some(agent) => agent.clone(),
-                        None => match SharedAgent::new(kind, 2) {
+                        None => match agent_workers().and_then(|n| SharedAgent::new(kind, n)) {
                             Ok(agent) => a.insert(agent).clone(),
                             Err(e) => return Ok(Err(e)),
                         },
@@ -747,4 +747,26 @@ impl PyClient {
             if self.closed(py) { ", closed" } else { "" }
         )
     }
+}
+
+/// The environment variable that sets how many copy threads a
+/// connection's copy agent runs for host memory (CUDA memory is copied by
+/// the device's copy engine, not by these threads).
+const AGENT_WORKERS_ENV: &str = "ORBITKV_AGENT_COPY_WORKERS";
+
+/// Copy threads of a connection's copy agent: [`AGENT_WORKERS_ENV`]
+/// (1..=64), else one per CPU, at most 8. A bad value refuses the attach,
+/// naming the variable.
+fn agent_workers() -> Result<usize, AgentSetup> {
+    let Some(v) = std::env::var_os(AGENT_WORKERS_ENV) else {
+        return Ok(orbitkv_gpu::host::default_copy_workers());
+    };
+    v.to_str()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=64).contains(n))
+        .ok_or_else(|| {
+            AgentSetup::Invalid(format!(
+                "{AGENT_WORKERS_ENV}={v:?}: the copy agent's threads, a number in 1..=64"
+            ))
+        })
 }

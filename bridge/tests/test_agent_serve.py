@@ -128,6 +128,23 @@ def test_two_engines_share_pages_through_their_agents(manager):
     manager.wait_metric("bytes_reserved", 0)
 
 
+def test_agent_copy_threads_are_a_named_bound(manager, monkeypatch):
+    # ORBITKV_AGENT_COPY_WORKERS sets the copy agent's threads (default:
+    # one per CPU, at most 8); a bad value refuses the attach, naming it,
+    # and attaches nothing.
+    buf = np.zeros(PAGE_BYTES * 4, dtype=np.uint8)
+    chunk = [(buf.ctypes.data, PAGE_BYTES, PAGE_BYTES)]
+    for bad in ("0", "65", "two", ""):
+        monkeypatch.setenv("ORBITKV_AGENT_COPY_WORKERS", bad)
+        with orbitkv.Client(manager.socket, "w") as c:
+            with pytest.raises(ValueError, match="ORBITKV_AGENT_COPY_WORKERS"):
+                c.attach_agent_memory(4, chunk, buf)
+            assert c.detach_agent_memory(1) is False
+    # Three threads move exact bytes both ways, as the default does.
+    monkeypatch.setenv("ORBITKV_AGENT_COPY_WORKERS", "3")
+    test_two_engines_share_pages_through_their_agents(manager)
+
+
 def test_agent_memory_refusals_over_the_socket(manager):
     with orbitkv.Client(manager.socket, "c") as c:
         ss.register(c)

@@ -383,10 +383,23 @@ pub struct HostCopyConfig {
     pub shared_regions: bool,
 }
 
+/// The most copy threads a default takes, however many CPUs there are: a
+/// copy saturates memory bandwidth with a few threads, and every engine
+/// process on a host carries its own agent.
+pub const MAX_DEFAULT_COPY_WORKERS: usize = 8;
+
+/// Default copy threads: one per CPU this process may run on, at least 1
+/// and at most [`MAX_DEFAULT_COPY_WORKERS`].
+pub fn default_copy_workers() -> usize {
+    thread::available_parallelism()
+        .map_or(2, usize::from)
+        .clamp(1, MAX_DEFAULT_COPY_WORKERS)
+}
+
 impl Default for HostCopyConfig {
     fn default() -> Self {
         Self {
-            workers: 2,
+            workers: default_copy_workers(),
             max_in_flight_batches: 64,
             shared_regions: false,
         }

@@ -97,10 +97,14 @@ impl Default for BudgetConfig {
     }
 }
 
+/// The most threads `copy.workers` may ask for.
+pub const MAX_COPY_WORKERS: usize = 256;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CopyConfig {
-    /// Worker threads of the host copy engine.
+    /// Worker threads of the host copy engine (default: one per CPU, at
+    /// most 8: `orbitkv_gpu::host::default_copy_workers`).
     pub workers: usize,
     /// Copy batches the engine accepts before `QueueFull`.
     pub max_in_flight_batches: usize,
@@ -112,7 +116,7 @@ pub struct CopyConfig {
 impl Default for CopyConfig {
     fn default() -> Self {
         CopyConfig {
-            workers: 2,
+            workers: orbitkv_gpu::host::default_copy_workers(),
             max_in_flight_batches: 64,
             shared_regions: false,
         }
@@ -205,6 +209,9 @@ impl Config {
                 return Err(ConfigError::Invalid(format!("{name} must be positive")));
             }
         }
+        if self.copy.workers > MAX_COPY_WORKERS {
+            return bad(&format!("copy.workers is at most {MAX_COPY_WORKERS}"));
+        }
         if l.max_region_bytes == 0 {
             return bad("limits.max_region_bytes must be positive");
         }
@@ -214,5 +221,31 @@ impl Config {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_workers_default_from_the_cpus_and_are_bounded() {
+        let c = Config::default();
+        assert!((1..=8).contains(&c.copy.workers), "{}", c.copy.workers);
+        c.validate().expect("the default config is valid");
+        for (workers, why) in [
+            (0, "copy.workers must be positive"),
+            (MAX_COPY_WORKERS + 1, "copy.workers is at most 256"),
+        ] {
+            let mut c = Config::default();
+            c.copy.workers = workers;
+            match c.validate() {
+                Err(ConfigError::Invalid(m)) => assert!(m.contains(why), "{m}"),
+                other => panic!("{workers} workers: {other:?}"),
+            }
+        }
+        let mut c = Config::default();
+        c.copy.workers = MAX_COPY_WORKERS;
+        c.validate().expect("the bound itself is allowed");
     }
 }
